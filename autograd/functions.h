@@ -1,0 +1,114 @@
+// The differentiable tensor operations a user calls. Each one runs the raw op
+// from runtime/ops.h and, when an input requires grad and grad mode is on,
+// records its backward on the tape (autograd/tape.h).
+#pragma once
+
+#include <optional>
+
+#include "autograd/tape.h"
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera {
+
+// ---- shape and views ---------------------------------------------------------------
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor view(const Tensor& x, const Shape& shape);
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+Tensor expand(const Tensor& x, const Shape& shape);
+Tensor squeeze(const Tensor& x, int64_t dim);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor contiguous(const Tensor& x);
+Tensor clone(const Tensor& x);
+Tensor to(const Tensor& x, DType dtype);  // gradients flow back in x's dtype
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
+std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
+                                     int64_t dim = 0);
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
+Tensor cat(const TensorList& xs, int64_t dim = 0);
+Tensor stack(const TensorList& xs, int64_t dim = 0);
+inline Tensor detach(const Tensor& x) { return autograd::detach(x); }
+
+// ---- elementwise ------------------------------------------------------------------
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double b);
+Tensor mul(const Tensor& a, double b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor pow(const Tensor& a, const Tensor& exponent);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor gelu(const Tensor& x, bool tanh_approximation = false);
+Tensor silu(const Tensor& x);
+Tensor sin(const Tensor& x);
+Tensor cos(const Tensor& x);
+Tensor square(const Tensor& x);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+// Comparisons return bool tensors and carry no gradient.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator-(const Tensor& x) { return neg(x); }
+inline Tensor operator+(const Tensor& a, double b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, double b) { return add(a, -b); }
+inline Tensor operator*(const Tensor& a, double b) { return mul(a, b); }
+inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
+inline Tensor operator/(const Tensor& a, double b) { return mul(a, 1.0 / b); }
+
+// ---- reductions ----------------------------------------------------------------------
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1,
+           bool keepdim = false);
+// Max over a dim: values (differentiable; the gradient goes to the first maximum) and indices.
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false);
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
+
+// ---- linear algebra and neural-network ops -------------------------------------------------
+Tensor matmul(const Tensor& a, const Tensor& b);
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+// Mean cross-entropy of logits [N, C] against i64 targets [N]; ignored targets
+// do not count (a batch with every target ignored gives 0, not NaN).
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100);
+// Inverted dropout with the thread's default generator (identity when !training or p == 0).
+Tensor dropout(const Tensor& x, double p, bool training);
+// Attention over q [B, H, T, D], k/v [B, Hkv, S, D]; scale defaults to 1/sqrt(D).
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    bool causal = true, std::optional<double> scale = std::nullopt);
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
+
+// ---- in-place (refuse tensors that autograd is tracking) ----------------------------------
+Tensor& copy_(Tensor& dst, const Tensor& src);
+Tensor& fill_(Tensor& x, double value);
+Tensor& zero_(Tensor& x);
+
+}  // namespace tessera

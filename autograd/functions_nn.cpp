@@ -1,0 +1,167 @@
+// Differentiable matrix products and neural-network ops.
+#include <cmath>
+
+#include "autograd/functions.h"
+
+namespace tessera {
+
+using autograd::record;
+using autograd::should_record;
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  Tensor y = ops::matmul(a, b);
+  if (should_record({a, b})) {
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    record("matmul", {a, b}, {y}, [a, b, ga, gb](const TensorList& g) {
+      // Work on the >= 2-D forms (1-D operands were unsqueezed in the forward).
+      Tensor a2 = a.dim() == 1 ? ops::unsqueeze(a, 0) : a;
+      Tensor b2 = b.dim() == 1 ? ops::unsqueeze(b, 1) : b;
+      Tensor g2 = g[0];
+      if (a.dim() == 1) g2 = ops::unsqueeze(g2, g2.dim() - (b.dim() == 1 ? 0 : 1));
+      if (b.dim() == 1) g2 = ops::unsqueeze(g2, -1);
+      Tensor da, db;
+      if (ga) da = ops::reshape(ops::sum_to(ops::matmul(g2, ops::transpose(b2, -1, -2)), a2.shape()), a.shape());
+      if (gb) db = ops::reshape(ops::sum_to(ops::matmul(ops::transpose(a2, -1, -2), g2), b2.shape()), b.shape());
+      return TensorList{da, db};
+    });
+  }
+  return y;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  Tensor y = ops::linear(x, weight, bias);
+  if (should_record({x, weight, bias})) {
+    bool gx = x.requires_grad(), gw = weight.requires_grad();
+    bool gb = bias.defined() && bias.requires_grad();
+    record("linear", {x, weight, bias}, {y}, [x, weight, gx, gw, gb](const TensorList& g) {
+      int64_t in = weight.size(1), out = weight.size(0);
+      Tensor g2 = ops::reshape(g[0], {-1, out});
+      Tensor dx, dw, db;
+      if (gx) {
+        dx = empty({g2.size(0), in}, x.dtype(), x.device());
+        ops::gemm_into(dx, g2, weight);  // [N, out] @ [out, in]
+        dx = ops::reshape(dx, x.shape());
+      }
+      if (gw) {
+        dw = empty(weight.shape(), weight.dtype(), weight.device());
+        ops::gemm_into(dw, ops::transpose(g2, 0, 1), ops::reshape(x, {-1, in}));  // [out, N] @ [N, in]
+      }
+      if (gb) db = ops::sum(g2, {0});
+      return TensorList{dx, dw, db};
+    });
+  }
+  return y;
+}
+
+Tensor softmax(const Tensor& x, int64_t dim) {
+  Tensor y = ops::softmax(x, dim);
+  if (should_record({x})) {
+    Tensor saved = autograd::detach(y);
+    record("softmax", {x}, {y}, [saved, dim](const TensorList& g) {
+      return TensorList{ops::softmax_backward(g[0], saved, dim)};
+    });
+  }
+  return y;
+}
+
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  Tensor y = ops::log_softmax(x, dim);
+  if (should_record({x})) {
+    Tensor saved = autograd::detach(y);
+    record("log_softmax", {x}, {y}, [saved, dim](const TensorList& g) {
+      return TensorList{ops::log_softmax_backward(g[0], saved, dim)};
+    });
+  }
+  return y;
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  ops::NormResult r = ops::layer_norm(x, weight, bias, eps);
+  if (should_record({x, weight, bias})) {
+    bool want_wb = weight.requires_grad() || (bias.defined() && bias.requires_grad());
+    Tensor mean = r.mean, rstd = r.rstd;
+    record("layer_norm", {x, weight, bias}, {r.y},
+           [x, weight, mean, rstd, want_wb](const TensorList& g) {
+             ops::NormGrads d = ops::layer_norm_backward(g[0], x, weight, mean, rstd, want_wb);
+             return TensorList{d.dx, d.dweight, d.dbias};
+           });
+  }
+  return r.y;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  ops::NormResult r = ops::rms_norm(x, weight, eps);
+  if (should_record({x, weight})) {
+    bool want_w = weight.defined() && weight.requires_grad();
+    Tensor rstd = r.rstd;
+    record("rms_norm", {x, weight}, {r.y}, [x, weight, rstd, want_w](const TensorList& g) {
+      ops::NormGrads d = ops::rms_norm_backward(g[0], x, weight, rstd, want_w);
+      return TensorList{d.dx, d.dweight};
+    });
+  }
+  return r.y;
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  Tensor y = ops::embedding(weight, indices);
+  if (should_record({weight})) {
+    int64_t rows = weight.size(0);
+    record("embedding", {weight}, {y}, [indices, rows](const TensorList& g) {
+      return TensorList{ops::embedding_backward(g[0], indices, rows)};
+    });
+  }
+  return y;
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {
+  ops::CrossEntropyResult r = ops::cross_entropy(logits, target, ignore_index);
+  if (should_record({logits})) {
+    Tensor lse = r.lse;
+    int64_t count = r.count;
+    record("cross_entropy", {logits}, {r.loss},
+           [logits, target, lse, ignore_index, count](const TensorList& g) {
+             return TensorList{
+                 ops::cross_entropy_backward(g[0], logits, target, lse, ignore_index, count)};
+           });
+  }
+  return r.loss;
+}
+
+Tensor dropout(const Tensor& x, double p, bool training) {
+  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
+  if (!training || p == 0.0) return x;
+  Tensor mask = ops::dropout_mask(x.shape(), p, default_generator().next(x.numel()), x.dtype(),
+                                  x.device());
+  Tensor y = ops::mul(x, mask);
+  if (should_record({x}))
+    record("dropout", {x}, {y}, [mask](const TensorList& g) { return TensorList{ops::mul(g[0], mask)}; });
+  return y;
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                    std::optional<double> scale_opt) {
+  TS_CHECK(q.dim() == 4, "scaled_dot_product_attention: q must be [B, H, T, D], got {}",
+           shape_str(q.shape()));
+  double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  ops::AttentionResult r = ops::attention(q, k, v, causal, scale);
+  if (should_record({q, k, v})) {
+    Tensor out = autograd::detach(r.out), lse = r.lse;
+    record("attention", {q, k, v}, {r.out}, [q, k, v, out, lse, causal, scale](const TensorList& g) {
+      ops::AttentionGrads d = ops::attention_backward(g[0], q, k, v, out, lse, causal, scale);
+      return TensorList{d.dq, d.dk, d.dv};
+    });
+  }
+  return r.out;
+}
+
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  Tensor y = ops::rope(x, cos, sin, false);
+  if (should_record({x})) {
+    record("rope", {x}, {y}, [cos, sin](const TensorList& g) {
+      return TensorList{ops::rope(g[0], cos, sin, true)};
+    });
+  }
+  return y;
+}
+
+}  // namespace tessera

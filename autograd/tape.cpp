@@ -1,0 +1,292 @@
+#include "autograd/tape.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera::autograd {
+
+namespace {
+
+struct ThreadState {
+  bool grad_enabled = true;
+  Tape default_tape;
+  Tape* current = &default_tape;
+  int backward_depth = 0;
+  std::vector<std::function<void()>> callbacks;
+};
+
+ThreadState& state() {
+  thread_local ThreadState s;
+  return s;
+}
+
+// True when nothing else refers to t's impl or bytes, so it may be updated in place.
+bool uniquely_owned(const Tensor& t) {
+  return t.impl_ptr().use_count() == 1 && !t.is_distributed() && t.storage().use_count() == 1 &&
+         t.is_contiguous();
+}
+
+void accumulate(Tensor& slot, const Tensor& g) {
+  if (!slot.defined()) {
+    slot = g;
+  } else if (uniquely_owned(slot) && slot.dtype() == g.dtype()) {
+    ops::add_(slot, g);
+  } else {
+    slot = ops::add(slot, g);
+  }
+}
+
+// Adds g into a leaf's .grad, running its hooks first and its post-accumulate hooks after.
+void accumulate_into_leaf(const std::shared_ptr<TensorImpl>& impl, Tensor g) {
+  Tensor leaf(impl);
+  AutogradMeta& meta = leaf.autograd_meta();
+  for (auto& hook : meta.hooks) {
+    Tensor r = hook(g);
+    if (r.defined()) g = r;
+  }
+  TS_CHECK(g.dtype() == leaf.dtype() && g.shape() == leaf.shape(),
+           "backward: gradient {} {} does not match leaf {} {}", shape_str(g.shape()),
+           dtype_name(g.dtype()), shape_str(leaf.shape()), dtype_name(leaf.dtype()));
+  if (meta.grad == nullptr) {
+    // The new .grad must not alias another tensor the user can reach.
+    meta.grad = (uniquely_owned(g) ? g : ops::clone(g)).impl_ptr();
+  } else {
+    Tensor existing(meta.grad);
+    ops::add_(existing, g);
+  }
+  for (auto& hook : meta.post_accumulate_grad_hooks) hook(leaf);
+}
+
+}  // namespace
+
+bool is_grad_enabled() { return state().grad_enabled; }
+void set_grad_enabled(bool enabled) { state().grad_enabled = enabled; }
+
+Tape& current_tape() { return *state().current; }
+
+TapeScope::TapeScope(Tape& tape) : prev_(state().current) { state().current = &tape; }
+TapeScope::~TapeScope() { state().current = prev_; }
+
+bool any_requires_grad(const TensorList& tensors) {
+  for (const Tensor& t : tensors)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+bool should_record(const TensorList& inputs) {
+  return is_grad_enabled() && any_requires_grad(inputs);
+}
+
+void record(const char* name, const TensorList& inputs, const TensorList& outputs,
+            BackwardFn backward) {
+  auto node = std::make_unique<Node>();
+  node->name = name;
+  for (const Tensor& x : inputs) {
+    Node::Input in;
+    if (x.defined()) {
+      in.id = x.impl()->id;
+      in.needs_grad = x.requires_grad();
+      if (in.needs_grad && x.is_leaf()) in.leaf = x.impl_ptr();
+    }
+    node->inputs.push_back(std::move(in));
+  }
+  for (const Tensor& y : outputs) {
+    AutogradMeta& meta = y.autograd_meta();
+    meta.requires_grad = true;
+    meta.is_leaf = false;
+    node->output_ids.push_back(y.impl()->id);
+    node->outputs.push_back(y.impl_ptr());
+    node->output_shapes.push_back(y.shape());
+    node->output_dtypes.push_back(y.dtype());
+    node->output_devices.push_back(y.device());
+  }
+  node->backward = std::move(backward);
+  current_tape().nodes().push_back(std::move(node));
+}
+
+void record_marker(const std::string& name, std::function<void()> callback,
+                   const TensorList& watch) {
+  if (!is_grad_enabled()) return;  // like ops, markers are recorded only in grad mode
+  auto node = std::make_unique<Node>();
+  node->name = name;
+  node->marker = std::move(callback);
+  for (const Tensor& t : watch)
+    if (t.defined()) node->watch_ids.push_back(t.impl()->id);
+  current_tape().nodes().push_back(std::move(node));
+}
+
+bool in_backward() { return state().backward_depth > 0; }
+
+void queue_callback(std::function<void()> callback) {
+  TS_CHECK(in_backward(), "queue_callback: only possible while backward is running");
+  state().callbacks.push_back(std::move(callback));
+}
+
+void clear_tape() { current_tape().clear(); }
+size_t tape_size() { return current_tape().size(); }
+
+void backward(const Tensor& root, const Tensor& grad) { backward(TensorList{root}, {grad}); }
+
+void backward(const TensorList& roots, const TensorList& grads_in) {
+  TS_CHECK(roots.size() == grads_in.size(), "backward: {} roots but {} gradients", roots.size(),
+           grads_in.size());
+  ThreadState& st = state();
+  // Take the graph: ops recorded from here on go to a fresh tape.
+  std::vector<std::unique_ptr<Node>> nodes = std::move(current_tape().nodes());
+  current_tape().clear();
+
+  std::unordered_map<uint64_t, Tensor> grads;  // pending gradients of non-leaf tensors
+  struct PendingLeaf {
+    std::shared_ptr<TensorImpl> impl;
+    Tensor grad;
+  };
+  std::unordered_map<uint64_t, PendingLeaf> leaves;
+  // A leaf's gradient is complete after its first (lowest-index) use on the tape.
+  std::unordered_map<uint64_t, size_t> last_use;
+  std::vector<std::vector<uint64_t>> flush_at(nodes.size());
+  std::unordered_set<uint64_t> produced;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const auto& in : nodes[i]->inputs)
+      if (in.leaf) last_use.emplace(in.id, i);  // ascending: keeps the first use
+    for (uint64_t id : nodes[i]->output_ids) produced.insert(id);
+  }
+  for (auto& [id, i] : last_use) flush_at[i].push_back(id);
+
+  NoGradGuard no_grad;
+  for (size_t r = 0; r < roots.size(); ++r) {
+    const Tensor& root = roots[r];
+    TS_CHECK(root.defined() && root.requires_grad(),
+             "backward: tensor {} does not require grad and has no recorded history", r);
+    Tensor g = grads_in[r];
+    if (!g.defined()) {
+      TS_CHECK(root.numel() == 1,
+               "backward: a gradient can be created implicitly only for one-element outputs, "
+               "got shape {}; pass grad",
+               shape_str(root.shape()));
+      g = full(root.shape(), 1.0, root.dtype(), root.device());
+    }
+    TS_CHECK(g.shape() == root.shape(), "backward: gradient shape {} does not match output {}",
+             shape_str(g.shape()), shape_str(root.shape()));
+    TS_CHECK(root.is_leaf() || produced.count(root.impl()->id) > 0,
+             "backward: the graph that produced this tensor is not on the tape (already used by "
+             "an earlier backward(), cleared, or recorded on another thread)");
+    if (root.is_leaf()) {
+      auto& p = leaves[root.impl()->id];
+      p.impl = root.impl_ptr();
+      accumulate(p.grad, g);
+    } else {
+      accumulate(grads[root.impl()->id], g);
+    }
+  }
+
+  st.backward_depth++;
+  if (st.backward_depth == 1) st.callbacks.clear();
+  struct DepthGuard {
+    ThreadState& s;
+    ~DepthGuard() { s.backward_depth--; }
+  } depth_guard{st};
+
+  auto flush_leaf = [&](uint64_t id) {
+    auto it = leaves.find(id);
+    if (it == leaves.end()) return;
+    PendingLeaf p = std::move(it->second);
+    leaves.erase(it);
+    if (p.grad.defined()) accumulate_into_leaf(p.impl, std::move(p.grad));
+  };
+
+  for (size_t i = nodes.size(); i-- > 0;) {
+    Node& node = *nodes[i];
+    if (node.is_marker()) {
+      bool fire = node.watch_ids.empty();
+      for (uint64_t id : node.watch_ids) fire = fire || grads.count(id) > 0;
+      if (fire) node.marker();
+      nodes[i].reset();
+      continue;
+    }
+    TensorList grad_outputs(node.output_ids.size());
+    bool any = false;
+    for (size_t k = 0; k < node.output_ids.size(); ++k) {
+      auto it = grads.find(node.output_ids[k]);
+      if (it == grads.end()) continue;
+      grad_outputs[k] = std::move(it->second);
+      grads.erase(it);
+      any = true;
+    }
+    if (any) {
+      for (size_t k = 0; k < grad_outputs.size(); ++k) {
+        if (!grad_outputs[k].defined()) {
+          grad_outputs[k] =
+              zeros(node.output_shapes[k], node.output_dtypes[k], node.output_devices[k]);
+          continue;
+        }
+        // Hooks and retain_grad of the (non-leaf) output, if it is still alive.
+        if (auto out = node.outputs[k].lock(); out && out->autograd) {
+          for (auto& hook : out->autograd->hooks) {
+            Tensor r = hook(grad_outputs[k]);
+            if (r.defined()) grad_outputs[k] = r;
+          }
+          if (out->autograd->retains_grad) {
+            Tensor slot = out->autograd->grad ? Tensor(out->autograd->grad) : Tensor();
+            slot = slot.defined() ? ops::add(slot, grad_outputs[k]) : ops::clone(grad_outputs[k]);
+            out->autograd->grad = slot.impl_ptr();
+          }
+        }
+      }
+      TensorList input_grads = node.backward(grad_outputs);
+      TS_CHECK(input_grads.size() == node.inputs.size(),
+               "backward of '{}' returned {} gradients for {} inputs", node.name,
+               input_grads.size(), node.inputs.size());
+      for (size_t j = 0; j < node.inputs.size(); ++j) {
+        const Node::Input& in = node.inputs[j];
+        if (!in.needs_grad || !input_grads[j].defined()) continue;
+        if (in.leaf) {
+          auto& p = leaves[in.id];
+          p.impl = in.leaf;
+          accumulate(p.grad, input_grads[j]);
+        } else {
+          accumulate(grads[in.id], input_grads[j]);
+        }
+      }
+    }
+    for (uint64_t id : flush_at[i]) flush_leaf(id);
+    nodes[i].reset();  // free what this op saved as soon as it is done
+  }
+  while (!leaves.empty()) flush_leaf(leaves.begin()->first);  // roots that are leaves
+
+  if (st.backward_depth == 1) {
+    // Callbacks may queue further callbacks; run until none are left.
+    for (size_t k = 0; k < st.callbacks.size(); ++k) {
+      auto cb = std::move(st.callbacks[k]);
+      cb();
+    }
+    st.callbacks.clear();
+  }
+}
+
+Tensor detach(const Tensor& x) {
+  if (!x.defined()) return x;
+  Tensor out = ops::alias(x);
+  return out;
+}
+
+void retain_grad(const Tensor& x) {
+  TS_CHECK(x.requires_grad(), "retain_grad: the tensor does not require grad");
+  if (!x.is_leaf()) x.autograd_meta().retains_grad = true;
+}
+
+void register_hook(const Tensor& x, std::function<Tensor(const Tensor&)> hook) {
+  TS_CHECK(x.requires_grad(), "register_hook: cannot register a hook on a tensor that does not "
+                              "require grad");
+  x.autograd_meta().hooks.push_back(std::move(hook));
+}
+
+void register_post_accumulate_grad_hook(const Tensor& x, std::function<void(const Tensor&)> hook) {
+  TS_CHECK(x.requires_grad() && x.is_leaf(),
+           "register_post_accumulate_grad_hook: only leaf tensors that require grad accumulate");
+  x.autograd_meta().post_accumulate_grad_hooks.push_back(std::move(hook));
+}
+
+}  // namespace tessera::autograd

@@ -1,0 +1,335 @@
+// Elementwise CPU kernels: copy/convert, fill, unary math and its derivatives,
+// binary ops with broadcasting, where, and the in-place updates optimizers use.
+#include <algorithm>
+#include <cmath>
+
+#include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/loops.h"
+#include "runtime/kernels.h"
+
+namespace tessera::cpu {
+
+using ops::BinaryOp;
+using ops::UnaryOp;
+
+void copy(const Tensor& dst, const Tensor& src) {
+  StridedLoop<2> loop(dst.shape(), {&dst, &src});
+  if (dst.dtype() == src.dtype()) {
+    int64_t es = static_cast<int64_t>(dtype_size(dst.dtype()));
+    loop.run([es](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
+      if (s[0] == es && s[1] == es) {
+        std::memcpy(p[0], p[1], static_cast<size_t>(n * es));
+        return;
+      }
+      for (int64_t i = 0; i < n; ++i) std::memcpy(p[0] + i * s[0], p[1] + i * s[1], es);
+    });
+    return;
+  }
+  dispatch_all(dst.dtype(), [&](auto d) {
+    using D = decltype(d);
+    dispatch_all(src.dtype(), [&](auto sv) {
+      using S = decltype(sv);
+      loop.run([](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+          S v;
+          std::memcpy(&v, p[1] + i * s[1], sizeof(S));
+          D out;
+          if constexpr (std::is_same_v<S, float> && std::is_same_v<D, BFloat16>)
+            out = float_to_bf16(v);
+          else if constexpr (std::is_same_v<S, BFloat16> && std::is_same_v<D, float>)
+            out = bf16_to_float(v);
+          else
+            out = from_double<D>(to_double(v));
+          std::memcpy(p[0] + i * s[0], &out, sizeof(D));
+        }
+      });
+    });
+  });
+}
+
+void fill(const Tensor& dst, double value) {
+  dispatch_all(dst.dtype(), [&](auto d) {
+    using D = decltype(d);
+    D v = from_double<D>(value);
+    StridedLoop<1> loop(dst.shape(), {&dst});
+    loop.run([v](std::array<char*, 1> p, const std::array<int64_t, 1>& s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) std::memcpy(p[0] + i * s[0], &v, sizeof(D));
+    });
+  });
+}
+
+template <class T>
+inline T apply_unary(UnaryOp op, T x) {
+  switch (op) {
+    case UnaryOp::Neg: return -x;
+    case UnaryOp::Exp: return fast_exp(x);
+    case UnaryOp::Log: return std::log(x);
+    case UnaryOp::Sqrt: return std::sqrt(x);
+    case UnaryOp::Rsqrt: return T(1) / std::sqrt(x);
+    case UnaryOp::Abs: return std::fabs(x);
+    case UnaryOp::Tanh: return fast_tanh(x);
+    case UnaryOp::Sigmoid: return fast_sigmoid(x);
+    case UnaryOp::Relu: return std::max(x, T(0));
+    case UnaryOp::Gelu: return x * normal_cdf(x);
+    case UnaryOp::GeluTanh: {
+      T inner = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
+      return T(0.5) * x * (T(1) + fast_tanh(inner));
+    }
+    case UnaryOp::Silu: return x * fast_sigmoid(x);
+    case UnaryOp::Sin: return std::sin(x);
+    case UnaryOp::Cos: return std::cos(x);
+    case UnaryOp::Square: return x * x;
+    case UnaryOp::Reciprocal: return T(1) / x;
+    case UnaryOp::Sign: return T((x > T(0)) - (x < T(0)));
+  }
+  return x;
+}
+
+// Gradient of op at x (y = op(x)), times g.
+template <class T>
+inline T apply_unary_backward(UnaryOp op, T g, T x, T y) {
+  switch (op) {
+    case UnaryOp::Neg: return -g;
+    case UnaryOp::Exp: return g * y;
+    case UnaryOp::Log: return g / x;
+    case UnaryOp::Sqrt: return g / (T(2) * y);
+    case UnaryOp::Rsqrt: return T(-0.5) * g * y * y * y;
+    case UnaryOp::Abs: return x > T(0) ? g : (x < T(0) ? -g : T(0));
+    case UnaryOp::Tanh: return g * (T(1) - y * y);
+    case UnaryOp::Sigmoid: return g * y * (T(1) - y);
+    case UnaryOp::Relu: return x > T(0) ? g : T(0);
+    case UnaryOp::Gelu: return g * (normal_cdf(x) + x * normal_pdf(x));
+    case UnaryOp::GeluTanh: {
+      const T k = T(0.79788456080286535588);
+      T x2 = x * x;
+      T t = fast_tanh(k * (x + T(0.044715) * x2 * x));
+      T dinner = k * (T(1) + T(3) * T(0.044715) * x2);
+      return g * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner);
+    }
+    case UnaryOp::Silu: {
+      T s = fast_sigmoid(x);
+      return g * (s + x * s * (T(1) - s));
+    }
+    case UnaryOp::Sin: return g * std::cos(x);
+    case UnaryOp::Cos: return -g * std::sin(x);
+    case UnaryOp::Square: return T(2) * g * x;
+    case UnaryOp::Reciprocal: return -g * y * y;
+    case UnaryOp::Sign: return T(0);
+  }
+  return g;
+}
+
+// The switch is hoisted out of the loop by instantiating one loop per op.
+template <class T, UnaryOp Op>
+void unary_loop(T* out, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = apply_unary(Op, x[i]);
+}
+
+template <class T>
+void unary_contiguous(UnaryOp op, T* out, const T* x, int64_t n) {
+  switch (op) {
+#define TS_UNARY_CASE(name) \
+  case UnaryOp::name: return unary_loop<T, UnaryOp::name>(out, x, n);
+    TS_UNARY_CASE(Neg) TS_UNARY_CASE(Exp) TS_UNARY_CASE(Log) TS_UNARY_CASE(Sqrt)
+    TS_UNARY_CASE(Rsqrt) TS_UNARY_CASE(Abs) TS_UNARY_CASE(Tanh) TS_UNARY_CASE(Sigmoid)
+    TS_UNARY_CASE(Relu) TS_UNARY_CASE(Gelu) TS_UNARY_CASE(GeluTanh) TS_UNARY_CASE(Silu)
+    TS_UNARY_CASE(Sin) TS_UNARY_CASE(Cos) TS_UNARY_CASE(Square) TS_UNARY_CASE(Reciprocal)
+    TS_UNARY_CASE(Sign)
+#undef TS_UNARY_CASE
+  }
+}
+
+void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
+  dispatch_float(out.dtype(), ops::unary_name(op), [&](auto tag) {
+    using T = decltype(tag);
+    StridedLoop<2> loop(out.shape(), {&out, &x});
+    loop.run([op](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
+      if (s[0] == sizeof(T) && s[1] == sizeof(T))
+        return unary_contiguous<T>(op, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]), n);
+      for (int64_t i = 0; i < n; ++i)
+        *reinterpret_cast<T*>(p[0] + i * s[0]) =
+            apply_unary(op, *reinterpret_cast<T*>(p[1] + i * s[1]));
+    });
+  });
+}
+
+void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor& x,
+                    const Tensor& y) {
+  // y may be undefined for ops that only need x; point it at x then.
+  const Tensor& yy = y.defined() ? y : x;
+  dispatch_float(gx.dtype(), ops::unary_name(op), [&](auto tag) {
+    using T = decltype(tag);
+    StridedLoop<4> loop(gx.shape(), {&gx, &gy, &x, &yy});
+    loop.run([op](std::array<char*, 4> p, const std::array<int64_t, 4>& s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i)
+        *reinterpret_cast<T*>(p[0] + i * s[0]) =
+            apply_unary_backward(op, *reinterpret_cast<T*>(p[1] + i * s[1]),
+                                 *reinterpret_cast<T*>(p[2] + i * s[2]),
+                                 *reinterpret_cast<T*>(p[3] + i * s[3]));
+    });
+  });
+}
+
+template <class T>
+inline T apply_binary(BinaryOp op, T a, T b) {
+  if constexpr (std::is_same_v<T, bool>) {  // the ops layer allows only max/min on bool
+    return op == BinaryOp::Maximum ? (a || b) : (a && b);
+  } else {
+    switch (op) {
+      case BinaryOp::Add: return a + b;
+      case BinaryOp::Sub: return a - b;
+      case BinaryOp::Mul: return a * b;
+      case BinaryOp::Div: return a / b;
+      case BinaryOp::Pow: return static_cast<T>(std::pow(a, b));
+      case BinaryOp::Maximum: return (a != a || a > b) ? a : b;
+      case BinaryOp::Minimum: return (a != a || a < b) ? a : b;
+      default: return T(0);
+    }
+  }
+}
+
+template <class T>
+inline bool apply_compare(BinaryOp op, T a, T b) {
+  switch (op) {
+    case BinaryOp::Eq: return a == b;
+    case BinaryOp::Ne: return a != b;
+    case BinaryOp::Lt: return a < b;
+    case BinaryOp::Le: return a <= b;
+    case BinaryOp::Gt: return a > b;
+    case BinaryOp::Ge: return a >= b;
+    default: return false;
+  }
+}
+
+inline bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq; }
+
+template <class T, BinaryOp Op>
+void binary_inner(char* o, const char* a, const char* b, int64_t so, int64_t sa, int64_t sb,
+                  int64_t n) {
+  constexpr int64_t e = sizeof(T);
+  T* out = reinterpret_cast<T*>(o);
+  const T* x = reinterpret_cast<const T*>(a);
+  const T* y = reinterpret_cast<const T*>(b);
+  if (so == e && sa == e && sb == e) {
+    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, x[i], y[i]);
+  } else if (so == e && sa == e && sb == 0) {
+    T yv = *y;
+    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, x[i], yv);
+  } else if (so == e && sa == 0 && sb == e) {
+    T xv = *x;
+    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, xv, y[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      *reinterpret_cast<T*>(o + i * so) = apply_binary(Op, *reinterpret_cast<const T*>(a + i * sa),
+                                                       *reinterpret_cast<const T*>(b + i * sb));
+  }
+}
+
+template <class T>
+void binary_typed(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  StridedLoop<3> loop(out.shape(), {&out, &a, &b});
+  if (is_compare(op)) {
+    loop.run([op](std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i)
+        *reinterpret_cast<bool*>(p[0] + i * s[0]) = apply_compare(
+            op, *reinterpret_cast<T*>(p[1] + i * s[1]), *reinterpret_cast<T*>(p[2] + i * s[2]));
+    });
+    return;
+  }
+  loop.run([op](std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n) {
+    switch (op) {
+#define TS_BINARY_CASE(name) \
+  case BinaryOp::name: return binary_inner<T, BinaryOp::name>(p[0], p[1], p[2], s[0], s[1], s[2], n);
+      TS_BINARY_CASE(Add) TS_BINARY_CASE(Sub) TS_BINARY_CASE(Mul) TS_BINARY_CASE(Div)
+      TS_BINARY_CASE(Pow) TS_BINARY_CASE(Maximum) TS_BINARY_CASE(Minimum)
+#undef TS_BINARY_CASE
+      default: break;
+    }
+  });
+}
+
+void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  switch (a.dtype()) {
+    case DType::F32: return binary_typed<float>(op, out, a, b);
+    case DType::F64: return binary_typed<double>(op, out, a, b);
+    case DType::I32: return binary_typed<int32_t>(op, out, a, b);
+    case DType::I64: return binary_typed<int64_t>(op, out, a, b);
+    case DType::Bool: return binary_typed<bool>(op, out, a, b);
+    default: TS_CHECK(false, "{}: unsupported dtype {}", ops::binary_name(op), dtype_name(a.dtype()));
+  }
+}
+
+void binary_scalar(BinaryOp op, const Tensor& out, const Tensor& a, double s, bool scalar_first) {
+  Tensor sc = empty({}, a.dtype());
+  fill(sc, s);
+  Tensor expanded = ops::expand(sc, a.shape());
+  if (scalar_first) binary(op, out, expanded, a);
+  else binary(op, out, a, expanded);
+}
+
+void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) {
+  dispatch_all(out.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    StridedLoop<4> loop(out.shape(), {&out, &cond, &a, &b});
+    loop.run([](std::array<char*, 4> p, const std::array<int64_t, 4>& s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        bool c = *reinterpret_cast<bool*>(p[1] + i * s[1]);
+        std::memcpy(p[0] + i * s[0], c ? p[2] + i * s[2] : p[3] + i * s[3], sizeof(T));
+      }
+    });
+  });
+}
+
+template <class T, PointwiseOp Op>
+void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n, T c) {
+  constexpr int64_t e = sizeof(T);
+  auto step = [c](T& x, T a, T b) {
+    if constexpr (Op == PointwiseOp::AddScaled) x += c * a;
+    else if constexpr (Op == PointwiseOp::Addcmul) x += c * a * b;
+    else if constexpr (Op == PointwiseOp::Addcdiv) x += c * a / b;
+    else x += c * (a - x);
+  };
+  if (s[0] == e && s[1] == e && (s[2] == e || Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp)) {
+    T* x = reinterpret_cast<T*>(p[0]);
+    const T* a = reinterpret_cast<const T*>(p[1]);
+    const T* b = reinterpret_cast<const T*>(p[2]);
+    for (int64_t i = 0; i < n; ++i) step(x[i], a[i], (Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp) ? T(0) : b[i]);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    step(*reinterpret_cast<T*>(p[0] + i * s[0]), *reinterpret_cast<T*>(p[1] + i * s[1]),
+         *reinterpret_cast<T*>(p[2] + i * s[2]));
+}
+
+void pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b, double s) {
+  const Tensor& bb = b.defined() ? b : a;
+  dispatch_float(x.dtype(), "in-place update", [&](auto tag) {
+    using T = decltype(tag);
+    StridedLoop<3> loop(x.shape(), {&x, &a, &bb});
+    T c = static_cast<T>(s);
+    loop.run([op, c](std::array<char*, 3> p, const std::array<int64_t, 3>& st, int64_t n) {
+      switch (op) {
+        case PointwiseOp::AddScaled: return pointwise_inner<T, PointwiseOp::AddScaled>(p, st, n, c);
+        case PointwiseOp::Addcmul: return pointwise_inner<T, PointwiseOp::Addcmul>(p, st, n, c);
+        case PointwiseOp::Addcdiv: return pointwise_inner<T, PointwiseOp::Addcdiv>(p, st, n, c);
+        case PointwiseOp::Lerp: return pointwise_inner<T, PointwiseOp::Lerp>(p, st, n, c);
+      }
+    });
+  });
+}
+
+void clamp(const Tensor& x, double lo, double hi) {
+  dispatch_float(x.dtype(), "clamp_", [&](auto tag) {
+    using T = decltype(tag);
+    StridedLoop<1> loop(x.shape(), {&x});
+    T l = static_cast<T>(lo), h = static_cast<T>(hi);
+    loop.run([l, h](std::array<char*, 1> p, const std::array<int64_t, 1>& s, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        T& v = *reinterpret_cast<T*>(p[0] + i * s[0]);
+        v = v < l ? l : (v > h ? h : v);
+      }
+    });
+  });
+}
+
+}  // namespace tessera::cpu

@@ -1,0 +1,300 @@
+// Fused neural-network kernels over rows of the last dim: softmax, layer/RMS
+// norm, embedding, cross-entropy, rotary embedding.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "runtime/cpu/dispatch.h"
+#include "runtime/kernels.h"
+#include "runtime/parallel.h"
+
+namespace tessera::cpu {
+
+namespace {
+int64_t rows_of(const Tensor& x) {
+  int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  return n == 0 ? 0 : x.numel() / n;
+}
+int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)); }
+}  // namespace
+
+void softmax(const Tensor& out, const Tensor& x, bool log) {
+  int64_t rows = rows_of(x), n = x.size(-1);
+  dispatch_float(x.dtype(), log ? "log_softmax" : "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* po = out.data<T>();
+    parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = px + r * n;
+        T* o = po + r * n;
+        T m = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, xr[j]);
+        if (m == -std::numeric_limits<T>::infinity()) m = 0;  // all -inf: avoid inf - inf
+        T sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          o[j] = fast_exp(xr[j] - m);
+          sum += o[j];
+        }
+        if (log) {
+          T lse = m + std::log(sum);
+          for (int64_t j = 0; j < n; ++j) o[j] = xr[j] - lse;
+        } else {
+          T inv = T(1) / sum;
+          for (int64_t j = 0; j < n; ++j) o[j] *= inv;
+        }
+      }
+    });
+  });
+}
+
+void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool log) {
+  int64_t rows = rows_of(y), n = y.size(-1);
+  dispatch_float(y.dtype(), "softmax_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* pg = gy.data<T>();
+    const T* py = y.data<T>();
+    T* po = gx.data<T>();
+    parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* g = pg + r * n;
+        const T* yr = py + r * n;
+        T* o = po + r * n;
+        double dot = 0;
+        if (log) {
+          for (int64_t j = 0; j < n; ++j) dot += g[j];
+          for (int64_t j = 0; j < n; ++j) o[j] = g[j] - fast_exp(yr[j]) * static_cast<T>(dot);
+        } else {
+          for (int64_t j = 0; j < n; ++j) dot += static_cast<double>(g[j]) * yr[j];
+          for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (g[j] - static_cast<T>(dot));
+        }
+      }
+    });
+  });
+}
+
+void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, const Tensor& b,
+                double eps, bool rms) {
+  int64_t rows = rows_of(x), n = x.size(-1);
+  dispatch_float(x.dtype(), rms ? "rms_norm" : "layer_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pw = w.defined() ? w.data<T>() : nullptr;
+    const T* pb = b.defined() ? b.data<T>() : nullptr;
+    T* py = res.y.data<T>();
+    T* pmean = rms ? nullptr : res.mean.data<T>();
+    T* prstd = res.rstd.data<T>();
+    parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = px + r * n;
+        T* yr = py + r * n;
+        double mean = 0, var = 0;
+        if (!rms) {
+          for (int64_t j = 0; j < n; ++j) mean += xr[j];
+          mean /= static_cast<double>(n);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          double d = xr[j] - mean;
+          var += d * d;
+        }
+        var /= static_cast<double>(n);
+        T rstd = static_cast<T>(1.0 / std::sqrt(var + eps));
+        T m = static_cast<T>(mean);
+        if (pmean) pmean[r] = m;
+        prstd[r] = rstd;
+        for (int64_t j = 0; j < n; ++j) {
+          T v = (xr[j] - m) * rstd;
+          if (pw) v *= pw[j];
+          if (pb) v += pb[j];
+          yr[j] = v;
+        }
+      }
+    });
+  });
+}
+
+void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor& x,
+                         const Tensor& w, const Tensor& mean, const Tensor& rstd, bool rms) {
+  int64_t rows = rows_of(x), n = x.size(-1);
+  dispatch_float(x.dtype(), rms ? "rms_norm_backward" : "layer_norm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    const T* pw = w.defined() ? w.data<T>() : nullptr;
+    const T* pmean = rms ? nullptr : mean.data<T>();
+    const T* prstd = rstd.data<T>();
+    T* pdx = g.dx.data<T>();
+    bool want_w = g.dweight.defined(), want_b = g.dbias.defined();
+    int nt = std::max(1, std::min<int>(num_threads(), static_cast<int>(rows)));
+    // Per-thread partial weight/bias grads, summed at the end (no atomics).
+    std::vector<double> part_w(want_w ? static_cast<size_t>(nt * n) : 0, 0.0);
+    std::vector<double> part_b(want_b ? static_cast<size_t>(nt * n) : 0, 0.0);
+    int64_t chunk = (rows + nt - 1) / nt;
+    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        double* aw = want_w ? part_w.data() + t * n : nullptr;
+        double* ab = want_b ? part_b.data() + t * n : nullptr;
+        for (int64_t r = t * chunk; r < std::min(rows, (t + 1) * chunk); ++r) {
+          const T* xr = px + r * n;
+          const T* gr = pdy + r * n;
+          T* dxr = pdx + r * n;
+          T m = pmean ? pmean[r] : T(0), rs = prstd[r];
+          double sum_g = 0, sum_gx = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            T xhat = (xr[j] - m) * rs;
+            T gh = pw ? gr[j] * pw[j] : gr[j];
+            sum_g += gh;
+            sum_gx += static_cast<double>(gh) * xhat;
+            if (aw) aw[j] += static_cast<double>(gr[j]) * xhat;
+            if (ab) ab[j] += gr[j];
+          }
+          T mg = rms ? T(0) : static_cast<T>(sum_g / static_cast<double>(n));
+          T mgx = static_cast<T>(sum_gx / static_cast<double>(n));
+          for (int64_t j = 0; j < n; ++j) {
+            T xhat = (xr[j] - m) * rs;
+            T gh = pw ? gr[j] * pw[j] : gr[j];
+            dxr[j] = rs * (gh - mg - xhat * mgx);
+          }
+        }
+      }
+    });
+    auto finish = [&](const std::vector<double>& part, const Tensor& out) {
+      T* po = out.data<T>();
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (int t = 0; t < nt; ++t) s += part[static_cast<size_t>(t * n + j)];
+        po[j] = static_cast<T>(s);
+      }
+    };
+    if (want_w) finish(part_w, g.dweight);
+    if (want_b) finish(part_b, g.dbias);
+  });
+}
+
+namespace {
+template <class F>
+void with_indices(const Tensor& indices, F&& f) {
+  if (indices.dtype() == DType::I64) return f(indices.data<int64_t>());
+  if (indices.dtype() == DType::I32) return f(indices.data<int32_t>());
+  TS_CHECK(false, "embedding: indices must be i32 or i64, got {}", dtype_name(indices.dtype()));
+}
+}  // namespace
+
+void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
+  int64_t v = weight.size(0), d = weight.size(1), count = indices.numel();
+  size_t row_bytes = static_cast<size_t>(d) * dtype_size(weight.dtype());
+  with_indices(indices, [&](auto* idx) {
+    for (int64_t i = 0; i < count; ++i)
+      TS_CHECK(idx[i] >= 0 && idx[i] < v,
+               "embedding: index {} at position {} is out of range for a table of {} rows",
+               static_cast<int64_t>(idx[i]), i, v);
+    const char* pw = static_cast<const char*>(weight.data_ptr());
+    char* po = static_cast<char*>(out.data_ptr());
+    parallel_for(0, count, row_grain(d), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        std::memcpy(po + i * row_bytes, pw + static_cast<int64_t>(idx[i]) * row_bytes, row_bytes);
+    });
+  });
+}
+
+void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indices) {
+  int64_t d = gw.size(1), count = indices.numel();
+  dispatch_float(gw.dtype(), "embedding_backward", [&](auto tag) {
+    using T = decltype(tag);
+    T* pw = gw.data<T>();
+    const T* pg = grad.data<T>();
+    with_indices(indices, [&](auto* idx) {
+      // Threads own disjoint column ranges, so rows hit twice never race.
+      parallel_for(0, d, 64, [&](int64_t c0, int64_t c1) {
+        for (int64_t i = 0; i < count; ++i) {
+          T* dst = pw + static_cast<int64_t>(idx[i]) * d;
+          const T* src = pg + i * d;
+          for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+        }
+      });
+    });
+  });
+}
+
+void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits,
+                   const Tensor& target, int64_t ignore_index) {
+  int64_t rows = logits.size(0), c = logits.size(1);
+  const int64_t* pt = target.data<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
+             "cross_entropy: target {} at position {} is out of range for {} classes", pt[r], r, c);
+  dispatch_float(logits.dtype(), "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = logits.data<T>();
+    T* pl = losses.data<T>();
+    T* plse = lse.data<T>();
+    parallel_for(0, rows, row_grain(c), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = px + r * c;
+        T m = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < c; ++j) m = std::max(m, xr[j]);
+        T sum = 0;
+        for (int64_t j = 0; j < c; ++j) sum += fast_exp(xr[j] - m);
+        T l = m + std::log(sum);
+        plse[r] = l;
+        pl[r] = pt[r] == ignore_index ? T(0) : l - xr[pt[r]];
+      }
+    });
+  });
+}
+
+void cross_entropy_backward(const Tensor& glogits, double scale, const Tensor& logits,
+                            const Tensor& target, const Tensor& lse, int64_t ignore_index) {
+  int64_t rows = logits.size(0), c = logits.size(1);
+  const int64_t* pt = target.data<int64_t>();
+  dispatch_float(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = logits.data<T>();
+    const T* plse = lse.data<T>();
+    T* pg = glogits.data<T>();
+    T s = static_cast<T>(scale);
+    parallel_for(0, rows, row_grain(c), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        T* g = pg + r * c;
+        if (pt[r] == ignore_index) {
+          std::fill(g, g + c, T(0));
+          continue;
+        }
+        const T* xr = px + r * c;
+        T l = plse[r];
+        for (int64_t j = 0; j < c; ++j) g[j] = s * fast_exp(xr[j] - l);
+        g[pt[r]] -= s;
+      }
+    });
+  });
+}
+
+void rope(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
+  int64_t t = x.size(-2), d = x.size(-1), half = d / 2;
+  int64_t planes = t == 0 || d == 0 ? 0 : x.numel() / (t * d);
+  dispatch_float(x.dtype(), "rope", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pc = cos.data<T>();
+    const T* ps = sin.data<T>();
+    T* po = out.data<T>();
+    T sign = inverse ? T(-1) : T(1);
+    parallel_for(0, planes * t, row_grain(d), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t pos = r % t;
+        const T* xr = px + r * d;
+        T* o = po + r * d;
+        const T* cr = pc + pos * half;
+        const T* sr = ps + pos * half;
+        for (int64_t j = 0; j < half; ++j) {
+          T x1 = xr[j], x2 = xr[j + half], cs = cr[j], sn = sign * sr[j];
+          o[j] = x1 * cs - x2 * sn;
+          o[j + half] = x2 * cs + x1 * sn;
+        }
+      }
+    });
+  });
+}
+
+}  // namespace tessera::cpu

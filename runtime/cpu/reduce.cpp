@@ -1,0 +1,158 @@
+// Reduction kernels. Sums of f32 accumulate in f64, so a sum over a million
+// elements is as accurate as the f32 result can hold.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "runtime/cpu/dispatch.h"
+#include "runtime/kernels.h"
+#include "runtime/parallel.h"
+
+namespace tessera::cpu {
+
+namespace {
+
+template <class T>
+using Acc = std::conditional_t<std::is_floating_point_v<T>, double, T>;
+
+template <class T>
+void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int64_t inner) {
+  using A = Acc<T>;
+  auto init = [op]() -> A {
+    if (op == ReduceOp::Sum) return A(0);
+    if (op == ReduceOp::Max) return std::numeric_limits<A>::lowest();
+    return std::numeric_limits<A>::max();
+  };
+  auto combine = [op](A acc, A v) -> A {
+    if (op == ReduceOp::Sum) return acc + v;
+    if (v != v) return v;  // NaN wins max/min
+    if (op == ReduceOp::Max) return acc != acc || acc >= v ? acc : v;
+    return acc != acc || acc <= v ? acc : v;
+  };
+  if (inner == 1) {
+    if (outer >= 2 * num_threads() || n < 65536) {
+      parallel_for(0, outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+                   [&](int64_t o0, int64_t o1) {
+                     for (int64_t o = o0; o < o1; ++o) {
+                       const T* row = x + o * n;
+                       A acc = init();
+                       if (op == ReduceOp::Sum) {
+                         for (int64_t k = 0; k < n; ++k) acc += static_cast<A>(row[k]);
+                       } else {
+                         for (int64_t k = 0; k < n; ++k) acc = combine(acc, static_cast<A>(row[k]));
+                       }
+                       out[o] = static_cast<T>(acc);
+                     }
+                   });
+      return;
+    }
+    // Few long rows: split each row over threads, then combine the partials.
+    for (int64_t o = 0; o < outer; ++o) {
+      const T* row = x + o * n;
+      int nt = num_threads();
+      std::vector<A> partial(static_cast<size_t>(nt), init());
+      int64_t chunk = (n + nt - 1) / nt;
+      parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          A acc = init();
+          for (int64_t k = t * chunk; k < std::min(n, (t + 1) * chunk); ++k)
+            acc = combine(acc, static_cast<A>(row[k]));
+          partial[static_cast<size_t>(t)] = acc;
+        }
+      });
+      A acc = init();
+      for (A p : partial) acc = combine(acc, p);
+      out[o] = static_cast<T>(acc);
+    }
+    return;
+  }
+  // Reduce the middle dim of [outer, n, inner]: accumulate rows into a column block.
+  constexpr int64_t kBlock = 256;
+  int64_t blocks = (inner + kBlock - 1) / kBlock;
+  parallel_for(0, outer * blocks, 1, [&](int64_t w0, int64_t w1) {
+    A acc[kBlock];
+    for (int64_t w = w0; w < w1; ++w) {
+      int64_t o = w / blocks, j0 = (w % blocks) * kBlock;
+      int64_t len = std::min(kBlock, inner - j0);
+      for (int64_t j = 0; j < len; ++j) acc[j] = init();
+      for (int64_t k = 0; k < n; ++k) {
+        const T* row = x + (o * n + k) * inner + j0;
+        if (op == ReduceOp::Sum) {
+          for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<A>(row[j]);
+        } else {
+          for (int64_t j = 0; j < len; ++j) acc[j] = combine(acc[j], static_cast<A>(row[j]));
+        }
+      }
+      for (int64_t j = 0; j < len; ++j) out[o * inner + j0 + j] = static_cast<T>(acc[j]);
+    }
+  });
+}
+
+}  // namespace
+
+void reduce(ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n,
+            int64_t inner) {
+  switch (x.dtype()) {
+    case DType::F32: return reduce_typed(op, out.data<float>(), x.data<float>(), outer, n, inner);
+    case DType::F64: return reduce_typed(op, out.data<double>(), x.data<double>(), outer, n, inner);
+    case DType::I32: return reduce_typed(op, out.data<int32_t>(), x.data<int32_t>(), outer, n, inner);
+    case DType::I64: return reduce_typed(op, out.data<int64_t>(), x.data<int64_t>(), outer, n, inner);
+    default: TS_CHECK(false, "reduction: unsupported dtype {}", dtype_name(x.dtype()));
+  }
+}
+
+void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
+  int64_t rows = values.numel();
+  int64_t n = rows > 0 ? x.numel() / rows : 0;
+  TS_CHECK(n > 0, "argmax: cannot take the maximum over an empty dim");
+  int64_t* idx = indices.data<int64_t>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* pv = values.data<T>();
+    parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = px + r * n;
+        int64_t best = 0;
+        for (int64_t k = 1; k < n; ++k) {
+          if (row[best] != row[best]) break;  // NaN is the maximum
+          if (row[k] > row[best] || row[k] != row[k]) best = k;
+        }
+        pv[r] = row[best];
+        idx[r] = best;
+      }
+    });
+  };
+  switch (x.dtype()) {
+    case DType::F32: return run(float{});
+    case DType::F64: return run(double{});
+    case DType::I32: return run(int32_t{});
+    case DType::I64: return run(int64_t{});
+    default: TS_CHECK(false, "argmax: unsupported dtype {}", dtype_name(x.dtype()));
+  }
+}
+
+double sum_squares(const Tensor& x) {
+  double total = 0;
+  dispatch_float(x.dtype(), "sum_squares", [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = x.numel() > 0 ? x.data<T>() : nullptr;
+    int64_t n = x.numel();
+    int nt = n < 65536 ? 1 : num_threads();
+    std::vector<double> partial(static_cast<size_t>(nt), 0.0);
+    int64_t chunk = (n + nt - 1) / std::max(nt, 1);
+    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        double acc = 0;
+        for (int64_t i = t * chunk; i < std::min(n, (t + 1) * chunk); ++i)
+          acc += static_cast<double>(p[i]) * static_cast<double>(p[i]);
+        partial[static_cast<size_t>(t)] = acc;
+      }
+    });
+    for (double v : partial) total += v;
+  });
+  return total;
+}
+
+}  // namespace tessera::cpu

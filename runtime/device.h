@@ -1,0 +1,31 @@
+// Where a tensor's bytes live. `meta` tensors have shapes and no bytes: a model
+// can be built on meta, sharded, and only then materialised.
+#pragma once
+
+#include <string>
+
+namespace tessera {
+
+enum class DeviceType : uint8_t { CPU, CUDA, Meta };
+
+struct Device {
+  DeviceType type = DeviceType::CPU;
+  int index = 0;
+
+  static Device cpu() { return {DeviceType::CPU, 0}; }
+  static Device meta() { return {DeviceType::Meta, 0}; }
+  static Device cuda(int index) { return {DeviceType::CUDA, index}; }
+  static Device parse(const std::string& name);  // "cpu", "meta", "cuda", "cuda:1"
+
+  bool is_cpu() const { return type == DeviceType::CPU; }
+  bool is_meta() const { return type == DeviceType::Meta; }
+  bool is_cuda() const { return type == DeviceType::CUDA; }
+  std::string str() const;  // "cpu", "meta", "cuda:0"
+
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.type == b.type && (a.type != DeviceType::CUDA || a.index == b.index);
+  }
+  friend bool operator!=(const Device& a, const Device& b) { return !(a == b); }
+};
+
+}  // namespace tessera

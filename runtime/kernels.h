@@ -1,0 +1,82 @@
+// The kernel table: one entry per (op, device). The ops in runtime/ops.h check
+// shapes, allocate outputs and pick the table for their tensors' device; a
+// backend fills one table. Float kernels see f32 or f64 only (bf16/f16 are
+// converted around them by the ops layer); the 2-D kernels expect contiguous
+// row-major inputs unless a comment says otherwise.
+#pragma once
+
+#include <vector>
+
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera {
+
+enum class PointwiseOp {
+  AddScaled,  // x += s * a
+  Addcmul,    // x += s * a * b
+  Addcdiv,    // x += s * a / b
+  Lerp,       // x += s * (a - x)
+};
+
+enum class ReduceOp { Sum, Max, Min };
+
+struct KernelTable {
+  // Same shape, any strides, any dtypes (converting).
+  void (*copy)(const Tensor& dst, const Tensor& src);
+  void (*fill)(const Tensor& dst, double value);
+  // out and x share a float dtype; out contiguous.
+  void (*unary)(ops::UnaryOp op, const Tensor& out, const Tensor& x);
+  void (*unary_backward)(ops::UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor& x,
+                         const Tensor& y);
+  // a, b expanded to out's shape (any strides); out may alias a; bool out for comparisons.
+  void (*binary)(ops::BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
+  void (*binary_scalar)(ops::BinaryOp op, const Tensor& out, const Tensor& a, double s,
+                        bool scalar_first);
+  void (*where)(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
+  // In-place on x (any strides); a, b expanded to x's shape; b unused for AddScaled/Lerp.
+  void (*pointwise)(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b, double s);
+  void (*clamp)(const Tensor& x, double lo, double hi);
+  // x contiguous viewed as [outer, n, inner]; out [outer, inner] (Sum accumulates in f64).
+  void (*reduce)(ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n,
+                 int64_t inner);
+  // x contiguous [rows, n] -> values [rows], i64 indices [rows] (first maximum).
+  void (*argmax_rows)(const Tensor& values, const Tensor& indices, const Tensor& x);
+  double (*sum_squares)(const Tensor& x);  // x contiguous float
+  // C = alpha * op(A) op(B) + beta * C; row-major, f32 or f64 pointers.
+  void (*gemm)(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+               double alpha, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,
+               void* c, int64_t ldc);
+  // Rows of the last dim, contiguous.
+  void (*softmax)(const Tensor& out, const Tensor& x, bool log);
+  void (*softmax_backward)(const Tensor& gx, const Tensor& gy, const Tensor& y, bool log);
+  void (*layer_norm)(const ops::NormResult& r, const Tensor& x, const Tensor& w, const Tensor& b,
+                     double eps, bool rms);
+  void (*layer_norm_backward)(const ops::NormGrads& g, const Tensor& dy, const Tensor& x,
+                              const Tensor& w, const Tensor& mean, const Tensor& rstd, bool rms);
+  void (*embedding)(const Tensor& out, const Tensor& weight, const Tensor& indices);
+  void (*embedding_backward)(const Tensor& gw, const Tensor& grad, const Tensor& indices);
+  void (*cross_entropy)(const Tensor& losses, const Tensor& lse, const Tensor& logits,
+                        const Tensor& target, int64_t ignore_index);
+  void (*cross_entropy_backward)(const Tensor& glogits, double scale, const Tensor& logits,
+                                 const Tensor& target, const Tensor& lse, int64_t ignore_index);
+  void (*attention)(const ops::AttentionResult& r, const Tensor& q, const Tensor& k,
+                    const Tensor& v, bool causal, double scale);
+  void (*attention_backward)(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const Tensor& out,
+                             const Tensor& lse, bool causal, double scale);
+  void (*rope)(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin,
+               bool inverse);
+  // Random fills (see runtime/random.h); x contiguous float.
+  void (*uniform)(const Tensor& x, double low, double high, const RandomSpec& spec);
+  void (*normal)(const Tensor& x, double mean, double std, const RandomSpec& spec);
+};
+
+// The table for a device; throws for a device this build has no kernels for.
+const KernelTable& kernels(Device device);
+
+namespace cpu {
+extern const KernelTable kTable;
+}
+
+}  // namespace tessera

@@ -1,0 +1,172 @@
+// Raw tensor operations: shape checks, output allocation, and a call into the
+// device's kernel table. No autograd here: the differentiable versions a user
+// calls live in autograd/functions.h and are built on these.
+#pragma once
+
+#include <optional>
+#include <utility>
+
+#include "runtime/tensor.h"
+
+namespace tessera::ops {
+
+// ---- views: share storage, no copy ----------------------------------------
+Tensor as_strided(const Tensor& x, const Shape& shape, const Shape& strides, int64_t offset);
+Tensor view(const Tensor& x, Shape shape);  // one -1 allowed; needs compatible strides
+Tensor reshape(const Tensor& x, Shape shape);  // a view when possible, else a copy
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+Tensor expand(const Tensor& x, const Shape& shape);  // -1 keeps a dim
+Tensor squeeze(const Tensor& x, int64_t dim);
+Tensor squeeze(const Tensor& x);  // all size-1 dims
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor alias(const Tensor& x);  // a new impl over the same bytes (detach)
+// torch.chunk semantics: pieces of ceil(n/chunks); may return fewer than `chunks`.
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
+std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
+                                     int64_t dim = 0);
+
+// ---- copies -----------------------------------------------------------------
+Tensor contiguous(const Tensor& x);  // x itself when already contiguous
+Tensor clone(const Tensor& x);
+Tensor to(const Tensor& x, DType dtype);  // x itself when already that dtype
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim = 0);
+Tensor stack(const std::vector<Tensor>& xs, int64_t dim = 0);
+// Broadcast shape of two shapes; throws naming `op` when they do not broadcast.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+// Sums `grad` down to `shape` (the reverse of broadcasting).
+Tensor sum_to(const Tensor& grad, const Shape& shape);
+
+// ---- elementwise ------------------------------------------------------------
+enum class UnaryOp {
+  Neg, Exp, Log, Sqrt, Rsqrt, Abs, Tanh, Sigmoid, Relu, Gelu, GeluTanh, Silu, Sin, Cos,
+  Square, Reciprocal, Sign
+};
+const char* unary_name(UnaryOp op);
+Tensor unary(UnaryOp op, const Tensor& x);
+// d(op)/dx times grad, given the input x and (for ops that prefer it) the output y.
+Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y);
+
+enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
+const char* binary_name(BinaryOp op);
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);  // broadcasting; same dtype
+Tensor binary(BinaryOp op, const Tensor& a, double b);
+Tensor binary(BinaryOp op, double a, const Tensor& b);
+inline Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Add, a, b); }
+inline Tensor sub(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Sub, a, b); }
+inline Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Mul, a, b); }
+inline Tensor div(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Div, a, b); }
+inline Tensor add(const Tensor& a, double b) { return binary(BinaryOp::Add, a, b); }
+inline Tensor mul(const Tensor& a, double b) { return binary(BinaryOp::Mul, a, b); }
+inline Tensor neg(const Tensor& x) { return unary(UnaryOp::Neg, x); }
+inline Tensor exp(const Tensor& x) { return unary(UnaryOp::Exp, x); }
+inline Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);  // cond: bool
+
+// ---- in-place (what an optimizer needs); return the mutated tensor ---------
+Tensor& copy_(Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype
+Tensor& fill_(Tensor& x, double value);
+Tensor& zero_(Tensor& x);
+Tensor& add_(Tensor& x, const Tensor& other, double alpha = 1.0);  // x += alpha * other
+Tensor& add_(Tensor& x, double value);
+Tensor& mul_(Tensor& x, const Tensor& other);
+Tensor& mul_(Tensor& x, double value);
+Tensor& div_(Tensor& x, const Tensor& other);
+Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
+Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
+Tensor& lerp_(Tensor& x, const Tensor& end, double weight);  // x += weight * (end - x)
+Tensor& sqrt_(Tensor& x);
+Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max);
+
+// ---- reductions (dims empty = all dims) --------------------------------------
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false,
+           std::optional<DType> out_dtype = std::nullopt);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1,
+           bool keepdim = false);
+// Max over one dim: values and i64 indices (first occurrence).
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false);
+Tensor max(const Tensor& x);  // over all elements
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
+// Sum of squares over all elements, in f64 (norms, gradient clipping).
+double sum_squares(const Tensor& x);
+
+// ---- linear algebra (OpenBLAS on CPU) ----------------------------------------
+// 1-D/2-D/N-D like torch.matmul, batch dims broadcast. Transposed 2-D views are
+// passed to BLAS as transposes, never copied.
+Tensor matmul(const Tensor& a, const Tensor& b);
+// y = x @ w^T + b for x [..., in], w [out, in], b [out] (optional).
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {});
+// out (+)= alpha * a @ b for 2-D a, b; a and b may be transposed views.
+void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha = 1.0,
+               bool accumulate = false);
+
+// ---- neural-network kernels -----------------------------------------------------
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+Tensor softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim);
+Tensor log_softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim);
+
+struct NormResult {
+  Tensor y;
+  Tensor mean;  // layer_norm only; f32/f64 [rows]
+  Tensor rstd;  // f32/f64 [rows]
+};
+// Normalises over the last dim; weight/bias [C] optional.
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+struct NormGrads {
+  Tensor dx, dweight, dbias;
+};
+NormGrads layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                              const Tensor& mean, const Tensor& rstd, bool need_weight_grads);
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps);
+NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                            const Tensor& rstd, bool need_weight_grad);
+
+// weight [V, D], indices i32/i64 of any shape -> [..., D]. Out-of-range indices throw.
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights);
+
+// Fused log-softmax + NLL over logits [N, C] and i64 targets [N]; the mean over
+// targets != ignore_index (0 if none). Returns the loss (0-dim) and the
+// per-row logsumexp the backward reuses.
+struct CrossEntropyResult {
+  Tensor loss;
+  Tensor lse;
+  int64_t count;  // targets that were not ignored
+};
+CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target,
+                                 int64_t ignore_index = -100);
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
+                              const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                              int64_t count);
+
+// Causal (or full) scaled-dot-product attention, q [B, H, T, D], k/v [B, Hkv, S, D]
+// (Hkv divides H: grouped-query attention). Memory-efficient: online softmax
+// over key blocks; only one block of scores per thread. Returns out [B, H, T, D]
+// and the logsumexp [B, H, T] (f32) for the backward.
+struct AttentionResult {
+  Tensor out, lse;
+};
+AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                          double scale);
+struct AttentionGrads {
+  Tensor dq, dk, dv;
+};
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  bool causal, double scale);
+// Reference attention that materialises the score matrix (tests compare against it).
+Tensor attention_reference(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                           double scale);
+
+// Rotary embedding on x [B, H, T, D] (D even, rotate-half pairing as in Llama),
+// cos/sin [T, D/2]. `inverse` rotates by the negative angle (the backward).
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse = false);
+
+}  // namespace tessera::ops

@@ -1,0 +1,344 @@
+// Elementwise math, in-place updates and reductions.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "runtime/kernels.h"
+#include "runtime/ops.h"
+
+namespace tessera::ops {
+
+const char* unary_name(UnaryOp op) {
+  static const char* names[] = {"neg",  "exp",     "log",  "sqrt",      "rsqrt", "abs",
+                                "tanh", "sigmoid", "relu", "gelu",      "gelu_tanh", "silu",
+                                "sin",  "cos",     "square", "reciprocal", "sign"};
+  return names[static_cast<int>(op)];
+}
+
+const char* binary_name(BinaryOp op) {
+  static const char* names[] = {"add",     "sub", "mul", "div", "pow", "maximum", "minimum",
+                                "eq",      "ne",  "lt",  "le",  "gt",  "ge"};
+  return names[static_cast<int>(op)];
+}
+
+namespace {
+
+bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
+  TS_CHECK(a.device() == b.device(), "{}: tensors are on different devices ({} and {})", op,
+           a.device().str(), b.device().str());
+}
+
+void check_floating(const Tensor& x, const char* op) {
+  TS_CHECK(is_floating(x.dtype()), "{}: expected a floating-point tensor, got {}", op,
+           dtype_name(x.dtype()));
+}
+
+// bf16/f16 inputs are computed in f32: returns x converted to its compute dtype.
+Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.dtype())); }
+
+// Runs an in-place update `f(target)` on x; bf16/f16 go through an f32 copy.
+template <class F>
+Tensor& update_inplace(Tensor& x, const char* op, F&& f) {
+  check_floating(x, op);
+  if (x.is_meta()) return x;
+  if (x.dtype() == DType::F32 || x.dtype() == DType::F64) {
+    f(x);
+    return x;
+  }
+  Tensor tmp = to(x, DType::F32);
+  f(tmp);
+  kernels(x.device()).copy(x, tmp);
+  return x;
+}
+
+}  // namespace
+
+Tensor unary(UnaryOp op, const Tensor& x) {
+  check_floating(x, unary_name(op));
+  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
+  Tensor xc = upcast(x);
+  Tensor out = empty(x.shape(), xc.dtype(), x.device());
+  kernels(x.device()).unary(op, out, xc);
+  return to(out, x.dtype());
+}
+
+Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y) {
+  TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
+           unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
+  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
+  Tensor gx = empty(x.shape(), compute_dtype(x.dtype()), x.device());
+  kernels(x.device()).unary_backward(op, gx, upcast(grad), upcast(x),
+                                     y.defined() ? upcast(y) : Tensor());
+  return to(gx, x.dtype());
+}
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  const char* name = binary_name(op);
+  TS_CHECK(a.dtype() == b.dtype(), "{}: dtype mismatch ({} and {}); convert one with to()", name,
+           dtype_name(a.dtype()), dtype_name(b.dtype()));
+  check_same_device(a, b, name);
+  TS_CHECK(op != BinaryOp::Div || is_floating(a.dtype()),
+           "div: integer division is not supported ({}); convert to a floating dtype",
+           dtype_name(a.dtype()));
+  TS_CHECK(a.dtype() != DType::Bool || is_comparison(op) || op == BinaryOp::Maximum ||
+               op == BinaryOp::Minimum,
+           "{}: not supported on bool tensors", name);
+  Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
+  DType out_dtype = is_comparison(op) ? DType::Bool : a.dtype();
+  if (a.is_meta()) return empty(shape, out_dtype, a.device());
+  Tensor ac = upcast(a), bc = upcast(b);
+  Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ac.dtype(), a.device());
+  kernels(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
+  return to(out, out_dtype);
+}
+
+Tensor binary(BinaryOp op, const Tensor& a, double b) {
+  TS_CHECK(is_floating(a.dtype()) || b == std::floor(b),
+           "{}: non-integer scalar {} with an integer tensor ({})", binary_name(op), b,
+           dtype_name(a.dtype()));
+  return binary(op, a, full({}, b, a.dtype(), a.device()));
+}
+
+Tensor binary(BinaryOp op, double a, const Tensor& b) {
+  TS_CHECK(is_floating(b.dtype()) || a == std::floor(a),
+           "{}: non-integer scalar {} with an integer tensor ({})", binary_name(op), a,
+           dtype_name(b.dtype()));
+  return binary(op, full({}, a, b.dtype(), b.device()), b);
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  TS_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got {}",
+           dtype_name(cond.dtype()));
+  TS_CHECK(a.dtype() == b.dtype(), "where: dtype mismatch ({} and {})", dtype_name(a.dtype()),
+           dtype_name(b.dtype()));
+  check_same_device(a, b, "where");
+  check_same_device(cond, a, "where");
+  Shape shape = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(),
+                                 "where");
+  Tensor out = empty(shape, a.dtype(), a.device());
+  if (out.is_meta()) return out;
+  kernels(a.device()).where(out, expand(cond, shape), expand(a, shape), expand(b, shape));
+  return out;
+}
+
+// ---- in-place ---------------------------------------------------------------
+
+Tensor& copy_(Tensor& dst, const Tensor& src) {
+  if (dst.is_meta()) return dst;
+  TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
+           dst.device().str());
+  check_same_device(dst, src, "copy_");
+  Tensor s = expand(src, dst.shape());
+  kernels(dst.device()).copy(dst, s);
+  return dst;
+}
+
+Tensor& fill_(Tensor& x, double value) {
+  if (!x.is_meta()) kernels(x.device()).fill(x, value);
+  return x;
+}
+
+Tensor& zero_(Tensor& x) { return fill_(x, 0.0); }
+
+namespace {
+Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
+  TS_CHECK(other.dtype() == x.dtype(), "{}: dtype mismatch ({} into {})", op,
+           dtype_name(other.dtype()), dtype_name(x.dtype()));
+  check_same_device(x, other, op);
+  Shape b = broadcast_shapes(x.shape(), other.shape(), op);
+  TS_CHECK(b == x.shape(), "{}: operand shape {} does not broadcast to the target's shape {}", op,
+           shape_str(other.shape()), shape_str(x.shape()));
+  return expand(upcast(other), x.shape());
+}
+}  // namespace
+
+Tensor& add_(Tensor& x, const Tensor& other, double alpha) {
+  Tensor o = operand(x, other, "add_");
+  return update_inplace(x, "add_", [&](const Tensor& t) {
+    kernels(t.device()).pointwise(PointwiseOp::AddScaled, t, o, {}, alpha);
+  });
+}
+
+Tensor& add_(Tensor& x, double value) {
+  return add_(x, full({}, value, x.dtype(), x.device()), 1.0);
+}
+
+Tensor& mul_(Tensor& x, const Tensor& other) {
+  Tensor o = operand(x, other, "mul_");
+  return update_inplace(x, "mul_", [&](const Tensor& t) {
+    kernels(t.device()).binary(BinaryOp::Mul, t, t, o);
+  });
+}
+
+Tensor& mul_(Tensor& x, double value) {
+  return mul_(x, full({}, value, x.dtype(), x.device()));
+}
+
+Tensor& div_(Tensor& x, const Tensor& other) {
+  Tensor o = operand(x, other, "div_");
+  return update_inplace(x, "div_", [&](const Tensor& t) {
+    kernels(t.device()).binary(BinaryOp::Div, t, t, o);
+  });
+}
+
+Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+  Tensor oa = operand(x, a, "addcmul_"), ob = operand(x, b, "addcmul_");
+  return update_inplace(x, "addcmul_", [&](const Tensor& t) {
+    kernels(t.device()).pointwise(PointwiseOp::Addcmul, t, oa, ob, value);
+  });
+}
+
+Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+  Tensor oa = operand(x, a, "addcdiv_"), ob = operand(x, b, "addcdiv_");
+  return update_inplace(x, "addcdiv_", [&](const Tensor& t) {
+    kernels(t.device()).pointwise(PointwiseOp::Addcdiv, t, oa, ob, value);
+  });
+}
+
+Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
+  Tensor o = operand(x, end, "lerp_");
+  return update_inplace(x, "lerp_", [&](const Tensor& t) {
+    kernels(t.device()).pointwise(PointwiseOp::Lerp, t, o, {}, weight);
+  });
+}
+
+Tensor& sqrt_(Tensor& x) {
+  return update_inplace(x, "sqrt_", [&](const Tensor& t) {
+    kernels(t.device()).unary(UnaryOp::Sqrt, t, t);
+  });
+}
+
+Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max) {
+  double lo = min.value_or(-std::numeric_limits<double>::infinity());
+  double hi = max.value_or(std::numeric_limits<double>::infinity());
+  return update_inplace(x, "clamp_", [&](const Tensor& t) { kernels(t.device()).clamp(t, lo, hi); });
+}
+
+// ---- reductions ---------------------------------------------------------------
+
+namespace {
+
+// Sorted, unique, wrapped dims; empty input means all dims.
+std::vector<int64_t> reduce_dims(const Tensor& x, const std::vector<int64_t>& dims, const char* op) {
+  std::vector<int64_t> out;
+  if (dims.empty()) {
+    for (int64_t d = 0; d < x.dim(); ++d) out.push_back(d);
+    return out;
+  }
+  for (int64_t d : dims) out.push_back(wrap_dim(d, x.dim(), op));
+  std::sort(out.begin(), out.end());
+  TS_CHECK(std::adjacent_find(out.begin(), out.end()) == out.end(), "{}: repeated dim", op);
+  return out;
+}
+
+Shape reduced_shape(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  Shape out;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    bool reduced = std::find(dims.begin(), dims.end(), d) != dims.end();
+    if (!reduced) out.push_back(x.shape()[d]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+// Reduces x over `dims` (sorted) into a tensor of the kept dims (keepdim layout).
+Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims) {
+  Shape kept = reduced_shape(x, dims, true);
+  Tensor out = empty(kept, x.dtype(), x.device());
+  if (x.numel() == 0) {
+    TS_CHECK(op == ReduceOp::Sum, "max/min: cannot reduce an empty tensor");
+    return fill_(out, 0.0);
+  }
+  bool consecutive = dims.empty() || dims.back() - dims.front() + 1 == static_cast<int64_t>(dims.size());
+  Tensor src = x;
+  int64_t outer = 1, n = 1, inner = 1;
+  if (consecutive && x.is_contiguous()) {
+    int64_t lo = dims.empty() ? 0 : dims.front(), hi = dims.empty() ? -1 : dims.back();
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      if (d < lo) outer *= x.shape()[d];
+      else if (d <= hi) n *= x.shape()[d];
+      else inner *= x.shape()[d];
+    }
+  } else {
+    // Move reduced dims last and copy: [kept..., reduced...].
+    std::vector<int64_t> perm;
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (std::find(dims.begin(), dims.end(), d) == dims.end()) perm.push_back(d);
+    for (int64_t d : dims) perm.push_back(d);
+    src = contiguous(permute(x, perm));
+    for (int64_t d : dims) n *= x.shape()[d];
+    outer = x.numel() / n;
+  }
+  kernels(x.device()).reduce(op, out, contiguous(src), outer, n, inner);
+  return out;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
+           std::optional<DType> out_dtype) {
+  auto dims = reduce_dims(x, dims_in, "sum");
+  DType acc = is_floating(x.dtype()) ? compute_dtype(x.dtype()) : DType::I64;
+  DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
+  Shape shape = reduced_shape(x, dims, keepdim);
+  if (x.is_meta()) return empty(shape, result, x.device());
+  Tensor r = reduce_impl(ReduceOp::Sum, to(x, acc), dims);
+  return to(reshape(r, shape), result);
+}
+
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  check_floating(x, "mean");
+  auto dims = reduce_dims(x, dims_in, "mean");
+  int64_t n = 1;
+  for (int64_t d : dims) n *= x.shape()[d];
+  Tensor s = sum(x, dims, keepdim, compute_dtype(x.dtype()));
+  return to(mul(s, 1.0 / static_cast<double>(n)), x.dtype());
+}
+
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correction, bool keepdim) {
+  check_floating(x, "var");
+  auto dims = reduce_dims(x, dims_in, "var");
+  int64_t n = 1;
+  for (int64_t d : dims) n *= x.shape()[d];
+  Tensor xc = upcast(x);
+  Tensor centered = sub(xc, mean(xc, dims, true));
+  Tensor ss = sum(mul(centered, centered), dims, keepdim);
+  double denom = static_cast<double>(std::max<int64_t>(n - correction, 0));
+  return to(mul(ss, 1.0 / denom), x.dtype());
+}
+
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  dim = wrap_dim(dim, x.dim(), "max");
+  Shape shape = reduced_shape(x, {dim}, keepdim);
+  if (x.is_meta())
+    return {empty(shape, x.dtype(), x.device()), empty(shape, DType::I64, x.device())};
+  TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
+  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1)));
+  Shape rows_shape(moved.shape().begin(), moved.shape().end() - 1);
+  Tensor values = empty(rows_shape, moved.dtype(), x.device());
+  Tensor indices = empty(rows_shape, DType::I64, x.device());
+  kernels(x.device()).argmax_rows(values, indices, moved);
+  // The rows are in "dim moved last" order: move it back before reshaping.
+  if (x.dim() > 0 && dim != x.dim() - 1) {
+    values = contiguous(transpose(unsqueeze(values, -1), dim, -1));
+    indices = contiguous(transpose(unsqueeze(indices, -1), dim, -1));
+  }
+  return {to(reshape(values, shape), x.dtype()), reshape(indices, shape)};
+}
+
+Tensor max(const Tensor& x) {
+  TS_CHECK(x.numel() > 0, "max: cannot take the maximum of an empty tensor");
+  return max(reshape(x, {-1}), 0, false).first;
+}
+
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return max(x, dim, keepdim).second; }
+
+double sum_squares(const Tensor& x) {
+  check_floating(x, "sum_squares");
+  if (x.numel() == 0) return 0.0;
+  return kernels(x.device()).sum_squares(contiguous(upcast(x)));
+}
+
+}  // namespace tessera::ops

@@ -1,0 +1,390 @@
+// Matrix products and the fused neural-network ops.
+#include <cmath>
+
+#include "runtime/kernels.h"
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera::ops {
+
+namespace {
+
+Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.dtype())); }
+
+void check_float(const Tensor& x, const char* op, const char* what) {
+  TS_CHECK(is_floating(x.dtype()), "{}: {} must be floating-point, got {}", op, what,
+           dtype_name(x.dtype()));
+}
+
+void check_pair(const Tensor& a, const Tensor& b, const char* op) {
+  TS_CHECK(a.dtype() == b.dtype(), "{}: dtype mismatch ({} and {})", op, dtype_name(a.dtype()),
+           dtype_name(b.dtype()));
+  TS_CHECK(a.device() == b.device(), "{}: tensors on different devices ({} and {})", op,
+           a.device().str(), b.device().str());
+}
+
+// How a 2-D matrix can be handed to BLAS without copying.
+struct BlasOperand {
+  Tensor t;  // the tensor whose storage is read
+  bool trans;
+  int64_t ld;
+};
+
+BlasOperand blas_operand(const Tensor& m) {
+  int64_t rows = m.size(0), cols = m.size(1);
+  const Shape& st = m.strides();
+  if (st[1] == 1 && (st[0] >= std::max<int64_t>(cols, 1) || rows <= 1))
+    return {m, false, std::max<int64_t>(st[0], cols)};
+  if (st[0] == 1 && (st[1] >= std::max<int64_t>(rows, 1) || cols <= 1))
+    return {m, true, std::max<int64_t>(st[1], rows)};
+  return {contiguous(m), false, cols};
+}
+
+// out[M, N] = alpha * a[M, K] @ b[K, N] + beta * out; a/b in out's (compute) dtype.
+void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, double beta) {
+  int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  TS_ASSERT(out.is_contiguous());
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (beta == 0.0) kernels(out.device()).fill(out, 0.0);
+    else if (beta != 1.0) kernels(out.device()).binary_scalar(BinaryOp::Mul, out, out, beta, false);
+    return;
+  }
+  BlasOperand pa = blas_operand(a), pb = blas_operand(b);
+  kernels(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, pa.t.data_ptr(),
+                             pa.ld, pb.t.data_ptr(), pb.ld, beta, out.data_ptr(), n);
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  check_pair(a_in, b_in, "matmul");
+  check_float(a_in, "matmul", "inputs");
+  TS_CHECK(a_in.dim() >= 1 && b_in.dim() >= 1, "matmul: both operands need at least 1 dim, got {} and {}",
+           shape_str(a_in.shape()), shape_str(b_in.shape()));
+  // 1-D operands become matrices and lose that dim again at the end (torch.matmul rules).
+  Tensor a = a_in.dim() == 1 ? unsqueeze(a_in, 0) : a_in;
+  Tensor b = b_in.dim() == 1 ? unsqueeze(b_in, 1) : b_in;
+  int64_t m = a.size(-2), k = a.size(-1), k2 = b.size(-2), n = b.size(-1);
+  TS_CHECK(k == k2, "matmul: shapes {} and {} do not align ({} != {})", shape_str(a_in.shape()),
+           shape_str(b_in.shape()), k, k2);
+  Shape batch_a(a.shape().begin(), a.shape().end() - 2), batch_b(b.shape().begin(), b.shape().end() - 2);
+  Shape batch = broadcast_shapes(batch_a, batch_b, "matmul");
+  Shape out_shape = batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  Shape final_shape = batch;
+  if (a_in.dim() > 1) final_shape.push_back(m);
+  if (b_in.dim() > 1) final_shape.push_back(n);
+  if (a.is_meta()) return empty(final_shape, a_in.dtype(), a.device());
+
+  Tensor ac = upcast(a), bc = upcast(b);
+  Tensor out = empty(out_shape, ac.dtype(), a.device());
+  int64_t nb = shape_numel(batch);
+  Shape ea = batch, eb = batch;
+  ea.insert(ea.end(), {m, k});
+  eb.insert(eb.end(), {k, n});
+  Tensor ax = reshape(expand(ac, ea), {-1, m, k});  // views when the batch layout allows
+  Tensor bx = reshape(expand(bc, eb), {-1, k, n});
+  Tensor ox = reshape(out, {-1, m, n});
+  for (int64_t i = 0; i < nb; ++i) gemm2d(select(ox, 0, i), select(ax, 0, i), select(bx, 0, i), 1.0, 0.0);
+  return to(reshape(out, final_shape), a_in.dtype());
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  check_pair(x, w, "linear");
+  check_float(x, "linear", "input");
+  TS_CHECK(w.dim() == 2, "linear: weight must be 2-D [out, in], got {}", shape_str(w.shape()));
+  TS_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1),
+           "linear: input {} has {} features but weight {} expects {}", shape_str(x.shape()),
+           x.dim() >= 1 ? x.size(-1) : 0, shape_str(w.shape()), w.size(1));
+  if (b.defined()) {
+    check_pair(x, b, "linear (bias)");
+    TS_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: bias {} does not match weight {}",
+             shape_str(b.shape()), shape_str(w.shape()));
+  }
+  Shape out_shape = x.shape();
+  out_shape.back() = w.size(0);
+  if (x.is_meta()) return empty(out_shape, x.dtype(), x.device());
+  Tensor x2 = reshape(upcast(x), {-1, w.size(1)});
+  Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
+  if (b.defined()) kernels(x.device()).copy(out, expand(upcast(b), out.shape()));
+  gemm2d(out, x2, transpose(upcast(w), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
+  return to(reshape(out, out_shape), x.dtype());
+}
+
+void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool accumulate) {
+  TS_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
+               out.size(0) == a.size(0) && out.size(1) == b.size(1),
+           "gemm_into: shapes {} @ {} -> {} do not align", shape_str(a.shape()),
+           shape_str(b.shape()), shape_str(out.shape()));
+  check_pair(a, b, "gemm_into");
+  check_pair(out, a, "gemm_into");
+  if (out.is_meta()) return;
+  bool direct = out.is_contiguous() && (out.dtype() == DType::F32 || out.dtype() == DType::F64);
+  Tensor target = direct ? out : contiguous(upcast(out));
+  gemm2d(target, upcast(a), upcast(b), alpha, accumulate ? 1.0 : 0.0);
+  if (!direct) kernels(out.device()).copy(out, target);
+}
+
+// ---- softmax ----------------------------------------------------------------
+
+namespace {
+// Runs a last-dim row kernel on x with `dim` moved last; returns the result in x's layout.
+template <class F>
+Tensor along_last(const Tensor& x, int64_t dim, F&& f) {
+  dim = wrap_dim(dim, x.dim(), "softmax");
+  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1)));
+  Tensor out = empty(moved.shape(), moved.dtype(), x.device());
+  f(out, moved);
+  if (x.dim() == 0) return to(reshape(out, {}), x.dtype());
+  return to(contiguous(transpose(out, dim, -1)), x.dtype());
+}
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) {
+  check_float(x, "softmax", "input");
+  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
+  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { kernels(x.device()).softmax(o, m, false); });
+}
+
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  check_float(x, "log_softmax", "input");
+  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
+  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { kernels(x.device()).softmax(o, m, true); });
+}
+
+namespace {
+Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, bool log) {
+  if (y.is_meta()) return empty(y.shape(), y.dtype(), y.device());
+  dim = wrap_dim(dim, y.dim(), "softmax_backward");
+  Tensor g = y.dim() == 0 ? reshape(grad, {1}) : contiguous(upcast(transpose(grad, dim, -1)));
+  return along_last(y, dim, [&](const Tensor& o, const Tensor& ym) {
+    kernels(y.device()).softmax_backward(o, g, ym, log);
+  });
+}
+}  // namespace
+
+Tensor softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
+  return softmax_backward_impl(grad, y, dim, false);
+}
+Tensor log_softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
+  return softmax_backward_impl(grad, y, dim, true);
+}
+
+// ---- normalisation -------------------------------------------------------------
+
+namespace {
+void check_norm_args(const Tensor& x, const Tensor& w, const Tensor& b, const char* op) {
+  check_float(x, op, "input");
+  TS_CHECK(x.dim() >= 1, "{}: input must have at least 1 dim", op);
+  int64_t c = x.size(-1);
+  for (const Tensor* p : {&w, &b}) {
+    if (!p->defined()) continue;
+    check_pair(x, *p, op);
+    TS_CHECK(p->dim() == 1 && p->size(0) == c,
+             "{}: weight/bias shape {} does not match normalised size {}", op,
+             shape_str(p->shape()), c);
+  }
+}
+
+NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, bool rms) {
+  const char* op = rms ? "rms_norm" : "layer_norm";
+  check_norm_args(x, w, b, op);
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  DType cd = compute_dtype(x.dtype());
+  if (x.is_meta())
+    return {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
+            empty(rows, cd, x.device())};
+  Tensor xc = contiguous(upcast(x));
+  NormResult r{empty(x.shape(), cd, x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
+               empty(rows, cd, x.device())};
+  kernels(x.device()).layer_norm(r, xc, w.defined() ? contiguous(upcast(w)) : Tensor(),
+                                 b.defined() ? contiguous(upcast(b)) : Tensor(), eps, rms);
+  r.y = to(r.y, x.dtype());
+  return r;
+}
+
+NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                        const Tensor& rstd, bool need_wb, bool has_bias, bool rms) {
+  TS_CHECK(dy.shape() == x.shape(), "{}_backward: grad shape {} vs input {}",
+           rms ? "rms_norm" : "layer_norm", shape_str(dy.shape()), shape_str(x.shape()));
+  DType cd = compute_dtype(x.dtype());
+  int64_t c = x.size(-1);
+  NormGrads g{empty(x.shape(), cd, x.device()),
+              need_wb && w.defined() ? empty({c}, cd, x.device()) : Tensor(),
+              need_wb && has_bias ? empty({c}, cd, x.device()) : Tensor()};
+  if (x.is_meta()) return g;
+  kernels(x.device()).layer_norm_backward(g, contiguous(upcast(dy)), contiguous(upcast(x)),
+                                          w.defined() ? contiguous(upcast(w)) : Tensor(), mean,
+                                          rstd, rms);
+  g.dx = to(g.dx, x.dtype());
+  if (g.dweight.defined()) g.dweight = to(g.dweight, w.dtype());
+  if (g.dbias.defined()) g.dbias = to(g.dbias, w.dtype());
+  return g;
+}
+}  // namespace
+
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  return norm_forward(x, weight, bias, eps, false);
+}
+
+NormGrads layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                              const Tensor& mean, const Tensor& rstd, bool need_weight_grads) {
+  return norm_backward(dy, x, weight, mean, rstd, need_weight_grads, need_weight_grads, false);
+}
+
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  return norm_forward(x, weight, Tensor(), eps, true);
+}
+
+NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                            const Tensor& rstd, bool need_weight_grad) {
+  return norm_backward(dy, x, weight, Tensor(), rstd, need_weight_grad, false, true);
+}
+
+// ---- embedding, cross-entropy -------------------------------------------------
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  TS_CHECK(weight.dim() == 2, "embedding: weight must be 2-D [num, dim], got {}",
+           shape_str(weight.shape()));
+  TS_CHECK(indices.dtype() == DType::I64 || indices.dtype() == DType::I32,
+           "embedding: indices must be i32 or i64, got {}", dtype_name(indices.dtype()));
+  TS_CHECK(weight.device() == indices.device(), "embedding: weight on {} but indices on {}",
+           weight.device().str(), indices.device().str());
+  Shape shape = indices.shape();
+  shape.push_back(weight.size(1));
+  Tensor out = empty(shape, weight.dtype(), weight.device());
+  if (out.is_meta()) return out;
+  kernels(weight.device()).embedding(out, contiguous(weight), contiguous(indices));
+  return out;
+}
+
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
+  int64_t d = grad.size(-1);
+  Tensor gw = zeros({num_weights, d}, compute_dtype(grad.dtype()), grad.device());
+  if (gw.is_meta()) return to(gw, grad.dtype());
+  kernels(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {-1, d}),
+                                            contiguous(indices));
+  return to(gw, grad.dtype());
+}
+
+CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {
+  check_float(logits, "cross_entropy", "logits");
+  TS_CHECK(logits.dim() == 2, "cross_entropy: logits must be [N, C], got {}",
+           shape_str(logits.shape()));
+  TS_CHECK(target.dtype() == DType::I64 || target.dtype() == DType::I32,
+           "cross_entropy: targets must be i64 (class indices), got {}", dtype_name(target.dtype()));
+  TS_CHECK(target.dim() == 1 && target.size(0) == logits.size(0),
+           "cross_entropy: targets {} do not match logits {} (expected [{}])",
+           shape_str(target.shape()), shape_str(logits.shape()), logits.size(0));
+  DType cd = compute_dtype(logits.dtype());
+  int64_t n = logits.size(0);
+  if (logits.is_meta())
+    return {empty({}, logits.dtype(), logits.device()), empty({n}, cd, logits.device()), 0};
+  Tensor t = contiguous(to(target, DType::I64));
+  Tensor losses = empty({n}, cd, logits.device()), lse = empty({n}, cd, logits.device());
+  kernels(logits.device()).cross_entropy(losses, lse, contiguous(upcast(logits)), t, ignore_index);
+  int64_t count = 0;
+  const int64_t* pt = t.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) count += pt[i] != ignore_index;
+  Tensor total = sum(losses, {}, false, DType::F64);
+  double loss = count > 0 ? total.item() / static_cast<double>(count) : 0.0;
+  return {full({}, loss, logits.dtype(), logits.device()), lse, count};
+}
+
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                              const Tensor& lse, int64_t ignore_index, int64_t count) {
+  Tensor g = empty(logits.shape(), compute_dtype(logits.dtype()), logits.device());
+  if (g.is_meta()) return to(g, logits.dtype());
+  double scale = count > 0 ? grad_loss.item() / static_cast<double>(count) : 0.0;
+  kernels(logits.device()).cross_entropy_backward(g, scale, contiguous(upcast(logits)),
+                                                  contiguous(to(target, DType::I64)), lse,
+                                                  ignore_index);
+  return to(g, logits.dtype());
+}
+
+// ---- attention ----------------------------------------------------------------
+
+namespace {
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_float(q, "attention", "q");
+  check_pair(q, k, "attention");
+  check_pair(q, v, "attention");
+  TS_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+           "attention: q, k, v must be 4-D [batch, heads, seq, head_dim]; got {}, {}, {}",
+           shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
+  TS_CHECK(k.shape() == v.shape(), "attention: k {} and v {} differ", shape_str(k.shape()),
+           shape_str(v.shape()));
+  TS_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+           "attention: q {} and k {} differ in batch or head_dim", shape_str(q.shape()),
+           shape_str(k.shape()));
+  TS_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+           "attention: {} query heads are not a multiple of {} key/value heads", q.size(1),
+           k.size(1));
+}
+}  // namespace
+
+AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                          double scale) {
+  check_attention(q, k, v);
+  DType cd = compute_dtype(q.dtype());
+  Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
+  if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, cd, q.device())};
+  AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, cd, q.device())};
+  kernels(q.device()).attention(r, contiguous(upcast(q)), contiguous(upcast(k)),
+                                contiguous(upcast(v)), causal, scale);
+  r.out = to(r.out, q.dtype());
+  return r;
+}
+
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  bool causal, double scale) {
+  check_attention(q, k, v);
+  DType cd = compute_dtype(q.dtype());
+  AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
+                   empty(v.shape(), cd, q.device())};
+  if (q.is_meta()) return g;
+  kernels(q.device()).attention_backward(g, contiguous(upcast(dout)), contiguous(upcast(q)),
+                                         contiguous(upcast(k)), contiguous(upcast(v)),
+                                         contiguous(upcast(out)), contiguous(lse), causal, scale);
+  return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
+}
+
+Tensor attention_reference(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                           double scale) {
+  check_attention(q, k, v);
+  int64_t group = q.size(1) / k.size(1);
+  Tensor kk = k, vv = v;
+  if (group > 1) {  // repeat each key/value head for its group of query heads
+    Shape s{k.size(0), k.size(1), group, k.size(2), k.size(3)};
+    kk = reshape(expand(unsqueeze(k, 2), s), {k.size(0), q.size(1), k.size(2), k.size(3)});
+    vv = reshape(expand(unsqueeze(v, 2), s), {k.size(0), q.size(1), k.size(2), k.size(3)});
+  }
+  Tensor scores = mul(matmul(q, transpose(kk, -2, -1)), scale);
+  if (causal) {
+    int64_t t = q.size(2), s = k.size(2);
+    Tensor qi = reshape(arange(0, t), {t, 1}), kj = reshape(arange(0, s), {1, s});
+    Tensor masked = binary(BinaryOp::Gt, kj, qi);
+    scores = where(masked, full({}, -INFINITY, scores.dtype()), scores);
+  }
+  return matmul(softmax(scores, -1), vv);
+}
+
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
+  check_float(x, "rope", "input");
+  TS_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rope: input {} needs an even last dim",
+           shape_str(x.shape()));
+  int64_t t = x.size(-2), half = x.size(-1) / 2;
+  TS_CHECK(cos.dim() == 2 && cos.size(0) >= t && cos.size(1) == half && sin.shape() == cos.shape(),
+           "rope: cos/sin {} must be [>= {}, {}]", shape_str(cos.shape()), t, half);
+  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
+  DType cd = compute_dtype(x.dtype());
+  Tensor out = empty(x.shape(), cd, x.device());
+  kernels(x.device()).rope(out, contiguous(upcast(x)), contiguous(to(narrow(cos, 0, 0, t), cd)),
+                           contiguous(to(narrow(sin, 0, 0, t), cd)), inverse);
+  return to(out, x.dtype());
+}
+
+}  // namespace tessera::ops

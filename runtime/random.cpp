@@ -1,0 +1,214 @@
+#include "runtime/random.h"
+
+#include <cmath>
+
+#include "runtime/cpu/dispatch.h"
+#include "runtime/kernels.h"
+#include "runtime/ops.h"
+#include "runtime/parallel.h"
+
+namespace tessera {
+
+std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, std::array<uint32_t, 2> key) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    uint64_t p0 = static_cast<uint64_t>(kM0) * c[0];
+    uint64_t p1 = static_cast<uint64_t>(kM1) * c[2];
+    c = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ key[0], static_cast<uint32_t>(p1),
+         static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ key[1], static_cast<uint32_t>(p0)};
+    key[0] += kW0;
+    key[1] += kW1;
+  }
+  return c;
+}
+
+RandomSpec Generator::next(int64_t n) {
+  RandomSpec spec{seed_, 0x64726f70u /* "drop" */, offset_, {}};
+  offset_ += n;
+  return spec;
+}
+
+Generator& default_generator() {
+  thread_local Generator gen(0);
+  return gen;
+}
+
+void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
+
+uint64_t hash_name(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : name) {
+    h ^= ch;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+namespace cpu {
+
+namespace {
+// Two uniforms in [0, 1) with 53 random bits each, from one Philox block.
+inline void draw(const RandomSpec& spec, uint64_t counter, double& u0, double& u1) {
+  auto r = philox4x32({static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32),
+                       static_cast<uint32_t>(spec.stream), static_cast<uint32_t>(spec.stream >> 32)},
+                      {static_cast<uint32_t>(spec.seed), static_cast<uint32_t>(spec.seed >> 32)});
+  constexpr double k53 = 1.0 / 9007199254740992.0;
+  u0 = static_cast<double>((static_cast<uint64_t>(r[0] >> 5) << 26) | (r[1] >> 6)) * k53;
+  u1 = static_cast<double>((static_cast<uint64_t>(r[2] >> 5) << 26) | (r[3] >> 6)) * k53;
+}
+
+// Fills x (contiguous) with f(u0, u1) per element, counters from the spec's index map.
+template <class F>
+void fill_random(const Tensor& x, const RandomSpec& spec, F&& f) {
+  const Shape& shape = x.shape();
+  bool linear = spec.index_strides.empty() || spec.index_strides == contiguous_strides(shape);
+  TS_CHECK(linear || spec.index_strides.size() == shape.size(),
+           "random fill: index_strides {} do not match tensor shape {}",
+           shape_str(spec.index_strides), shape_str(shape));
+  dispatch_float(x.dtype(), "random fill", [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.data<T>();
+    parallel_for(0, x.numel(), 4096, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t counter = spec.base;
+        if (linear) {
+          counter += i;
+        } else {
+          int64_t rem = i;
+          for (size_t d = shape.size(); d-- > 0;) {
+            counter += (rem % shape[d]) * spec.index_strides[d];
+            rem /= shape[d];
+          }
+        }
+        double u0, u1;
+        draw(spec, static_cast<uint64_t>(counter), u0, u1);
+        p[i] = static_cast<T>(f(u0, u1));
+      }
+    });
+  });
+}
+}  // namespace
+
+void uniform(const Tensor& x, double low, double high, const RandomSpec& spec) {
+  fill_random(x, spec, [=](double u0, double) { return low + (high - low) * u0; });
+}
+
+void normal(const Tensor& x, double mean, double std, const RandomSpec& spec) {
+  fill_random(x, spec, [=](double u0, double u1) {
+    double radius = std::sqrt(-2.0 * std::log(1.0 - u0));  // 1 - u0 is in (0, 1]
+    return mean + std * radius * std::cos(6.283185307179586 * u1);
+  });
+}
+
+}  // namespace cpu
+
+namespace ops {
+
+namespace {
+// Runs a random fill on a contiguous float buffer, converting for bf16/f16 and
+// copying back into non-contiguous targets.
+template <class F>
+void random_into(Tensor& x, const char* what, F&& fill) {
+  TS_CHECK(is_floating(x.dtype()), "{}: expected a floating-point tensor, got {}", what,
+           dtype_name(x.dtype()));
+  if (x.is_meta()) return;
+  if (x.is_contiguous() && (x.dtype() == DType::F32 || x.dtype() == DType::F64)) {
+    fill(x);
+    return;
+  }
+  Tensor tmp = empty(x.shape(), compute_dtype(x.dtype()), x.device());
+  fill(tmp);
+  copy_(x, tmp);
+}
+}  // namespace
+
+void uniform_(Tensor& x, double low, double high, const RandomSpec& spec) {
+  random_into(x, "uniform_",
+              [&](const Tensor& t) { kernels(t.device()).uniform(t, low, high, spec); });
+}
+
+void normal_(Tensor& x, double mean, double std, const RandomSpec& spec) {
+  random_into(x, "normal_",
+              [&](const Tensor& t) { kernels(t.device()).normal(t, mean, std, spec); });
+}
+
+Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
+                    Device device) {
+  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
+  Tensor u = empty(shape, DType::F32, device);
+  uniform_(u, 0.0, 1.0, spec);
+  Tensor keep = binary(BinaryOp::Ge, u, p);
+  Tensor mask = zeros(shape, dtype, device);
+  return where(keep, full({}, 1.0 / (1.0 - p), dtype, device), mask);
+}
+
+}  // namespace ops
+
+// ---- factories -------------------------------------------------------------------
+
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  ops::fill_(t, value);
+  return t;
+}
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
+Tensor zeros_like(const Tensor& x) { return zeros(x.shape(), x.dtype(), x.device()); }
+Tensor empty_like(const Tensor& x) { return empty(x.shape(), x.dtype(), x.device()); }
+Tensor scalar_tensor(double value, DType dtype) { return full({}, value, dtype); }
+
+Tensor arange(int64_t start, int64_t end, int64_t step, DType dtype) {
+  TS_CHECK(step != 0, "arange: step must be nonzero");
+  int64_t n = std::max<int64_t>(0, (end - start + step - (step > 0 ? 1 : -1)) / step);
+  std::vector<double> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = static_cast<double>(start + i * step);
+  return ops::to(from_vector(values, {n}), dtype);
+}
+
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
+  TS_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape),
+           "from_vector: {} values cannot fill shape {} ({} elements)", values.size(),
+           shape_str(shape), shape_numel(shape));
+  Tensor t = empty(shape, DTypeOf<T>::value);
+  if (!values.empty()) std::memcpy(t.data_ptr(), values.data(), values.size() * sizeof(T));
+  return t;
+}
+template Tensor from_vector<float>(const std::vector<float>&, const Shape&);
+template Tensor from_vector<double>(const std::vector<double>&, const Shape&);
+template Tensor from_vector<int32_t>(const std::vector<int32_t>&, const Shape&);
+template Tensor from_vector<int64_t>(const std::vector<int64_t>&, const Shape&);
+
+Tensor uniform(const Shape& shape, double low, double high, uint64_t seed, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  ops::uniform_(t, low, high, {seed, 0, 0, {}});
+  return t;
+}
+Tensor normal(const Shape& shape, double mean, double std, uint64_t seed, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  ops::normal_(t, mean, std, {seed, 0, 0, {}});
+  return t;
+}
+Tensor rand(const Shape& shape, uint64_t seed, DType dtype) {
+  return uniform(shape, 0.0, 1.0, seed, dtype);
+}
+Tensor randn(const Shape& shape, uint64_t seed, DType dtype) {
+  return normal(shape, 0.0, 1.0, seed, dtype);
+}
+
+Tensor randint(const Shape& shape, int64_t low, int64_t high, uint64_t seed) {
+  TS_CHECK(high > low, "randint: empty range [{}, {})", low, high);
+  Tensor u = uniform(shape, 0.0, 1.0, seed, DType::F64);
+  std::vector<double> v = u.to_vector<double>();
+  std::vector<int64_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    out[i] = low + std::min<int64_t>(high - low - 1, static_cast<int64_t>(v[i] * static_cast<double>(high - low)));
+  return from_vector(out, shape);
+}
+
+}  // namespace tessera

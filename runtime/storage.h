@@ -1,0 +1,41 @@
+// A block of bytes on one device, shared by every view of it. Storage can be
+// released and re-allocated in place: FSDP frees an unsharded parameter's
+// bytes after forward while the tensor object (which autograd may have saved)
+// lives on, and re-allocates them before backward.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "runtime/device.h"
+
+namespace tessera {
+
+class Allocator;
+
+class Storage {
+ public:
+  // Allocates nbytes on device (no bytes for meta).
+  Storage(size_t nbytes, Device device);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+  bool is_allocated() const { return data_ != nullptr || nbytes_ == 0; }
+
+  // Frees the bytes; the Storage object, its size and every view of it survive.
+  void release();
+  // Re-allocates nbytes() bytes (contents undefined) if released; no-op otherwise.
+  void allocate();
+
+ private:
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  Device device_;
+  Allocator* allocator_ = nullptr;  // null for meta
+};
+
+}  // namespace tessera

@@ -1,0 +1,235 @@
+// The tape's semantics: grad mode, leaves, accumulation, hooks, markers,
+// end-of-backward callbacks and activation checkpointing.
+#include "autograd/functions.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using tessera::testing::allclose;
+using tessera::testing::equal;
+
+namespace {
+Tensor leaf(const Shape& s, uint64_t seed) {
+  Tensor t = randn(s, seed, DType::F64);
+  t.set_requires_grad(true);
+  return t;
+}
+}  // namespace
+
+TEST_CASE("leaves, non-leaves and grad mode", "[tape]") {
+  Tensor x = leaf({3}, 1);
+  Tensor c = randn({3}, 2, DType::F64);
+  CHECK(x.is_leaf());
+  Tensor y = x * c;
+  CHECK(y.requires_grad());
+  CHECK_FALSE(y.is_leaf());
+  Tensor z = c * c;  // no input requires grad: nothing recorded
+  CHECK_FALSE(z.requires_grad());
+  {
+    autograd::NoGradGuard guard;
+    Tensor w = x * c;
+    CHECK_FALSE(w.requires_grad());
+    CHECK_FALSE(autograd::is_grad_enabled());
+  }
+  CHECK(autograd::is_grad_enabled());
+  autograd::backward(sum(y));
+  CHECK(equal(x.grad(), c));
+  CHECK_FALSE(y.grad().defined());  // non-leaf without retain_grad
+  CHECK(autograd::tape_size() == 0);  // backward consumed the tape
+  CHECK_THROWS_WITH(Tensor(from_vector<int64_t>({1}, {1})).set_requires_grad(true),
+                    Catch::Contains("only floating-point tensors"));
+}
+
+TEST_CASE(".grad accumulates across backward calls; set_grad clears", "[tape]") {
+  Tensor x = leaf({4}, 3);
+  for (int i = 0; i < 3; ++i) autograd::backward(sum(x * 2.0));
+  CHECK(equal(x.grad(), full({4}, 6.0, DType::F64)));
+  x.set_grad(Tensor());
+  autograd::backward(sum(x));
+  CHECK(equal(x.grad(), ones({4}, DType::F64)));
+}
+
+TEST_CASE("a tensor used twice sums both paths; the grad does not alias", "[tape]") {
+  Tensor x = leaf({5}, 4);
+  Tensor y = x * x + x;  // dy/dx = 2x + 1
+  autograd::backward(sum(y));
+  CHECK(allclose(x.grad(), ops::add(ops::mul(x, 2.0), 1.0), 1e-12, 1e-12));
+  // add's backward hands the same gradient to both inputs: the leaves must not share it.
+  Tensor a = leaf({2}, 5), b = leaf({2}, 6);
+  autograd::backward(sum(a + b));
+  CHECK(a.grad().storage() != b.grad().storage());
+  Tensor ag = a.grad();
+  ops::fill_(ag, 7.0);
+  CHECK(b.grad().to_vector<double>() == std::vector<double>{1.0, 1.0});
+}
+
+TEST_CASE("backward(grad) with an explicit gradient; errors", "[tape]") {
+  Tensor x = leaf({2, 3}, 7);
+  Tensor y = x * 3.0;
+  Tensor g = randn({2, 3}, 8, DType::F64);
+  autograd::backward(y, g);
+  CHECK(allclose(x.grad(), ops::mul(g, 3.0), 1e-12, 1e-12));
+  Tensor y2 = x * 3.0;
+  CHECK_THROWS_WITH(autograd::backward(y2), Catch::Contains("only for one-element outputs"));
+  autograd::clear_tape();
+  CHECK_THROWS_WITH(autograd::backward(sum(randn({2}, 1, DType::F64))),
+                    Catch::Contains("does not require grad"));
+  Tensor y3 = sum(x * 2.0);
+  autograd::backward(y3);
+  CHECK_THROWS_WITH(autograd::backward(y3), Catch::Contains("not on the tape"));
+}
+
+TEST_CASE("detach and retain_grad", "[tape]") {
+  Tensor x = leaf({3}, 9);
+  Tensor h = x * 2.0;
+  autograd::retain_grad(h);
+  Tensor d = detach(h);
+  CHECK_FALSE(d.requires_grad());
+  CHECK(d.storage() == h.storage());
+  Tensor y = sum(h * h + d);  // d contributes no gradient
+  autograd::backward(y);
+  CHECK(allclose(h.grad(), ops::mul(h, 2.0), 1e-12, 1e-12));
+  CHECK(allclose(x.grad(), ops::mul(h, 4.0), 1e-12, 1e-12));
+}
+
+TEST_CASE("tensor hooks see and may replace gradients", "[tape][hooks]") {
+  Tensor x = leaf({3}, 10);
+  Tensor h = x * 2.0;
+  Tensor seen;
+  autograd::register_hook(h, [&](const Tensor& g) {
+    seen = ops::clone(g);
+    return ops::mul(g, 10.0);  // replaces the gradient flowing further
+  });
+  int leaf_hook_calls = 0;
+  autograd::register_hook(x, [&](const Tensor&) {
+    ++leaf_hook_calls;
+    return Tensor();  // keep
+  });
+  int post_acc = 0;
+  autograd::register_post_accumulate_grad_hook(x, [&](const Tensor& t) {
+    ++post_acc;
+    CHECK(t.grad().defined());
+  });
+  autograd::backward(sum(h * 3.0 + h));  // h used twice: its hook runs once, on the sum
+  CHECK(equal(seen, full({3}, 4.0, DType::F64)));
+  CHECK(equal(x.grad(), full({3}, 80.0, DType::F64)));
+  CHECK(leaf_hook_calls == 1);
+  CHECK(post_acc == 1);
+}
+
+TEST_CASE("markers run when the walk reaches them, in reverse order", "[tape][markers]") {
+  std::vector<std::string> events;
+  Tensor x = leaf({4}, 11);
+  Tensor w1 = leaf({4}, 12), w2 = leaf({4}, 13);
+  autograd::record_marker("post-backward 1", [&] {
+    // Everything recorded after this marker has been walked: w1's grad is complete.
+    CHECK(w1.grad().defined());
+    events.push_back("post1");
+  });
+  Tensor h = x * w1;
+  autograd::record_marker("pre-backward 1", [&] { events.push_back("pre1"); }, {h});
+  autograd::record_marker("post-backward 2", [&] {
+    CHECK(w2.grad().defined());
+    events.push_back("post2");
+  });
+  Tensor out = h * w2;
+  autograd::record_marker("pre-backward 2", [&] {
+    CHECK_FALSE(w2.grad().defined());
+    events.push_back("pre2");
+  }, {out});
+  Tensor unused = x * 5.0;
+  autograd::record_marker("never", [&] { events.push_back("unused"); }, {unused});
+  autograd::backward(sum(out));
+  CHECK(events == std::vector<std::string>{"pre2", "post2", "pre1", "post1"});
+  CHECK(allclose(x.grad(), ops::mul(w1, w2), 1e-12, 1e-12));
+}
+
+TEST_CASE("end-of-backward callbacks run once after the walk, in order", "[tape][callbacks]") {
+  std::vector<int> order;
+  Tensor x = leaf({2}, 14);
+  Tensor y = x * 2.0;
+  autograd::record_marker("queues", [&] {
+    autograd::queue_callback([&] {
+      order.push_back(1);
+      CHECK(x.grad().defined());  // the walk (and leaf accumulation) is over
+      autograd::queue_callback([&] { order.push_back(3); });  // callbacks may queue more
+    });
+    autograd::queue_callback([&] { order.push_back(2); });
+  });
+  Tensor z = sum(y * y);
+  CHECK_THROWS_WITH(autograd::queue_callback([] {}), Catch::Contains("only possible while backward"));
+  autograd::backward(z);
+  CHECK(order == std::vector<int>{1, 2, 3});
+}
+
+TEST_CASE("activation checkpointing matches the plain graph and recomputes", "[tape][checkpoint]") {
+  Tensor w = leaf({6, 6}, 15);
+  Tensor b = leaf({6}, 16);
+  Tensor x0 = randn({4, 6}, 17, DType::F64);
+  int calls = 0;
+  auto segment = [&](const TensorList& in) {
+    ++calls;
+    Tensor h = gelu(linear(in[0], w, b));
+    return TensorList{dropout(h, 0.3, true) * 2.0};
+  };
+  // Plain: same generator state.
+  manual_seed(5);
+  Tensor x = ops::clone(x0);
+  x.set_requires_grad(true);
+  Tensor ref = sum(square(segment({x})[0]));
+  autograd::backward(ref);
+  Tensor gw = ops::clone(w.grad()), gb = ops::clone(b.grad()), gx = ops::clone(x.grad());
+  w.set_grad(Tensor());
+  b.set_grad(Tensor());
+  // Checkpointed.
+  manual_seed(5);
+  Tensor x2 = ops::clone(x0);
+  x2.set_requires_grad(true);
+  calls = 0;
+  size_t tape_before = autograd::tape_size();
+  Tensor out = autograd::checkpoint(segment, {x2})[0];
+  CHECK(autograd::tape_size() == tape_before + 1);  // one node, no saved activations
+  CHECK(calls == 1);
+  Tensor loss = sum(square(out));
+  CHECK(loss.item() == Approx(ref.item()).epsilon(1e-12));
+  autograd::backward(loss);
+  CHECK(calls == 2);  // recomputed in backward
+  CHECK(allclose(w.grad(), gw, 1e-12, 1e-12));
+  CHECK(allclose(b.grad(), gb, 1e-12, 1e-12));
+  CHECK(allclose(x2.grad(), gx, 1e-12, 1e-12));
+}
+
+TEST_CASE("checkpointed segments with markers inside run them in the nested backward",
+          "[tape][checkpoint]") {
+  Tensor w = leaf({3}, 18);
+  Tensor x = randn({3}, 19, DType::F64);  // no input requires grad; the parameter does
+  int fired = 0;
+  auto seg = [&](const TensorList& in) {
+    autograd::record_marker("inner", [&] { ++fired; });
+    return TensorList{in[0] * w};
+  };
+  Tensor y = autograd::checkpoint(seg, {x})[0];
+  CHECK(y.requires_grad());
+  autograd::backward(sum(y));
+  CHECK(fired == 1);  // recorded during the recompute, walked by the nested backward
+  CHECK(allclose(w.grad(), x, 1e-12, 1e-12));
+}
+
+TEST_CASE("in-place ops refuse tensors autograd tracks", "[tape]") {
+  Tensor x = leaf({3}, 20);
+  CHECK_THROWS_WITH(fill_(x, 1.0), Catch::Contains("in-place update of a tensor that requires grad"));
+  {
+    autograd::NoGradGuard g;
+    fill_(x, 1.0);
+  }
+  CHECK(x.to_vector<double>() == std::vector<double>{1, 1, 1});
+}
+
+TEST_CASE("dtype conversions carry gradients back in the input dtype", "[tape]") {
+  Tensor x = leaf({5}, 21);
+  Tensor y = to(x, DType::BF16);
+  CHECK(y.dtype() == DType::BF16);
+  Tensor g = randn({5}, 22, DType::BF16);
+  autograd::backward(y, g);
+  CHECK(x.grad().dtype() == DType::F64);
+  CHECK(equal(x.grad(), ops::to(g, DType::F64)));
+}

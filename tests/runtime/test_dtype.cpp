@@ -1,0 +1,93 @@
+#include <cstring>
+#include <limits>
+
+#include "tests/helpers.h"
+
+using namespace tessera;
+
+namespace {
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+// Reference: round a float to the nearest value representable with `mant_bits`
+// mantissa bits, ties to even, by exhaustive comparison of the two neighbours.
+double nearest_even(double v, double lo, double hi, bool lo_even) {
+  double dl = v - lo, dh = hi - v;
+  if (dl < dh) return lo;
+  if (dh < dl) return hi;
+  return lo_even ? lo : hi;
+}
+}  // namespace
+
+TEST_CASE("bf16 conversion rounds to nearest even", "[dtype]") {
+  // Exhaustive over every bf16 interval boundary region is too big; sample all
+  // mantissa patterns of the dropped half for several exponents and signs.
+  for (uint32_t hi : {0x3f80u, 0x4049u, 0x0001u, 0xc2f7u, 0x7f7eu, 0x0080u}) {
+    for (uint32_t low = 0; low < 0x10000u; low += 7) {
+      uint32_t bits = (hi << 16) | low;
+      float f = from_bits(bits);
+      BFloat16 b = float_to_bf16(f);
+      double lo_v = bf16_to_float(BFloat16{static_cast<uint16_t>(hi)});
+      double hi_v = bf16_to_float(BFloat16{static_cast<uint16_t>(hi + 1)});
+      double expect = nearest_even(std::fabs(f), std::fabs(lo_v), std::fabs(hi_v), (hi & 1u) == 0);
+      REQUIRE(std::fabs(bf16_to_float(b)) == expect);
+    }
+  }
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity()))));
+  CHECK(bf16_to_float(float_to_bf16(3.4e38f)) == std::numeric_limits<float>::infinity());
+  CHECK(bf16_to_float(float_to_bf16(-0.0f)) == 0.0f);
+  CHECK(std::signbit(bf16_to_float(float_to_bf16(-0.0f))));
+}
+
+TEST_CASE("f16 conversion matches round-to-nearest-even on every half value", "[dtype]") {
+  // Every finite f16 value round-trips; midpoints between neighbours tie to even.
+  for (uint32_t h = 0; h < 0x7c00u; ++h) {
+    float v = f16_to_float(Half{static_cast<uint16_t>(h)});
+    REQUIRE(float_to_f16(v).bits == h);
+    REQUIRE(float_to_f16(-v).bits == (h | 0x8000u));
+    if (h + 1 < 0x7c00u) {
+      float next = f16_to_float(Half{static_cast<uint16_t>(h + 1)});
+      float mid = static_cast<float>((static_cast<double>(v) + next) / 2);
+      uint16_t even = (h & 1u) == 0 ? static_cast<uint16_t>(h) : static_cast<uint16_t>(h + 1);
+      REQUIRE(float_to_f16(mid).bits == even);
+      // Just above/below the midpoint goes to the nearer neighbour.
+      REQUIRE(float_to_f16(std::nextafter(mid, 1e9f)).bits == h + 1);
+      REQUIRE(float_to_f16(std::nextafter(mid, -1e9f)).bits == h);
+    }
+  }
+  CHECK(float_to_f16(65520.0f).bits == 0x7c00u);  // rounds to inf
+  CHECK(float_to_f16(65519.0f).bits == 0x7bffu);
+  CHECK(f16_to_float(Half{0x0001u}) == std::ldexp(1.0f, -24));
+  CHECK(float_to_f16(std::ldexp(1.0f, -25)).bits == 0);  // tie between 0 and 2^-24 -> even (0)
+  CHECK(std::isnan(f16_to_float(float_to_f16(std::numeric_limits<float>::quiet_NaN()))));
+  (void)to_bits;
+}
+
+TEST_CASE("dtype names and sizes", "[dtype]") {
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::Bool})
+    CHECK(dtype_from_name(dtype_name(dt)) == dt);
+  CHECK(dtype_size(DType::BF16) == 2);
+  CHECK(dtype_size(DType::I64) == 8);
+  CHECK_THROWS_WITH(dtype_from_name("f8"), Catch::Contains("unknown dtype 'f8'"));
+}
+
+TEST_CASE("tensor dtype conversion uses the same rounding", "[dtype]") {
+  Tensor x = randn({257}, 3, DType::F32);
+  Tensor b = ops::to(x, DType::BF16);
+  Tensor h = ops::to(x, DType::F16);
+  auto vx = x.to_vector<float>(), vb = b.to_vector<float>(), vh = h.to_vector<float>();
+  for (size_t i = 0; i < vx.size(); ++i) {
+    CHECK(vb[i] == bf16_to_float(float_to_bf16(vx[i])));
+    CHECK(vh[i] == f16_to_float(float_to_f16(vx[i])));
+  }
+  Tensor i = ops::to(from_vector<float>({-2.7f, 0.5f, 3.9f}, {3}), DType::I64);
+  CHECK(i.to_vector<int64_t>() == std::vector<int64_t>{-2, 0, 3});
+}

@@ -1,0 +1,265 @@
+#include "runtime/allocator.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using tessera::testing::allclose;
+using tessera::testing::equal;
+
+namespace {
+// Element (i, j) of a 2-D tensor read through its strides.
+double at(const Tensor& t, std::vector<int64_t> idx) {
+  int64_t off = t.storage_offset();
+  for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * t.strides()[d];
+  return static_cast<double>(static_cast<float*>(t.storage()->data())[off]);
+}
+}  // namespace
+
+TEST_CASE("views share storage and follow strides", "[tensor][views]") {
+  Tensor x = ops::reshape(arange(0, 24, 1, DType::F32), {2, 3, 4});
+  CHECK(x.is_contiguous());
+  CHECK(x.strides() == Shape{12, 4, 1});
+
+  Tensor t = ops::transpose(x, 0, 2);
+  CHECK(t.shape() == Shape{4, 3, 2});
+  CHECK(t.strides() == Shape{1, 4, 12});
+  CHECK_FALSE(t.is_contiguous());
+  CHECK(t.storage() == x.storage());
+  CHECK(at(t, {3, 1, 1}) == 12 + 4 + 3);
+
+  Tensor p = ops::permute(x, {1, 2, 0});
+  CHECK(p.shape() == Shape{3, 4, 2});
+  CHECK(at(p, {2, 1, 1}) == 12 + 8 + 1);
+
+  Tensor n = ops::narrow(x, 1, 1, 2);
+  CHECK(n.shape() == Shape{2, 2, 4});
+  CHECK(n.storage_offset() == 4);
+  CHECK(at(n, {1, 0, 0}) == 16);
+
+  Tensor s = ops::slice(x, 2, 1, 4, 2);
+  CHECK(s.shape() == Shape{2, 3, 2});
+  CHECK(s.to_vector<float>() ==
+        std::vector<float>{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23});
+
+  Tensor e = ops::expand(ops::reshape(arange(0, 3, 1, DType::F32), {3, 1}), {2, 3, 5});
+  CHECK(e.strides() == Shape{0, 1, 0});
+  CHECK(e.to_vector<float>()[7] == 1.0f);
+
+  Tensor u = ops::unsqueeze(x, 1);
+  CHECK(u.shape() == Shape{2, 1, 3, 4});
+  CHECK(ops::squeeze(u, 1).shape() == x.shape());
+  CHECK(ops::squeeze(ops::reshape(x, {1, 2, 1, 12})).shape() == Shape{2, 12});
+
+  // Writes through a view are visible in the base.
+  Tensor col = ops::select(x, 2, 3);
+  ops::fill_(col, -1.0);
+  CHECK(x.to_vector<float>()[3] == -1.0f);
+  CHECK(x.to_vector<float>()[23] == -1.0f);
+
+  // contiguous() copies a non-contiguous view into row-major order.
+  Tensor c = ops::contiguous(t);
+  CHECK(c.is_contiguous());
+  CHECK(c.storage() != x.storage());
+  CHECK(equal(c, t));
+}
+
+TEST_CASE("view vs reshape on non-contiguous inputs", "[tensor][views]") {
+  Tensor x = randn({4, 6}, 1);
+  Tensor t = ops::transpose(x, 0, 1);  // [6, 4] col-major
+  CHECK_THROWS_WITH(ops::view(t, {24}), Catch::Contains("use reshape"));
+  Tensor r = ops::reshape(t, {24});
+  CHECK(r.storage() != x.storage());
+  CHECK(equal(r, ops::contiguous(t).to_vector<float>().size() == 24 ? ops::view(ops::contiguous(t), {24}) : r));
+  // A view that only splits a dim works on the transposed tensor.
+  Tensor v = ops::view(t, {2, 3, 4});
+  CHECK(v.storage() == x.storage());
+  CHECK(equal(ops::contiguous(v), ops::view(ops::contiguous(t), {2, 3, 4})));
+  CHECK(ops::view(x, {-1, 3}).shape() == Shape{8, 3});
+  CHECK_THROWS_WITH(ops::view(x, {5, -1}), Catch::Contains("invalid for input of size 24"));
+  CHECK_THROWS_WITH(ops::view(x, {-1, -1}), Catch::Contains("only one dimension can be -1"));
+}
+
+TEST_CASE("broadcasting follows numpy rules", "[tensor][broadcast]") {
+  Tensor a = randn({3, 1, 5}, 2);
+  Tensor b = randn({4, 1}, 3);
+  Tensor c = ops::add(a, b);
+  CHECK(c.shape() == Shape{3, 4, 5});
+  auto va = a.to_vector<float>(), vb = b.to_vector<float>(), vc = c.to_vector<float>();
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 5; ++k) CHECK(vc[(i * 4 + j) * 5 + k] == va[i * 5 + k] + vb[j]);
+  CHECK_THROWS_WITH(ops::add(randn({3, 2}, 1), randn({3}, 1)),
+                    Catch::Contains("shapes [3, 2] and [3] cannot be broadcast"));
+  CHECK_THROWS_WITH(ops::add(randn({3}, 1), randn({3}, 1, DType::F64)),
+                    Catch::Contains("dtype mismatch (f32 and f64)"));
+  // sum_to reverses broadcasting.
+  Tensor g = ops::sum_to(ones({3, 4, 5}), {4, 1});
+  CHECK(g.shape() == Shape{4, 1});
+  CHECK(g.to_vector<float>() == std::vector<float>(4, 15.0f));
+}
+
+TEST_CASE("cat, stack, split and chunk", "[tensor]") {
+  Tensor a = randn({2, 3}, 1), b = randn({4, 3}, 2);
+  Tensor c = ops::cat({a, b}, 0);
+  CHECK(c.shape() == Shape{6, 3});
+  CHECK(equal(ops::narrow(c, 0, 2, 4), b));
+  Tensor s = ops::stack({a, a}, 1);
+  CHECK(s.shape() == Shape{2, 2, 3});
+  CHECK(equal(ops::select(s, 1, 1), a));
+  CHECK_THROWS_WITH(ops::cat({a, randn({2, 4}, 1)}, 0), Catch::Contains("may differ only in dim 0"));
+
+  // torch.chunk semantics: 17 rows in 4 chunks -> 5,5,5,2; 5 in 4 -> 2,2,1 (three chunks).
+  auto sizes = [](const std::vector<Tensor>& parts) {
+    std::vector<int64_t> out;
+    for (auto& p : parts) out.push_back(p.size(0));
+    return out;
+  };
+  CHECK(sizes(ops::chunk(randn({17, 2}, 1), 4)) == std::vector<int64_t>{5, 5, 5, 2});
+  CHECK(sizes(ops::chunk(randn({5}, 1), 4)) == std::vector<int64_t>{2, 2, 1});
+  CHECK(sizes(ops::split(randn({7}, 1), 3)) == std::vector<int64_t>{3, 3, 1});
+  CHECK(sizes(ops::split_with_sizes(randn({7}, 1), {1, 0, 6})) == std::vector<int64_t>{1, 0, 6});
+}
+
+TEST_CASE("reductions over dims", "[tensor][reduce]") {
+  for (Shape shape : {Shape{1}, Shape{3, 17}, Shape{17, 3, 5}, Shape{257, 2}}) {
+    Tensor x = randn(shape, 11, DType::F64);
+    auto v = x.to_vector<double>();
+    // Full sum.
+    double total = 0;
+    for (double e : v) total += e;
+    CHECK(ops::sum(x).item() == Approx(total).epsilon(1e-12));
+    // Sum over dim 0 and the last dim against loops.
+    int64_t n0 = shape[0], rest = x.numel() / n0;
+    Tensor s0 = ops::sum(x, {0});
+    auto vs0 = s0.to_vector<double>();
+    for (int64_t j = 0; j < rest; ++j) {
+      double acc = 0;
+      for (int64_t i = 0; i < n0; ++i) acc += v[i * rest + j];
+      CHECK(vs0[j] == Approx(acc).epsilon(1e-12));
+    }
+    Tensor m = ops::mean(x, {-1}, true);
+    CHECK(m.dim() == x.dim());
+    int64_t last = shape.back();
+    auto vm = m.to_vector<double>();
+    for (int64_t r = 0; r < x.numel() / last; ++r) {
+      double acc = 0;
+      for (int64_t j = 0; j < last; ++j) acc += v[r * last + j];
+      CHECK(vm[r] == Approx(acc / last).epsilon(1e-12));
+    }
+  }
+  // Non-adjacent dims, max/argmax, var.
+  Tensor x = randn({4, 5, 6}, 5);
+  Tensor s = ops::sum(x, {0, 2});
+  Tensor ref = ops::sum(ops::sum(x, {2}), {0});
+  CHECK(allclose(s, ref, 1e-6, 1e-5));
+  auto [vals, idx] = ops::max(x, 1);
+  CHECK(vals.shape() == Shape{4, 6});
+  auto vx = x.to_vector<float>();
+  auto vv = vals.to_vector<float>();
+  auto vi = idx.to_vector<int64_t>();
+  for (int i = 0; i < 4; ++i)
+    for (int k = 0; k < 6; ++k) {
+      float best = -1e30f;
+      int64_t arg = -1;
+      for (int j = 0; j < 5; ++j)
+        if (vx[(i * 5 + j) * 6 + k] > best) best = vx[(i * 5 + j) * 6 + k], arg = j;
+      CHECK(vv[i * 6 + k] == best);
+      CHECK(vi[i * 6 + k] == arg);
+    }
+  Tensor var = ops::var(x, {1});
+  Tensor mu = ops::mean(x, {1}, true);
+  Tensor manual = ops::mul(ops::sum(ops::mul(ops::sub(x, mu), ops::sub(x, mu)), {1}), 1.0 / 4);
+  CHECK(allclose(var, manual, 1e-5, 1e-6));
+  CHECK(ops::sum(from_vector<int64_t>({1, 2, 3}, {3})).dtype() == DType::I64);
+}
+
+TEST_CASE("matmul agrees with a naive f64 loop, including transposed views", "[tensor][matmul]") {
+  for (auto [m, k, n] : {std::tuple{1, 1, 1}, {3, 17, 5}, {17, 3, 257}, {64, 65, 3}}) {
+    Tensor a = randn({m, k}, 1, DType::F64), b = randn({k, n}, 2, DType::F64);
+    auto va = a.to_vector<double>(), vb = b.to_vector<double>();
+    std::vector<double> ref(static_cast<size_t>(m * n), 0.0);
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j)
+        for (int p = 0; p < k; ++p) ref[i * n + j] += va[i * k + p] * vb[p * n + j];
+    Tensor r = from_vector(ref, {m, n});
+    CHECK(allclose(ops::matmul(a, b), r, 1e-12, 1e-12));
+    // Same product through transposed storage: (b^T)^T and (a^T)^T.
+    Tensor at = ops::contiguous(ops::transpose(a, 0, 1));
+    Tensor bt = ops::contiguous(ops::transpose(b, 0, 1));
+    CHECK(allclose(ops::matmul(ops::transpose(at, 0, 1), ops::transpose(bt, 0, 1)), r, 1e-12, 1e-12));
+    CHECK(allclose(ops::matmul(ops::to(a, DType::F32), ops::to(b, DType::F32)), r, 1e-5, 1e-4));
+  }
+  // Batched with broadcasting: [2, 1, 3, 4] @ [5, 4, 2] -> [2, 5, 3, 2].
+  Tensor a = randn({2, 1, 3, 4}, 3), b = randn({5, 4, 2}, 4);
+  Tensor c = ops::matmul(a, b);
+  CHECK(c.shape() == Shape{2, 5, 3, 2});
+  Tensor c12 = ops::matmul(ops::select(ops::select(a, 0, 1), 0, 0), ops::select(b, 0, 2));
+  CHECK(allclose(ops::select(ops::select(c, 0, 1), 0, 2), c12, 1e-6, 1e-6));
+  // Vector cases.
+  Tensor v = randn({4}, 5);
+  CHECK(ops::matmul(v, v).dim() == 0);
+  CHECK(ops::matmul(randn({3, 4}, 1), v).shape() == Shape{3});
+  CHECK_THROWS_WITH(ops::matmul(randn({4, 3}, 1), randn({5, 2}, 1)),
+                    Catch::Contains("shapes [4, 3] and [5, 2] do not align (3 != 5)"));
+}
+
+TEST_CASE("random slices equal the slice of the full tensor", "[tensor][random]") {
+  Shape full_shape{17, 13};
+  Tensor full_t = empty(full_shape);
+  ops::normal_(full_t, 0.0, 1.0, {42, 7, 0, {}});
+  for (int64_t world : {1, 2, 3, 4}) {
+    for (int64_t r = 0; r < world; ++r) {
+      // Row shard r of `world` (torch.chunk semantics).
+      int64_t c = (17 + world - 1) / world, start = std::min<int64_t>(17, r * c);
+      int64_t len = std::min<int64_t>(17, start + c) - start;
+      Tensor shard = empty({len, 13});
+      ops::normal_(shard, 0.0, 1.0, {42, 7, start * 13, {}});
+      CHECK(equal(shard, ops::narrow(full_t, 0, start, len)));
+      // Column shard via index strides.
+      int64_t cc = (13 + world - 1) / world, cs = std::min<int64_t>(13, r * cc);
+      int64_t cl = std::min<int64_t>(13, cs + cc) - cs;
+      Tensor cshard = empty({17, cl});
+      ops::normal_(cshard, 0.0, 1.0, {42, 7, cs, {13, 1}});
+      CHECK(equal(cshard, ops::narrow(full_t, 1, cs, cl)));
+    }
+  }
+  // Moments of a large sample; different seeds and streams differ.
+  Tensor big = normal({200000}, 1.0, 2.0, 9);
+  CHECK(ops::mean(big).item() == Approx(1.0).margin(0.02));
+  CHECK(std::sqrt(ops::var(big).item()) == Approx(2.0).margin(0.02));
+  Tensor u = rand({100000}, 3);
+  CHECK(ops::max(u).item() < 1.0);
+  CHECK(-ops::max(ops::neg(u)).item() >= 0.0);
+  CHECK_FALSE(equal(rand({8}, 3), rand({8}, 4)));
+}
+
+TEST_CASE("allocator tracks current and peak bytes; storage can be released", "[tensor][memory]") {
+  MemoryStats before = memory_stats();
+  reset_peak_memory_stats();
+  {
+    Tensor a = empty({1000}, DType::F32);
+    CHECK(memory_stats().current_bytes == before.current_bytes + 4000);
+    Tensor b = empty({500}, DType::F64);
+    CHECK(memory_stats().peak_bytes >= before.current_bytes + 8000);
+    Tensor view = ops::narrow(a, 0, 10, 10);
+    a.storage()->release();
+    CHECK(memory_stats().current_bytes == before.current_bytes + 4000);
+    CHECK_THROWS_WITH(view.data_ptr(), Catch::Contains("has been released"));
+    a.storage()->allocate();
+    ops::fill_(view, 3.0);  // the same view object works again
+    CHECK(a.to_vector<float>()[15] == 3.0f);
+  }
+  CHECK(memory_stats().current_bytes == before.current_bytes);
+}
+
+TEST_CASE("meta tensors have shapes and no bytes", "[tensor][meta]") {
+  MemoryStats before = memory_stats();
+  Tensor m = empty({1024, 1024}, DType::F32, Device::meta());
+  Tensor y = ops::matmul(m, ops::transpose(m, 0, 1));
+  CHECK(y.shape() == Shape{1024, 1024});
+  CHECK(y.is_meta());
+  CHECK(memory_stats().current_bytes == before.current_bytes);
+  CHECK_THROWS_WITH(m.data_ptr(), Catch::Contains("meta device"));
+  Tensor cpu = zeros({2});
+  CHECK_THROWS_WITH(ops::add(cpu, empty({2}, DType::F32, Device::meta())),
+                    Catch::Contains("different devices (cpu and meta)"));
+}
