@@ -1,0 +1,94 @@
+#include "nn/models.h"
+
+namespace tessera::nn {
+
+int64_t LanguageModel::num_parameters(bool exclude_position_embedding) const {
+  int64_t n = 0;
+  for (auto& [name, p] : named_parameters()) {
+    if (exclude_position_embedding && name == "transformer.wpe.weight") continue;
+    n += p.numel();
+  }
+  return n;
+}
+
+void LanguageModel::check_tokens(const Tensor& idx) const {
+  TS_CHECK(idx.dim() == 2, "{}: expected token ids [batch, seq], got {}", type_name(),
+           shape_str(idx.shape()));
+  TS_CHECK(idx.dtype() == DType::I64 || idx.dtype() == DType::I32,
+           "{}: token ids must be i64 or i32, got {}", type_name(), dtype_name(idx.dtype()));
+  TS_CHECK(idx.size(1) <= config.block_size,
+           "{}: sequence length {} exceeds the model's block_size {}", type_name(), idx.size(1),
+           config.block_size);
+}
+
+GPT::GPT(const TransformerConfig& cfg, Device device) : LanguageModel(cfg) {
+  cfg.validate();
+  // Built on meta, then materialised: each weight is initialised once, by FQN.
+  Device build = Device::meta();
+  transformer = register_module("transformer", std::make_shared<ModuleDict>());
+  wte = transformer->register_module("wte", std::make_shared<Embedding>(cfg.vocab_size, cfg.n_embd, build));
+  wpe = transformer->register_module("wpe", std::make_shared<Embedding>(cfg.block_size, cfg.n_embd, build));
+  drop = transformer->register_module("drop", std::make_shared<Dropout>(cfg.dropout));
+  h = transformer->register_module("h", std::make_shared<ModuleList>());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) {
+    auto block = std::make_shared<GPTBlock>(cfg, build);
+    h->push_back(block);
+    blocks.push_back(block);
+  }
+  ln_f = transformer->register_module("ln_f", std::make_shared<LayerNorm>(cfg.n_embd, cfg.norm_eps, cfg.bias, build));
+  lm_head = register_module("lm_head", std::make_shared<Linear>(cfg.n_embd, cfg.vocab_size, false, build));
+  if (cfg.tie_embeddings) lm_head->weight = wte->weight;  // one tensor in two slots
+  if (!device.is_meta()) {
+    to_empty(device);
+    init_weights(0);
+  }
+}
+
+void GPT::reset_parameters(uint64_t, const std::string&) {}
+
+Tensor GPT::forward(const Tensor& idx) {
+  check_tokens(idx);
+  int64_t t = idx.size(1);
+  Tensor pos = ops::to(arange(0, t), idx.dtype());
+  Tensor x = (*drop)((*wte)(idx) + (*wpe)(pos));
+  for (auto& block : blocks) x = (*block)(x);
+  return (*lm_head)((*ln_f)(x));
+}
+
+Llama::Llama(const TransformerConfig& cfg, Device device) : LanguageModel(cfg) {
+  cfg.validate();
+  Device build = Device::meta();
+  model = register_module("model", std::make_shared<ModuleDict>());
+  embed_tokens = model->register_module("embed_tokens", std::make_shared<Embedding>(cfg.vocab_size, cfg.n_embd, build));
+  layers = model->register_module("layers", std::make_shared<ModuleList>());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) {
+    auto block = std::make_shared<LlamaBlock>(cfg, build);
+    layers->push_back(block);
+    blocks.push_back(block);
+  }
+  norm = model->register_module("norm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, build));
+  lm_head = register_module("lm_head", std::make_shared<Linear>(cfg.n_embd, cfg.vocab_size, false, build));
+  if (cfg.tie_embeddings) lm_head->weight = embed_tokens->weight;
+  if (!device.is_meta()) {
+    to_empty(device);
+    init_weights(0);
+  }
+}
+
+Tensor Llama::forward(const Tensor& idx) {
+  check_tokens(idx);
+  Tensor x = (*embed_tokens)(idx);
+  for (auto& block : blocks) x = (*block)(x);
+  return (*lm_head)((*norm)(x));
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  TS_CHECK(logits.dim() >= 1, "cross_entropy: logits need a class dim, got {}", shape_str(logits.shape()));
+  Shape expect(logits.shape().begin(), logits.shape().end() - 1);
+  TS_CHECK(targets.shape() == expect, "cross_entropy: targets {} do not match logits {} (expected {})",
+           shape_str(targets.shape()), shape_str(logits.shape()), shape_str(expect));
+  int64_t v = logits.size(-1);
+  return tessera::cross_entropy(reshape(logits, {-1, v}), ops::reshape(targets, {-1}), ignore_index);
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,66 @@
+// Two language models with the parameter names of their reference
+// implementations, so checkpoints interoperate:
+//   GPT   - nanoGPT / GPT-2: transformer.wte.weight, transformer.wpe.weight,
+//           transformer.h.0.attn.c_attn.weight, ..., transformer.ln_f.weight, lm_head.weight
+//   Llama - Hugging Face Llama: model.embed_tokens.weight,
+//           model.layers.0.self_attn.q_proj.weight, ..., model.norm.weight, lm_head.weight
+#pragma once
+
+#include "nn/transformer.h"
+
+namespace tessera::nn {
+
+// Shared model interface: token ids [B, T] (i64) -> logits [B, T, vocab].
+class LanguageModel : public Module {
+ public:
+  explicit LanguageModel(TransformerConfig cfg) : config(cfg) {}
+  const TransformerConfig config;
+  // The transformer blocks, in order (fully_shard them one by one).
+  std::vector<std::shared_ptr<Module>> blocks;
+  // Parameters in the 6N FLOPs-per-token estimate (embeddings of positions excluded).
+  int64_t num_parameters(bool exclude_position_embedding = true) const;
+
+ protected:
+  void check_tokens(const Tensor& idx) const;
+};
+
+class GPT : public LanguageModel {
+ public:
+  // Builds on `device`; on a real device the weights are initialised from cfg seed 0
+  // (call init_weights(seed) for another seed).
+  GPT(const TransformerConfig& cfg, Device device = Device::cpu());
+  static std::shared_ptr<GPT> on_meta(const TransformerConfig& cfg) {
+    return std::make_shared<GPT>(cfg, Device::meta());
+  }
+  Tensor forward(const Tensor& idx) override;
+  void reset_parameters(uint64_t seed, const std::string& prefix) override;
+  std::string type_name() const override { return "GPT"; }
+
+  std::shared_ptr<ModuleDict> transformer;
+  std::shared_ptr<Embedding> wte, wpe;
+  std::shared_ptr<Dropout> drop;
+  std::shared_ptr<ModuleList> h;
+  std::shared_ptr<LayerNorm> ln_f;
+  std::shared_ptr<Linear> lm_head;
+};
+
+class Llama : public LanguageModel {
+ public:
+  Llama(const TransformerConfig& cfg, Device device = Device::cpu());
+  static std::shared_ptr<Llama> on_meta(const TransformerConfig& cfg) {
+    return std::make_shared<Llama>(cfg, Device::meta());
+  }
+  Tensor forward(const Tensor& idx) override;
+  std::string type_name() const override { return "LlamaForCausalLM"; }
+
+  std::shared_ptr<ModuleDict> model;
+  std::shared_ptr<Embedding> embed_tokens;
+  std::shared_ptr<ModuleList> layers;
+  std::shared_ptr<RMSNorm> norm;
+  std::shared_ptr<Linear> lm_head;
+};
+
+// Mean cross-entropy of logits [..., V] against targets [...] (i64).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+
+}  // namespace tessera::nn

@@ -1,0 +1,283 @@
+#include "nn/module.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+namespace tessera::nn {
+
+const Tensor* find_in(const StateDict& sd, const std::string& name) {
+  for (const auto& [k, v] : sd)
+    if (k == name) return &v;
+  return nullptr;
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  TensorList out = (*this)(TensorList{x});
+  TS_CHECK(out.size() == 1, "{}: called with one tensor but forward returned {}", type_name(),
+           out.size());
+  return out[0];
+}
+
+TensorList Module::operator()(TensorList inputs) {
+  return call_with_hooks(std::move(inputs), [this](const TensorList& in) { return forward_list(in); });
+}
+
+TensorList Module::call_with_hooks(TensorList inputs,
+                                   const std::function<TensorList(const TensorList&)>& body) {
+  // Copies: a hook may remove itself (or others) while running.
+  auto pre = pre_hooks_;
+  for (auto& [id, hook] : pre) hook(*this, inputs);
+  TensorList outputs = body(inputs);
+  auto post = post_hooks_;
+  for (auto& [id, hook] : post) hook(*this, inputs, outputs);
+  return outputs;
+}
+
+Tensor Module::forward(const Tensor&) {
+  TS_CHECK(false, "{} has no single-input forward", type_name());
+}
+
+TensorList Module::forward_list(const TensorList& inputs) {
+  TS_CHECK(inputs.size() == 1, "{}: forward takes one tensor, got {}", type_name(), inputs.size());
+  return {forward(inputs[0])};
+}
+
+Tensor& Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
+  TS_CHECK(find_parameter_slot(name) == nullptr, "{}: parameter '{}' already registered",
+           type_name(), name);
+  if (value.defined() && is_floating(value.dtype())) value.set_requires_grad(requires_grad);
+  params_.push_back({name, std::move(value), true});
+  return params_.back().value;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor value, bool persistent) {
+  buffers_.push_back({name, std::move(value), persistent});
+  return buffers_.back().value;
+}
+
+void Module::add_child(const std::string& name, ModulePtr module) {
+  TS_CHECK(module != nullptr, "{}: child '{}' is null", type_name(), name);
+  TS_CHECK(child(name) == nullptr, "{}: child '{}' already registered", type_name(), name);
+  TS_CHECK(name.find('.') == std::string::npos, "{}: child name '{}' may not contain '.'",
+           type_name(), name);
+  children_.emplace_back(name, std::move(module));
+}
+
+Module* Module::child(const std::string& name) const {
+  for (const auto& [n, m] : children_)
+    if (n == name) return m.get();
+  return nullptr;
+}
+
+Module& Module::submodule(const std::string& path) {
+  Module* m = this;
+  size_t start = 0;
+  while (start <= path.size() && !path.empty()) {
+    size_t dot = path.find('.', start);
+    std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    Module* next = m->child(part);
+    TS_CHECK(next != nullptr, "{} has no submodule '{}' (looking up '{}')", m->type_name(), part, path);
+    m = next;
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  return *m;
+}
+
+Module::Slot* Module::find_parameter_slot(const std::string& name) {
+  for (auto& s : params_)
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules(const std::string& prefix) {
+  std::vector<std::pair<std::string, Module*>> out;
+  std::unordered_set<Module*> seen;
+  std::function<void(Module&, const std::string&)> walk = [&](Module& m, const std::string& p) {
+    if (!seen.insert(&m).second) return;
+    out.emplace_back(p, &m);
+    for (auto& [name, c] : m.children_) walk(*c, p.empty() ? name : p + "." + name);
+  };
+  walk(*this, prefix);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_parameters(bool recurse) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  std::unordered_set<TensorImpl*> seen;
+  auto* self = const_cast<Module*>(this);
+  auto mods = recurse ? self->named_modules() : std::vector<std::pair<std::string, Module*>>{{"", self}};
+  for (auto& [prefix, m] : mods)
+    for (auto& s : m->params_)
+      if (s.value.defined() && seen.insert(s.value.impl()).second)
+        out.emplace_back(prefix.empty() ? s.name : prefix + "." + s.name, s.value);
+  return out;
+}
+
+TensorList Module::parameters(bool recurse) const {
+  TensorList out;
+  for (auto& [n, t] : named_parameters(recurse)) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_buffers(bool recurse) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  auto* self = const_cast<Module*>(this);
+  auto mods = recurse ? self->named_modules() : std::vector<std::pair<std::string, Module*>>{{"", self}};
+  for (auto& [prefix, m] : mods)
+    for (auto& s : m->buffers_)
+      if (s.value.defined()) out.emplace_back(prefix.empty() ? s.name : prefix + "." + s.name, s.value);
+  return out;
+}
+
+void Module::train(bool on) {
+  for (auto& [p, m] : named_modules()) m->training_ = on;
+}
+
+void Module::apply(const std::function<void(Module&)>& fn) {
+  for (auto& [name, c] : children_) c->apply(fn);
+  fn(*this);
+}
+
+namespace {
+// Runs `convert` on every slot of every module, with extension hooks around it.
+// Tied parameters (one tensor in several slots) are converted once and stay tied.
+void convert_slots(Module& root, const std::function<Tensor(const Tensor&)>& convert) {
+  auto mods = root.named_modules();
+  for (auto& [p, m] : mods)
+    if (m->extension) m->extension->before_move(*m);
+  std::vector<std::pair<TensorImpl*, Tensor>> done;
+  auto once = [&](Tensor& slot) {
+    if (!slot.defined()) return;
+    for (auto& [old, fresh] : done)
+      if (old == slot.impl()) {
+        slot = fresh;
+        return;
+      }
+    TensorImpl* old = slot.impl();
+    Tensor keep = slot;  // keeps `old` alive so its address is not reused
+    Tensor fresh = convert(slot);
+    if (!fresh.is_same(slot) && keep.requires_grad() && is_floating(fresh.dtype()))
+      fresh.set_requires_grad(true);
+    done.emplace_back(old, fresh);
+    slot = fresh;
+  };
+  for (auto& [p, m] : mods) {
+    for (auto& s : m->parameter_slots()) once(s.value);
+    for (auto& s : m->buffer_slots()) once(s.value);
+  }
+  for (auto& [p, m] : mods)
+    if (m->extension) m->extension->after_move(*m);
+}
+}  // namespace
+
+void Module::to(DType dtype) {
+  autograd::NoGradGuard no_grad;
+  convert_slots(*this, [dtype](const Tensor& t) {
+    return is_floating(t.dtype()) ? ops::to(t, dtype) : t;
+  });
+}
+
+void Module::to_empty(Device device) {
+  autograd::NoGradGuard no_grad;
+  convert_slots(*this, [device](const Tensor& t) { return empty(t.shape(), t.dtype(), device); });
+}
+
+void Module::init_weights(uint64_t seed) {
+  autograd::NoGradGuard no_grad;
+  // Reverse pre-order: a tied parameter ends up initialised by the module that
+  // owns its first FQN (transformer.wte.weight, not lm_head.weight).
+  auto mods = named_modules();
+  for (auto it = mods.rbegin(); it != mods.rend(); ++it)
+    it->second->reset_parameters(seed, it->first.empty() ? "" : it->first + ".");
+}
+
+void Module::reset_parameters(uint64_t, const std::string&) {}
+
+void Module::zero_grad(bool set_to_none) {
+  for (Tensor& p : parameters()) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.set_grad(Tensor());
+    } else {
+      Tensor g = p.grad();
+      ops::zero_(g);
+    }
+  }
+}
+
+StateDict Module::state_dict() {
+  auto mods = named_modules();
+  for (auto& [p, m] : mods)
+    if (m->extension) m->extension->before_state_dict(*m);
+  StateDict out;
+  for (auto& [prefix, m] : mods) {
+    std::string pre = prefix.empty() ? "" : prefix + ".";
+    for (auto& s : m->params_)
+      if (s.value.defined()) out.emplace_back(pre + s.name, s.value);
+    for (auto& s : m->buffers_)
+      if (s.value.defined() && s.persistent) out.emplace_back(pre + s.name, s.value);
+  }
+  return out;
+}
+
+void Module::load_state_dict(const StateDict& state, bool strict) {
+  autograd::NoGradGuard no_grad;
+  StateDict own = state_dict();
+  std::vector<std::string> missing, unexpected, mismatched;
+  for (auto& [name, dst] : own) {
+    const Tensor* src = find_in(state, name);
+    if (src == nullptr) {
+      missing.push_back(name);
+      continue;
+    }
+    if (src->shape() != dst.shape()) {
+      mismatched.push_back(fmt::format("{}: checkpoint {} vs model {}", name,
+                                       shape_str(src->shape()), shape_str(dst.shape())));
+    }
+  }
+  for (auto& [name, t] : state)
+    if (find_in(own, name) == nullptr) unexpected.push_back(name);
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+    return s;
+  };
+  TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", join(mismatched));
+  TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
+           "load_state_dict: missing keys [{}]; unexpected keys [{}]", join(missing),
+           join(unexpected));
+  for (auto& [name, dst] : own) {
+    const Tensor* src = find_in(state, name);
+    if (src == nullptr || src->is_same(dst)) continue;
+    ops::copy_(dst, *src);
+  }
+  for (auto& [p, m] : named_modules())
+    if (m->extension) m->extension->after_load_state_dict(*m);
+}
+
+Module::HookId Module::register_forward_pre_hook(ForwardPreHook hook, bool prepend) {
+  HookId id = next_hook_++;
+  if (prepend) pre_hooks_.insert(pre_hooks_.begin(), {id, std::move(hook)});
+  else pre_hooks_.emplace_back(id, std::move(hook));
+  return id;
+}
+
+Module::HookId Module::register_forward_hook(ForwardHook hook, bool prepend) {
+  HookId id = next_hook_++;
+  if (prepend) post_hooks_.insert(post_hooks_.begin(), {id, std::move(hook)});
+  else post_hooks_.emplace_back(id, std::move(hook));
+  return id;
+}
+
+void Module::remove_hook(HookId id) {
+  auto drop = [id](auto& v) {
+    v.erase(std::remove_if(v.begin(), v.end(), [id](const auto& e) { return e.first == id; }), v.end());
+  };
+  drop(pre_hooks_);
+  drop(post_hooks_);
+}
+
+void ModuleList::push_back(ModulePtr m) { add_child(std::to_string(size()), std::move(m)); }
+
+}  // namespace tessera::nn

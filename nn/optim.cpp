@@ -1,0 +1,150 @@
+#include "nn/optim.h"
+
+#include <cmath>
+
+namespace tessera::optim {
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
+  for (auto& g : groups_)
+    for (auto& p : g.params) {
+      TS_CHECK(p.defined(), "optimizer: undefined parameter");
+      TS_CHECK(p.requires_grad() && p.is_leaf(),
+               "optimizer: parameters must be leaf tensors that require grad (got {})",
+               shape_str(p.shape()));
+    }
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (auto& g : groups_)
+    for (auto& p : g.params) {
+      if (!p.grad().defined()) continue;
+      if (set_to_none) {
+        p.set_grad(Tensor());
+      } else {
+        Tensor grad = p.grad();
+        ops::zero_(grad);
+      }
+    }
+}
+
+void Optimizer::set_lr(double lr) {
+  for (auto& g : groups_) g.lr = lr;
+}
+
+namespace {
+std::vector<ParamGroup> one_group(const TensorList& params, double lr, double wd) {
+  return {ParamGroup{params, lr, wd}};
+}
+}  // namespace
+
+AdamW::AdamW(const TensorList& params, AdamWOptions options)
+    : AdamW(one_group(params, options.lr, options.weight_decay), options) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
+    : Optimizer(std::move(groups)), options_(options) {
+  TS_CHECK(options.lr >= 0 && options.eps >= 0 && options.beta1 >= 0 && options.beta1 < 1 &&
+               options.beta2 >= 0 && options.beta2 < 1,
+           "AdamW: invalid options (lr {}, betas ({}, {}), eps {})", options.lr, options.beta1,
+           options.beta2, options.eps);
+  for (auto& g : groups_) state_.emplace_back(g.params.size());
+}
+
+void AdamW::step() {
+  autograd::NoGradGuard no_grad;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    ParamGroup& group = groups_[gi];
+    for (size_t j = 0; j < group.params.size(); ++j) {
+      Tensor& p = group.params[j];
+      Tensor grad = p.grad();
+      if (!grad.defined()) continue;
+      State& s = state_[gi][j];
+      if (s.step == 0) {
+        s.exp_avg = zeros_like(p);
+        s.exp_avg_sq = zeros_like(p);
+      }
+      s.step += 1;
+      if (group.weight_decay != 0.0) ops::mul_(p, 1.0 - group.lr * group.weight_decay);
+      ops::lerp_(s.exp_avg, grad, 1.0 - b1);
+      ops::mul_(s.exp_avg_sq, b2);
+      ops::addcmul_(s.exp_avg_sq, grad, grad, 1.0 - b2);
+      double bias1 = 1.0 - std::pow(b1, static_cast<double>(s.step));
+      double bias2 = 1.0 - std::pow(b2, static_cast<double>(s.step));
+      Tensor denom = ops::sqrt(s.exp_avg_sq);
+      ops::mul_(denom, 1.0 / std::sqrt(bias2));
+      ops::add_(denom, options_.eps);
+      ops::addcdiv_(p, s.exp_avg, denom, -group.lr / bias1);
+    }
+  }
+}
+
+SGD::SGD(const TensorList& params, SGDOptions options)
+    : Optimizer(one_group(params, options.lr, options.weight_decay)), options_(options) {
+  TS_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0),
+           "SGD: nesterov needs momentum > 0 and dampening 0");
+  momentum_.resize(groups_[0].params.size());
+}
+
+void SGD::step() {
+  autograd::NoGradGuard no_grad;
+  ParamGroup& group = groups_[0];
+  for (size_t j = 0; j < group.params.size(); ++j) {
+    Tensor& p = group.params[j];
+    Tensor grad = p.grad();
+    if (!grad.defined()) continue;
+    Tensor d = grad;
+    if (group.weight_decay != 0.0) {
+      d = ops::clone(grad);
+      ops::add_(d, p, group.weight_decay);
+    }
+    if (options_.momentum != 0.0) {
+      Tensor& buf = momentum_[j];
+      if (!buf.defined()) {
+        buf = ops::clone(d);
+      } else {
+        ops::mul_(buf, options_.momentum);
+        ops::add_(buf, d, 1.0 - options_.dampening);
+      }
+      if (options_.nesterov) {
+        d = ops::clone(d);
+        ops::add_(d, buf, options_.momentum);
+      } else {
+        d = buf;
+      }
+    }
+    ops::add_(p, d, -group.lr);
+  }
+}
+
+double WarmupCosine::lr_at(int64_t step) const {
+  if (step < warmup) return max_lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (step >= total) return min_lr;
+  double progress = static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, total - warmup));
+  return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace tessera::optim
+
+namespace tessera::nn {
+
+double grad_norm(const TensorList& params) {
+  double total = 0.0;
+  for (const Tensor& p : params)
+    if (p.grad().defined()) total += ops::sum_squares(p.grad());
+  return std::sqrt(total);
+}
+
+double clip_grad_norm_(const TensorList& params, double max_norm) {
+  double norm = grad_norm(params);
+  double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    autograd::NoGradGuard no_grad;
+    for (const Tensor& p : params) {
+      Tensor g = p.grad();
+      if (g.defined()) ops::mul_(g, coef);
+    }
+  }
+  return norm;
+}
+
+}  // namespace tessera::nn

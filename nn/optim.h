@@ -1,0 +1,99 @@
+// Optimizers (PyTorch semantics), learning-rate schedules and gradient clipping.
+// Steps run under no-grad with the in-place ops of runtime/ops.h, one
+// parameter at a time; on sharded (DTensor) parameters they update the local
+// shards and issue no collectives.
+#pragma once
+
+#include <vector>
+
+#include "nn/module.h"
+
+namespace tessera::optim {
+
+struct ParamGroup {
+  TensorList params;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  void zero_grad(bool set_to_none = true);
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  void set_lr(double lr);  // every group
+
+ protected:
+  explicit Optimizer(std::vector<ParamGroup> groups);
+  std::vector<ParamGroup> groups_;
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+// Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+class AdamW : public Optimizer {
+ public:
+  AdamW(const TensorList& params, AdamWOptions options = {});
+  // Groups keep their own lr and weight decay; the rest comes from options.
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions options);
+  void step() override;
+
+  struct State {
+    int64_t step = 0;
+    Tensor exp_avg, exp_avg_sq;  // created at the first step, like the parameter
+  };
+  // State of parameter j of group g.
+  State& state(size_t group, size_t j) { return state_.at(group).at(j); }
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  AdamWOptions options_;
+  std::vector<std::vector<State>> state_;
+};
+
+struct SGDOptions {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;  // coupled (added to the gradient), as torch.optim.SGD
+  bool nesterov = false;
+};
+
+class SGD : public Optimizer {
+ public:
+  SGD(const TensorList& params, SGDOptions options = {});
+  void step() override;
+  Tensor& momentum_buffer(size_t j) { return momentum_.at(j); }
+
+ private:
+  SGDOptions options_;
+  std::vector<Tensor> momentum_;
+};
+
+// Linear warmup from lr/warmup to lr over `warmup` steps, then cosine decay to
+// min_lr at `total` steps (constant min_lr after).
+struct WarmupCosine {
+  double max_lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 0;
+  int64_t total = 1;
+  double lr_at(int64_t step) const;  // step counts from 0
+};
+
+}  // namespace tessera::optim
+
+namespace tessera::nn {
+// Scales gradients so their global L2 norm is at most max_norm; returns the
+// norm before clipping. Sharded (DTensor) gradients take one all-reduce of the
+// squared norm.
+double clip_grad_norm_(const TensorList& params, double max_norm);
+// The global L2 norm of the gradients (no clipping).
+double grad_norm(const TensorList& params);
+}  // namespace tessera::nn

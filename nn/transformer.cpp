@@ -1,0 +1,155 @@
+#include "nn/transformer.h"
+
+#include <cmath>
+
+namespace tessera::nn {
+
+void TransformerConfig::validate() const {
+  TS_CHECK(vocab_size > 0 && block_size > 0 && n_layer >= 0 && n_head > 0 && n_embd > 0,
+           "model config: sizes must be positive (vocab_size {}, block_size {}, n_layer {}, "
+           "n_head {}, n_embd {})",
+           vocab_size, block_size, n_layer, n_head, n_embd);
+  TS_CHECK(n_embd % n_head == 0, "model config: n_embd {} is not divisible by n_head {}", n_embd,
+           n_head);
+  TS_CHECK(n_head % kv_heads() == 0, "model config: n_head {} is not a multiple of n_kv_head {}",
+           n_head, kv_heads());
+  TS_CHECK(dropout >= 0.0 && dropout < 1.0, "model config: dropout {} not in [0, 1)", dropout);
+}
+
+Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {
+  if (!on || !autograd::is_grad_enabled()) return f(x);
+  // The segment runs again in backward: capture f by value.
+  return autograd::checkpoint([f](const TensorList& in) { return TensorList{f(in[0])}; }, {x})[0];
+}
+
+namespace {
+// Residual projections get the GPT-2 scaled init std 0.02 / sqrt(2 * n_layer).
+double residual_std(const TransformerConfig& cfg) {
+  return 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(cfg.n_layer, 1)));
+}
+}  // namespace
+
+GeluMLP::GeluMLP(const TransformerConfig& cfg, Device device) {
+  int64_t hidden = cfg.ffn_hidden > 0 ? cfg.ffn_hidden : 4 * cfg.n_embd;
+  c_fc = register_module("c_fc", std::make_shared<Linear>(cfg.n_embd, hidden, cfg.bias, device));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, cfg.n_embd, cfg.bias, device));
+  c_proj->init_std = residual_std(cfg);
+  dropout = register_module("dropout", std::make_shared<Dropout>(cfg.dropout));
+}
+
+Tensor GeluMLP::forward(const Tensor& x) {
+  return (*dropout)((*c_proj)(gelu((*c_fc)(x))));  // exact GELU, as nanoGPT
+}
+
+SwiGLUMLP::SwiGLUMLP(const TransformerConfig& cfg, Device device) {
+  int64_t hidden = cfg.ffn_hidden;
+  if (hidden <= 0) hidden = (8 * cfg.n_embd / 3 + 63) / 64 * 64;
+  gate_proj = register_module("gate_proj", std::make_shared<Linear>(cfg.n_embd, hidden, false, device));
+  up_proj = register_module("up_proj", std::make_shared<Linear>(cfg.n_embd, hidden, false, device));
+  down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, cfg.n_embd, false, device));
+  down_proj->init_std = residual_std(cfg);
+}
+
+Tensor SwiGLUMLP::forward(const Tensor& x) {
+  return (*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x));
+}
+
+CausalSelfAttention::CausalSelfAttention(const TransformerConfig& cfg, Device device)
+    : n_head(cfg.n_head), n_embd(cfg.n_embd) {
+  c_attn = register_module("c_attn", std::make_shared<Linear>(n_embd, 3 * n_embd, cfg.bias, device));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(n_embd, n_embd, cfg.bias, device));
+  c_proj->init_std = residual_std(cfg);
+  resid_dropout = register_module("resid_dropout", std::make_shared<Dropout>(cfg.dropout));
+}
+
+namespace {
+// [B, T, H*D] -> [B, H, T, D]
+Tensor split_heads(const Tensor& x, int64_t heads) {
+  int64_t b = x.size(0), t = x.size(1), d = x.size(2) / heads;
+  return transpose(reshape(x, {b, t, heads, d}), 1, 2);
+}
+// [B, H, T, D] -> [B, T, H*D]
+Tensor merge_heads(const Tensor& x) {
+  int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  return reshape(transpose(x, 1, 2), {b, t, h * d});
+}
+}  // namespace
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  TS_CHECK(x.dim() == 3 && x.size(2) == n_embd, "CausalSelfAttention: expected [B, T, {}], got {}",
+           n_embd, shape_str(x.shape()));
+  auto qkv = split((*c_attn)(x), n_embd, 2);
+  Tensor y = scaled_dot_product_attention(split_heads(qkv[0], n_head), split_heads(qkv[1], n_head),
+                                          split_heads(qkv[2], n_head), /*causal=*/true);
+  return (*resid_dropout)((*c_proj)(merge_heads(y)));
+}
+
+LlamaAttention::LlamaAttention(const TransformerConfig& cfg, Device device)
+    : n_head(cfg.n_head), n_kv_head(cfg.kv_heads()), head_dim(cfg.head_dim()), rope_theta(cfg.rope_theta) {
+  TS_CHECK(head_dim % 2 == 0, "LlamaAttention: rotary embedding needs an even head_dim, got {}",
+           head_dim);
+  int64_t c = cfg.n_embd;
+  q_proj = register_module("q_proj", std::make_shared<Linear>(c, n_head * head_dim, false, device));
+  k_proj = register_module("k_proj", std::make_shared<Linear>(c, n_kv_head * head_dim, false, device));
+  v_proj = register_module("v_proj", std::make_shared<Linear>(c, n_kv_head * head_dim, false, device));
+  o_proj = register_module("o_proj", std::make_shared<Linear>(n_head * head_dim, c, false, device));
+  o_proj->init_std = residual_std(cfg);
+}
+
+Tensor LlamaAttention::forward(const Tensor& x) {
+  TS_CHECK(x.dim() == 3, "LlamaAttention: expected [B, T, C], got {}", shape_str(x.shape()));
+  int64_t t = x.size(1);
+  DType cd = compute_dtype(x.dtype());
+  if (!cos_.defined() || cos_.size(0) < t || cos_.dtype() != cd || cos_.device() != x.device()) {
+    // angle(pos, i) = pos * theta^(-2i / head_dim), computed in f64.
+    int64_t half = head_dim / 2;
+    std::vector<double> c(static_cast<size_t>(t * half)), s(c.size());
+    for (int64_t p = 0; p < t; ++p)
+      for (int64_t i = 0; i < half; ++i) {
+        double angle = static_cast<double>(p) * std::pow(rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+        c[static_cast<size_t>(p * half + i)] = std::cos(angle);
+        s[static_cast<size_t>(p * half + i)] = std::sin(angle);
+      }
+    cos_ = ops::to(from_vector(c, {t, half}), cd);
+    sin_ = ops::to(from_vector(s, {t, half}), cd);
+  }
+  Tensor q = rope(contiguous(split_heads((*q_proj)(x), n_head)), cos_, sin_);
+  Tensor k = rope(contiguous(split_heads((*k_proj)(x), n_kv_head)), cos_, sin_);
+  Tensor v = split_heads((*v_proj)(x), n_kv_head);
+  return (*o_proj)(merge_heads(scaled_dot_product_attention(q, k, v, /*causal=*/true)));
+}
+
+GPTBlock::GPTBlock(const TransformerConfig& cfg, Device device) : checkpoint(cfg.activation_checkpoint) {
+  ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(cfg.n_embd, cfg.norm_eps, cfg.bias, device));
+  attn = register_module("attn", std::make_shared<CausalSelfAttention>(cfg, device));
+  ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(cfg.n_embd, cfg.norm_eps, cfg.bias, device));
+  mlp = register_module("mlp", std::make_shared<GeluMLP>(cfg, device));
+}
+
+Tensor GPTBlock::body(const Tensor& x) {
+  Tensor h = x + (*attn)((*ln_1)(x));
+  return h + (*mlp)((*ln_2)(h));
+}
+
+Tensor GPTBlock::forward(const Tensor& x) {
+  return maybe_checkpoint(checkpoint, x, [this](const Tensor& in) { return body(in); });
+}
+
+LlamaBlock::LlamaBlock(const TransformerConfig& cfg, Device device) : checkpoint(cfg.activation_checkpoint) {
+  input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, device));
+  self_attn = register_module("self_attn", std::make_shared<LlamaAttention>(cfg, device));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, device));
+  mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(cfg, device));
+}
+
+Tensor LlamaBlock::body(const Tensor& x) {
+  Tensor h = x + (*self_attn)((*input_layernorm)(x));
+  return h + (*mlp)((*post_attention_layernorm)(h));
+}
+
+Tensor LlamaBlock::forward(const Tensor& x) {
+  return maybe_checkpoint(checkpoint, x, [this](const Tensor& in) { return body(in); });
+}
+
+}  // namespace tessera::nn

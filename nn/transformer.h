@@ -1,0 +1,105 @@
+// Transformer building blocks shared by the GPT-2 and Llama models.
+#pragma once
+
+#include "nn/layers.h"
+
+namespace tessera::nn {
+
+struct TransformerConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 128;  // maximum sequence length
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_kv_head = 0;  // 0: same as n_head (Llama: grouped-query attention when fewer)
+  int64_t n_embd = 256;
+  int64_t ffn_hidden = 0;  // 0: 4 * n_embd (GPT-2) or Llama's 2/3 * 4 * n_embd rounded to 64
+  double dropout = 0.0;
+  bool bias = true;             // GPT-2 Linear/LayerNorm biases
+  bool tie_embeddings = true;   // lm_head.weight is the token embedding
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;  // Llama
+  bool activation_checkpoint = false;  // recompute each block in backward
+
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t head_dim() const { return n_embd / n_head; }
+  void validate() const;  // throws naming the inconsistent field
+};
+
+// GPT-2 MLP: c_fc -> GELU -> c_proj.
+class GeluMLP : public Module {
+ public:
+  GeluMLP(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "MLP"; }
+  std::shared_ptr<Linear> c_fc, c_proj;
+  std::shared_ptr<Dropout> dropout;
+};
+
+// Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+class SwiGLUMLP : public Module {
+ public:
+  SwiGLUMLP(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "LlamaMLP"; }
+  std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
+};
+
+// GPT-2 attention: one fused c_attn projection to q, k, v; causal SDPA; c_proj.
+class CausalSelfAttention : public Module {
+ public:
+  CausalSelfAttention(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "CausalSelfAttention"; }
+  int64_t n_head, n_embd;
+  std::shared_ptr<Linear> c_attn, c_proj;
+  std::shared_ptr<Dropout> resid_dropout;
+};
+
+// Llama attention: q/k/v/o projections, rotary embedding, grouped-query attention.
+class LlamaAttention : public Module {
+ public:
+  LlamaAttention(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "LlamaAttention"; }
+  int64_t n_head, n_kv_head, head_dim;
+  double rope_theta;
+  std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+
+ private:
+  // cos/sin tables [T, head_dim/2], computed in f64 on first use for a length.
+  Tensor cos_, sin_;
+};
+
+// x + attn(ln_1(x)), then + mlp(ln_2(x)).
+class GPTBlock : public Module {
+ public:
+  GPTBlock(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Block"; }
+  bool checkpoint;
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<GeluMLP> mlp;
+
+ private:
+  Tensor body(const Tensor& x);
+};
+
+class LlamaBlock : public Module {
+ public:
+  LlamaBlock(const TransformerConfig& cfg, Device device);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "LlamaDecoderLayer"; }
+  bool checkpoint;
+  std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
+  std::shared_ptr<LlamaAttention> self_attn;
+  std::shared_ptr<SwiGLUMLP> mlp;
+
+ private:
+  Tensor body(const Tensor& x);
+};
+
+// Runs f(x) under activation checkpointing when `on` (and grad mode is on).
+Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f);
+
+}  // namespace tessera::nn

@@ -1,0 +1,187 @@
+// The models against references computed another way: a GPT written out with
+// primitive ops (materialised attention, unfused norms and loss), and central
+// differences in f64.
+#include <cmath>
+
+#include "nn/models.h"
+#include "nn/optim.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using tessera::testing::allclose;
+
+namespace {
+nn::TransformerConfig tiny_cfg() {
+  nn::TransformerConfig c;
+  c.vocab_size = 13;
+  c.block_size = 16;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 8;
+  return c;
+}
+
+Tensor naive_layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  Tensor mu = mean(x, {-1}, true);
+  Tensor var0 = mean(square(x - mu), {-1}, true);
+  return (x - mu) * rsqrt(var0 + eps) * w + b;
+}
+
+Tensor naive_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  int64_t t = q.size(2);
+  Tensor scores = matmul(q, transpose(k, -2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  Tensor above = ops::binary(ops::BinaryOp::Gt, ops::reshape(arange(0, t), {1, t}),
+                             ops::reshape(arange(0, t), {t, 1}));
+  scores = where(above, full({}, -1e30, scores.dtype()), scores);
+  return matmul(softmax(scores, -1), v);
+}
+
+// The GPT forward + loss from primitives, reading the model's parameters.
+Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
+  const auto& c = m.config;
+  int64_t b = idx.size(0), t = idx.size(1), h = c.n_head, d = c.n_embd / c.n_head;
+  Tensor pos = arange(0, t);
+  Tensor x = embedding(m.wte->weight, idx) + embedding(m.wpe->weight, pos);
+  for (auto& blk_ptr : m.blocks) {
+    auto& blk = static_cast<nn::GPTBlock&>(*blk_ptr);
+    Tensor a = naive_layer_norm(x, blk.ln_1->weight, blk.ln_1->bias, c.norm_eps);
+    Tensor qkv = matmul(a, transpose(blk.attn->c_attn->weight, 0, 1)) + blk.attn->c_attn->bias;
+    auto heads = [&](int64_t i) {
+      return transpose(reshape(narrow(qkv, 2, i * c.n_embd, c.n_embd), {b, t, h, d}), 1, 2);
+    };
+    Tensor y = naive_attention(heads(0), heads(1), heads(2));
+    y = reshape(transpose(y, 1, 2), {b, t, c.n_embd});
+    x = x + matmul(y, transpose(blk.attn->c_proj->weight, 0, 1)) + blk.attn->c_proj->bias;
+    Tensor f = naive_layer_norm(x, blk.ln_2->weight, blk.ln_2->bias, c.norm_eps);
+    Tensor hid = gelu(matmul(f, transpose(blk.mlp->c_fc->weight, 0, 1)) + blk.mlp->c_fc->bias);
+    x = x + matmul(hid, transpose(blk.mlp->c_proj->weight, 0, 1)) + blk.mlp->c_proj->bias;
+  }
+  x = naive_layer_norm(x, m.ln_f->weight, m.ln_f->bias, c.norm_eps);
+  Tensor logits = matmul(x, transpose(m.lm_head->weight, 0, 1));
+  Tensor logp = log_softmax(reshape(logits, {b * t, c.vocab_size}), -1);
+  Tensor onehot = ops::to(ops::binary(ops::BinaryOp::Eq, ops::reshape(arange(0, c.vocab_size), {1, c.vocab_size}),
+                                      ops::reshape(targets, {b * t, 1})),
+                          logp.dtype());
+  return neg(sum(logp * onehot)) * (1.0 / static_cast<double>(b * t));
+}
+
+std::vector<std::pair<std::string, Tensor>> grads_of(nn::Module& m) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, p] : m.named_parameters()) out.emplace_back(n, ops::clone(p.grad()));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("GPT loss and gradients equal a primitive-op reference (f64)", "[nn][gpt]") {
+  auto cfg = tiny_cfg();
+  for (bool tie : {true, false}) {
+    cfg.tie_embeddings = tie;
+    nn::GPT m(cfg);
+    m.to(DType::F64);
+    m.init_weights(3);
+    Tensor idx = randint({3, 7}, 0, cfg.vocab_size, 1), tgt = randint({3, 7}, 0, cfg.vocab_size, 2);
+    Tensor loss = nn::cross_entropy(m(idx), tgt);
+    autograd::backward(loss);
+    auto fused = grads_of(m);
+    m.zero_grad();
+    Tensor ref = naive_gpt_loss(m, idx, tgt);
+    autograd::backward(ref);
+    auto naive = grads_of(m);
+    CHECK(loss.item() == Approx(ref.item()).epsilon(1e-12));
+    CHECK(loss.item() == Approx(std::log(13.0)).epsilon(0.05));  // near-uniform at init
+    for (size_t i = 0; i < fused.size(); ++i) {
+      INFO(fused[i].first);
+      CHECK(allclose(fused[i].second, naive[i].second, 1e-9, 1e-12));
+    }
+  }
+}
+
+TEST_CASE("GPT and Llama gradients match central differences (f64)", "[nn][gpt][llama]") {
+  auto cfg = tiny_cfg();
+  cfg.n_kv_head = 1;  // Llama: grouped-query attention
+  std::vector<std::shared_ptr<nn::LanguageModel>> models = {std::make_shared<nn::GPT>(cfg),
+                                                            std::make_shared<nn::Llama>(cfg)};
+  for (auto& m : models) {
+    INFO(m->type_name());
+    m->to(DType::F64);
+    m->init_weights(5);
+    Tensor idx = randint({2, 5}, 0, cfg.vocab_size, 3), tgt = randint({2, 5}, 0, cfg.vocab_size, 4);
+    autograd::backward(nn::cross_entropy((*m)(idx), tgt));
+    for (auto& [name, p] : m->named_parameters()) {
+      INFO(name);
+      Tensor g = p.grad();
+      REQUIRE(g.defined());
+      auto gv = g.to_vector<double>();
+      double* data = p.data<double>();
+      // A few elements of every parameter (first, middle, last).
+      for (int64_t e : {int64_t{0}, p.numel() / 2, p.numel() - 1}) {
+        double orig = data[e], eps = 1e-6;
+        autograd::NoGradGuard ng;
+        data[e] = orig + eps;
+        double up = nn::cross_entropy((*m)(idx), tgt).item();
+        data[e] = orig - eps;
+        double down = nn::cross_entropy((*m)(idx), tgt).item();
+        data[e] = orig;
+        double numeric = (up - down) / (2 * eps);
+        CHECK(gv[static_cast<size_t>(e)] == Approx(numeric).margin(1e-7).epsilon(1e-5));
+      }
+    }
+  }
+}
+
+TEST_CASE("f32 model agrees with its f64 twin; activation checkpointing changes nothing",
+          "[nn][gpt]") {
+  auto cfg = tiny_cfg();
+  cfg.dropout = 0.1;
+  nn::GPT a(cfg);
+  a.init_weights(9);
+  Tensor idx = randint({2, 16}, 0, cfg.vocab_size, 5), tgt = randint({2, 16}, 0, cfg.vocab_size, 6);
+  manual_seed(1);
+  Tensor la = nn::cross_entropy(a(idx), tgt);
+  autograd::backward(la);
+  auto ga = grads_of(a);
+  cfg.activation_checkpoint = true;
+  nn::GPT b(cfg);
+  b.load_state_dict(a.state_dict());
+  manual_seed(1);
+  Tensor lb = nn::cross_entropy(b(idx), tgt);
+  autograd::backward(lb);
+  auto gb = grads_of(b);
+  CHECK(la.item() == lb.item());
+  for (size_t i = 0; i < ga.size(); ++i) {
+    INFO(ga[i].first);
+    CHECK(allclose(ga[i].second, gb[i].second, 1e-6, 1e-7));
+  }
+  nn::GPT c(tiny_cfg());
+  c.load_state_dict(a.state_dict());
+  c.to(DType::F64);
+  c.eval();
+  a.eval();
+  autograd::NoGradGuard ng;
+  CHECK(nn::cross_entropy(a(idx), tgt).item() ==
+        Approx(nn::cross_entropy(c(idx), tgt).item()).epsilon(1e-5));
+}
+
+TEST_CASE("a tiny GPT learns a repeating sequence", "[nn][gpt][train]") {
+  auto cfg = tiny_cfg();
+  cfg.n_embd = 16;
+  nn::GPT m(cfg);
+  m.init_weights(11);
+  // Period-5 pattern: perfectly predictable after the first tokens.
+  std::vector<int64_t> seq;
+  for (int i = 0; i < 4 * 17; ++i) seq.push_back((i * 3) % 5);
+  Tensor data = from_vector(seq, {4, 17});
+  Tensor x = ops::contiguous(ops::narrow(data, 1, 0, 16)), y = ops::contiguous(ops::narrow(data, 1, 1, 16));
+  optim::AdamW opt(m.parameters(), {.lr = 1e-2, .weight_decay = 0.0});
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    Tensor loss = nn::cross_entropy(m(x), y);
+    if (step == 0) first = loss.item();
+    last = loss.item();
+    autograd::backward(loss);
+    opt.step();
+    opt.zero_grad();
+  }
+  CHECK(first > 2.0);
+  CHECK(last < 0.1);
+}

@@ -1,0 +1,197 @@
+#include "nn/models.h"
+#include "runtime/allocator.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using tessera::testing::allclose;
+using tessera::testing::equal;
+
+namespace {
+nn::TransformerConfig tiny(bool tie = true) {
+  nn::TransformerConfig c;
+  c.vocab_size = 11;
+  c.block_size = 9;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 6;
+  c.tie_embeddings = tie;
+  return c;
+}
+
+class Net : public nn::Module {
+ public:
+  Net() {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(3, 5));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(5, 2, false));
+    scale = &register_buffer("scale", full({2}, 2.0));
+  }
+  Tensor forward(const Tensor& x) override { return (*fc2)(relu((*fc1)(x))) * *scale; }
+  std::shared_ptr<nn::Linear> fc1, fc2;
+  Tensor* scale;
+};
+}  // namespace
+
+TEST_CASE("named parameters, buffers and modules use dotted FQNs", "[nn][module]") {
+  Net net;
+  std::vector<std::string> names;
+  for (auto& [n, p] : net.named_parameters()) names.push_back(n);
+  CHECK(names == std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight"});
+  CHECK(net.named_buffers().at(0).first == "scale");
+  std::vector<std::string> mods;
+  for (auto& [n, m] : net.named_modules()) mods.push_back(n);
+  CHECK(mods == std::vector<std::string>{"", "fc1", "fc2"});
+  CHECK(&net.submodule("fc2") == net.fc2.get());
+  CHECK_THROWS_WITH(net.submodule("fc3"), Catch::Contains("no submodule 'fc3'"));
+
+  nn::GPT gpt(tiny());
+  auto params = gpt.named_parameters();
+  CHECK(params.front().first == "transformer.wte.weight");
+  CHECK(params.at(2).first == "transformer.h.0.ln_1.weight");
+  bool has_attn = false;
+  for (auto& [n, p] : params) has_attn = has_attn || n == "transformer.h.1.attn.c_attn.weight";
+  CHECK(has_attn);
+  // Tied: listed once by named_parameters, twice in the state dict.
+  int lm = 0;
+  for (auto& [n, p] : params) lm += n == "lm_head.weight";
+  CHECK(lm == 0);
+  auto sd = gpt.state_dict();
+  CHECK(nn::find_in(sd, "lm_head.weight") != nullptr);
+  CHECK(nn::find_in(sd, "lm_head.weight")->is_same(*nn::find_in(sd, "transformer.wte.weight")));
+  CHECK(gpt.lm_head->weight.shape() == Shape{11, 6});  // Linear weights are [out, in]
+
+  auto lcfg = tiny(false);
+  lcfg.n_embd = 8;
+  nn::Llama llama(lcfg);
+  auto lsd = llama.state_dict();
+  for (const char* key : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                          "model.layers.1.mlp.gate_proj.weight", "model.layers.0.input_layernorm.weight",
+                          "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
+                          "lm_head.weight"})
+    CHECK(nn::find_in(lsd, key) != nullptr);
+}
+
+TEST_CASE("forward hooks run on module(x), not on module.forward(x)", "[nn][hooks]") {
+  Net net;
+  int pre = 0, post = 0;
+  std::vector<std::string> order;
+  net.register_forward_pre_hook([&](nn::Module&, TensorList& in) {
+    ++pre;
+    order.push_back("pre");
+    in[0] = in[0] * 2.0;  // pre-hooks may replace inputs
+  });
+  auto id = net.register_forward_hook([&](nn::Module&, const TensorList&, TensorList& out) {
+    ++post;
+    order.push_back("post");
+    out[0] = out[0] + 1.0;  // and forward hooks outputs
+  });
+  net.register_forward_pre_hook([&](nn::Module&, TensorList&) { order.push_back("first"); }, true);
+  Tensor x = randn({4, 3}, 1);
+  Tensor direct = net.forward(x);
+  CHECK(pre == 0);
+  CHECK(post == 0);
+  Tensor called = net(x);
+  CHECK(pre == 1);
+  CHECK(post == 1);
+  CHECK(order == std::vector<std::string>{"first", "pre", "post"});
+  CHECK(allclose(called, ops::add(net.forward(ops::mul(x, 2.0)), 1.0)));
+  net.remove_hook(id);
+  net(x);
+  CHECK(post == 1);
+  // Children's hooks fire when the parent's forward calls them as module(x).
+  int child_calls = 0;
+  net.fc1->register_forward_pre_hook([&](nn::Module&, TensorList&) { ++child_calls; });
+  net.forward(x);
+  CHECK(child_calls == 1);
+}
+
+TEST_CASE("state_dict round trip and load errors", "[nn][state_dict]") {
+  nn::GPT a(tiny()), b(tiny());
+  a.init_weights(1);
+  b.init_weights(2);
+  CHECK_FALSE(equal(a.wpe->weight, b.wpe->weight));
+  b.load_state_dict(a.state_dict());
+  for (auto& [name, t] : a.state_dict()) CHECK(equal(t, *nn::find_in(b.state_dict(), name)));
+  // The tie survives loading.
+  CHECK(b.lm_head->weight.is_same(b.wte->weight));
+
+  nn::StateDict sd = a.state_dict();
+  sd.erase(sd.begin() + 1);
+  CHECK_THROWS_WITH(b.load_state_dict(sd), Catch::Contains("missing keys [transformer.wpe.weight]"));
+  b.load_state_dict(sd, /*strict=*/false);
+  sd = a.state_dict();
+  sd.emplace_back("extra.weight", zeros({1}));
+  CHECK_THROWS_WITH(b.load_state_dict(sd), Catch::Contains("unexpected keys [extra.weight]"));
+  auto big = tiny();
+  big.n_embd = 8;
+  nn::GPT c(big);
+  CHECK_THROWS_WITH(b.load_state_dict(c.state_dict()),
+                    Catch::Contains("size mismatch for transformer.wte.weight: checkpoint [11, 8] vs model [11, 6]"));
+  // dtype is converted on load.
+  nn::StateDict half;
+  for (auto& [n, t] : a.state_dict()) half.emplace_back(n, ops::to(t, DType::BF16));
+  b.load_state_dict(half);
+  CHECK(b.wpe->weight.dtype() == DType::F32);
+  CHECK(equal(b.wpe->weight, ops::to(ops::to(a.wpe->weight, DType::BF16), DType::F32)));
+}
+
+TEST_CASE("init_weights depends only on seed and FQN; meta models materialise", "[nn][init]") {
+  auto cfg = tiny();
+  nn::GPT a(cfg);
+  a.init_weights(7);
+  auto meta = nn::GPT::on_meta(cfg);
+  CHECK(meta->wte->weight.is_meta());
+  MemoryStats before = memory_stats();
+  auto meta2 = nn::GPT::on_meta(cfg);
+  CHECK(memory_stats().current_bytes == before.current_bytes);  // no bytes on meta
+  meta->to_empty(Device::cpu());
+  CHECK(meta->lm_head->weight.is_same(meta->wte->weight));  // tie kept through to_empty
+  meta->init_weights(7);
+  for (auto& [name, t] : a.state_dict()) CHECK(equal(t, *nn::find_in(meta->state_dict(), name)));
+  // A tied weight is initialised under its first FQN.
+  Tensor expect = empty({11, 6});
+  nn::init_normal(expect, 0.0, 0.02, 7, "transformer.wte.weight");
+  CHECK(equal(a.wte->weight, expect));
+  // Residual projections use the scaled std.
+  CHECK(a.state_dict().size() > 0);
+  CHECK(ops::var(a.blocks[0]->submodule("attn.c_proj").parameter_slots()[0].value).item() <
+        ops::var(a.blocks[0]->submodule("attn.c_attn").parameter_slots()[0].value).item());
+}
+
+TEST_CASE("to(dtype), train/eval and zero_grad", "[nn][module]") {
+  Net net;
+  net.to(DType::F64);
+  CHECK(net.fc1->weight.dtype() == DType::F64);
+  CHECK(net.fc1->weight.requires_grad());
+  CHECK(net.scale->dtype() == DType::F64);
+  net.eval();
+  CHECK_FALSE(net.fc1->is_training());
+  net.train();
+  Tensor loss = sum(net(randn({2, 3}, 1, DType::F64)));
+  autograd::backward(loss);
+  CHECK(net.fc1->weight.grad().defined());
+  net.zero_grad(false);
+  CHECK(ops::sum_squares(net.fc1->weight.grad()) == 0.0);
+  net.zero_grad();
+  CHECK_FALSE(net.fc1->weight.grad().defined());
+}
+
+TEST_CASE("bad input gives clear exceptions", "[nn][errors]") {
+  nn::Linear lin(4, 3);
+  CHECK_THROWS_WITH(lin(randn({2, 5}, 1)),
+                    Catch::Contains("linear: input [2, 5] has 5 features but weight [3, 4] expects 4"));
+  CHECK_THROWS_WITH(lin(randn({2, 4}, 1, DType::F64)), Catch::Contains("dtype mismatch"));
+  nn::Embedding emb(10, 4);
+  CHECK_THROWS_WITH(emb(from_vector<int64_t>({1, 10}, {2})),
+                    Catch::Contains("index 10 at position 1 is out of range for a table of 10 rows"));
+  CHECK_THROWS_WITH(emb(randn({2}, 1)), Catch::Contains("indices must be i32 or i64, got f32"));
+  nn::GPT gpt(tiny());
+  CHECK_THROWS_WITH(gpt(zeros({1, 10}, DType::I64)),
+                    Catch::Contains("sequence length 10 exceeds the model's block_size 9"));
+  CHECK_THROWS_WITH(nn::cross_entropy(randn({2, 3, 5}, 1), zeros({2, 4}, DType::I64)),
+                    Catch::Contains("targets [2, 4] do not match logits [2, 3, 5]"));
+  CHECK_THROWS_WITH(nn::cross_entropy(randn({2, 5}, 1), from_vector<int64_t>({1, 7}, {2})),
+                    Catch::Contains("target 7 at position 1 is out of range for 5 classes"));
+  auto cfg = tiny();
+  cfg.n_head = 4;
+  CHECK_THROWS_WITH(nn::GPT(cfg), Catch::Contains("n_embd 6 is not divisible by n_head 4"));
+}
