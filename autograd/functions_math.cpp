@@ -1,5 +1,6 @@
 // Differentiable elementwise math and reductions.
 #include "autograd/functions.h"
+#include "runtime/profiler.h"
 
 namespace tessera {
 
@@ -12,6 +13,7 @@ namespace {
 
 // Unary op; saves x, and y when its derivative is cheaper from the output.
 Tensor unary_op(UnaryOp op, const Tensor& x) {
+  TS_PROFILE(ops::unary_name(op));
   Tensor y = ops::unary(op, x);
   if (should_record({x})) {
     bool keep_y = op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt ||
@@ -27,6 +29,7 @@ Tensor unary_op(UnaryOp op, const Tensor& x) {
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b) {
+  TS_PROFILE("add");
   Tensor y = ops::add(a, b);
   if (should_record({a, b})) {
     Shape sa = a.shape(), sb = b.shape();
@@ -38,6 +41,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
+  TS_PROFILE("sub");
   Tensor y = ops::sub(a, b);
   if (should_record({a, b})) {
     Shape sa = a.shape(), sb = b.shape();
@@ -49,6 +53,7 @@ Tensor sub(const Tensor& a, const Tensor& b) {
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
+  TS_PROFILE("mul");
   Tensor y = ops::mul(a, b);
   if (should_record({a, b})) {
     bool ga = a.requires_grad(), gb = b.requires_grad();
@@ -61,6 +66,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
+  TS_PROFILE("div");
   Tensor y = ops::div(a, b);
   if (should_record({a, b})) {
     bool gb = b.requires_grad();
@@ -75,12 +81,14 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor add(const Tensor& a, double b) {
+  TS_PROFILE("add");
   Tensor y = ops::add(a, b);
   if (should_record({a})) record("add_scalar", {a}, {y}, [](const TensorList& g) { return g; });
   return y;
 }
 
 Tensor mul(const Tensor& a, double b) {
+  TS_PROFILE("mul");
   Tensor y = ops::mul(a, b);
   if (should_record({a}))
     record("mul_scalar", {a}, {y}, [b](const TensorList& g) { return TensorList{ops::mul(g[0], b)}; });
@@ -88,6 +96,7 @@ Tensor mul(const Tensor& a, double b) {
 }
 
 Tensor pow(const Tensor& a, double e) {
+  TS_PROFILE("pow");
   Tensor y = ops::binary(BinaryOp::Pow, a, e);
   if (should_record({a})) {
     record("pow", {a}, {y}, [a, e](const TensorList& g) {
@@ -99,6 +108,7 @@ Tensor pow(const Tensor& a, double e) {
 }
 
 Tensor pow(const Tensor& a, const Tensor& e) {
+  TS_PROFILE("pow");
   Tensor y = ops::binary(BinaryOp::Pow, a, e);
   if (should_record({a, e})) {
     Tensor saved_y = autograd::detach(y);
@@ -116,6 +126,7 @@ Tensor pow(const Tensor& a, const Tensor& e) {
 namespace {
 // maximum/minimum: the gradient goes to the selected input; ties split it evenly.
 Tensor extremum(BinaryOp op, const Tensor& a, const Tensor& b) {
+  TS_PROFILE(ops::binary_name(op));
   Tensor y = ops::binary(op, a, b);
   if (should_record({a, b})) {
     record(ops::binary_name(op), {a, b}, {y}, [op, a, b](const TensorList& g) {
@@ -145,6 +156,7 @@ Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, x); }
 Tensor sigmoid(const Tensor& x) { return unary_op(UnaryOp::Sigmoid, x); }
 Tensor relu(const Tensor& x) { return unary_op(UnaryOp::Relu, x); }
 Tensor gelu(const Tensor& x, bool tanh_approximation) {
+  TS_PROFILE("gelu");
   return unary_op(tanh_approximation ? UnaryOp::GeluTanh : UnaryOp::Gelu, x);
 }
 Tensor silu(const Tensor& x) { return unary_op(UnaryOp::Silu, x); }
@@ -153,6 +165,7 @@ Tensor cos(const Tensor& x) { return unary_op(UnaryOp::Cos, x); }
 Tensor square(const Tensor& x) { return unary_op(UnaryOp::Square, x); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  TS_PROFILE("where");
   Tensor y = ops::where(cond, a, b);
   if (should_record({a, b})) {
     record("where", {a, b}, {y}, [cond, a, b](const TensorList& g) {
@@ -190,6 +203,7 @@ int64_t reduced_count(const Tensor& x, const std::vector<int64_t>& dims) {
 }  // namespace
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  TS_PROFILE("sum");
   Tensor y = ops::sum(x, dims, keepdim);
   if (should_record({x})) {
     Shape kept = keepdim_shape(x, dims), full_shape = x.shape();
@@ -201,6 +215,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  TS_PROFILE("mean");
   Tensor y = ops::mean(x, dims, keepdim);
   if (should_record({x})) {
     Shape kept = keepdim_shape(x, dims), full_shape = x.shape();
@@ -213,6 +228,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) {
+  TS_PROFILE("var");
   Tensor y = ops::var(x, dims, correction, keepdim);
   if (should_record({x})) {
     Shape kept = keepdim_shape(x, dims);
@@ -227,6 +243,7 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction
 }
 
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  TS_PROFILE("max");
   auto [values, indices] = ops::max(x, dim, keepdim);
   if (should_record({x})) {
     int64_t d = wrap_dim(dim, x.dim(), "max");

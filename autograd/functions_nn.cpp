@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "autograd/functions.h"
+#include "runtime/profiler.h"
 
 namespace tessera {
 
@@ -9,6 +10,7 @@ using autograd::record;
 using autograd::should_record;
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  TS_PROFILE("matmul");
   Tensor y = ops::matmul(a, b);
   if (should_record({a, b})) {
     bool ga = a.requires_grad(), gb = b.requires_grad();
@@ -29,6 +31,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  TS_PROFILE("linear");
   Tensor y = ops::linear(x, weight, bias);
   if (should_record({x, weight, bias})) {
     bool gx = x.requires_grad(), gw = weight.requires_grad();
@@ -54,6 +57,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 }
 
 Tensor softmax(const Tensor& x, int64_t dim) {
+  TS_PROFILE("softmax");
   Tensor y = ops::softmax(x, dim);
   if (should_record({x})) {
     Tensor saved = autograd::detach(y);
@@ -65,6 +69,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
+  TS_PROFILE("log_softmax");
   Tensor y = ops::log_softmax(x, dim);
   if (should_record({x})) {
     Tensor saved = autograd::detach(y);
@@ -76,6 +81,7 @@ Tensor log_softmax(const Tensor& x, int64_t dim) {
 }
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  TS_PROFILE("layer_norm");
   ops::NormResult r = ops::layer_norm(x, weight, bias, eps);
   if (should_record({x, weight, bias})) {
     bool want_wb = weight.requires_grad() || (bias.defined() && bias.requires_grad());
@@ -90,6 +96,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  TS_PROFILE("rms_norm");
   ops::NormResult r = ops::rms_norm(x, weight, eps);
   if (should_record({x, weight})) {
     bool want_w = weight.defined() && weight.requires_grad();
@@ -103,6 +110,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  TS_PROFILE("embedding");
   Tensor y = ops::embedding(weight, indices);
   if (should_record({weight})) {
     int64_t rows = weight.size(0);
@@ -114,6 +122,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {
+  TS_PROFILE("cross_entropy");
   ops::CrossEntropyResult r = ops::cross_entropy(logits, target, ignore_index);
   if (should_record({logits})) {
     Tensor lse = r.lse;
@@ -128,6 +137,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
 }
 
 Tensor dropout(const Tensor& x, double p, bool training) {
+  TS_PROFILE("dropout");
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
   Tensor mask = ops::dropout_mask(x.shape(), p, default_generator().next(x.numel()), x.dtype(),
@@ -140,6 +150,7 @@ Tensor dropout(const Tensor& x, double p, bool training) {
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale_opt) {
+  TS_PROFILE("scaled_dot_product_attention");
   TS_CHECK(q.dim() == 4, "scaled_dot_product_attention: q must be [B, H, T, D], got {}",
            shape_str(q.shape()));
   double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
@@ -155,6 +166,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 }
 
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  TS_PROFILE("rope");
   Tensor y = ops::rope(x, cos, sin, false);
   if (should_record({x})) {
     record("rope", {x}, {y}, [cos, sin](const TensorList& g) {

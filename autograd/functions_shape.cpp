@@ -2,6 +2,7 @@
 #include <numeric>
 
 #include "autograd/functions.h"
+#include "runtime/profiler.h"
 
 namespace tessera {
 
@@ -32,18 +33,21 @@ Tensor scatter_into_zeros(const Shape& shape, DType dtype, Device device, const 
 }  // namespace
 
 Tensor reshape(const Tensor& x, const Shape& shape) {
+  TS_PROFILE("reshape");
   Shape in = x.shape();
   return unary_node("reshape", x, ops::reshape(x, shape),
                     [in](const Tensor& g) { return ops::reshape(g, in); });
 }
 
 Tensor view(const Tensor& x, const Shape& shape) {
+  TS_PROFILE("view");
   Shape in = x.shape();
   return unary_node("view", x, ops::view(x, shape),
                     [in](const Tensor& g) { return ops::reshape(g, in); });
 }
 
 Tensor permute(const Tensor& x, const std::vector<int64_t>& dims) {
+  TS_PROFILE("permute");
   Tensor y = ops::permute(x, dims);
   std::vector<int64_t> inverse(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) inverse[wrap_dim(dims[i], x.dim(), "permute")] = static_cast<int64_t>(i);
@@ -51,11 +55,13 @@ Tensor permute(const Tensor& x, const std::vector<int64_t>& dims) {
 }
 
 Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1) {
+  TS_PROFILE("transpose");
   return unary_node("transpose", x, ops::transpose(x, dim0, dim1),
                     [dim0, dim1](const Tensor& g) { return ops::transpose(g, dim0, dim1); });
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  TS_PROFILE("narrow");
   Tensor y = ops::narrow(x, dim, start, length);
   Shape s = x.shape();
   DType dt = x.dtype();
@@ -67,6 +73,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  TS_PROFILE("slice");
   Tensor y = ops::slice(x, dim, start, end, step);
   Shape s = x.shape();
   DType dt = x.dtype();
@@ -78,6 +85,7 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
 }
 
 Tensor select(const Tensor& x, int64_t dim, int64_t index) {
+  TS_PROFILE("select");
   Tensor y = ops::select(x, dim, index);
   Shape s = x.shape();
   DType dt = x.dtype();
@@ -89,39 +97,46 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
 }
 
 Tensor expand(const Tensor& x, const Shape& shape) {
+  TS_PROFILE("expand");
   Shape in = x.shape();
   return unary_node("expand", x, ops::expand(x, shape),
                     [in](const Tensor& g) { return ops::sum_to(g, in); });
 }
 
 Tensor squeeze(const Tensor& x, int64_t dim) {
+  TS_PROFILE("squeeze");
   Shape in = x.shape();
   return unary_node("squeeze", x, ops::squeeze(x, dim),
                     [in](const Tensor& g) { return ops::reshape(g, in); });
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t dim) {
+  TS_PROFILE("unsqueeze");
   Shape in = x.shape();
   return unary_node("unsqueeze", x, ops::unsqueeze(x, dim),
                     [in](const Tensor& g) { return ops::reshape(g, in); });
 }
 
 Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
+  TS_PROFILE("flatten");
   Shape in = x.shape();
   return unary_node("flatten", x, ops::flatten(x, start_dim, end_dim),
                     [in](const Tensor& g) { return ops::reshape(g, in); });
 }
 
 Tensor contiguous(const Tensor& x) {
+  TS_PROFILE("contiguous");
   if (x.is_contiguous()) return x;
   return unary_node("contiguous", x, ops::contiguous(x), [](const Tensor& g) { return g; });
 }
 
 Tensor clone(const Tensor& x) {
+  TS_PROFILE("clone");
   return unary_node("clone", x, ops::clone(x), [](const Tensor& g) { return g; });
 }
 
 Tensor to(const Tensor& x, DType dtype) {
+  TS_PROFILE("to");
   if (x.dtype() == dtype) return x;
   DType in = x.dtype();
   TS_CHECK(!x.requires_grad() || is_floating(dtype),
@@ -141,19 +156,23 @@ std::vector<Tensor> record_split(const char* name, const Tensor& x, std::vector<
 }  // namespace
 
 std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim) {
+  TS_PROFILE("split");
   return record_split("split", x, ops::split(x, split_size, dim), dim);
 }
 
 std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
                                      int64_t dim) {
+  TS_PROFILE("split_with_sizes");
   return record_split("split_with_sizes", x, ops::split_with_sizes(x, sizes, dim), dim);
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  TS_PROFILE("chunk");
   return record_split("chunk", x, ops::chunk(x, chunks, dim), dim);
 }
 
 Tensor cat(const TensorList& xs, int64_t dim) {
+  TS_PROFILE("cat");
   Tensor y = ops::cat(xs, dim);
   if (should_record(xs)) {
     int64_t d = wrap_dim(dim, xs[0].dim(), "cat");
@@ -167,6 +186,7 @@ Tensor cat(const TensorList& xs, int64_t dim) {
 }
 
 Tensor stack(const TensorList& xs, int64_t dim) {
+  TS_PROFILE("stack");
   TS_CHECK(!xs.empty(), "stack: expected at least one tensor");
   TensorList parts;
   for (const Tensor& x : xs) parts.push_back(unsqueeze(x, wrap_dim(dim, xs[0].dim() + 1, "stack")));
@@ -185,16 +205,19 @@ void check_inplace(const Tensor& x, const char* op) {
 }  // namespace
 
 Tensor& copy_(Tensor& dst, const Tensor& src) {
+  TS_PROFILE("copy_");
   check_inplace(dst, "copy_");
   return ops::copy_(dst, src);
 }
 
 Tensor& fill_(Tensor& x, double value) {
+  TS_PROFILE("fill_");
   check_inplace(x, "fill_");
   return ops::fill_(x, value);
 }
 
 Tensor& zero_(Tensor& x) {
+  TS_PROFILE("zero_");
   check_inplace(x, "zero_");
   return ops::zero_(x);
 }

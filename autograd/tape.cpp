@@ -4,6 +4,7 @@
 #include <unordered_set>
 
 #include "runtime/ops.h"
+#include "runtime/profiler.h"
 #include "runtime/random.h"
 
 namespace tessera::autograd {
@@ -84,6 +85,7 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
             BackwardFn backward) {
   auto node = std::make_unique<Node>();
   node->name = name;
+  node->backward_name = node->name + ".backward";
   for (const Tensor& x : inputs) {
     Node::Input in;
     if (x.defined()) {
@@ -202,7 +204,10 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
     if (node.is_marker()) {
       bool fire = node.watch_ids.empty();
       for (uint64_t id : node.watch_ids) fire = fire || grads.count(id) > 0;
-      if (fire) node.marker();
+      if (fire) {
+        profiler::Scope scope(node.name.c_str());
+        node.marker();
+      }
       nodes[i].reset();
       continue;
     }
@@ -235,7 +240,11 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
           }
         }
       }
-      TensorList input_grads = node.backward(grad_outputs);
+      TensorList input_grads;
+      {
+        profiler::Scope scope(node.backward_name.c_str());
+        input_grads = node.backward(grad_outputs);
+      }
       TS_CHECK(input_grads.size() == node.inputs.size(),
                "backward of '{}' returned {} gradients for {} inputs", node.name,
                input_grads.size(), node.inputs.size());

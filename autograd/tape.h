@@ -49,6 +49,7 @@ using BackwardFn = std::function<TensorList(const TensorList& grad_outputs)>;
 // One entry of the tape.
 struct Node {
   std::string name;
+  std::string backward_name;  // "<name>.backward", for the profiler
   struct Input {
     uint64_t id = 0;                   // the input tensor's identity
     bool needs_grad = false;           // requires grad at record time

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "runtime/profiler.h"
+
 namespace tessera::optim {
 
 Optimizer::Optimizer(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
@@ -15,6 +17,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups) : groups_(std::move(groups)
 }
 
 void Optimizer::zero_grad(bool set_to_none) {
+  TS_PROFILE("zero_grad");
   for (auto& g : groups_)
     for (auto& p : g.params) {
       if (!p.grad().defined()) continue;
@@ -50,6 +53,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
 }
 
 void AdamW::step() {
+  TS_PROFILE("AdamW.step");
   autograd::NoGradGuard no_grad;
   const double b1 = options_.beta1, b2 = options_.beta2;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -86,6 +90,7 @@ SGD::SGD(const TensorList& params, SGDOptions options)
 }
 
 void SGD::step() {
+  TS_PROFILE("SGD.step");
   autograd::NoGradGuard no_grad;
   ParamGroup& group = groups_[0];
   for (size_t j = 0; j < group.params.size(); ++j) {
@@ -135,6 +140,7 @@ double grad_norm(const TensorList& params) {
 }
 
 double clip_grad_norm_(const TensorList& params, double max_norm) {
+  TS_PROFILE("clip_grad_norm_");
   double norm = grad_norm(params);
   double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {

@@ -9,6 +9,9 @@
 #include "runtime/check.h"
 #include "runtime/dtype.h"
 
+// Force-inlined so that loops calling these vectorise.
+#define TS_INLINE __attribute__((always_inline)) inline
+
 namespace tessera::cpu {
 
 // Calls f(T{}) with T the C++ type of a compute dtype (f32 or f64).
@@ -48,7 +51,7 @@ inline T from_double(double v) {
   else return static_cast<T>(v);
 }
 
-inline float bits_to_float(int32_t i) {
+TS_INLINE float bits_to_float(int32_t i) {
   float f;
   std::memcpy(&f, &i, 4);
   return f;
@@ -59,8 +62,9 @@ inline float bits_to_float(int32_t i) {
 // and 2^n applied as two normal powers of two (so results near FLT_MAX and
 // denormal results are right). Underflows to 0 below -104; overflows to inf
 // above ln(FLT_MAX); NaN propagates.
-inline float fast_exp(float x) {
-  float xc = std::fmin(std::fmax(x, -104.0f), 88.72283905f);
+TS_INLINE float fast_exp(float x) {
+  // Ternaries, not fmin/fmax: those are library calls that block vectorisation.
+  float xc = x < -104.0f ? -104.0f : (x > 88.72283905f ? 88.72283905f : x);
   float n = std::nearbyint(xc * 1.44269504088896341f);
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -78,26 +82,26 @@ inline float fast_exp(float x) {
   y = x > 88.72283905f ? INFINITY : y;
   return x != x ? x : y;
 }
-inline double fast_exp(double x) { return std::exp(x); }
+TS_INLINE double fast_exp(double x) { return std::exp(x); }
 
 // tanh: an odd polynomial near 0 (Cephes tanhf), 1 - 2/(e^{2|x|}+1) elsewhere.
-inline float fast_tanh(float x) {
+TS_INLINE float fast_tanh(float x) {
   float ax = std::fabs(x);
   float z = x * x;
   float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
                   1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
-  float e = fast_exp(2.0f * std::fmin(ax, 9.0f));
+  float e = fast_exp(2.0f * (ax < 9.0f ? ax : 9.0f));
   float big = 1.0f - 2.0f / (e + 1.0f);
   big = std::copysign(big, x);
   return ax < 0.625f ? small : big;
 }
-inline double fast_tanh(double x) { return std::tanh(x); }
+TS_INLINE double fast_tanh(double x) { return std::tanh(x); }
 
-inline float fast_sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
-inline double fast_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+TS_INLINE float fast_sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+TS_INLINE double fast_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // erfc with fractional error < 1.2e-7 everywhere (Numerical Recipes' erfcc).
-inline float fast_erfc(float x) {
+TS_INLINE float fast_erfc(float x) {
   float z = std::fabs(x);
   float t = 1.0f / (1.0f + 0.5f * z);
   float p = -0.82215223f + t * 0.17087277f;
@@ -111,15 +115,15 @@ inline float fast_erfc(float x) {
   float ans = t * fast_exp(-z * z - 1.26551223f + t * p);
   return x >= 0.0f ? ans : 2.0f - ans;
 }
-inline double fast_erfc(double x) { return std::erfc(x); }
+TS_INLINE double fast_erfc(double x) { return std::erfc(x); }
 
 // Standard normal CDF and density.
 template <class T>
-inline T normal_cdf(T x) {
+TS_INLINE T normal_cdf(T x) {
   return T(0.5) * fast_erfc(-x * T(0.70710678118654752440));
 }
 template <class T>
-inline T normal_pdf(T x) {
+TS_INLINE T normal_pdf(T x) {
   return T(0.39894228040143267794) * fast_exp(T(-0.5) * x * x);
 }
 

@@ -59,7 +59,7 @@ void fill(const Tensor& dst, double value) {
 }
 
 template <class T>
-inline T apply_unary(UnaryOp op, T x) {
+TS_INLINE T apply_unary(UnaryOp op, T x) {
   switch (op) {
     case UnaryOp::Neg: return -x;
     case UnaryOp::Exp: return fast_exp(x);
@@ -87,7 +87,7 @@ inline T apply_unary(UnaryOp op, T x) {
 
 // Gradient of op at x (y = op(x)), times g.
 template <class T>
-inline T apply_unary_backward(UnaryOp op, T g, T x, T y) {
+TS_INLINE T apply_unary_backward(UnaryOp op, T g, T x, T y) {
   switch (op) {
     case UnaryOp::Neg: return -g;
     case UnaryOp::Exp: return g * y;
@@ -153,6 +153,26 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
   });
 }
 
+template <class T, UnaryOp Op>
+void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gx[i] = apply_unary_backward(Op, gy[i], x[i], y[i]);
+}
+
+template <class T>
+void unary_backward_contiguous(UnaryOp op, T* gx, const T* gy, const T* x, const T* y, int64_t n) {
+  switch (op) {
+#define TS_UNARY_BWD_CASE(name) \
+  case UnaryOp::name: return unary_backward_loop<T, UnaryOp::name>(gx, gy, x, y, n);
+    TS_UNARY_BWD_CASE(Neg) TS_UNARY_BWD_CASE(Exp) TS_UNARY_BWD_CASE(Log) TS_UNARY_BWD_CASE(Sqrt)
+    TS_UNARY_BWD_CASE(Rsqrt) TS_UNARY_BWD_CASE(Abs) TS_UNARY_BWD_CASE(Tanh)
+    TS_UNARY_BWD_CASE(Sigmoid) TS_UNARY_BWD_CASE(Relu) TS_UNARY_BWD_CASE(Gelu)
+    TS_UNARY_BWD_CASE(GeluTanh) TS_UNARY_BWD_CASE(Silu) TS_UNARY_BWD_CASE(Sin)
+    TS_UNARY_BWD_CASE(Cos) TS_UNARY_BWD_CASE(Square) TS_UNARY_BWD_CASE(Reciprocal)
+    TS_UNARY_BWD_CASE(Sign)
+#undef TS_UNARY_BWD_CASE
+  }
+}
+
 void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor& x,
                     const Tensor& y) {
   // y may be undefined for ops that only need x; point it at x then.
@@ -161,6 +181,10 @@ void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor
     using T = decltype(tag);
     StridedLoop<4> loop(gx.shape(), {&gx, &gy, &x, &yy});
     loop.run([op](std::array<char*, 4> p, const std::array<int64_t, 4>& s, int64_t n) {
+      constexpr int64_t e = sizeof(T);
+      if (s[0] == e && s[1] == e && s[2] == e && s[3] == e)
+        return unary_backward_contiguous<T>(op, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]),
+                                            reinterpret_cast<T*>(p[2]), reinterpret_cast<T*>(p[3]), n);
       for (int64_t i = 0; i < n; ++i)
         *reinterpret_cast<T*>(p[0] + i * s[0]) =
             apply_unary_backward(op, *reinterpret_cast<T*>(p[1] + i * s[1]),

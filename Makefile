@@ -1,0 +1,44 @@
+# The README's two commands:
+#   make train   installs what is missing, builds, trains on the embedded default
+#   make test    installs what is missing, builds, runs the whole test suite
+# Everything else here is a convenience around Meson.
+
+PACKAGES := g++ meson ninja-build pkg-config cmake catch2 libfmt-dev libopenblas-dev \
+            libopenblas-openmp-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev \
+            libopenmpi-dev openmpi-bin fortunes
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+BUILD ?= build
+MESON_FLAGS ?= --buildtype=release
+
+.PHONY: train test deps build install bench clean
+
+# Installs the Debian packages that are not installed yet (nothing when all are).
+deps:
+	@missing=""; for p in $(PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+$(BUILD)/build.ninja:
+	meson setup $(BUILD) $(MESON_FLAGS)
+
+build: deps $(BUILD)/build.ninja
+	meson compile -C $(BUILD)
+
+train: build
+	$(BUILD)/tools/tessera-train
+
+test: build
+	meson test -C $(BUILD) --print-errorlogs --num-processes 1
+
+bench: build
+	$(BUILD)/benchmarks/bench_step
+
+install: build
+	meson install -C $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,25 @@
+// Tessera's umbrella header: everything a training program uses.
+//   #include <tessera/tessera.h>
+//   using namespace tessera;
+#pragma once
+
+#include "runtime/allocator.h"
+#include "runtime/check.h"
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+#include "runtime/ops.h"
+#include "runtime/parallel.h"
+#include "runtime/profiler.h"
+#include "runtime/random.h"
+#include "runtime/tensor.h"
+
+#include "autograd/functions.h"
+#include "autograd/gradcheck.h"
+#include "autograd/tape.h"
+
+#include "nn/generate.h"
+#include "nn/layers.h"
+#include "nn/models.h"
+#include "nn/module.h"
+#include "nn/optim.h"
+#include "nn/transformer.h"

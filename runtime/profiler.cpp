@@ -1,0 +1,60 @@
+#include "runtime/profiler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+
+namespace tessera::profiler {
+
+namespace detail {
+std::atomic<bool> g_enabled{false};
+
+namespace {
+std::map<std::string, Entry>& table() {
+  thread_local std::map<std::string, Entry> t;
+  return t;
+}
+}  // namespace
+
+void record(const char* name, double ms) {
+  Entry& e = table()[name];
+  e.total_ms += ms;
+  e.calls += 1;
+}
+
+int& depth() {
+  thread_local int d = 0;
+  return d;
+}
+}  // namespace detail
+
+void enable(bool on) { detail::g_enabled.store(on); }
+bool enabled() { return detail::g_enabled.load(); }
+void reset() { detail::table().clear(); }
+
+std::vector<Entry> summary() {
+  std::vector<Entry> out;
+  for (auto& [name, e] : detail::table()) {
+    Entry copy = e;
+    copy.name = name;
+    out.push_back(copy);
+  }
+  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) { return a.total_ms > b.total_ms; });
+  return out;
+}
+
+std::string format_summary(double total_ms) {
+  auto entries = summary();
+  double sum = 0;
+  for (auto& e : entries) sum += e.total_ms;
+  if (total_ms <= 0) total_ms = sum;
+  std::string s = fmt::format("{:<28} {:>10} {:>7} {:>8}\n", "op", "total ms", "%", "calls");
+  for (auto& e : entries)
+    s += fmt::format("{:<28} {:>10.2f} {:>6.1f}% {:>8}\n", e.name, e.total_ms,
+                     100.0 * e.total_ms / total_ms, e.calls);
+  s += fmt::format("{:<28} {:>10.2f} {:>6.1f}%\n", "(sum of ops)", sum, 100.0 * sum / total_ms);
+  return s;
+}
+
+}  // namespace tessera::profiler

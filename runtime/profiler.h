@@ -1,0 +1,62 @@
+// A per-op time profile: top-level op scopes (an op called inside another op
+// is not counted separately) accumulate wall time by name. Off by default;
+// when off a scope costs one relaxed atomic load.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace tessera::profiler {
+
+struct Entry {
+  std::string name;
+  double total_ms = 0;
+  int64_t calls = 0;
+};
+
+void enable(bool on);
+bool enabled();
+void reset();
+// Entries of the calling thread, largest total first.
+std::vector<Entry> summary();
+// A table of the summary with percentages of `total_ms` (or of the sum).
+std::string format_summary(double total_ms = 0);
+
+namespace detail {
+extern std::atomic<bool> g_enabled;
+void record(const char* name, double ms);
+int& depth();
+}  // namespace detail
+
+// Times its lifetime under `name` (a string literal or a string that outlives it).
+class Scope {
+ public:
+  explicit Scope(const char* name) : name_(name) {
+    if (!detail::g_enabled.load(std::memory_order_relaxed)) return;
+    active_ = detail::depth()++ == 0;
+    counted_ = true;
+    if (active_) start_ = std::chrono::steady_clock::now();
+  }
+  ~Scope() {
+    if (!counted_) return;
+    detail::depth()--;
+    if (active_)
+      detail::record(name_, std::chrono::duration<double, std::milli>(
+                                std::chrono::steady_clock::now() - start_).count());
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  const char* name_;
+  bool active_ = false, counted_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace tessera::profiler
+
+#define TS_PROFILE_CONCAT2(a, b) a##b
+#define TS_PROFILE_CONCAT(a, b) TS_PROFILE_CONCAT2(a, b)
+#define TS_PROFILE(name) ::tessera::profiler::Scope TS_PROFILE_CONCAT(ts_profile_, __LINE__)(name)

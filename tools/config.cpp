@@ -1,0 +1,296 @@
+#include "tools/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "runtime/check.h"
+
+namespace tessera::tools {
+
+namespace {
+
+ConfigKey int_key(const std::string& name, int64_t& v, const std::string& help) {
+  return {name, "int", help, {},
+          [&v, name](const std::string& s) {
+            size_t used = 0;
+            long long x = 0;
+            try {
+              x = std::stoll(s, &used);
+            } catch (const std::exception&) {
+              used = 0;
+            }
+            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects an integer, got '{}'", name, s);
+            v = x;
+          },
+          [&v] { return std::to_string(v); }};
+}
+
+ConfigKey float_key(const std::string& name, double& v, const std::string& help) {
+  return {name, "float", help, {},
+          [&v, name](const std::string& s) {
+            size_t used = 0;
+            double x = 0;
+            try {
+              x = std::stod(s, &used);
+            } catch (const std::exception&) {
+              used = 0;
+            }
+            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects a number, got '{}'", name, s);
+            v = x;
+          },
+          [&v] { return fmt::format("{}", v); }};
+}
+
+ConfigKey bool_key(const std::string& name, bool& v, const std::string& help) {
+  return {name, "bool", help, {"true", "false"},
+          [&v, name](const std::string& s) {
+            if (s == "true" || s == "1") v = true;
+            else if (s == "false" || s == "0") v = false;
+            else TS_CHECK(false, "config key '{}' expects true or false, got '{}'", name, s);
+          },
+          [&v] { return std::string(v ? "true" : "false"); }};
+}
+
+ConfigKey string_key(const std::string& name, std::string& v, const std::string& help,
+                     std::vector<std::string> choices = {}) {
+  return {name, "string", help, choices,
+          [&v, name, choices](const std::string& s) {
+            if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
+              std::string valid;
+              for (const auto& c : choices) valid += (valid.empty() ? "" : ", ") + c;
+              TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s, valid);
+            }
+            v = s;
+          },
+          [&v] { return v; }};
+}
+
+// Edit distance, for "did you mean" suggestions.
+size_t distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t prev = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cur = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, prev + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      prev = cur;
+    }
+  }
+  return row[b.size()];
+}
+
+ConfigKey& find_key(std::vector<ConfigKey>& keys, const std::string& name) {
+  for (auto& k : keys)
+    if (k.name == name) return k;
+  const ConfigKey* best = nullptr;
+  size_t best_d = 1000;
+  for (auto& k : keys) {
+    size_t d = distance(k.name, name);
+    if (d < best_d) best_d = d, best = &k;
+  }
+  TS_CHECK(false, "unknown config key '{}'{} (see --help for every key)", name,
+           best && best_d <= 4 ? fmt::format(" (did you mean '{}'?)", best->name) : "");
+}
+
+}  // namespace
+
+std::vector<ConfigKey> config_keys(TrainConfig& c) {
+  return {
+      string_key("job.name", c.job.name, "run name (prefix of output files)"),
+      string_key("job.dump_folder", c.job.dump_folder, "folder for metrics, samples and plots"),
+      int_key("job.seed", c.job.seed, "seed of initialisation and data order"),
+      string_key("model.arch", c.model.arch, "model family", {"gpt2", "llama"}),
+      int_key("model.n_layer", c.model.n_layer, "transformer blocks"),
+      int_key("model.n_head", c.model.n_head, "attention heads"),
+      int_key("model.n_kv_head", c.model.n_kv_head, "key/value heads (llama; 0 = n_head)"),
+      int_key("model.n_embd", c.model.n_embd, "model width"),
+      int_key("model.vocab_size", c.model.vocab_size, "vocabulary (256 for byte tokens)"),
+      int_key("model.ffn_hidden", c.model.ffn_hidden, "MLP hidden size (0 = default for arch)"),
+      float_key("model.dropout", c.model.dropout, "dropout probability"),
+      bool_key("model.bias", c.model.bias, "biases in Linear and LayerNorm (gpt2)"),
+      bool_key("model.tie_embeddings", c.model.tie_embeddings, "lm_head shares the token embedding"),
+      int_key("training.batch_size", c.training.batch_size, "global batch in sequences"),
+      int_key("training.seq_len", c.training.seq_len, "sequence length (the model's block size)"),
+      int_key("training.steps", c.training.steps, "optimizer steps"),
+      int_key("training.grad_accum", c.training.grad_accum, "micro-batches per step"),
+      float_key("training.max_norm", c.training.max_norm, "gradient clipping norm (0 = off)"),
+      string_key("training.dataset", c.training.dataset, "data source", {"fortunes", "text", "shards"}),
+      string_key("training.text", c.training.text, "text file (dataset = text)"),
+      string_key("training.train_shard", c.training.train_shard, "llm.c train shard (dataset = shards)"),
+      string_key("training.val_shard", c.training.val_shard, "llm.c validation shard (dataset = shards)"),
+      string_key("training.data_dir", c.training.data_dir, "where prepared token shards are cached"),
+      int_key("training.eval_interval", c.training.eval_interval, "steps between validation runs"),
+      int_key("training.eval_batches", c.training.eval_batches, "batches per validation run"),
+      string_key("optimizer.name", c.optimizer.name, "optimizer", {"adamw", "sgd"}),
+      float_key("optimizer.lr", c.optimizer.lr, "peak learning rate"),
+      float_key("optimizer.beta1", c.optimizer.beta1, "AdamW beta1"),
+      float_key("optimizer.beta2", c.optimizer.beta2, "AdamW beta2"),
+      float_key("optimizer.eps", c.optimizer.eps, "AdamW epsilon"),
+      float_key("optimizer.weight_decay", c.optimizer.weight_decay, "weight decay (2-D weights only)"),
+      float_key("optimizer.momentum", c.optimizer.momentum, "SGD momentum"),
+      int_key("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, "linear warmup steps"),
+      float_key("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, "final lr / peak lr (cosine)"),
+      string_key("activation_checkpoint.mode", c.activation_checkpoint.mode,
+                 "recompute blocks in backward", {"none", "full"}),
+      int_key("metrics.log_interval", c.metrics.log_interval, "steps between log lines"),
+      int_key("sample.max_new_tokens", c.sample.max_new_tokens, "tokens generated after training (0 = none)"),
+      float_key("sample.temperature", c.sample.temperature, "sampling temperature (0 = greedy)"),
+      int_key("sample.top_k", c.sample.top_k, "sample from the k most likely tokens (0 = all)"),
+      string_key("sample.prompt", c.sample.prompt, "prompt for the sample"),
+  };
+}
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> p = {
+      {"default", "GPT, 4 layers, d=256, byte tokens, on the fortunes corpus (as `make train`)",
+       [](TrainConfig&) {}},
+      {"tiny", "GPT, 2 layers, d=64: seconds, for tests and smoke runs",
+       [](TrainConfig& c) {
+         c.model.n_layer = 2;
+         c.model.n_head = 2;
+         c.model.n_embd = 64;
+         c.training.batch_size = 8;
+         c.training.seq_len = 64;
+         c.training.steps = 50;
+         c.training.eval_interval = 25;
+         c.training.eval_batches = 4;
+         c.lr_scheduler.warmup_steps = 5;
+         c.metrics.log_interval = 10;
+         c.sample.max_new_tokens = 50;
+       }},
+      {"llama-small", "Llama (RoPE, RMSNorm, SwiGLU, GQA), 4 layers, d=256, 8 heads, 2 KV heads",
+       [](TrainConfig& c) {
+         c.model.arch = "llama";
+         c.model.n_head = 8;
+         c.model.n_kv_head = 2;
+         c.model.bias = false;
+       }},
+      {"gpt-medium", "GPT, 8 layers, d=384, 6 heads: a larger run",
+       [](TrainConfig& c) {
+         c.model.n_layer = 8;
+         c.model.n_head = 6;
+         c.model.n_embd = 384;
+         c.training.steps = 2000;
+       }},
+  };
+  return p;
+}
+
+void load_toml(TrainConfig& cfg, const std::string& path) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    TS_CHECK(false, "config file '{}': {} (line {}, column {})", path, std::string(e.description()),
+             e.source().begin.line, e.source().begin.column);
+  }
+  auto keys = config_keys(cfg);
+  for (auto& [section, node] : table) {
+    const toml::table* sec = node.as_table();
+    TS_CHECK(sec != nullptr, "config file '{}': '{}' must be a [section]", path, std::string(section.str()));
+    for (auto& [key, value] : *sec) {
+      std::string name = std::string(section.str()) + "." + std::string(key.str());
+      ConfigKey& k = find_key(keys, name);
+      std::string text;
+      if (auto s = value.value<std::string>(); s && value.is_string()) text = *s;
+      else if (value.is_integer()) text = std::to_string(*value.value<int64_t>());
+      else if (value.is_floating_point()) text = fmt::format("{}", *value.value<double>());
+      else if (value.is_boolean()) text = *value.value<bool>() ? "true" : "false";
+      else TS_CHECK(false, "config file '{}': key '{}' has an unsupported value type", path, name);
+      TS_CHECK(k.type != "string" || value.is_string(), "config file '{}': key '{}' expects a string", path, name);
+      k.set(text);
+    }
+  }
+}
+
+bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program) {
+  auto keys = config_keys(cfg);
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("usage: %s [--preset NAME] [--config FILE.toml] [--section.key VALUE ...]\n\n", program.c_str());
+      std::printf("presets:\n");
+      for (const auto& p : presets()) std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
+      std::printf("\nkeys (default value):\n");
+      for (const auto& k : keys) {
+        std::string choices;
+        if (!k.choices.empty() && k.type == "string")
+          for (const auto& c : k.choices) choices += (choices.empty() ? " [" : "|") + c;
+        if (!choices.empty()) choices += "]";
+        std::printf("  --%-30s %-7s %s%s (%s)\n", k.name.c_str(), k.type.c_str(), k.help.c_str(),
+                    choices.c_str(), k.get().c_str());
+      }
+      return false;
+    }
+    TS_CHECK(arg.rfind("--", 0) == 0, "unexpected argument '{}' (options look like --section.key value)", arg);
+    std::string name = arg.substr(2), value;
+    size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else {
+      TS_CHECK(i + 1 < argc, "option '{}' needs a value", arg);
+      value = argv[++i];
+    }
+    if (name == "config") {
+      load_toml(cfg, value);
+    } else if (name == "preset") {
+      auto it = std::find_if(presets().begin(), presets().end(), [&](const Preset& p) { return p.name == value; });
+      if (it == presets().end()) {
+        std::string valid;
+        for (const auto& p : presets()) valid += (valid.empty() ? "" : ", ") + p.name;
+        TS_CHECK(false, "unknown preset '{}' (valid: {})", value, valid);
+      }
+      it->apply(cfg);
+    } else {
+      find_key(keys, name).set(value);
+    }
+  }
+  return true;
+}
+
+void validate(const TrainConfig& c) {
+  TS_CHECK(c.model.n_embd % c.model.n_head == 0, "model.n_embd ({}) must be divisible by model.n_head ({})",
+           c.model.n_embd, c.model.n_head);
+  TS_CHECK(c.training.batch_size > 0 && c.training.seq_len > 0 && c.training.steps >= 0,
+           "training.batch_size, training.seq_len must be positive and training.steps >= 0");
+  TS_CHECK(c.training.grad_accum > 0 && c.training.batch_size % c.training.grad_accum == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({})", c.training.batch_size,
+           c.training.grad_accum);
+  TS_CHECK(c.model.vocab_size >= 256 || c.training.dataset != "fortunes",
+           "model.vocab_size ({}) must be at least 256 for byte tokens", c.model.vocab_size);
+  TS_CHECK(c.training.dataset != "text" || !c.training.text.empty(), "training.dataset = text needs training.text");
+  TS_CHECK(c.training.dataset != "shards" || (!c.training.train_shard.empty() && !c.training.val_shard.empty()),
+           "training.dataset = shards needs training.train_shard and training.val_shard");
+  TS_CHECK(c.optimizer.lr > 0, "optimizer.lr must be positive, got {}", c.optimizer.lr);
+  TS_CHECK(c.metrics.log_interval > 0, "metrics.log_interval must be positive");
+}
+
+std::string to_toml(TrainConfig& cfg) {
+  std::string out, section;
+  for (const auto& k : config_keys(cfg)) {
+    std::string sec = k.name.substr(0, k.name.find('.'));
+    if (sec != section) {
+      out += (section.empty() ? "" : "\n") + fmt::format("[{}]\n", sec);
+      section = sec;
+    }
+    std::string v = k.get();
+    if (k.type == "string") {
+      std::string esc;
+      for (char ch : v) {
+        if (ch == '"' || ch == '\\') esc += '\\';
+        if (ch == '\n') { esc += "\\n"; continue; }
+        esc += ch;
+      }
+      v = "\"" + esc + "\"";
+    }
+    out += fmt::format("{} = {}\n", k.name.substr(sec.size() + 1), v);
+  }
+  return out;
+}
+
+}  // namespace tessera::tools

@@ -1,0 +1,103 @@
+// tessera-train's configuration: sections in the spirit of TorchTitan's,
+// loaded from TOML and overridable key by key from the command line
+// (`--training.steps 200`). Every key is registered once with its type, help
+// and (for strings) its valid choices; an unknown key or a bad value is an
+// error that names it and what would be valid.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tessera::tools {
+
+struct TrainConfig {
+  struct Job {
+    std::string name = "gpt-fortunes";
+    std::string dump_folder = "out";  // metrics, samples, plots
+    int64_t seed = 1234;
+  } job;
+  struct Model {
+    std::string arch = "gpt2";  // gpt2 | llama
+    int64_t n_layer = 4;
+    int64_t n_head = 4;
+    int64_t n_kv_head = 0;  // llama: 0 = n_head
+    int64_t n_embd = 256;
+    int64_t vocab_size = 256;
+    int64_t ffn_hidden = 0;
+    double dropout = 0.0;
+    bool bias = true;
+    bool tie_embeddings = true;
+  } model;
+  struct Training {
+    int64_t batch_size = 16;  // global batch, in sequences
+    int64_t seq_len = 128;
+    int64_t steps = 600;
+    int64_t grad_accum = 1;  // micro-batches per step
+    double max_norm = 1.0;   // gradient clipping (0: off)
+    std::string dataset = "fortunes";  // fortunes | text | shards
+    std::string text = "";             // dataset = text: a text file to train on
+    std::string train_shard = "";      // dataset = shards: llm.c token shards
+    std::string val_shard = "";
+    std::string data_dir = "data";
+    int64_t eval_interval = 200;
+    int64_t eval_batches = 16;
+  } training;
+  struct Optimizer {
+    std::string name = "adamw";  // adamw | sgd
+    double lr = 2e-3;
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+    double momentum = 0.9;  // sgd
+  } optimizer;
+  struct LRScheduler {
+    int64_t warmup_steps = 60;
+    double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  } lr_scheduler;
+  struct ActivationCheckpoint {
+    std::string mode = "none";  // none | full
+  } activation_checkpoint;
+  struct Metrics {
+    int64_t log_interval = 25;
+  } metrics;
+  struct Sample {
+    int64_t max_new_tokens = 300;
+    double temperature = 0.8;
+    int64_t top_k = 40;
+    std::string prompt = "Q: ";
+  } sample;
+};
+
+// One registered key.
+struct ConfigKey {
+  std::string name;  // "training.steps"
+  std::string type;  // int | float | bool | string
+  std::string help;
+  std::vector<std::string> choices;  // strings: the valid values (empty: any)
+  std::function<void(const std::string&)> set;  // parses and assigns, throws naming the key
+  std::function<std::string()> get;
+};
+
+std::vector<ConfigKey> config_keys(TrainConfig& cfg);
+
+// Built-in presets: name, one-line description, and what they override.
+struct Preset {
+  std::string name, description;
+  std::function<void(TrainConfig&)> apply;
+};
+const std::vector<Preset>& presets();
+
+// Applies a TOML file (sections and keys as above).
+void load_toml(TrainConfig& cfg, const std::string& path);
+// Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
+// `--section.key=value`, in order. Returns false when --help was asked (after printing it).
+bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program);
+// Checks cross-key consistency (e.g. n_embd divisible by n_head).
+void validate(const TrainConfig& cfg);
+// The whole configuration as TOML (what a run used).
+std::string to_toml(TrainConfig& cfg);
+
+}  // namespace tessera::tools
