@@ -11,6 +11,7 @@
 #include "runtime/parallel.h"
 #include "runtime/profiler.h"
 #include "runtime/random.h"
+#include "runtime/stream.h"
 #include "runtime/tensor.h"
 
 #include "autograd/functions.h"

@@ -2,11 +2,13 @@
 // the CPU). Forward: for each block of queries, walk the key blocks keeping a
 // running row maximum and sum (online softmax), so only one Bq x Bk block of
 // scores exists per thread. Backward: recompute each score block from Q, K
-// and the saved logsumexp instead of storing the probabilities.
+// and the saved logsumexp instead of storing the probabilities. The block
+// products are small GEMMs on BLAS (single-threaded inside the parallel loop).
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "runtime/cpu/dispatch.h"
 #include "runtime/kernels.h"
@@ -19,27 +21,17 @@ namespace {
 constexpr int64_t kBq = 64;  // queries per block
 constexpr int64_t kBk = 64;  // keys per block
 
-// s[i][j] = scale * sum_d q[i][d] * kt[d][j]   (kt: a key block transposed, [D][nk])
+// Row-major C = alpha * op(A) op(B) + beta * C on one thread (OpenBLAS runs
+// single-threaded when called inside an OpenMP parallel region).
 template <class T>
-void scores_block(T* s, const T* q, const T* kt, int64_t nq, int64_t nk, int64_t d, T scale) {
-  for (int64_t i = 0; i < nq; ++i) {
-    T* si = s + i * kBk;
-    for (int64_t j = 0; j < nk; ++j) si[j] = 0;
-    const T* qi = q + i * d;
-    for (int64_t c = 0; c < d; ++c) {
-      T a = qi[c] * scale;
-      const T* kr = kt + c * kBk;
-#pragma omp simd
-      for (int64_t j = 0; j < nk; ++j) si[j] += a * kr[j];
-    }
-  }
-}
-
-// Copies rows [j0, j0+nk) of a [S][D] matrix into dst[D][kBk] (transposed).
-template <class T>
-void transpose_block(T* dst, const T* src, int64_t j0, int64_t nk, int64_t d) {
-  for (int64_t j = 0; j < nk; ++j)
-    for (int64_t c = 0; c < d; ++c) dst[c * kBk + j] = src[(j0 + j) * d + c];
+void block_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+                const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  auto opa = ta ? CblasTrans : CblasNoTrans;
+  auto opb = tb ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else
+    cblas_dgemm(CblasRowMajor, opa, opb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // Number of keys query row i may see: all, or i + 1 when causal (top-left aligned).
@@ -60,9 +52,16 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
   T* lse = r.lse.data<T>();
   T scale = static_cast<T>(scale_d);
   int64_t qblocks = (t + kBq - 1) / kBq;
+  // Per-thread scratch, through the allocator (so memory_stats sees it): one
+  // block of scores, the output accumulator, running max and sum.
+  const int64_t per_thread = kBq * kBk + kBq * d + 2 * kBq;
+  Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
   parallel_for(0, b * h * qblocks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<T> sbuf(kBq * kBk), ktb(static_cast<size_t>(d * kBk)), acc(kBq * d);
-    std::vector<T> m(kBq), l(kBq);
+    T* mine = scratch.data<T>() + detail::omp_thread_num() * per_thread;
+    T* sbuf = mine;
+    T* acc = sbuf + kBq * kBk;
+    T* m = acc + kBq * d;
+    T* l = m + kBq;
     for (int64_t w = w0; w < w1; ++w) {
       int64_t bh = w / qblocks, qb = w % qblocks;
       int64_t bi = bh / h, hi = bh % h, kvh = hi / group;
@@ -70,45 +69,41 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
       const T* qh = q + (bh * t + i0) * d;
       const T* kh = k + (bi * hkv + kvh) * s * d;
       const T* vh = v + (bi * hkv + kvh) * s * d;
-      std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-      std::fill(l.begin(), l.end(), T(0));
-      std::fill(acc.begin(), acc.end(), T(0));
+      std::fill(m, m + kBq, -std::numeric_limits<T>::infinity());
+      std::fill(l, l + kBq, T(0));
+      std::fill(acc, acc + kBq * d, T(0));
       int64_t key_end = visible_keys(i0 + nq - 1, s, causal);
       for (int64_t j0 = 0; j0 < key_end; j0 += kBk) {
         int64_t nk = std::min(kBk, s - j0);
-        transpose_block(ktb.data(), kh, j0, nk, d);
-        scores_block(sbuf.data(), qh, ktb.data(), nq, nk, d, scale);
+        // S = scale * Q_blk K_blk^T: the one block of scores this thread holds.
+        block_gemm<T>(false, true, nq, nk, d, scale, qh, d, kh + j0 * d, d, T(0), sbuf, kBk);
         for (int64_t i = 0; i < nq; ++i) {
-          T* si = sbuf.data() + i * kBk;
-          int64_t lim = std::min(nk, visible_keys(i0 + i, s, causal) - j0);  // keys j0..j0+lim
-          if (lim <= 0) continue;
+          T* si = sbuf + i * kBk;
+          int64_t lim = std::max<int64_t>(0, std::min(nk, visible_keys(i0 + i, s, causal) - j0));
           T mx = m[i];
           for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, si[j]);
-          T corr = fast_exp(m[i] - mx);
+          T corr = lim > 0 ? fast_exp(m[i] - mx) : T(1);
           T rowsum = 0;
           for (int64_t j = 0; j < lim; ++j) {
             si[j] = fast_exp(si[j] - mx);
             rowsum += si[j];
           }
+          for (int64_t j = lim; j < nk; ++j) si[j] = 0;  // masked keys contribute nothing
           l[i] = l[i] * corr + rowsum;
-          m[i] = mx;
-          T* ai = acc.data() + i * d;
-          for (int64_t c = 0; c < d; ++c) ai[c] *= corr;
-          for (int64_t j = 0; j < lim; ++j) {
-            T p = si[j];
-            const T* vr = vh + (j0 + j) * d;
-#pragma omp simd
-            for (int64_t c = 0; c < d; ++c) ai[c] += p * vr[c];
+          m[i] = lim > 0 ? mx : m[i];
+          if (corr != T(1)) {
+            T* ai = acc + i * d;
+            for (int64_t c = 0; c < d; ++c) ai[c] *= corr;
           }
         }
+        // acc += P V_blk
+        block_gemm<T>(false, false, nq, d, nk, T(1), sbuf, kBk, vh + j0 * d, d, T(1), acc, d);
       }
       for (int64_t i = 0; i < nq; ++i) {
         T* o = out + (bh * t + i0 + i) * d;
-        // A row that sees no key (only possible with t > s non-causal? never) stays zero.
-        T inv = l[i] > T(0) ? T(1) / l[i] : T(0);
+        T inv = l[i] > T(0) ? T(1) / l[i] : T(0);  // a row that sees no key stays zero
         for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
-        lse[bh * t + i0 + i] = l[i] > T(0) ? m[i] + std::log(l[i])
-                                           : -std::numeric_limits<T>::infinity();
+        lse[bh * t + i0 + i] = l[i] > T(0) ? m[i] + std::log(l[i]) : -std::numeric_limits<T>::infinity();
       }
     }
   });
@@ -126,9 +121,12 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
   T *dq = g.dq.data<T>(), *dk = g.dk.data<T>(), *dv = g.dv.data<T>();
   T scale = static_cast<T>(scale_d);
   // One work item per (batch, kv head): it owns dK/dV of that head and dQ of its query heads.
+  const int64_t per_thread = 2 * kBq * kBk + t;
+  Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
   parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<T> p(kBq * kBk), dp(kBq * kBk), ktb(static_cast<size_t>(d * kBk)),
-        vtb(static_cast<size_t>(d * kBk)), delta(static_cast<size_t>(t));
+    T* p = scratch.data<T>() + detail::omp_thread_num() * per_thread;
+    T* dp = p + kBq * kBk;
+    T* delta = dp + kBq * kBk;
     for (int64_t w = w0; w < w1; ++w) {
       int64_t bi = w / hkv, kvh = w % hkv;
       const T* kh = k + w * s * d;
@@ -145,48 +143,36 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
         const T* lh = lse + bh * t;
         T* dqh = dq + bh * t * d;
         std::fill(dqh, dqh + t * d, T(0));
-        for (int64_t i = 0; i < t; ++i) {
+        for (int64_t i = 0; i < t; ++i) {  // delta_i = dO_i . O_i
           T acc = 0;
           for (int64_t c = 0; c < d; ++c) acc += doh[i * d + c] * oh[i * d + c];
           delta[i] = acc;
         }
         for (int64_t j0 = 0; j0 < s; j0 += kBk) {
           int64_t nk = std::min(kBk, s - j0);
-          transpose_block(ktb.data(), kh, j0, nk, d);
-          transpose_block(vtb.data(), vh, j0, nk, d);
           int64_t first_q = causal ? j0 / kBq * kBq : 0;  // earlier query blocks see none of these keys
           for (int64_t i0 = first_q; i0 < t; i0 += kBq) {
             int64_t nq = std::min(kBq, t - i0);
             const T* qb = qh + i0 * d;
             const T* dob = doh + i0 * d;
-            scores_block(p.data(), qb, ktb.data(), nq, nk, d, scale);
-            scores_block(dp.data(), dob, vtb.data(), nq, nk, d, T(1));
+            // Recompute P = exp(scale * Q K^T - lse); dP = dO V^T.
+            block_gemm<T>(false, true, nq, nk, d, scale, qb, d, kh + j0 * d, d, T(0), p, kBk);
+            block_gemm<T>(false, true, nq, nk, d, T(1), dob, d, vh + j0 * d, d, T(0), dp, kBk);
             for (int64_t i = 0; i < nq; ++i) {
-              T* pi = p.data() + i * kBk;
-              T* dpi = dp.data() + i * kBk;
-              int64_t lim = std::min(nk, visible_keys(i0 + i, s, causal) - j0);
-              if (lim < 0) lim = 0;
-              T li = lh[i0 + i];
+              T* pi = p + i * kBk;
+              T* dpi = dp + i * kBk;
+              int64_t lim = std::max<int64_t>(0, std::min(nk, visible_keys(i0 + i, s, causal) - j0));
+              T li = lh[i0 + i], di = delta[i0 + i];
               for (int64_t j = 0; j < lim; ++j) {
                 pi[j] = fast_exp(pi[j] - li);
-                dpi[j] = pi[j] * (dpi[j] - delta[i0 + i]) * scale;  // dS, scaled
+                dpi[j] = pi[j] * (dpi[j] - di) * scale;  // dS, with the score scale folded in
               }
-              const T* doi = dob + i * d;
-              const T* qi = qb + i * d;
-              T* dqi = dqh + (i0 + i) * d;
-              for (int64_t j = 0; j < lim; ++j) {
-                T pj = pi[j], ds = dpi[j];
-                T* dvr = dvh + (j0 + j) * d;
-                T* dkr = dkh + (j0 + j) * d;
-                const T* kr = kh + (j0 + j) * d;
-#pragma omp simd
-                for (int64_t c = 0; c < d; ++c) {
-                  dvr[c] += pj * doi[c];
-                  dkr[c] += ds * qi[c];
-                  dqi[c] += ds * kr[c];
-                }
-              }
+              for (int64_t j = lim; j < nk; ++j) pi[j] = dpi[j] = 0;
             }
+            // dV += P^T dO;  dK += dS^T Q;  dQ += dS K.
+            block_gemm<T>(true, false, nk, d, nq, T(1), p, kBk, dob, d, T(1), dvh + j0 * d, d);
+            block_gemm<T>(true, false, nk, d, nq, T(1), dp, kBk, qb, d, T(1), dkh + j0 * d, d);
+            block_gemm<T>(false, false, nq, d, nk, T(1), dp, kBk, kh + j0 * d, d, T(1), dqh + i0 * d, d);
           }
         }
       }

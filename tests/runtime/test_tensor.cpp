@@ -1,4 +1,5 @@
 #include "runtime/allocator.h"
+#include "runtime/stream.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -262,4 +263,19 @@ TEST_CASE("meta tensors have shapes and no bytes", "[tensor][meta]") {
   Tensor cpu = zeros({2});
   CHECK_THROWS_WITH(ops::add(cpu, empty({2}, DType::F32, Device::meta())),
                     Catch::Contains("different devices (cpu and meta)"));
+}
+
+
+TEST_CASE("CPU streams and events: in-order host execution", "[tensor][stream]") {
+  Stream& s = current_stream(Device::cpu());
+  CHECK(s.device().is_cpu());
+  auto ev = make_event(Device::cpu());
+  Tensor x = zeros({4});
+  ops::fill_(x, 2.0);
+  ev->record(s);
+  CHECK(ev->query());  // the fill ran before the record returned
+  ev->wait(s);
+  s.synchronize();
+  CHECK(x.to_vector<float>()[3] == 2.0f);
+  CHECK_THROWS_WITH(current_stream(Device::cuda(0)), Catch::Contains("no streams for device cuda:0"));
 }
