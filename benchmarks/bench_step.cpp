@@ -1,6 +1,8 @@
 // Training-step throughput and peak memory of the GPT benchmark model
 // (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW), with a
 // per-op time breakdown of one step.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 
@@ -28,6 +30,9 @@ int main(int argc, char** argv) {
   Tensor x = randint({batch, seq}, 0, 256, 1), y = randint({batch, seq}, 0, 256, 2);
   reset_peak_memory_stats();
   int64_t base = memory_stats().current_bytes;
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  double rss_setup = usage.ru_maxrss / 1024.0;  // high-water mark after building the model
   double total = 0;
   for (int s = 0; s < steps + 3; ++s) {
     auto t0 = std::chrono::steady_clock::now();
@@ -51,7 +56,9 @@ int main(int argc, char** argv) {
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   profiler::enable(false);
   std::printf("%s", profiler::format_summary(ms).c_str());
-  std::printf("threads %d  step %.1f ms  tokens/s %.0f  peak %.1f MiB (above %.1f MiB of params)\n",
-              num_threads(), per, batch * seq / per * 1000.0,
-              (memory_stats().peak_bytes) / 1048576.0, base / 1048576.0);
+  getrusage(RUSAGE_SELF, &usage);
+  std::printf("threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
+              "peak RSS %.1f MiB (+%.1f MiB over setup)\n",
+              num_threads(), per, batch * seq / per * 1000.0, (memory_stats().peak_bytes) / 1048576.0,
+              base / 1048576.0, usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
 }

@@ -70,6 +70,7 @@ model = GPT()
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
 x = torch.randint(0, V, (B, T))
 y = torch.randint(0, V, (B, T))
+rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # high-water mark after setup
 total = 0.0
 for s in range(steps + 3):
     t0 = time.perf_counter()
@@ -84,4 +85,4 @@ for s in range(steps + 3):
 per = total / steps
 peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(f"torch {torch.__version__} threads {threads}  step {per:.1f} ms  tokens/s {B * T / per * 1000:.0f}  "
-      f"peak RSS {peak_mib:.1f} MiB")
+      f"peak RSS {peak_mib:.1f} MiB (+{peak_mib - rss_setup:.1f} MiB over setup)")
