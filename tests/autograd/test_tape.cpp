@@ -233,3 +233,25 @@ TEST_CASE("dtype conversions carry gradients back in the input dtype", "[tape]")
   CHECK(x.grad().dtype() == DType::F64);
   CHECK(equal(x.grad(), ops::to(g, DType::F64)));
 }
+
+TEST_CASE("dropout: inverted scaling, mask reused in backward, identity in eval", "[tape][dropout]") {
+  Tensor x = ops::add(ops::unary(ops::UnaryOp::Abs, randn({20000}, 23, DType::F64)), 0.1);
+  x.set_requires_grad(true);
+  manual_seed(3);
+  Tensor y = dropout(x, 0.25, true);
+  auto vx = x.to_vector<double>(), vy = y.to_vector<double>();
+  int zeros_count = 0;
+  for (size_t i = 0; i < vx.size(); ++i) {
+    if (vy[i] == 0.0) ++zeros_count;
+    else CHECK(vy[i] == Approx(vx[i] / 0.75).epsilon(1e-12));
+  }
+  CHECK(zeros_count / 20000.0 == Approx(0.25).margin(0.015));
+  autograd::backward(sum(y));
+  auto g = x.grad().to_vector<double>();
+  for (size_t i = 0; i < vx.size(); ++i) CHECK(g[i] == (vy[i] == 0.0 ? 0.0 : 1.0 / 0.75));
+  CHECK(dropout(x, 0.25, false).is_same(x));
+  // The same seed gives the same mask.
+  manual_seed(3);
+  CHECK(testing::equal(detach(dropout(x, 0.25, true)), detach(y)));
+  CHECK_THROWS_WITH(dropout(x, 1.0, true), Catch::Contains("probability must be in [0, 1)"));
+}

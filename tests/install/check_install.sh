@@ -4,6 +4,9 @@
 set -eu
 build_dir=$1
 source_dir=$2
+sanitize=${3:-none}  # a sanitized library needs a sanitized program
+extra=""
+[ "$sanitize" = none ] || extra="-fsanitize=$sanitize"
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
 meson install -C "$build_dir" --destdir "$root" --no-rebuild --quiet >/dev/null
@@ -15,5 +18,5 @@ flags=$(pkg-config --define-variable=prefix="$root$prefix" --cflags --libs tesse
 libdir=$(pkg-config --define-variable=prefix="$root$prefix" --variable=libdir tessera)
 [ -f "$root$prefix/include/tessera/tessera.h" ] || { echo "umbrella header missing"; exit 1; }
 [ -f "$root$prefix/include/tessera/runtime/tensor.h" ] || { echo "runtime headers missing"; exit 1; }
-c++ -O1 "$source_dir/tests/install/embed.cpp" $flags -Wl,-rpath,"$libdir" -o "$root/embed"
+c++ -O1 $extra "$source_dir/tests/install/embed.cpp" $flags -Wl,-rpath,"$libdir" -o "$root/embed"
 "$root/embed"
