@@ -238,11 +238,7 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
   }
   for (auto& [name, t] : state)
     if (find_in(own, name) == nullptr) unexpected.push_back(name);
-  auto join = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
-    return s;
-  };
+  auto join = [](const std::vector<std::string>& v) { return fmt::format("{}", fmt::join(v, ", ")); };
   TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", join(mismatched));
   TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
            "load_state_dict: missing keys [{}]; unexpected keys [{}]", join(missing),

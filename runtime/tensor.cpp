@@ -140,9 +140,7 @@ std::string Tensor::str() const {
   if (is_distributed()) return head + ", " + impl_->dist->str() + ")";
   if (device().is_meta() || !storage()->is_allocated() || numel() > 64) return head + ")";
   std::vector<double> v = to_vector<double>();
-  std::string vals;
-  for (size_t i = 0; i < v.size(); ++i) vals += (i ? ", " : "") + fmt::format("{:.6g}", v[i]);
-  return head + ", [" + vals + "])";
+  return head + fmt::format(", [{:.6g}])", fmt::join(v, ", "));
 }
 
 Tensor make_tensor(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset,

@@ -58,9 +58,8 @@ ConfigKey string_key(const std::string& name, std::string& v, const std::string&
   return {name, "string", help, choices,
           [&v, name, choices](const std::string& s) {
             if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
-              std::string valid;
-              for (const auto& c : choices) valid += (valid.empty() ? "" : ", ") + c;
-              TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s, valid);
+              TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s,
+                       fmt::join(choices, ", "));
             }
             v = s;
           },
@@ -218,9 +217,7 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
       std::printf("\nkeys (default value):\n");
       for (const auto& k : keys) {
         std::string choices;
-        if (!k.choices.empty() && k.type == "string")
-          for (const auto& c : k.choices) choices += (choices.empty() ? " [" : "|") + c;
-        if (!choices.empty()) choices += "]";
+        if (!k.choices.empty() && k.type == "string") choices = fmt::format(" [{}]", fmt::join(k.choices, "|"));
         std::printf("  --%-30s %-7s %s%s (%s)\n", k.name.c_str(), k.type.c_str(), k.help.c_str(),
                     choices.c_str(), k.get().c_str());
       }
@@ -241,9 +238,9 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
     } else if (name == "preset") {
       auto it = std::find_if(presets().begin(), presets().end(), [&](const Preset& p) { return p.name == value; });
       if (it == presets().end()) {
-        std::string valid;
-        for (const auto& p : presets()) valid += (valid.empty() ? "" : ", ") + p.name;
-        TS_CHECK(false, "unknown preset '{}' (valid: {})", value, valid);
+        std::vector<std::string> names;
+        for (const auto& p : presets()) names.push_back(p.name);
+        TS_CHECK(false, "unknown preset '{}' (valid: {})", value, fmt::join(names, ", "));
       }
       it->apply(cfg);
     } else {
@@ -275,7 +272,8 @@ std::string to_toml(TrainConfig& cfg) {
   for (const auto& k : config_keys(cfg)) {
     std::string sec = k.name.substr(0, k.name.find('.'));
     if (sec != section) {
-      out += (section.empty() ? "" : "\n") + fmt::format("[{}]\n", sec);
+      if (!section.empty()) out += "\n";
+      out += fmt::format("[{}]\n", sec);
       section = sec;
     }
     std::string v = k.get();

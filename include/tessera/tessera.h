@@ -6,6 +6,7 @@
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/device.h"
+#include "runtime/distributed.h"
 #include "runtime/dtype.h"
 #include "runtime/ops.h"
 #include "runtime/parallel.h"

@@ -1,4 +1,5 @@
 // The CPU backend's kernel table.
+#include "runtime/distributed.h"
 #include "runtime/kernels.h"
 
 namespace tessera {
@@ -68,6 +69,7 @@ const KernelTable kTable = {
 }  // namespace cpu
 
 const KernelTable& kernels(Device device) {
+  dist::progress();  // op boundary: in poll mode, in-flight collectives advance here
   TS_CHECK(device.is_cpu(), "no kernels for device {} in this build (CPU-only)", device.str());
   return cpu::kTable;
 }

@@ -1,0 +1,141 @@
+#include "runtime/distributed.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+#include "runtime/mpi/group.h"
+
+namespace tessera::dist {
+
+namespace {
+
+struct World {
+  bool initialized = false;
+  bool mpi = false;
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  ProcessGroupPtr group;
+  std::chrono::milliseconds timeout{300000};
+  bool debug = false;
+};
+
+World& world_state() {
+  static World w;
+  return w;
+}
+
+std::mutex init_mu;
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+// Launched by mpirun (OpenMPI, MPICH/Hydra) or srun?
+bool launched_by_mpi() {
+  return env("OMPI_COMM_WORLD_SIZE") || env("PMI_SIZE") || env("PMIX_RANK") || env("SLURM_STEP_ID") ||
+         env("MPI_LOCALNRANKS");
+}
+
+void read_settings(World& w) {
+  if (const char* t = env("TESSERA_COLLECTIVE_TIMEOUT")) {
+    char* end = nullptr;
+    double s = std::strtod(t, &end);
+    TS_CHECK(end != t && *end == '\0' && s > 0,
+             "TESSERA_COLLECTIVE_TIMEOUT must be a positive number of seconds, got '{}'", t);
+    w.timeout = std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  }
+  if (const char* d = env("TESSERA_DEBUG_COLLECTIVES")) w.debug = std::string(d) != "0";
+}
+
+}  // namespace
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::PremulSum: return "premul_sum";
+  }
+  return "?";
+}
+
+void init(int& /*argc*/, char**& /*argv*/) { init(); }
+
+void init() {
+  std::lock_guard<std::mutex> lk(init_mu);
+  World& w = world_state();
+  if (w.initialized) return;
+  read_settings(w);
+  if (launched_by_mpi()) {
+    const char* mode = env("TESSERA_PROGRESS");
+    std::string m = mode ? mode : "thread";
+    TS_CHECK(m == "thread" || m == "poll", "TESSERA_PROGRESS must be 'thread' or 'poll', got '{}'", m);
+    auto& engine = detail::Engine::get();
+    engine.start(m == "thread");
+    engine.run_sync([&] {
+      TS_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &w.rank));
+      TS_MPI(MPI_Comm_size(MPI_COMM_WORLD, &w.size));
+    });
+    w.mpi = true;
+    w.initialized = true;  // make_child below asks for rank()
+    if (const char* lr = env("OMPI_COMM_WORLD_LOCAL_RANK")) w.local_rank = std::atoi(lr);
+    else if (const char* sl = env("SLURM_LOCALID")) w.local_rank = std::atoi(sl);
+    engine.run_sync([&] {
+      MPI_Comm dup = MPI_COMM_NULL;
+      TS_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &dup));
+      w.group = detail::MpiGroup::make_child(dup, "world");
+    });
+    std::atexit([] { finalize(); });
+  } else {
+    w.group = detail::local_group("world");
+    w.initialized = true;
+  }
+}
+
+bool is_initialized() { return world_state().initialized; }
+int rank() { return world_state().rank; }
+int world_size() { return world_state().size; }
+int local_rank() { return world_state().local_rank; }
+
+ProcessGroupPtr world() {
+  if (!world_state().initialized) init();
+  return world_state().group;
+}
+
+void finalize() {
+  std::lock_guard<std::mutex> lk(init_mu);
+  World& w = world_state();
+  if (!w.initialized || !w.mpi) return;
+  w.group.reset();
+  detail::Engine::get().stop();
+  w.mpi = false;
+}
+
+void set_timeout(std::chrono::milliseconds t) {
+  TS_CHECK(t.count() > 0, "set_timeout: the timeout must be positive");
+  world_state().timeout = t;
+}
+std::chrono::milliseconds timeout() { return world_state().timeout; }
+void set_debug_collectives(bool on) { world_state().debug = on; }
+bool debug_collectives() { return world_state().debug; }
+
+std::string progress_mode() {
+  auto& e = detail::Engine::get();
+  if (!e.started()) return "none";
+  return e.thread_mode() ? "thread" : "poll";
+}
+
+void progress() { detail::Engine::get().progress_once(); }
+
+void abort(const std::string& message, int code) {
+  std::fprintf(stderr, "tessera: rank %d: %s\n", rank(), message.c_str());
+  std::fflush(stderr);
+  if (world_state().mpi) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+}  // namespace tessera::dist

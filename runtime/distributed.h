@@ -1,0 +1,122 @@
+// Process groups. Ranks are processes launched by mpirun/srun (a plain
+// process is world size 1); CPU tensors travel over MPI.
+//
+// The contract is small: a handful of collectives, each returning a Work at
+// once (a collective never blocks its caller until wait()), plus subgroups.
+// Tensors passed to a collective stay referenced by its Work until it
+// completes. World size 1 never calls MPI.
+//
+// MPI has no asynchronous progress in OpenMPI 4.1: a nonblocking collective
+// only advances while some thread is inside MPI. Tessera drives progress from
+// one communication thread per process, the only thread that calls MPI (the
+// CPU analogue of a CUDA communication stream); TESSERA_PROGRESS=poll instead
+// tests in-flight collectives from the compute thread at op boundaries
+// (measured against each other in benchmarks/README.md).
+//
+// Every collective carries a per-group sequence number. With
+// TESSERA_DEBUG_COLLECTIVES=1 the ranks first compare what they are about to
+// run (op, dtype, sizes) and every rank throws on a mismatch, naming both
+// sides. A collective that does not complete within the timeout
+// (TESSERA_COLLECTIVE_TIMEOUT, seconds, default 300; set_timeout) throws
+// from wait(), naming the collective, the group and the sequence number.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/tensor.h"
+
+namespace tessera::dist {
+
+enum class ReduceOp { Sum, Avg, Max, Min, PremulSum };
+const char* reduce_op_name(ReduceOp op);
+
+struct ReduceOptions {
+  ReduceOp op = ReduceOp::Sum;
+  double factor = 1.0;  // PremulSum: every rank's input is multiplied by it before the sum
+};
+
+// Collective counts of one group, for tests and traces.
+struct CollectiveStats {
+  int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, all_to_all = 0,
+          barrier = 0;
+  int64_t mpi_calls = 0;  // collectives handed to MPI (0 at world size 1)
+  int64_t bytes = 0;      // payload bytes handed to MPI
+  int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + all_to_all + barrier; }
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective completes; throws on timeout, desync or MPI error.
+  virtual void wait() = 0;
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  virtual int rank() const = 0;  // rank within this group
+  virtual int size() const = 0;
+  virtual const std::vector<int>& global_ranks() const = 0;  // world rank of each group rank
+  virtual const std::string& name() const = 0;
+
+  // output [size * n] (dim 0 of the concatenation) = every rank's input [n], in rank order.
+  // input may be the slice of output at this rank (in-place gather).
+  virtual WorkPtr all_gather_into_tensor(const Tensor& output, const Tensor& input) = 0;
+  // output [n] = reduction over ranks of input chunk `rank` (input [size * n]).
+  virtual WorkPtr reduce_scatter_tensor(const Tensor& output, const Tensor& input,
+                                        ReduceOptions options = {}) = 0;
+  virtual WorkPtr all_reduce(const Tensor& tensor, ReduceOptions options = {}) = 0;
+  // Copies `tensor` of group rank src into every rank's `tensor`.
+  virtual WorkPtr broadcast(const Tensor& tensor, int src) = 0;
+  // Splits input along dim 0 into size equal chunks; chunk j goes to rank j, and
+  // output chunk i comes from rank i.
+  virtual WorkPtr all_to_all(const Tensor& output, const Tensor& input) = 0;
+  virtual WorkPtr barrier() = 0;
+
+  // A group of the given ranks of this group (in this group's numbering; every
+  // rank of this group must call it; ranks outside get nullptr).
+  virtual std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks,
+                                                  const std::string& name = "") = 0;
+  // Like MPI_Comm_split: ranks with the same color form a group, ordered by key.
+  virtual std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name = "") = 0;
+
+  virtual CollectiveStats stats() const = 0;
+  virtual void reset_stats() = 0;
+  // Collectives issued so far on this group (the next one gets this number).
+  virtual int64_t sequence() const = 0;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// Initialises MPI when launched by mpirun/srun (else world size 1, no MPI).
+// Safe to call more than once; finalize() runs at exit.
+void init(int& argc, char**& argv);
+void init();
+bool is_initialized();
+int rank();        // world rank
+int world_size();
+int local_rank();  // rank among the processes on this node
+// The group of all ranks (available after init; world size 1 without it).
+ProcessGroupPtr world();
+// Waits for in-flight collectives, stops the communication thread and finalises MPI.
+void finalize();
+
+// How long wait() waits before throwing (default TESSERA_COLLECTIVE_TIMEOUT or 300 s).
+void set_timeout(std::chrono::milliseconds timeout);
+std::chrono::milliseconds timeout();
+// TESSERA_DEBUG_COLLECTIVES=1 or set_debug_collectives(true): check every collective.
+void set_debug_collectives(bool on);
+bool debug_collectives();
+// Progress mode: "thread" (a communication thread) or "poll" (op boundaries).
+std::string progress_mode();
+// Drives in-flight collectives from the calling thread (poll mode; no-op otherwise).
+void progress();
+
+// Aborts every rank with `message` (a fatal error the program cannot recover from).
+[[noreturn]] void abort(const std::string& message, int code = 1);
+
+}  // namespace tessera::dist

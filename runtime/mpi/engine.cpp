@@ -1,0 +1,344 @@
+#include "runtime/mpi/engine.h"
+
+#include <cstdio>
+#include <future>
+
+#include "runtime/check.h"
+
+namespace tessera::dist::detail {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+// Background progress: how often the progress thread tests in-flight collectives.
+constexpr auto kPollInterval = std::chrono::microseconds(50);
+// A waiter pumps without pause this long, then backs off (a slow peer should
+// not cost a whole core).
+constexpr auto kSpinBeforeBackoff = std::chrono::milliseconds(1);
+constexpr auto kBackoff = std::chrono::microseconds(20);
+
+const char* kind_name(int64_t id) {
+  static const char* names[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier"};
+  return id >= 0 && id < 6 ? names[id] : "?";
+}
+
+// "all_reduce(f32, 1000 -> 1000 elements, op sum, root -1)" from a descriptor
+// [seq, kind, dtype, in, out, op, root].
+std::string describe_descriptor(const int64_t* d) {
+  return fmt::format("{}({}, {} -> {} elements, op {}, root {})", kind_name(d[1]),
+                     dtype_name(static_cast<DType>(d[2])), d[3], d[4],
+                     reduce_op_name(static_cast<ReduceOp>(d[5])), d[6]);
+}
+
+void complete(Collective& op, Collective::Stage stage, std::string error = "") {
+  op.stage = stage;
+  op.error = std::move(error);
+  op.keep_alive.clear();
+  op.done.store(true, std::memory_order_release);
+}
+}  // namespace
+
+void check_mpi(int code, const char* call, const char* file, int line) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  throw Error(fmt::format("{}:{}: {} failed: {} (is every rank still running?)", file, line, call,
+                          std::string(text, static_cast<size_t>(len))));
+}
+
+MPI_Datatype transfer_type(DType dt) {
+  switch (dt) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::F64: return MPI_DOUBLE;
+    case DType::BF16:
+    case DType::F16: return MPI_UINT16_T;
+    case DType::I32: return MPI_INT32_T;
+    case DType::I64: return MPI_INT64_T;
+    case DType::Bool: return MPI_C_BOOL;
+  }
+  return MPI_BYTE;
+}
+
+// ---- Collective ----------------------------------------------------------------
+
+std::string Collective::describe() const {
+  return fmt::format("{} (seq {}) on group '{}' [ranks {}]", kind, seq, group->name,
+                     fmt::join(group->global_ranks, ", "));
+}
+
+void Collective::wait() {
+  if (!done.load(std::memory_order_acquire)) {
+    auto deadline = Clock::now() + timeout();
+    if (!Engine::get().wait_for(*this, deadline)) {
+      group->broken_reason = fmt::format("{} timed out", describe());
+      group->broken = true;
+      throw Error(fmt::format(
+          "{} did not complete within {:.1f} s: at least one rank never arrived (dead, stuck, or "
+          "running a different collective). The group cannot be used any more. "
+          "(TESSERA_COLLECTIVE_TIMEOUT sets the limit; TESSERA_DEBUG_COLLECTIVES=1 checks that "
+          "ranks agree on every collective)",
+          describe(), std::chrono::duration<double>(timeout()).count()));
+    }
+  }
+  if (!error.empty()) throw Error(error);
+}
+
+bool Collective::is_completed() {
+  if (!done.load(std::memory_order_acquire)) Engine::get().progress_once();
+  return done.load(std::memory_order_acquire);
+}
+
+// ---- Engine ------------------------------------------------------------------
+
+Engine& Engine::get() {
+  static Engine engine;
+  return engine;
+}
+
+void Engine::start(bool thread_mode) {
+  thread_mode_ = thread_mode;
+  auto init = [] {
+    int provided = 0;
+    TS_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided));
+    TS_CHECK(provided >= MPI_THREAD_SERIALIZED,
+             "MPI provides thread level {}, Tessera needs MPI_THREAD_SERIALIZED", provided);
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  };
+  if (thread_mode) {
+    // MPI is initialised (and finalised) on the progress thread.
+    std::promise<void> ready;
+    auto ready_future = ready.get_future();
+    thread_ = std::thread([this, &ready, init] {
+      try {
+        init();
+      } catch (...) {
+        ready.set_exception(std::current_exception());
+        return;
+      }
+      ready.set_value();
+      loop();
+    });
+    ready_future.get();  // rethrows an MPI_Init failure
+  } else {
+    init();
+    poll_active = true;
+  }
+  started_ = true;
+}
+
+void Engine::stop() {
+  if (!started_) return;
+  if (thread_mode_) {
+    {
+      std::lock_guard<std::mutex> lk(queue_mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  } else {
+    std::lock_guard<std::recursive_mutex> lk(mpi_mu_);
+    stopping_ = true;
+    auto deadline = Clock::now() + timeout();
+    while (inflight_count_.load() > 0 || !queue_.empty()) {
+      pump();
+      if (Clock::now() > deadline) abort_if_stuck_at_exit();
+      std::this_thread::sleep_for(kBackoff);
+    }
+    poll_active = false;
+    MPI_Finalize();
+  }
+  started_ = false;
+}
+
+void Engine::abort_if_stuck_at_exit() {
+  // Collectives that cannot complete (a rank is gone or diverged) must not hang
+  // the exit: report the first one and abort the job.
+  std::fprintf(stderr, "tessera: %s never completed; aborting the job\n",
+               inflight_.empty() ? "a collective" : inflight_.front()->describe().c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+void Engine::submit(std::shared_ptr<Collective> op) {
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    queue_.push_back(std::move(op));
+  }
+  {
+    // Post it now if MPI is free: the transfer starts without a thread hand-off.
+    std::unique_lock<std::recursive_mutex> lk(mpi_mu_, std::try_to_lock);
+    if (lk.owns_lock()) pump();
+  }
+  if (thread_mode_) cv_.notify_one();  // the progress thread carries it on in the background
+}
+
+void Engine::run_sync(const std::function<void()>& fn) {
+  std::lock_guard<std::recursive_mutex> lk(mpi_mu_);
+  pump();
+  drain_starts();
+  fn();
+}
+
+void Engine::loop() {
+  Clock::time_point stop_deadline{};
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(queue_mu_);
+      if (queue_.empty() && inflight_count_.load() == 0) {
+        if (stopping_) break;
+        cv_.wait(lk, [&] { return stopping_ || !queue_.empty() || inflight_count_.load() > 0; });
+        continue;
+      }
+      if (waiters_.load() > 0 && !stopping_) {
+        // A caller is pumping in wait(); stand back instead of contending for MPI.
+        cv_.wait_for(lk, kPollInterval * 4);
+        continue;
+      }
+    }
+    bool progressed;
+    {
+      std::lock_guard<std::recursive_mutex> lk(mpi_mu_);
+      progressed = pump();
+      if (stopping_ && inflight_count_.load() > 0) {
+        bool all_broken = true;
+        for (auto& op : inflight_) all_broken = all_broken && op->group->broken.load();
+        if (stop_deadline == Clock::time_point{}) stop_deadline = Clock::now() + timeout();
+        if (all_broken || Clock::now() > stop_deadline) abort_if_stuck_at_exit();
+      }
+    }
+    if (progressed) continue;
+    std::unique_lock<std::mutex> lk(queue_mu_);
+    cv_.wait_for(lk, kPollInterval, [&] { return stopping_ || !queue_.empty(); });
+  }
+  MPI_Finalize();
+}
+
+void Engine::progress_once() {
+  if (!poll_active.load(std::memory_order_relaxed) || inflight_count_.load(std::memory_order_relaxed) == 0) {
+    if (!poll_active.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    if (queue_.empty()) return;
+  }
+  std::unique_lock<std::recursive_mutex> lk(mpi_mu_, std::try_to_lock);
+  if (lk.owns_lock()) pump();
+}
+
+bool Engine::wait_for(Collective& op, Clock::time_point deadline) {
+  waiters_++;
+  auto spin_until = Clock::now() + kSpinBeforeBackoff;
+  bool ok = true;
+  while (!op.done.load(std::memory_order_acquire)) {
+    {
+      std::lock_guard<std::recursive_mutex> lk(mpi_mu_);
+      pump();
+    }
+    if (op.done.load(std::memory_order_acquire)) break;
+    auto now = Clock::now();
+    if (now >= deadline) {
+      ok = false;
+      break;
+    }
+    if (now < spin_until) std::this_thread::yield();
+    else std::this_thread::sleep_for(kBackoff);
+  }
+  waiters_--;
+  return ok;
+}
+
+bool Engine::pump() {
+  std::deque<std::shared_ptr<Collective>> fresh;
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    fresh.swap(queue_);
+  }
+  for (auto& op : fresh) begin(op);
+  bool any = false;
+  for (size_t i = 0; i < inflight_.size();) {
+    if (test(inflight_[i])) {
+      inflight_.erase(inflight_.begin() + static_cast<long>(i));
+      inflight_count_--;
+      any = true;
+    } else {
+      ++i;
+    }
+  }
+  return any;
+}
+
+void Engine::drain_starts() {
+  auto unstarted = [&] {
+    for (auto& op : inflight_)
+      if (op->stage == Collective::Stage::Checking || op->stage == Collective::Stage::Queued) return true;
+    return false;
+  };
+  while (unstarted()) {
+    if (!pump()) std::this_thread::sleep_for(kBackoff);
+  }
+}
+
+void Engine::begin(const std::shared_ptr<Collective>& op) {
+  GroupState& g = *op->group;
+  if (g.broken.load()) {
+    complete(*op, Collective::Stage::Failed,
+             fmt::format("{} not started: the group is unusable ({})", op->describe(), g.broken_reason));
+    return;
+  }
+  op->stage = Collective::Stage::Queued;
+  if (debug_collectives()) {
+    size_t n = op->descriptor.size();
+    op->gathered.resize(n * static_cast<size_t>(g.size));
+    int rc = MPI_Iallgather(op->descriptor.data(), static_cast<int>(n), MPI_INT64_T, op->gathered.data(),
+                            static_cast<int>(n), MPI_INT64_T, g.check_comm, &op->check_request);
+    if (rc != MPI_SUCCESS) {
+      complete(*op, Collective::Stage::Failed, fmt::format("{}: descriptor exchange failed", op->describe()));
+      return;
+    }
+    op->stage = Collective::Stage::Checking;
+  }
+  inflight_.push_back(op);
+  inflight_count_++;
+}
+
+bool Engine::test(const std::shared_ptr<Collective>& op) {
+  GroupState& g = *op->group;
+  try {
+    if (op->stage == Collective::Stage::Checking) {
+      int flag = 0;
+      TS_MPI(MPI_Test(&op->check_request, &flag, MPI_STATUS_IGNORE));
+      if (!flag) return false;
+      size_t n = op->descriptor.size();
+      for (int r = 0; r < g.size; ++r) {
+        const int64_t* theirs = op->gathered.data() + static_cast<size_t>(r) * n;
+        if (std::equal(theirs, theirs + n, op->descriptor.data())) continue;
+        g.broken_reason = fmt::format("collective mismatch at seq {}", op->seq);
+        g.broken = true;
+        complete(*op, Collective::Stage::Failed,
+                 fmt::format("collective mismatch on group '{}' at seq {}: rank {} calls {} but rank {} "
+                             "calls {} (seq {})",
+                             g.name, op->seq, g.global_ranks[static_cast<size_t>(g.rank)],
+                             describe_descriptor(op->descriptor.data()), g.global_ranks[static_cast<size_t>(r)],
+                             describe_descriptor(theirs), theirs[0]));
+        return true;
+      }
+      op->stage = Collective::Stage::Queued;
+    }
+    if (op->stage == Collective::Stage::Queued) {
+      if (op->seq != g.started_seq) return false;  // an earlier collective of this group goes first
+      op->start(op->requests);
+      g.started_seq++;
+      op->stage = Collective::Stage::Running;
+    }
+    int flag = 0;
+    TS_MPI(MPI_Testall(static_cast<int>(op->requests.size()), op->requests.data(), &flag, MPI_STATUSES_IGNORE));
+    if (!flag) return false;
+    if (op->finish) op->finish();
+    complete(*op, Collective::Stage::Done);
+  } catch (const std::exception& e) {
+    g.broken_reason = e.what();
+    g.broken = true;
+    complete(*op, Collective::Stage::Failed, fmt::format("{}: {}", op->describe(), e.what()));
+  }
+  return true;
+}
+
+}  // namespace tessera::dist::detail

@@ -1,0 +1,122 @@
+// The communication engine: every MPI call goes through it. Collectives are
+// queued by the calling thread and started, tested and finished by whoever
+// "pumps" the engine, one thread at a time (MPI_THREAD_SERIALIZED):
+//   - the progress thread (thread mode), in the background while the caller
+//     computes, testing in-flight collectives every ~50 us;
+//   - a caller blocked in Work::wait(), which pumps until its collective is
+//     done (as MPI_Wait would) instead of paying a thread hand-off;
+//   - the compute thread at op boundaries (poll mode, no progress thread).
+// Internal to runtime/.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/distributed.h"
+
+namespace tessera::dist::detail {
+
+// Reports an MPI error with file:line, the call and MPI's own explanation.
+void check_mpi(int code, const char* call, const char* file, int line);
+#define TS_MPI(call) ::tessera::dist::detail::check_mpi((call), #call, __FILE__, __LINE__)
+
+class GroupState;
+
+// One collective in flight. Its Tensors stay referenced until it completes.
+struct Collective : public Work {
+  enum class Stage { Queued, Checking, Running, Done, Failed };
+
+  std::string kind;  // "all_gather", "reduce_scatter", ...
+  std::shared_ptr<GroupState> group;
+  int64_t seq = 0;
+  std::vector<int64_t> descriptor;  // what every rank must agree on (debug mode)
+  std::vector<Tensor> keep_alive;
+  std::function<void(std::vector<MPI_Request>&)> start;  // posts the nonblocking MPI calls
+  std::function<void()> finish;                          // after completion (sums, casts)
+
+  // Engine-side state (touched only while pumping).
+  Stage stage = Stage::Queued;
+  std::vector<MPI_Request> requests;
+  MPI_Request check_request = MPI_REQUEST_NULL;
+  std::vector<int64_t> gathered;  // everyone's descriptors (debug mode)
+  std::string error;
+  std::atomic<bool> done{false};
+
+  void wait() override;
+  bool is_completed() override;
+  std::string describe() const;  // "all_reduce (seq 17) on group 'world' [ranks 0, 1, 2, 3]"
+};
+
+// Per-communicator state shared by a ProcessGroup and its in-flight collectives.
+class GroupState {
+ public:
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm check_comm = MPI_COMM_NULL;  // descriptor exchanges (debug mode)
+  std::string name;
+  std::vector<int> global_ranks;
+  int rank = 0;
+  int size = 1;
+  int64_t next_seq = 0;     // assigned at enqueue (caller thread)
+  int64_t started_seq = 0;  // collectives posted to MPI so far (engine)
+  std::atomic<bool> broken{false};
+  std::string broken_reason;
+  std::mutex stats_mu;
+  CollectiveStats stats;
+};
+
+class Engine {
+ public:
+  static Engine& get();
+  // Initialises MPI; thread mode also starts the progress thread.
+  void start(bool thread_mode);
+  void stop();  // completes queued work (or aborts after the timeout), finalises MPI
+  bool started() const { return started_; }
+  bool thread_mode() const { return thread_mode_; }
+
+  void submit(std::shared_ptr<Collective> op);
+  // Runs fn with MPI available to the calling thread, after every collective
+  // submitted before it has been posted (blocking MPI calls such as
+  // MPI_Comm_split must keep program order on every rank).
+  void run_sync(const std::function<void()>& fn);
+  // One pump if nobody else is pumping (poll mode's op-boundary hook).
+  void progress_once();
+  // Pumps until op completes or the deadline passes (false then).
+  bool wait_for(Collective& op, std::chrono::steady_clock::time_point deadline);
+
+  std::atomic<bool> poll_active{false};
+
+ private:
+  void loop();
+  bool pump();  // with mpi_mu_ held: begin queued collectives, test in-flight ones
+  void begin(const std::shared_ptr<Collective>& op);
+  bool test(const std::shared_ptr<Collective>& op);  // true when it left the in-flight set
+  void drain_starts();
+  void abort_if_stuck_at_exit();
+
+  std::mutex queue_mu_;
+  std::condition_variable cv_;  // the progress thread sleeps here
+  std::deque<std::shared_ptr<Collective>> queue_;
+  std::recursive_mutex mpi_mu_;  // held by whoever calls MPI; guards inflight_
+  std::vector<std::shared_ptr<Collective>> inflight_;
+  std::atomic<int> inflight_count_{0};
+  std::atomic<int> waiters_{0};  // callers pumping in wait(): the thread stands back
+  std::thread thread_;
+  bool thread_mode_ = true;
+  bool started_ = false;
+  bool stopping_ = false;
+};
+
+// The MPI type for a dtype as moved by collectives that do no arithmetic.
+MPI_Datatype transfer_type(DType dt);
+
+}  // namespace tessera::dist::detail

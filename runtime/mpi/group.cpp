@@ -1,0 +1,420 @@
+// ProcessGroup over an MPI communicator. Each collective checks its tensors,
+// prepares buffers on the calling thread (bf16/f16 reductions go through f32:
+// MPI has no such types, and one rounding at the end is more exact than one
+// per hop), and hands a nonblocking MPI call to the engine. Groups of size 1
+// never call MPI.
+#include <climits>
+#include <cstring>
+
+#include "runtime/mpi/engine.h"
+#include "runtime/mpi/group.h"
+#include "runtime/ops.h"
+
+namespace tessera::dist::detail {
+
+namespace {
+
+enum Kind : int64_t { kAllGather = 0, kReduceScatter, kAllReduce, kBroadcast, kAllToAll, kBarrier };
+
+// A Work that is complete when created (groups of size 1).
+class DoneWork final : public Work {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+void check_tensor(const Tensor& t, const char* op, const char* what) {
+  TS_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  TS_CHECK(!t.is_distributed(), "{}: {} is a DTensor; pass its local tensor", op, what);
+  TS_CHECK(t.device().is_cpu(), "{}: {} is on {}; MPI process groups move CPU tensors", op, what,
+           t.device().str());
+  TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,
+           shape_str(t.shape()), shape_str(t.strides()));
+}
+
+int count_of(int64_t n, const char* op) {
+  TS_CHECK(n <= INT_MAX, "{}: {} elements exceed MPI's int count; split the tensor", op, n);
+  return static_cast<int>(n);
+}
+
+bool needs_upcast(DType dt) { return dt == DType::BF16 || dt == DType::F16; }
+
+MPI_Op mpi_op(ReduceOp op, DType dt) {
+  if (dt == DType::Bool) {
+    TS_CHECK(op == ReduceOp::Max || op == ReduceOp::Min, "{} is not defined on bool tensors (use max or min)",
+             reduce_op_name(op));
+    return op == ReduceOp::Max ? MPI_LOR : MPI_LAND;
+  }
+  switch (op) {
+    case ReduceOp::Max: return MPI_MAX;
+    case ReduceOp::Min: return MPI_MIN;
+    default: return MPI_SUM;
+  }
+}
+
+// Serial loops for the engine side (no OpenMP team from the communication thread).
+void divide_serial(const Tensor& t, double d) {
+  int64_t n = t.numel();
+  if (t.dtype() == DType::F32) {
+    float* p = t.data<float>();
+    float inv = static_cast<float>(d);
+    for (int64_t i = 0; i < n; ++i) p[i] /= inv;
+  } else if (t.dtype() == DType::F64) {
+    double* p = t.data<double>();
+    for (int64_t i = 0; i < n; ++i) p[i] /= d;
+  }
+}
+
+void narrow_serial(const Tensor& dst, const Tensor& src_f32) {
+  const float* s = src_f32.data<float>();
+  int64_t n = dst.numel();
+  if (dst.dtype() == DType::BF16) {
+    auto* d = static_cast<BFloat16*>(dst.data_ptr());
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
+  } else {
+    auto* d = static_cast<Half*>(dst.data_ptr());
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_f16(s[i]);
+  }
+}
+
+// The buffer a reduction sends: the input, or an f32 copy (bf16/f16), scaled for PremulSum.
+Tensor reduction_input(const Tensor& input, const ReduceOptions& o, bool copy_always) {
+  bool premul = o.op == ReduceOp::PremulSum && o.factor != 1.0;
+  if (!needs_upcast(input.dtype()) && !premul && !copy_always) return input;
+  Tensor t = needs_upcast(input.dtype()) ? ops::to(input, DType::F32) : ops::clone(input);
+  if (premul) ops::mul_(t, o.factor);
+  return t;
+}
+
+void check_reduce_dtype(DType dt, const ReduceOptions& o, const char* op) {
+  TS_CHECK(is_floating(dt) || (o.op != ReduceOp::Avg && o.op != ReduceOp::PremulSum),
+           "{}: {} needs a floating-point tensor, got {}", op, reduce_op_name(o.op), dtype_name(dt));
+}
+
+// Direct exchange with every peer: one Irecv and one Isend per peer, tagged by
+// the collective's sequence number. OpenMPI's nonblocking collectives (libnbc)
+// move large buffers 4-5x slower than its blocking ones here, while
+// point-to-point messages over shared memory match or beat them
+// (benchmarks/README.md), so all-gather, reduce-scatter and all-to-all are
+// built from these.
+struct Exchange {
+  MPI_Comm comm;
+  int rank, size, tag, count;
+  MPI_Datatype type;
+  size_t bytes;                 // per message
+  const char* send;             // send buffer of peer p: send + p * send_stride
+  size_t send_stride;           // 0: the same buffer to every peer
+  char* recv;                   // receive buffer of peer p: recv + p * bytes
+  void post(std::vector<MPI_Request>& reqs) const {
+    if (count == 0) return;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      TS_MPI(MPI_Irecv(recv + static_cast<size_t>(p) * bytes, count, type, p, tag, comm,
+                       &reqs.emplace_back(MPI_REQUEST_NULL)));
+    }
+    for (int k = 1; k < size; ++k) {  // staggered: rank r sends to r+1 first, spreading the load
+      int p = (rank + k) % size;
+      TS_MPI(MPI_Isend(send + static_cast<size_t>(p) * send_stride, count, type, p, tag, comm,
+                       &reqs.emplace_back(MPI_REQUEST_NULL)));
+    }
+  }
+};
+
+int tag_of(int64_t seq) { return static_cast<int>(seq % 32768); }
+
+// out[i] = reduce over ranks p (in rank order) of chunk(p)[i]; serial (engine side).
+template <class T>
+void reduce_chunks(T* out, int size, int64_t n, ReduceOp op, const std::function<const T*(int)>& chunk) {
+  const T* first = chunk(0);
+  for (int64_t i = 0; i < n; ++i) out[i] = first[i];
+  for (int p = 1; p < size; ++p) {
+    const T* c = chunk(p);
+    if (op == ReduceOp::Max) {
+      for (int64_t i = 0; i < n; ++i) out[i] = c[i] > out[i] ? c[i] : out[i];
+    } else if (op == ReduceOp::Min) {
+      for (int64_t i = 0; i < n; ++i) out[i] = c[i] < out[i] ? c[i] : out[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] += c[i];
+    }
+  }
+}
+
+}  // namespace
+
+MpiGroup::MpiGroup(std::shared_ptr<GroupState> state) : state_(std::move(state)) {}
+
+std::shared_ptr<Collective> MpiGroup::make(int64_t kind, const char* name, DType dt, int64_t in, int64_t out,
+                                           ReduceOp op, int root, int64_t bytes) {
+  TS_CHECK(!state_->broken.load(), "{} on group '{}': the group is unusable ({})", name, state_->name,
+           state_->broken_reason);
+  auto c = std::make_shared<Collective>();
+  c->kind = name;
+  c->group = state_;
+  c->seq = state_->next_seq++;
+  c->descriptor = {c->seq, kind, static_cast<int64_t>(dt), in, out, static_cast<int64_t>(op), root};
+  std::lock_guard<std::mutex> lk(state_->stats_mu);
+  state_->stats.mpi_calls++;
+  state_->stats.bytes += bytes;
+  return c;
+}
+
+void MpiGroup::count(int64_t kind) {
+  std::lock_guard<std::mutex> lk(state_->stats_mu);
+  CollectiveStats& s = state_->stats;
+  int64_t* fields[] = {&s.all_gather, &s.reduce_scatter, &s.all_reduce, &s.broadcast, &s.all_to_all, &s.barrier};
+  (*fields[kind])++;
+}
+
+WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
+  Engine::get().submit(c);
+  return c;
+}
+
+WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& input) {
+  const char* op = "all_gather_into_tensor";
+  check_tensor(output, op, "output");
+  check_tensor(input, op, "input");
+  TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
+           dtype_name(output.dtype()));
+  int64_t n = input.numel();
+  TS_CHECK(output.numel() == n * size(), "{}: output has {} elements, expected {} ({} ranks x {})", op,
+           output.numel(), n * size(), size(), n);
+  count(kAllGather);
+  size_t bytes = static_cast<size_t>(n) * dtype_size(input.dtype());
+  char* slot = output.numel() ? static_cast<char*>(output.data_ptr()) + bytes * static_cast<size_t>(rank()) : nullptr;
+  bool in_place = n > 0 && input.data_ptr() == slot;
+  if (size() == 1) {
+    if (!in_place && n > 0) std::memcpy(slot, input.data_ptr(), bytes);
+    return std::make_shared<DoneWork>();
+  }
+  auto c = make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
+                static_cast<int64_t>(bytes));
+  c->keep_alive = {input, output};
+  const char* src = n ? static_cast<const char*>(input.data_ptr()) : nullptr;
+  Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), bytes,
+              src, 0, output.numel() ? static_cast<char*>(output.data_ptr()) : nullptr};
+  c->start = [ex, in_place, slot, src, bytes](std::vector<MPI_Request>& reqs) {
+    ex.post(reqs);
+    if (!in_place && bytes > 0) std::memcpy(slot, src, bytes);  // own chunk, while the messages move
+  };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOptions o) {
+  const char* op = "reduce_scatter_tensor";
+  check_tensor(output, op, "output");
+  check_tensor(input, op, "input");
+  TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
+           dtype_name(output.dtype()));
+  check_reduce_dtype(input.dtype(), o, op);
+  int64_t n = output.numel();
+  TS_CHECK(input.numel() == n * size(), "{}: input has {} elements, expected {} ({} ranks x {})", op,
+           input.numel(), n * size(), size(), n);
+  count(kReduceScatter);
+  if (size() == 1) {
+    Tensor src = reduction_input(input, o, false);
+    Tensor dst = output;
+    if (!src.is_same(output)) ops::copy_(dst, ops::reshape(src, output.shape()));
+    return std::make_shared<DoneWork>();
+  }
+  Tensor send = reduction_input(input, o, false);
+  bool upcast = needs_upcast(output.dtype());
+  DType rdt = send.dtype();
+  TS_CHECK(rdt != DType::Bool || o.op == ReduceOp::Max || o.op == ReduceOp::Min,
+           "{}: {} is not defined on bool tensors (use max or min)", op, reduce_op_name(o.op));
+  // Peers' chunks for this rank land in `staged` (slot p from rank p); the sum
+  // runs on the engine, over ranks in order, so every rank rounds alike.
+  Tensor staged = empty({size() * n}, rdt);
+  Tensor result = upcast ? empty(output.shape(), DType::F32) : output;
+  auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
+                static_cast<int64_t>(send.nbytes()));
+  c->keep_alive = {input, output, send, staged, result};
+  size_t chunk = static_cast<size_t>(n) * dtype_size(rdt);
+  Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(rdt), chunk,
+              n ? static_cast<const char*>(send.data_ptr()) : nullptr, chunk,
+              n ? static_cast<char*>(staged.data_ptr()) : nullptr};
+  c->start = [ex](std::vector<MPI_Request>& reqs) { ex.post(reqs); };
+  int world = size(), me = rank();
+  c->finish = [=] {
+    if (n == 0) return;
+    auto run = [&](auto tag) {
+      using T = decltype(tag);
+      const T* own = static_cast<const T*>(send.data_ptr()) + static_cast<int64_t>(me) * n;
+      const T* peers = static_cast<const T*>(staged.data_ptr());
+      reduce_chunks<T>(static_cast<T*>(result.data_ptr()), world, n, o.op,
+                       [&](int p) { return p == me ? own : peers + static_cast<int64_t>(p) * n; });
+    };
+    switch (rdt) {
+      case DType::F32: run(float{}); break;
+      case DType::F64: run(double{}); break;
+      case DType::I32: run(int32_t{}); break;
+      case DType::I64: run(int64_t{}); break;
+      case DType::Bool: run(bool{}); break;
+      default: TS_ASSERT(false);
+    }
+    if (o.op == ReduceOp::Avg) divide_serial(result, world);  // once, after the sum
+    if (upcast) narrow_serial(output, result);
+  };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
+  const char* op = "all_reduce";
+  check_tensor(tensor, op, "tensor");
+  check_reduce_dtype(tensor.dtype(), o, op);
+  count(kAllReduce);
+  bool upcast = needs_upcast(tensor.dtype());
+  if (size() == 1) {
+    if (o.op == ReduceOp::PremulSum && o.factor != 1.0) {
+      Tensor t = tensor;
+      Tensor scaled = reduction_input(tensor, o, false);
+      ops::copy_(t, scaled);
+    }
+    return std::make_shared<DoneWork>();
+  }
+  // Reduced in place: the tensor itself, or its f32 copy (scaled first for PremulSum).
+  Tensor buf = tensor;
+  if (upcast) buf = reduction_input(tensor, o, true);
+  else if (o.op == ReduceOp::PremulSum && o.factor != 1.0) ops::mul_(buf, o.factor);
+  auto c = make(kAllReduce, "all_reduce", tensor.dtype(), tensor.numel(), tensor.numel(), o.op, -1,
+                static_cast<int64_t>(buf.nbytes()));
+  c->keep_alive = {tensor, buf};
+  MPI_Comm comm = state_->comm;
+  int cnt = count_of(tensor.numel(), op);
+  MPI_Datatype type = transfer_type(buf.dtype());
+  MPI_Op mop = mpi_op(o.op, buf.dtype());
+  void* p = tensor.numel() ? buf.data_ptr() : nullptr;
+  int world = size();
+  c->start = [=](std::vector<MPI_Request>& reqs) {
+    MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Iallreduce(MPI_IN_PLACE, p, cnt, type, mop, comm, req)); };
+  c->finish = [=] {
+    if (o.op == ReduceOp::Avg) divide_serial(buf, world);
+    if (upcast) narrow_serial(tensor, buf);
+  };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
+  const char* op = "broadcast";
+  check_tensor(tensor, op, "tensor");
+  TS_CHECK(src >= 0 && src < size(), "{}: source rank {} is not in a group of {}", op, src, size());
+  count(kBroadcast);
+  if (size() == 1) return std::make_shared<DoneWork>();
+  auto c = make(kBroadcast, "broadcast", tensor.dtype(), tensor.numel(), tensor.numel(), ReduceOp::Sum, src,
+                static_cast<int64_t>(tensor.nbytes()));
+  c->keep_alive = {tensor};
+  MPI_Comm comm = state_->comm;
+  int cnt = count_of(tensor.numel(), op);
+  MPI_Datatype type = transfer_type(tensor.dtype());
+  void* p = tensor.numel() ? tensor.data_ptr() : nullptr;
+  c->start = [=](std::vector<MPI_Request>& reqs) {
+    MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Ibcast(p, cnt, type, src, comm, req)); };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
+  const char* op = "all_to_all";
+  check_tensor(output, op, "output");
+  check_tensor(input, op, "input");
+  TS_CHECK(input.dtype() == output.dtype() && input.numel() == output.numel(),
+           "{}: input ({}, {} elements) and output ({}, {} elements) must match", op, dtype_name(input.dtype()),
+           input.numel(), dtype_name(output.dtype()), output.numel());
+  TS_CHECK(input.numel() % size() == 0, "{}: {} elements do not split into {} equal chunks", op, input.numel(),
+           size());
+  count(kAllToAll);
+  if (size() == 1) {
+    if (!input.is_same(output) && input.numel() > 0 && input.data_ptr() != output.data_ptr())
+      std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
+    return std::make_shared<DoneWork>();
+  }
+  auto c = make(kAllToAll, "all_to_all", input.dtype(), input.numel(), output.numel(), ReduceOp::Sum, -1,
+                static_cast<int64_t>(input.nbytes()));
+  c->keep_alive = {input, output};
+  int64_t n = input.numel() / size();
+  size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
+  if (n > 0)  // this rank's own chunk stays local
+    std::memcpy(static_cast<char*>(output.data_ptr()) + chunk * static_cast<size_t>(rank()),
+                static_cast<const char*>(input.data_ptr()) + chunk * static_cast<size_t>(rank()), chunk);
+  Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
+              n ? static_cast<const char*>(input.data_ptr()) : nullptr, chunk,
+              n ? static_cast<char*>(output.data_ptr()) : nullptr};
+  c->start = [ex](std::vector<MPI_Request>& reqs) { ex.post(reqs); };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::barrier() {
+  count(kBarrier);
+  if (size() == 1) return std::make_shared<DoneWork>();
+  auto c = make(kBarrier, "barrier", DType::Bool, 0, 0, ReduceOp::Sum, -1, 0);
+  MPI_Comm comm = state_->comm;
+  c->start = [=](std::vector<MPI_Request>& reqs) {
+    MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Ibarrier(comm, req)); };
+  return submit(c);
+}
+
+std::shared_ptr<ProcessGroup> MpiGroup::make_child(MPI_Comm comm, const std::string& name) {
+  if (comm == MPI_COMM_NULL) return nullptr;
+  auto st = std::make_shared<GroupState>();
+  st->comm = comm;
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  TS_MPI(MPI_Comm_rank(comm, &st->rank));
+  TS_MPI(MPI_Comm_size(comm, &st->size));
+  TS_MPI(MPI_Comm_dup(comm, &st->check_comm));
+  int world_rank = dist::rank();
+  st->global_ranks.resize(static_cast<size_t>(st->size));
+  TS_MPI(MPI_Allgather(&world_rank, 1, MPI_INT, st->global_ranks.data(), 1, MPI_INT, comm));
+  st->name = name;
+  return std::make_shared<MpiGroup>(st);
+}
+
+std::shared_ptr<ProcessGroup> MpiGroup::new_group(const std::vector<int>& ranks, const std::string& name) {
+  std::vector<bool> seen(static_cast<size_t>(size()), false);
+  int my_index = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    TS_CHECK(r >= 0 && r < size(), "new_group: rank {} is not in group '{}' of size {}", r, state_->name, size());
+    TS_CHECK(!seen[static_cast<size_t>(r)], "new_group: rank {} listed twice", r);
+    seen[static_cast<size_t>(r)] = true;
+    if (r == rank()) my_index = static_cast<int>(i);
+  }
+  std::string label = name;
+  if (label.empty()) {
+    std::vector<int> members;
+    for (int r : ranks) members.push_back(global_ranks()[static_cast<size_t>(r)]);
+    label = fmt::format("group[{}]", fmt::join(members, ","));
+  }
+  if (size() == 1 || state_->comm == MPI_COMM_NULL) return my_index >= 0 ? local_group(label) : nullptr;
+  return split(my_index >= 0 ? 0 : -1, my_index, label);
+}
+
+std::shared_ptr<ProcessGroup> MpiGroup::split(int color, int key, const std::string& name) {
+  if (state_->comm == MPI_COMM_NULL) return color >= 0 ? local_group(name.empty() ? "split" : name) : nullptr;
+  std::string label = name.empty() ? fmt::format("{}/split{}", state_->name, color) : name;
+  std::shared_ptr<ProcessGroup> out;
+  MPI_Comm parent = state_->comm;
+  Engine::get().run_sync([&] {
+    MPI_Comm child = MPI_COMM_NULL;
+    TS_MPI(MPI_Comm_split(parent, color >= 0 ? color : MPI_UNDEFINED, key, &child));
+    out = make_child(child, label);
+  });
+  return out;
+}
+
+CollectiveStats MpiGroup::stats() const {
+  std::lock_guard<std::mutex> lk(state_->stats_mu);
+  return state_->stats;
+}
+
+void MpiGroup::reset_stats() {
+  std::lock_guard<std::mutex> lk(state_->stats_mu);
+  state_->stats = {};
+}
+
+std::shared_ptr<ProcessGroup> local_group(const std::string& name) {
+  auto st = std::make_shared<GroupState>();
+  st->name = name;
+  st->global_ranks = {dist::rank()};
+  return std::make_shared<MpiGroup>(st);
+}
+
+}  // namespace tessera::dist::detail

@@ -1,0 +1,42 @@
+// The MPI ProcessGroup (internal to runtime/; users see dist::ProcessGroup).
+#pragma once
+
+#include "runtime/mpi/engine.h"
+
+namespace tessera::dist::detail {
+
+class MpiGroup final : public ProcessGroup {
+ public:
+  explicit MpiGroup(std::shared_ptr<GroupState> state);
+  int rank() const override { return state_->rank; }
+  int size() const override { return state_->size; }
+  const std::vector<int>& global_ranks() const override { return state_->global_ranks; }
+  const std::string& name() const override { return state_->name; }
+
+  WorkPtr all_gather_into_tensor(const Tensor& output, const Tensor& input) override;
+  WorkPtr reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOptions options) override;
+  WorkPtr all_reduce(const Tensor& tensor, ReduceOptions options) override;
+  WorkPtr broadcast(const Tensor& tensor, int src) override;
+  WorkPtr all_to_all(const Tensor& output, const Tensor& input) override;
+  WorkPtr barrier() override;
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& name) override;
+  std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) override;
+  CollectiveStats stats() const override;
+  void reset_stats() override;
+  int64_t sequence() const override { return state_->next_seq; }
+
+  // Wraps a communicator this rank belongs to (called where MPI may be called).
+  static std::shared_ptr<ProcessGroup> make_child(MPI_Comm comm, const std::string& name);
+
+ private:
+  std::shared_ptr<Collective> make(int64_t kind, const char* name, DType dt, int64_t in, int64_t out,
+                                   ReduceOp op, int root, int64_t bytes);
+  void count(int64_t kind);
+  WorkPtr submit(std::shared_ptr<Collective> c);
+  std::shared_ptr<GroupState> state_;
+};
+
+// A group of just this process, with no communicator (world size 1, or size-1 subgroups).
+std::shared_ptr<ProcessGroup> local_group(const std::string& name);
+
+}  // namespace tessera::dist::detail

@@ -1,0 +1,289 @@
+// Process-group collectives, run under mpirun with 1-4 ranks (and as a plain
+// process). Every rank builds every rank's input from (seed, rank), so each
+// can compute the expected result itself, in f64.
+#include <chrono>
+#include <map>
+#include <tuple>
+#include <cmath>
+#include <thread>
+
+#include "runtime/distributed.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using dist::ReduceOp;
+
+namespace {
+
+dist::ProcessGroupPtr world() {
+  dist::init();
+  return dist::world();
+}
+
+// Rank r's input: values that are exact in every dtype tested (small integers
+// and halves for floats), so reductions in any order agree bit for bit.
+Tensor input_for(int r, int64_t n, DType dt, uint64_t seed) {
+  // Memoised: every rank builds every rank's inputs for its references.
+  static std::map<std::tuple<int, int64_t, DType, uint64_t>, Tensor> cache;
+  auto key = std::make_tuple(r, n, dt, seed);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    Tensor u = randint({n}, -8, 9, seed * 131 + static_cast<uint64_t>(r));
+    Tensor f = ops::to(u, DType::F64);
+    if (is_floating(dt)) f = ops::mul(f, 0.5);
+    it = cache.emplace(key, ops::to(f, dt)).first;
+  }
+  return ops::clone(it->second);  // callers may reduce into it
+}
+
+// The f64 reference reduction over all ranks' inputs.
+std::vector<double> reference(ReduceOp op, int world_size, int64_t n, DType dt, uint64_t seed, double factor) {
+  std::vector<double> acc;
+  for (int r = 0; r < world_size; ++r) {
+    auto v = input_for(r, n, dt, seed).to_vector<double>();
+    if (op == ReduceOp::PremulSum)
+      for (auto& x : v) x *= factor;
+    if (acc.empty()) {
+      acc = v;
+      continue;
+    }
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (op == ReduceOp::Max) acc[i] = std::max(acc[i], v[i]);
+      else if (op == ReduceOp::Min) acc[i] = std::min(acc[i], v[i]);
+      else acc[i] += v[i];
+    }
+  }
+  if (op == ReduceOp::Avg)
+    for (auto& x : acc) x /= world_size;
+  if (acc.empty()) acc.assign(static_cast<size_t>(n), 0.0);
+  return acc;
+}
+
+// Rounds a reference to what dtype can hold (the collective returns dtype).
+Tensor as_dtype(const std::vector<double>& v, DType dt) {
+  return ops::to(from_vector(v, {static_cast<int64_t>(v.size())}), dt);
+}
+
+const std::vector<int64_t> kSizes = {0, 1, 17, 1000003};
+const std::vector<DType> kTypes = {DType::F32, DType::BF16, DType::F16, DType::F64, DType::I64};
+
+}  // namespace
+
+TEST_CASE("all_reduce: every op, dtype and size", "[dist][all_reduce]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  for (DType dt : kTypes) {
+    for (int64_t n : kSizes) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::PremulSum}) {
+        if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
+        INFO(dist::reduce_op_name(op) << " " << dtype_name(dt) << " n=" << n << " world " << W);
+        Tensor t = input_for(r, n, dt, 1);
+        pg->all_reduce(t, {op, 0.25})->wait();
+        CHECK(testing::equal(t, as_dtype(reference(op, W, n, dt, 1, 0.25), dt)));
+      }
+    }
+  }
+  // avg divides by the group size exactly once.
+  Tensor ones_t = ones({5});
+  pg->all_reduce(ones_t, {ReduceOp::Avg})->wait();
+  CHECK(testing::equal(ones_t, ones({5})));
+  CHECK_THROWS_WITH(pg->all_reduce(zeros({3}, DType::I64), {ReduceOp::Avg}),
+                    Catch::Contains("avg needs a floating-point tensor"));
+}
+
+TEST_CASE("all_gather_into_tensor and reduce_scatter_tensor", "[dist][all_gather][reduce_scatter]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  for (DType dt : kTypes) {
+    for (int64_t n : kSizes) {
+      INFO(dtype_name(dt) << " n=" << n << " world " << W);
+      // all_gather: output = [input_0, ..., input_{W-1}].
+      Tensor out = empty({W * n}, dt);
+      pg->all_gather_into_tensor(out, input_for(r, n, dt, 2))->wait();
+      std::vector<Tensor> parts;
+      for (int k = 0; k < W; ++k) parts.push_back(input_for(k, n, dt, 2));
+      CHECK(testing::equal(out, ops::cat(parts, 0)));
+      // In place: the input is this rank's slot of the output.
+      Tensor out2 = zeros({W * n}, dt);
+      Tensor slot = ops::narrow(out2, 0, r * n, n);
+      ops::copy_(slot, input_for(r, n, dt, 2));
+      pg->all_gather_into_tensor(out2, slot)->wait();
+      CHECK(testing::equal(out2, out));
+      // reduce_scatter: rank r gets chunk r of the sum.
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::PremulSum}) {
+        if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
+        INFO(dist::reduce_op_name(op));
+        Tensor in = input_for(r, W * n, dt, 3);
+        Tensor res = empty({n}, dt);
+        pg->reduce_scatter_tensor(res, in, {op, 0.5})->wait();
+        auto full = reference(op, W, W * n, dt, 3, 0.5);
+        std::vector<double> mine(full.begin() + r * n, full.begin() + (r + 1) * n);
+        CHECK(testing::equal(res, as_dtype(mine, dt)));
+      }
+    }
+  }
+  CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({3}), empty({2})),
+                    Catch::Contains("output has 3 elements, expected"));
+  CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({2 * W}), empty({2}, DType::F64)),
+                    Catch::Contains("input is f64 but output is f32"));
+  CHECK_THROWS_WITH(pg->all_reduce(ops::transpose(empty({2, 3}), 0, 1)), Catch::Contains("must be contiguous"));
+}
+
+TEST_CASE("broadcast, all_to_all and barrier", "[dist]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  for (DType dt : kTypes) {
+    for (int64_t n : kSizes) {
+      INFO(dtype_name(dt) << " n=" << n);
+      for (int src = 0; src < W; ++src) {
+        Tensor t = input_for(r, n, dt, 4);
+        pg->broadcast(t, src)->wait();
+        CHECK(testing::equal(t, input_for(src, n, dt, 4)));
+      }
+      // all_to_all: chunk j of rank i's input lands as chunk i of rank j's output.
+      Tensor in = input_for(r, W * n, dt, 5);
+      Tensor out = empty({W * n}, dt);
+      pg->all_to_all(out, in)->wait();
+      std::vector<Tensor> expect;
+      for (int i = 0; i < W; ++i) expect.push_back(ops::narrow(input_for(i, W * n, dt, 5), 0, r * n, n));
+      CHECK(testing::equal(out, ops::cat(expect, 0)));
+    }
+  }
+  pg->barrier()->wait();
+  CHECK_THROWS_WITH(pg->broadcast(zeros({1}), W), Catch::Contains("source rank"));
+}
+
+TEST_CASE("collectives return at once and complete on wait; several in flight", "[dist][async]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  if (W == 1) {
+    CHECK(pg->all_reduce(ones({3}))->is_completed());
+    return;
+  }
+  // The last rank joins late: everyone else's call must return immediately.
+  if (r == W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto t0 = std::chrono::steady_clock::now();
+  Tensor t = ones({1000});
+  auto work = pg->all_reduce(t);
+  double issue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (r != W - 1) {
+    CHECK(issue_ms < 100);
+    CHECK_FALSE(work->is_completed());
+  }
+  work->wait();
+  CHECK(work->is_completed());
+  CHECK(t.to_vector<float>()[999] == static_cast<float>(W));
+  // Several outstanding collectives (two groups), waited in reverse order.
+  auto pair = pg->split(r % 2, r);
+  std::vector<Tensor> ts;
+  std::vector<dist::WorkPtr> works;
+  for (int i = 0; i < 6; ++i) {
+    ts.push_back(full({17}, static_cast<double>(i + 1)));
+    works.push_back(i % 2 ? pair->all_reduce(ts.back()) : pg->all_reduce(ts.back()));
+  }
+  for (int i = 5; i >= 0; --i) works[static_cast<size_t>(i)]->wait();
+  for (int i = 0; i < 6; ++i)
+    CHECK(ts[static_cast<size_t>(i)].to_vector<float>()[0] == (i + 1) * (i % 2 ? pair->size() : W));
+}
+
+TEST_CASE("subgroups: new_group and split", "[dist][groups]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  std::vector<int> evens;
+  for (int k = 0; k < W; k += 2) evens.push_back(k);
+  auto even = pg->new_group(evens);
+  if (r % 2 == 0) {
+    REQUIRE(even != nullptr);
+    CHECK(even->size() == static_cast<int>(evens.size()));
+    CHECK(even->rank() == r / 2);
+    Tensor t = full({3}, static_cast<double>(r));
+    even->all_reduce(t)->wait();
+    double expect = 0;
+    for (int k : evens) expect += k;
+    CHECK(t.to_vector<float>()[0] == expect);
+    CHECK(even->global_ranks() == evens);
+  } else {
+    CHECK(even == nullptr);
+  }
+  // Split by color, keyed in reverse: group rank order follows the key.
+  auto half = pg->split(r % 2, W - r);
+  Tensor mine = full({1}, static_cast<double>(r));
+  Tensor gathered = empty({half->size()});
+  half->all_gather_into_tensor(gathered, mine)->wait();
+  auto g = gathered.to_vector<float>();
+  for (size_t i = 1; i < g.size(); ++i) CHECK(g[i] < g[i - 1]);
+  CHECK_THROWS_WITH(pg->new_group({0, 0}), Catch::Contains("listed twice"));
+}
+
+TEST_CASE("sequence numbers count collectives per group; world size 1 calls no MPI", "[dist][stats]") {
+  auto pg = world();
+  pg->barrier()->wait();
+  pg->reset_stats();
+  int64_t seq = pg->sequence();
+  pg->all_reduce(ones({4}))->wait();
+  Tensor out = empty({4 * pg->size()});
+  pg->all_gather_into_tensor(out, ones({4}))->wait();
+  auto s = pg->stats();
+  CHECK(s.all_reduce == 1);
+  CHECK(s.all_gather == 1);
+  if (pg->size() == 1) {
+    CHECK(s.mpi_calls == 0);
+    CHECK(pg->sequence() == seq);  // nothing was numbered: nothing went to MPI
+  } else {
+    CHECK(s.mpi_calls == 2);
+    CHECK(pg->sequence() == seq + 2);
+  }
+}
+
+TEST_CASE("the debug mode catches a mismatched collective on every rank", "[dist][debug]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  if (W == 1) return;
+  dist::set_debug_collectives(true);
+  auto victim = pg->split(0, r, "desync-test");  // a throwaway group: it is unusable afterwards
+  // Rank 0 reduces 17 elements, the others 18.
+  Tensor t = ones({r == 0 ? 17 : 18});
+  std::string message;
+  try {
+    victim->all_reduce(t)->wait();
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  dist::set_debug_collectives(false);
+  INFO(message);
+  CHECK_THAT(message, Catch::Contains("collective mismatch on group 'desync-test' at seq 0"));
+  CHECK_THAT(message, Catch::Contains("all_reduce(f32, 17 -> 17 elements"));
+  CHECK_THAT(message, Catch::Contains("all_reduce(f32, 18 -> 18 elements"));
+  CHECK_THROWS_WITH(victim->barrier(), Catch::Contains("unusable"));
+  pg->barrier()->wait();  // the world group is unaffected
+}
+
+TEST_CASE("a rank that never arrives becomes a timeout exception, not a hang", "[dist][timeout]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  if (W == 1) return;
+  auto victim = pg->split(0, r, "timeout-test");
+  auto saved = dist::timeout();
+  dist::set_timeout(std::chrono::milliseconds(800));
+  Tensor t = ones({8});
+  dist::WorkPtr late;
+  auto t0 = std::chrono::steady_clock::now();
+  if (r == 0) {
+    std::string message;
+    try {
+      victim->all_reduce(t)->wait();
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    INFO(message);
+    CHECK_THAT(message, Catch::Contains("all_reduce (seq 0) on group 'timeout-test'"));
+    CHECK_THAT(message, Catch::Contains("did not complete within 0.8 s"));
+    CHECK(waited < 5.0);
+  }
+  dist::set_timeout(saved);
+  pg->barrier()->wait();
+  // The others arrive late, so rank 0's pending collective completes in the background.
+  if (r != 0) victim->all_reduce(t)->wait();
+  pg->barrier()->wait();
+}
