@@ -88,7 +88,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   TS_CHECK(targets.shape() == expect, "cross_entropy: targets {} do not match logits {} (expected {})",
            shape_str(targets.shape()), shape_str(logits.shape()), shape_str(expect));
   int64_t v = logits.size(-1);
-  return tessera::cross_entropy(reshape(logits, {-1, v}), ops::reshape(targets, {-1}), ignore_index);
+  return tessera::cross_entropy(reshape(logits, {leading_numel(logits.shape()), v}),
+                                ops::reshape(targets, {targets.numel()}), ignore_index);
 }
 
 }  // namespace tessera::nn

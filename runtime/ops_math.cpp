@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "runtime/dtensor_hook.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 
@@ -22,6 +23,17 @@ const char* binary_name(BinaryOp op) {
 }
 
 namespace {
+
+// Hands a DTensor op to the dtensor layer (runtime/dtensor_hook.h).
+std::vector<Tensor> route(const char* name, OpClass cls, std::vector<Tensor> inputs,
+                          std::function<std::vector<Tensor>(const std::vector<Tensor>&)> local) {
+  DistCall call;
+  call.name = name;
+  call.cls = cls;
+  call.inputs = std::move(inputs);
+  call.local = std::move(local);
+  return dispatch_distributed(call);
+}
 
 bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
 
@@ -56,6 +68,9 @@ Tensor& update_inplace(Tensor& x, const char* op, F&& f) {
 }  // namespace
 
 Tensor unary(UnaryOp op, const Tensor& x) {
+  if (x.is_distributed())
+    return route(unary_name(op), op == UnaryOp::Neg ? OpClass::LinearElementwise : OpClass::Elementwise, {x},
+                 [op](const TensorList& l) { return TensorList{unary(op, l[0])}; })[0];
   check_floating(x, unary_name(op));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   Tensor xc = upcast(x);
@@ -65,6 +80,10 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 }
 
 Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y) {
+  if (any_distributed({&grad, &x, &y}))
+    return route("unary_backward", OpClass::Elementwise, {grad, x, y}, [op](const TensorList& l) {
+      return TensorList{unary_backward(op, l[0], l[1], l[2])};
+    })[0];
   TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
            unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
@@ -76,6 +95,9 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   const char* name = binary_name(op);
+  if (any_distributed({&a, &b}))
+    return route(name, op == BinaryOp::Add || op == BinaryOp::Sub ? OpClass::LinearElementwise : OpClass::Elementwise,
+                 {a, b}, [op](const TensorList& l) { return TensorList{binary(op, l[0], l[1])}; })[0];
   TS_CHECK(a.dtype() == b.dtype(), "{}: dtype mismatch ({} and {}); convert one with to()", name,
            dtype_name(a.dtype()), dtype_name(b.dtype()));
   check_same_device(a, b, name);
@@ -109,6 +131,9 @@ Tensor binary(BinaryOp op, double a, const Tensor& b) {
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  if (any_distributed({&cond, &a, &b}))
+    return route("where", OpClass::Elementwise, {cond, a, b},
+                 [](const TensorList& l) { return TensorList{where(l[0], l[1], l[2])}; })[0];
   TS_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got {}",
            dtype_name(cond.dtype()));
   TS_CHECK(a.dtype() == b.dtype(), "where: dtype mismatch ({} and {})", dtype_name(a.dtype()),
@@ -126,6 +151,13 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 // ---- in-place ---------------------------------------------------------------
 
 Tensor& copy_(Tensor& dst, const Tensor& src) {
+  if (any_distributed({&dst, &src})) {
+    route("copy_", OpClass::InPlace, {dst, src}, [](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{copy_(t, l[1])};
+    });
+    return dst;
+  }
   if (dst.is_meta()) return dst;
   TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
            dst.device().str());
@@ -136,6 +168,13 @@ Tensor& copy_(Tensor& dst, const Tensor& src) {
 }
 
 Tensor& fill_(Tensor& x, double value) {
+  if (x.is_distributed()) {
+    route("fill_", OpClass::InPlace, {x}, [value](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{fill_(t, value)};
+    });
+    return x;
+  }
   if (!x.is_meta()) kernels(x.device()).fill(x, value);
   return x;
 }
@@ -155,6 +194,13 @@ Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
 }  // namespace
 
 Tensor& add_(Tensor& x, const Tensor& other, double alpha) {
+  if (any_distributed({&x, &other})) {
+    route("add_", OpClass::InPlace, {x, other}, [alpha](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{add_(t, l[1], alpha)};
+    });
+    return x;
+  }
   Tensor o = operand(x, other, "add_");
   return update_inplace(x, "add_", [&](const Tensor& t) {
     kernels(t.device()).pointwise(PointwiseOp::AddScaled, t, o, {}, alpha);
@@ -166,6 +212,13 @@ Tensor& add_(Tensor& x, double value) {
 }
 
 Tensor& mul_(Tensor& x, const Tensor& other) {
+  if (any_distributed({&x, &other})) {
+    route("mul_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{mul_(t, l[1])};
+    });
+    return x;
+  }
   Tensor o = operand(x, other, "mul_");
   return update_inplace(x, "mul_", [&](const Tensor& t) {
     kernels(t.device()).binary(BinaryOp::Mul, t, t, o);
@@ -177,6 +230,13 @@ Tensor& mul_(Tensor& x, double value) {
 }
 
 Tensor& div_(Tensor& x, const Tensor& other) {
+  if (any_distributed({&x, &other})) {
+    route("div_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{div_(t, l[1])};
+    });
+    return x;
+  }
   Tensor o = operand(x, other, "div_");
   return update_inplace(x, "div_", [&](const Tensor& t) {
     kernels(t.device()).binary(BinaryOp::Div, t, t, o);
@@ -184,6 +244,13 @@ Tensor& div_(Tensor& x, const Tensor& other) {
 }
 
 Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+  if (any_distributed({&x, &a, &b})) {
+    route("addcmul_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{addcmul_(t, l[1], l[2], value)};
+    });
+    return x;
+  }
   Tensor oa = operand(x, a, "addcmul_"), ob = operand(x, b, "addcmul_");
   return update_inplace(x, "addcmul_", [&](const Tensor& t) {
     kernels(t.device()).pointwise(PointwiseOp::Addcmul, t, oa, ob, value);
@@ -191,6 +258,13 @@ Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
 }
 
 Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+  if (any_distributed({&x, &a, &b})) {
+    route("addcdiv_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{addcdiv_(t, l[1], l[2], value)};
+    });
+    return x;
+  }
   Tensor oa = operand(x, a, "addcdiv_"), ob = operand(x, b, "addcdiv_");
   return update_inplace(x, "addcdiv_", [&](const Tensor& t) {
     kernels(t.device()).pointwise(PointwiseOp::Addcdiv, t, oa, ob, value);
@@ -198,6 +272,13 @@ Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
 }
 
 Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
+  if (any_distributed({&x, &end})) {
+    route("lerp_", OpClass::InPlace, {x, end}, [weight](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{lerp_(t, l[1], weight)};
+    });
+    return x;
+  }
   Tensor o = operand(x, end, "lerp_");
   return update_inplace(x, "lerp_", [&](const Tensor& t) {
     kernels(t.device()).pointwise(PointwiseOp::Lerp, t, o, {}, weight);
@@ -205,12 +286,26 @@ Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
 }
 
 Tensor& sqrt_(Tensor& x) {
+  if (any_distributed({&x})) {
+    route("sqrt_", OpClass::InPlace, {x}, [](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{sqrt_(t)};
+    });
+    return x;
+  }
   return update_inplace(x, "sqrt_", [&](const Tensor& t) {
     kernels(t.device()).unary(UnaryOp::Sqrt, t, t);
   });
 }
 
 Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max) {
+  if (any_distributed({&x})) {
+    route("clamp_", OpClass::InPlace, {x}, [min, max](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{clamp_(t, min, max)};
+    });
+    return x;
+  }
   double lo = min.value_or(-std::numeric_limits<double>::infinity());
   double hi = max.value_or(std::numeric_limits<double>::infinity());
   return update_inplace(x, "clamp_", [&](const Tensor& t) { kernels(t.device()).clamp(t, lo, hi); });
@@ -279,6 +374,18 @@ Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dim
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
            std::optional<DType> out_dtype) {
+  if (x.is_distributed()) {
+    DistCall call;
+    call.name = "sum";
+    call.cls = OpClass::Reduction;
+    call.inputs = {x};
+    call.dims = dims_in;
+    call.keepdim = keepdim;
+    call.local = [dims_in, keepdim, out_dtype](const TensorList& l) {
+      return TensorList{sum(l[0], dims_in, keepdim, out_dtype)};
+    };
+    return dispatch_distributed(call)[0];
+  }
   auto dims = reduce_dims(x, dims_in, "sum");
   DType acc = is_floating(x.dtype()) ? compute_dtype(x.dtype()) : DType::I64;
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
@@ -290,6 +397,11 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
   check_floating(x, "mean");
+  if (x.is_distributed()) {  // the sum (Partial over sharded dims) divided by the global count
+    int64_t n = 1;
+    for (int64_t d : reduce_dims(x, dims_in, "mean")) n *= x.shape()[d];
+    return mul(sum(x, dims_in, keepdim), 1.0 / static_cast<double>(n));
+  }
   auto dims = reduce_dims(x, dims_in, "mean");
   int64_t n = 1;
   for (int64_t d : dims) n *= x.shape()[d];
@@ -337,6 +449,9 @@ Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return max(x, dim, k
 
 double sum_squares(const Tensor& x) {
   check_floating(x, "sum_squares");
+  TS_CHECK(!x.is_distributed(),
+           "sum_squares of a DTensor would be this rank's part only; use nn::grad_norm / "
+           "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
   if (x.numel() == 0) return 0.0;
   return kernels(x.device()).sum_squares(contiguous(upcast(x)));
 }

@@ -1,6 +1,7 @@
 // Matrix products and the fused neural-network ops.
 #include <cmath>
 
+#include "runtime/dtensor_hook.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 #include "runtime/random.h"
@@ -58,6 +59,14 @@ void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, d
 }  // namespace
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  if (any_distributed({&a_in, &b_in})) {
+    DistCall call;
+    call.name = "matmul";
+    call.cls = OpClass::Linear;
+    call.inputs = {a_in, b_in};
+    call.local = [](const TensorList& l) { return TensorList{matmul(l[0], l[1])}; };
+    return dispatch_distributed(call)[0];
+  }
   check_pair(a_in, b_in, "matmul");
   check_float(a_in, "matmul", "inputs");
   TS_CHECK(a_in.dim() >= 1 && b_in.dim() >= 1, "matmul: both operands need at least 1 dim, got {} and {}",
@@ -84,14 +93,23 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   Shape ea = batch, eb = batch;
   ea.insert(ea.end(), {m, k});
   eb.insert(eb.end(), {k, n});
-  Tensor ax = reshape(expand(ac, ea), {-1, m, k});  // views when the batch layout allows
-  Tensor bx = reshape(expand(bc, eb), {-1, k, n});
-  Tensor ox = reshape(out, {-1, m, n});
+  Tensor ax = reshape(expand(ac, ea), {nb, m, k});  // views when the batch layout allows
+  Tensor bx = reshape(expand(bc, eb), {nb, k, n});
+  Tensor ox = reshape(out, {nb, m, n});
   for (int64_t i = 0; i < nb; ++i) gemm2d(select(ox, 0, i), select(ax, 0, i), select(bx, 0, i), 1.0, 0.0);
   return to(reshape(out, final_shape), a_in.dtype());
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (any_distributed({&x, &w, &b})) {
+    DistCall call;
+    call.name = "linear";
+    call.cls = OpClass::Linear;
+    call.is_linear = true;
+    call.inputs = {x, w, b};
+    call.local = [](const TensorList& l) { return TensorList{linear(l[0], l[1], l[2])}; };
+    return dispatch_distributed(call)[0];
+  }
   check_pair(x, w, "linear");
   check_float(x, "linear", "input");
   TS_CHECK(w.dim() == 2, "linear: weight must be 2-D [out, in], got {}", shape_str(w.shape()));
@@ -106,7 +124,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   Shape out_shape = x.shape();
   out_shape.back() = w.size(0);
   if (x.is_meta()) return empty(out_shape, x.dtype(), x.device());
-  Tensor x2 = reshape(upcast(x), {-1, w.size(1)});
+  Tensor x2 = reshape(upcast(x), {leading_numel(x.shape()), w.size(1)});
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
   if (b.defined()) kernels(x.device()).copy(out, expand(upcast(b), out.shape()));
   gemm2d(out, x2, transpose(upcast(w), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
@@ -264,7 +282,7 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   int64_t d = grad.size(-1);
   Tensor gw = zeros({num_weights, d}, compute_dtype(grad.dtype()), grad.device());
   if (gw.is_meta()) return to(gw, grad.dtype());
-  kernels(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {-1, d}),
+  kernels(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {leading_numel(grad.shape()), d}),
                                             contiguous(indices));
   return to(gw, grad.dtype());
 }

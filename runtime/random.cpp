@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "runtime/cpu/dispatch.h"
+#include "runtime/dtensor_hook.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 #include "runtime/parallel.h"
@@ -123,12 +124,32 @@ void random_into(Tensor& x, const char* what, F&& fill) {
 }
 }  // namespace
 
+namespace {
+// A DTensor draws, for each local element, the counter of its position in the full tensor.
+void random_distributed(const char* name, Tensor& x, const RandomSpec& spec,
+                        std::function<void(Tensor&, const RandomSpec&)> fill) {
+  DistCall call;
+  call.name = name;
+  call.cls = OpClass::Random;
+  call.inputs = {x};
+  call.spec = spec;
+  call.random_fill = std::move(fill);
+  dispatch_distributed(call);
+}
+}  // namespace
+
 void uniform_(Tensor& x, double low, double high, const RandomSpec& spec) {
+  if (x.is_distributed())
+    return random_distributed("uniform_", x, spec,
+                              [=](Tensor& l, const RandomSpec& s) { uniform_(l, low, high, s); });
   random_into(x, "uniform_",
               [&](const Tensor& t) { kernels(t.device()).uniform(t, low, high, spec); });
 }
 
 void normal_(Tensor& x, double mean, double std, const RandomSpec& spec) {
+  if (x.is_distributed())
+    return random_distributed("normal_", x, spec,
+                              [=](Tensor& l, const RandomSpec& s) { normal_(l, mean, std, s); });
   random_into(x, "normal_",
               [&](const Tensor& t) { kernels(t.device()).normal(t, mean, std, spec); });
 }
@@ -158,8 +179,25 @@ Tensor zeros(const Shape& shape, DType dtype, Device device) {
 Tensor ones(const Shape& shape, DType dtype, Device device) {
   return full(shape, 1.0, dtype, device);
 }
-Tensor zeros_like(const Tensor& x) { return zeros(x.shape(), x.dtype(), x.device()); }
-Tensor empty_like(const Tensor& x) { return empty(x.shape(), x.dtype(), x.device()); }
+namespace {
+Tensor like_distributed(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn) {
+  DistCall call;
+  call.name = name;
+  call.cls = OpClass::Like;
+  call.inputs = {x};
+  call.local = [fn](const TensorList& l) { return TensorList{fn(l[0])}; };
+  return dispatch_distributed(call)[0];
+}
+}  // namespace
+
+Tensor zeros_like(const Tensor& x) {
+  if (x.is_distributed()) return like_distributed("zeros_like", x, [](const Tensor& l) { return zeros_like(l); });
+  return zeros(x.shape(), x.dtype(), x.device());
+}
+Tensor empty_like(const Tensor& x) {
+  if (x.is_distributed()) return like_distributed("empty_like", x, [](const Tensor& l) { return empty_like(l); });
+  return empty(x.shape(), x.dtype(), x.device());
+}
 Tensor scalar_tensor(double value, DType dtype) { return full({}, value, dtype); }
 
 Tensor arange(int64_t start, int64_t end, int64_t step, DType dtype) {

@@ -28,6 +28,12 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
+int64_t leading_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
 Shape contiguous_strides(const Shape& shape) {
   Shape strides(shape.size());
   int64_t s = 1;

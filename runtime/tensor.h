@@ -22,6 +22,8 @@ using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& shape);  // "[4, 3]"
 int64_t shape_numel(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
+// Product of all dims but the last (the row count of x viewed as [rows, last]).
+int64_t leading_numel(const Shape& shape);
 // Wraps a possibly negative dim into [0, ndim); throws naming `op` when out of range.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
 

@@ -19,6 +19,11 @@
 #include "autograd/gradcheck.h"
 #include "autograd/tape.h"
 
+#include "dtensor/device_mesh.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/placement.h"
+#include "dtensor/redistribute.h"
+
 #include "nn/generate.h"
 #include "nn/layers.h"
 #include "nn/models.h"

@@ -279,3 +279,10 @@ TEST_CASE("CPU streams and events: in-order host execution", "[tensor][stream]")
   CHECK(x.to_vector<float>()[3] == 2.0f);
   CHECK_THROWS_WITH(current_stream(Device::cuda(0)), Catch::Contains("no streams for device cuda:0"));
 }
+
+TEST_CASE("matmul with empty dims", "[tensor][matmul]") {
+  CHECK(ops::matmul(randn({3, 4, 8}, 1), randn({8, 0}, 2)).shape() == Shape{3, 4, 0});
+  CHECK(ops::matmul(randn({0, 8}, 1), randn({8, 5}, 2)).shape() == Shape{0, 5});
+  Tensor z = ops::matmul(randn({2, 0}, 1), randn({0, 3}, 2));
+  CHECK(testing::equal(z, zeros({2, 3})));
+}

@@ -1,0 +1,134 @@
+#include "dtensor/device_mesh.h"
+
+#include <algorithm>
+#include <set>
+
+namespace tessera {
+
+DeviceMesh::DeviceMesh(std::string device_type, Shape shape, std::vector<int> ranks,
+                       std::vector<std::string> names, std::vector<dist::ProcessGroupPtr> groups,
+                       std::vector<int64_t> coordinate)
+    : device_type_(std::move(device_type)),
+      shape_(std::move(shape)),
+      ranks_(std::move(ranks)),
+      names_(std::move(names)),
+      groups_(std::move(groups)),
+      coordinate_(std::move(coordinate)) {}
+
+Device DeviceMesh::device() const { return Device::parse(device_type_); }
+
+int64_t DeviceMesh::size() const { return shape_numel(shape_); }
+
+int64_t DeviceMesh::size(int64_t dim) const { return shape_[static_cast<size_t>(wrap_dim(dim, ndim(), "DeviceMesh::size"))]; }
+
+int64_t DeviceMesh::dim_index(const std::string& name) const {
+  auto it = std::find(names_.begin(), names_.end(), name);
+  TS_CHECK(it != names_.end(), "mesh has no dim named '{}' (dims: {})", name, fmt::join(names_, ", "));
+  return it - names_.begin();
+}
+
+dist::ProcessGroupPtr DeviceMesh::get_group(int64_t dim) const {
+  return groups_[static_cast<size_t>(wrap_dim(dim, ndim(), "DeviceMesh::get_group"))];
+}
+
+int64_t DeviceMesh::get_local_rank(int64_t dim) const {
+  return coordinate_[static_cast<size_t>(wrap_dim(dim, ndim(), "DeviceMesh::get_local_rank"))];
+}
+
+MeshPtr DeviceMesh::slice(const std::vector<std::string>& names) const {
+  TS_CHECK(!names.empty(), "mesh slice: give at least one dim name");
+  std::vector<int64_t> dims;
+  for (const auto& n : names) dims.push_back(dim_index(n));
+  for (size_t i = 1; i < dims.size(); ++i)
+    TS_CHECK(dims[i] > dims[i - 1], "mesh slice: dims ({}) must follow the mesh's order ({})",
+             fmt::join(names, ", "), fmt::join(names_, ", "));
+  Shape shape;
+  std::vector<dist::ProcessGroupPtr> groups;
+  std::vector<int64_t> coord;
+  for (int64_t d : dims) {
+    shape.push_back(shape_[static_cast<size_t>(d)]);
+    groups.push_back(groups_[static_cast<size_t>(d)]);
+    coord.push_back(coordinate_[static_cast<size_t>(d)]);
+  }
+  // Ranks of this rank's slice: my coordinates on the other dims, all of the selected ones.
+  std::vector<int> ranks;
+  Shape strides = contiguous_strides(shape_);
+  int64_t n = shape_numel(shape);
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int64_t> c = coordinate_;
+    int64_t rem = i;
+    for (size_t k = dims.size(); k-- > 0;) {
+      c[static_cast<size_t>(dims[k])] = rem % shape[k];
+      rem /= shape[k];
+    }
+    int64_t linear = 0;
+    for (size_t d = 0; d < c.size(); ++d) linear += c[d] * strides[d];
+    ranks.push_back(ranks_[static_cast<size_t>(linear)]);
+  }
+  return std::make_shared<DeviceMesh>(device_type_, shape, ranks, names, groups, coord);
+}
+
+dist::ProcessGroupPtr DeviceMesh::flat_group() const {
+  if (ndim() == 1) return groups_[0];
+  if (!flat_) {
+    int color = *std::min_element(ranks_.begin(), ranks_.end());
+    int key = static_cast<int>(std::find(ranks_.begin(), ranks_.end(), dist::rank()) - ranks_.begin());
+    flat_ = dist::world()->split(color, key, fmt::format("{}", fmt::join(names_, "_")));
+  }
+  return flat_;
+}
+
+MeshPtr DeviceMesh::flatten(const std::string& name) const {
+  std::string label = name.empty() ? fmt::format("{}", fmt::join(names_, "_")) : name;
+  int64_t me = std::find(ranks_.begin(), ranks_.end(), dist::rank()) - ranks_.begin();
+  return std::make_shared<DeviceMesh>(device_type_, Shape{size()}, ranks_, std::vector<std::string>{label},
+                                      std::vector<dist::ProcessGroupPtr>{flat_group()}, std::vector<int64_t>{me});
+}
+
+std::string DeviceMesh::str() const {
+  return fmt::format("DeviceMesh({}, {}, ({}))", device_type_, shape_str(shape_), fmt::join(names_, ", "));
+}
+
+MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
+                         const std::vector<std::string>& dim_names) {
+  dist::init();
+  TS_CHECK(device_type == "cpu", "init_device_mesh: device type '{}' is not available in this build (cpu only)",
+           device_type);
+  TS_CHECK(!shape.empty(), "init_device_mesh: the mesh needs at least one dim");
+  for (int64_t s : shape) TS_CHECK(s > 0, "init_device_mesh: mesh shape {} has a non-positive dim", shape_str(shape));
+  TS_CHECK(shape_numel(shape) == dist::world_size(),
+           "init_device_mesh: mesh shape {} holds {} ranks but the world has {}", shape_str(shape),
+           shape_numel(shape), dist::world_size());
+  std::vector<std::string> names = dim_names;
+  if (names.empty())
+    for (size_t i = 0; i < shape.size(); ++i) names.push_back("dim_" + std::to_string(i));
+  TS_CHECK(names.size() == shape.size(), "init_device_mesh: {} dim names for a {}-d mesh", names.size(),
+           shape.size());
+  TS_CHECK(std::set<std::string>(names.begin(), names.end()).size() == names.size(),
+           "init_device_mesh: dim names ({}) must be unique", fmt::join(names, ", "));
+  // Row-major coordinate of this rank.
+  std::vector<int64_t> coord(shape.size());
+  int64_t rem = dist::rank();
+  for (size_t d = shape.size(); d-- > 0;) {
+    coord[d] = rem % shape[d];
+    rem /= shape[d];
+  }
+  std::vector<dist::ProcessGroupPtr> groups;
+  auto world = dist::world();
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape.size() == 1) {  // a 1-D mesh over the world reuses the world group
+      groups.push_back(world);
+      continue;
+    }
+    // Ranks that share every other coordinate form the group of dim d.
+    int64_t color = 0;
+    for (size_t k = 0; k < shape.size(); ++k)
+      if (k != d) color = color * shape[k] + coord[k];
+    groups.push_back(world->split(static_cast<int>(color), static_cast<int>(coord[d]), names[d]));
+  }
+  std::vector<int> ranks(static_cast<size_t>(shape_numel(shape)));
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
+  return std::make_shared<DeviceMesh>(device_type, shape, ranks, names, groups, coord);
+}
+
+}  // namespace tessera

@@ -1,0 +1,162 @@
+#include "dtensor/dtensor.h"
+
+#include "dtensor/redistribute.h"
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera {
+
+std::string DTensorSpec::str() const {
+  return fmt::format("DTensor({}, placements {}, global {}, local {})", mesh->str(), placements_str(placements),
+                     shape_str(global_shape), shape_str(local.shape()));
+}
+
+const DTensorSpec& dtensor_spec(const Tensor& t) {
+  TS_CHECK(t.defined() && t.is_distributed(), "expected a DTensor, got a plain tensor {}",
+           t.defined() ? shape_str(t.shape()) : "(undefined)");
+  auto* spec = dynamic_cast<const DTensorSpec*>(t.impl()->dist.get());
+  TS_CHECK(spec != nullptr, "tensor carries a distributed spec that is not a DTensorSpec");
+  return *spec;
+}
+
+std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,
+                                               const Placements& placements,
+                                               const std::vector<int64_t>& coordinate) {
+  Shape local = global, offset(global.size(), 0);
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (!is_shard(placements[i])) continue;
+    auto d = static_cast<size_t>(shard_dim(placements[i]));
+    auto [len, start] = shard_size_and_offset(local[d], mesh.size(static_cast<int64_t>(i)), coordinate[i]);
+    local[d] = len;
+    offset[d] += start;
+  }
+  return {local, offset};
+}
+
+Placements normalize_placements(const Placements& placements, const DeviceMesh& mesh, int64_t ndim,
+                                const char* op) {
+  TS_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(),
+           "{}: {} placements {} for a {}-d mesh (one per mesh dim)", op, placements.size(),
+           placements_str(placements), mesh.ndim());
+  Placements out = placements;
+  for (auto& p : out) {
+    if (!is_shard(p)) continue;
+    int64_t d = shard_dim(p);
+    TS_CHECK(d >= -ndim && d < ndim, "{}: {} is out of range for a {}-d tensor", op, placement_str(p), ndim);
+    p = Shard{d < 0 ? d + ndim : d};
+  }
+  return out;
+}
+
+Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Shape global_shape) {
+  TS_CHECK(local.defined() && !local.is_distributed(), "make_dtensor: the local tensor must be a plain tensor");
+  auto expected = local_shape_and_offset(global_shape, *mesh, placements, mesh->get_coordinate()).first;
+  TS_CHECK(local.shape() == expected,
+           "DTensor: local shape {} does not match the shard {} of global shape {} with placements {} on {}",
+           shape_str(local.shape()), shape_str(expected), shape_str(global_shape), placements_str(placements),
+           mesh->str());
+  auto spec = std::make_shared<DTensorSpec>();
+  spec->mesh = std::move(mesh);
+  spec->placements = std::move(placements);
+  spec->global_shape = global_shape;
+  spec->local = local;
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = global_shape;
+  impl->strides = contiguous_strides(global_shape);
+  impl->dtype = local.dtype();
+  impl->device = local.device();
+  impl->dist = std::move(spec);
+  return Tensor(std::move(impl));
+}
+
+namespace {
+Tensor piece_of(const Tensor& full, const DeviceMesh& mesh, const Placements& placements) {
+  auto [shape, offset] = local_shape_and_offset(full.shape(), mesh, placements, mesh.get_coordinate());
+  Tensor piece = full;
+  for (size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] != full.shape()[d]) piece = ops::narrow(piece, static_cast<int64_t>(d), offset[d], shape[d]);
+  return ops::clone(piece);
+}
+
+Placements partial_as_replicate(const Placements& ps) {
+  Placements out = ps;
+  for (auto& p : out)
+    if (is_partial(p)) p = Replicate{};
+  return out;
+}
+}  // namespace
+
+Tensor distribute_tensor_local(const Tensor& full, MeshPtr mesh, const Placements& placements_in) {
+  TS_CHECK(!full.is_distributed(), "distribute_tensor: the input is already a DTensor");
+  Placements placements = normalize_placements(placements_in, *mesh, full.dim(), "distribute_tensor");
+  for (const auto& p : placements)
+    TS_CHECK(!is_partial(p), "distribute_tensor: {} is not allowed (Shard or Replicate only)", placement_str(p));
+  Tensor out = make_dtensor(piece_of(full, *mesh, placements), mesh, placements, full.shape());
+  if (full.requires_grad()) out.set_requires_grad(true);
+  return out;
+}
+
+Tensor distribute_tensor(const Tensor& full, MeshPtr mesh, const Placements& placements) {
+  Tensor source = ops::contiguous(full);
+  if (mesh->size() > 1) {
+    source = ops::clone(source);
+    mesh->flat_group()->broadcast(source, 0)->wait();  // mesh rank 0 is the source of truth
+  }
+  Tensor out = distribute_tensor_local(source, mesh, placements);
+  if (full.requires_grad()) out.set_requires_grad(true);
+  return out;
+}
+
+Tensor from_local(const Tensor& local, MeshPtr mesh, const Placements& placements_in,
+                  std::optional<Shape> global_shape) {
+  Placements placements = normalize_placements(placements_in, *mesh, local.dim(), "from_local");
+  Shape global = local.shape();
+  if (global_shape) {
+    global = *global_shape;
+  } else {
+    for (size_t i = 0; i < placements.size(); ++i)
+      if (is_shard(placements[i])) global[static_cast<size_t>(shard_dim(placements[i]))] *= mesh->size(static_cast<int64_t>(i));
+  }
+  Tensor out = make_dtensor(autograd::detach(local), mesh, placements, global);
+  if (autograd::should_record({local})) {
+    Placements back = partial_as_replicate(placements);
+    autograd::record("from_local", {local}, {out}, [back](const TensorList& g) {
+      return TensorList{local_tensor(redistribute_local(g[0], back))};
+    });
+  }
+  return out;
+}
+
+Tensor to_local(const Tensor& dt, std::optional<Placements> grad_placements) {
+  const DTensorSpec& spec = dtensor_spec(dt);
+  Tensor out = ops::alias(spec.local);
+  if (autograd::should_record({dt})) {
+    MeshPtr mesh = spec.mesh;
+    Placements gp = grad_placements.value_or(spec.placements);
+    Shape global = spec.global_shape;
+    autograd::record("to_local", {dt}, {out}, [mesh, gp, global](const TensorList& g) {
+      return TensorList{make_dtensor(ops::contiguous(g[0]), mesh, gp, global)};
+    });
+  }
+  return out;
+}
+
+Tensor redistribute(const Tensor& dt, const Placements& placements) {
+  const DTensorSpec& spec = dtensor_spec(dt);
+  Tensor out = redistribute_local(dt, placements);
+  if (autograd::should_record({dt})) {
+    if (out.is_same(dt)) out = make_dtensor(spec.local, spec.mesh, spec.placements, spec.global_shape);
+    Placements back = partial_as_replicate(spec.placements);
+    autograd::record("redistribute", {dt}, {out},
+                     [back](const TensorList& g) { return TensorList{redistribute_local(g[0], back)}; });
+  }
+  return out;
+}
+
+Tensor full_tensor(const Tensor& dt, std::optional<Placements> grad_placements) {
+  const DTensorSpec& spec = dtensor_spec(dt);
+  Placements all(spec.placements.size(), Replicate{});
+  return to_local(redistribute(dt, all), grad_placements);
+}
+
+}  // namespace tessera

@@ -1,0 +1,64 @@
+// DTensor: a local tensor plus a spec (mesh, one placement per mesh dim,
+// global shape). To the code above it a DTensor *is a* Tensor: its impl has
+// the global shape, no bytes of its own, and carries the spec; raw ops on it
+// are routed here (dtensor/ops.cpp) through runtime/dtensor_hook.h.
+#pragma once
+
+#include <optional>
+
+#include "autograd/tape.h"
+#include "dtensor/device_mesh.h"
+#include "dtensor/placement.h"
+
+namespace tessera {
+
+struct DTensorSpec final : DistSpec {
+  MeshPtr mesh;
+  Placements placements;
+  Shape global_shape;
+  Tensor local;
+  std::string str() const override;
+};
+
+// The spec of a DTensor (throws for plain tensors).
+const DTensorSpec& dtensor_spec(const Tensor& t);
+inline bool is_dtensor(const Tensor& t) { return t.is_distributed(); }
+
+// Local shape and global offset (per tensor dim) of the shard at `coordinate`.
+std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,
+                                               const Placements& placements,
+                                               const std::vector<int64_t>& coordinate);
+// Checks placements against a mesh and a global shape (dims in range, one per mesh dim).
+Placements normalize_placements(const Placements& placements, const DeviceMesh& mesh, int64_t ndim,
+                                const char* op);
+
+// Wraps a local tensor (no communication, no autograd). Shard dims must be
+// normalised (non-negative).
+Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Shape global_shape);
+
+// Cuts `full` (every rank passes the full shape; the values of mesh rank 0
+// are used: they are broadcast first) into this rank's piece. Shard and
+// Replicate only. The result is a leaf that requires grad if `full` does.
+Tensor distribute_tensor(const Tensor& full, MeshPtr mesh, const Placements& placements);
+// Same, without communication: every rank already holds the same full tensor.
+Tensor distribute_tensor_local(const Tensor& full, MeshPtr mesh, const Placements& placements);
+
+// A DTensor from this rank's local piece. Without global_shape, shards are
+// assumed even (local size x mesh size on sharded dims), as in PyTorch; pass
+// the global shape for uneven shards. Differentiable.
+Tensor from_local(const Tensor& local, MeshPtr mesh, const Placements& placements,
+                  std::optional<Shape> global_shape = std::nullopt);
+// The local tensor (differentiable: its gradient becomes a DTensor with
+// grad_placements, default the forward placements).
+Tensor to_local(const Tensor& dtensor, std::optional<Placements> grad_placements = std::nullopt);
+// The whole tensor on every rank (redistribute to Replicate, then to_local).
+Tensor full_tensor(const Tensor& dtensor, std::optional<Placements> grad_placements = std::nullopt);
+// Changes placements with the collectives each transition needs. Differentiable:
+// the gradient is redistributed back to the source placements (Partial taken
+// as Replicate).
+Tensor redistribute(const Tensor& dtensor, const Placements& placements);
+
+// The local tensor without autograd (for optimizers, FSDP internals).
+inline const Tensor& local_tensor(const Tensor& dtensor) { return dtensor_spec(dtensor).local; }
+
+}  // namespace tessera

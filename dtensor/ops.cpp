@@ -1,0 +1,245 @@
+// Sharding rules for the ops DTensors support: what an optimizer, a norm, an
+// initialiser and tensor-parallel Linear layers need. Registered with the
+// runtime at load time (runtime/dtensor_hook.h).
+//
+//   elementwise        same placements in, same out (others are redistributed to
+//                      the first DTensor's); a Partial input is reduced first,
+//                      except for ops linear in it (add/sub of Partials, scaling)
+//   in-place           every DTensor operand must share the target's spec; runs
+//                      on the local shards with no communication
+//   sum / mean         a reduced sharded dim becomes Partial(sum)
+//   linear / matmul    Replicate x Shard(0) weight [out, in] -> Shard(-1) (column-wise),
+//                      Shard(-1) x Shard(1) weight -> Partial (row-wise), batch-sharded
+//                      input x Replicate weight -> same batch shard
+//   normal_/uniform_   each local element draws the counter of its global position
+#include "dtensor/redistribute.h"
+#include "runtime/dtensor_hook.h"
+#include "runtime/ops.h"
+
+namespace tessera {
+
+namespace {
+
+bool is_scalar_plain(const Tensor& t) { return t.defined() && !t.is_distributed() && t.dim() == 0; }
+
+const Tensor* first_dtensor(const std::vector<Tensor>& inputs) {
+  for (const auto& t : inputs)
+    if (t.defined() && t.is_distributed()) return &t;
+  return nullptr;
+}
+
+Placements without_partial(const Placements& ps) {
+  Placements out = ps;
+  for (auto& p : out)
+    if (is_partial(p)) p = Replicate{};
+  return out;
+}
+
+bool has_partial(const Placements& ps) {
+  for (const auto& p : ps)
+    if (is_partial(p)) return true;
+  return false;
+}
+
+// The local tensors of the inputs, each DTensor first moved to `placements`.
+std::vector<Tensor> locals_at(const DistCall& call, const DTensorSpec& ref, const Placements& placements) {
+  std::vector<Tensor> locals;
+  for (const Tensor& t : call.inputs) {
+    if (!t.defined() || !t.is_distributed()) {
+      TS_CHECK(!t.defined() || t.dim() == 0,
+               "{}: mixes a DTensor with a plain tensor of shape {}; make it a DTensor (distribute_tensor / "
+               "from_local) or use a scalar",
+               call.name, shape_str(t.shape()));
+      locals.push_back(t);
+      continue;
+    }
+    const DTensorSpec& s = dtensor_spec(t);
+    TS_CHECK(*s.mesh == *ref.mesh, "{}: DTensors on different meshes ({} and {})", call.name, s.mesh->str(),
+             ref.mesh->str());
+    TS_CHECK(s.global_shape == ref.global_shape || t.dim() == 0,
+             "{}: DTensor shapes {} and {} differ (broadcasting between DTensors is not supported)", call.name,
+             shape_str(s.global_shape), shape_str(ref.global_shape));
+    locals.push_back(s.placements == placements ? s.local : local_tensor(redistribute_local(t, placements)));
+  }
+  return locals;
+}
+
+// Ops that stay exact on Partial inputs: add/sub (of Partials), negation,
+// and scaling by a plain scalar.
+bool linear_in_partials(const DistCall& call) {
+  if (call.cls == OpClass::LinearElementwise) return true;
+  std::string name = call.name;
+  return (name == "mul" || name == "div") && call.inputs.size() == 2 && is_scalar_plain(call.inputs[1]);
+}
+
+std::vector<Tensor> elementwise(DistCall& call) {
+  const DTensorSpec& ref = dtensor_spec(*first_dtensor(call.inputs));
+  Placements target = ref.placements;
+  if (has_partial(target) && !linear_in_partials(call)) target = without_partial(target);
+  std::vector<Tensor> out = call.local(locals_at(call, ref, target));
+  for (auto& t : out)
+    if (t.defined()) t = make_dtensor(t, ref.mesh, target, ref.global_shape);
+  return out;
+}
+
+std::vector<Tensor> inplace(DistCall& call) {
+  const Tensor& target = call.inputs[0];
+  TS_CHECK(target.is_distributed(), "{}: updating a plain tensor from a DTensor; use to_local() or full_tensor()",
+           call.name);
+  const DTensorSpec& ref = dtensor_spec(target);
+  for (size_t i = 1; i < call.inputs.size(); ++i) {
+    const Tensor& t = call.inputs[i];
+    if (!t.defined() || is_scalar_plain(t)) continue;
+    TS_CHECK(t.is_distributed(), "{}: operand {} is a plain tensor of shape {}; in-place updates of a DTensor take "
+             "DTensors with the same placements (or scalars)", call.name, i, shape_str(t.shape()));
+    const DTensorSpec& s = dtensor_spec(t);
+    TS_CHECK(*s.mesh == *ref.mesh && s.placements == ref.placements && s.global_shape == ref.global_shape,
+             "{}: operand {} is {} but the target is {}: in-place updates run on local shards and need equal "
+             "specs",
+             call.name, i, s.str(), ref.str());
+  }
+  call.local(locals_at(call, ref, ref.placements));
+  return {target};
+}
+
+std::vector<Tensor> reduction(DistCall& call) {
+  const Tensor& x = call.inputs[0];
+  const DTensorSpec& ref = dtensor_spec(x);
+  int64_t nd = static_cast<int64_t>(ref.global_shape.size());
+  std::vector<bool> reduced(static_cast<size_t>(nd), call.dims.empty());
+  for (int64_t d : call.dims) reduced[static_cast<size_t>(wrap_dim(d, nd, call.name))] = true;
+  Placements out_p = ref.placements;
+  for (auto& p : out_p) {
+    if (!is_shard(p)) continue;
+    int64_t d = shard_dim(p);
+    if (reduced[static_cast<size_t>(d)]) {
+      p = Partial{dist::ReduceOp::Sum};
+    } else if (!call.keepdim) {
+      int64_t removed = 0;
+      for (int64_t k = 0; k < d; ++k) removed += reduced[static_cast<size_t>(k)];
+      p = Shard{d - removed};
+    }
+  }
+  Shape out_shape;
+  for (int64_t d = 0; d < nd; ++d) {
+    if (!reduced[static_cast<size_t>(d)]) out_shape.push_back(ref.global_shape[static_cast<size_t>(d)]);
+    else if (call.keepdim) out_shape.push_back(1);
+  }
+  Tensor local = call.local({ref.local})[0];
+  return {make_dtensor(local, ref.mesh, out_p, out_shape)};
+}
+
+// Placement of one operand on mesh dim i ("plain" operands count as Replicate).
+Placement at(const Tensor& t, size_t i) {
+  if (!t.defined() || !t.is_distributed()) return Replicate{};
+  return dtensor_spec(t).placements[i];
+}
+
+std::vector<Tensor> linear_rule(DistCall& call) {
+  const Tensor& a = call.inputs[0];
+  const Tensor& w = call.inputs[1];
+  const Tensor* bias = call.is_linear && call.inputs.size() > 2 && call.inputs[2].defined() ? &call.inputs[2] : nullptr;
+  for (const Tensor* t : {&a, &w})
+    TS_CHECK(t->is_distributed(), "{}: mixes DTensors and plain tensors; distribute every operand", call.name);
+  const DTensorSpec& sa = dtensor_spec(a);
+  const DTensorSpec& sw = dtensor_spec(w);
+  TS_CHECK(*sa.mesh == *sw.mesh, "{}: operands on different meshes", call.name);
+  int64_t ad = static_cast<int64_t>(sa.global_shape.size());
+  int64_t wd = static_cast<int64_t>(sw.global_shape.size());
+  // Output rank and the placement of each mesh dim under the supported rules.
+  Shape out_shape = call.is_linear
+                        ? ops::linear(empty(sa.global_shape, a.dtype(), Device::meta()),
+                                      empty(sw.global_shape, w.dtype(), Device::meta()))
+                              .shape()
+                        : ops::matmul(empty(sa.global_shape, a.dtype(), Device::meta()),
+                                      empty(sw.global_shape, w.dtype(), Device::meta()))
+                              .shape();
+  int64_t od = static_cast<int64_t>(out_shape.size());
+  // In linear, w is [out, in]: its "output features" dim is 0 and "input" dim is 1;
+  // in matmul(a [.., k], b [k, n]) they are 1 and 0.
+  int64_t w_out = call.is_linear ? 0 : wd - 1, w_in = call.is_linear ? 1 : wd - 2;
+  Placements out_p;
+  bool partial_any = false;
+  for (size_t i = 0; i < sa.placements.size(); ++i) {
+    Placement pa = sa.placements[i], pw = sw.placements[i];
+    if (is_replicate(pa) && is_replicate(pw)) {
+      out_p.push_back(Replicate{});
+    } else if (is_replicate(pa) && wd == 2 && is_shard(pw, w_out)) {
+      out_p.push_back(Shard{od - 1});  // column-wise
+    } else if (is_shard(pa, ad - 1) && wd == 2 && is_shard(pw, w_in)) {
+      out_p.push_back(Partial{dist::ReduceOp::Sum});  // row-wise
+      partial_any = true;
+    } else if (is_shard(pa) && shard_dim(pa) < ad - 1 && is_replicate(pw)) {
+      out_p.push_back(Shard{shard_dim(pa) + (od - ad)});  // batch / row sharded input
+    } else {
+      TS_CHECK(false,
+               "{}: no sharding rule for input {} and weight {} on mesh dim {} (supported: R x S(out) -> S(-1), "
+               "S(-1) x S(in) -> P, S(batch) x R -> S(batch), R x R -> R)",
+               call.name, placement_str(pa), placement_str(pw), i);
+    }
+    if (bias) {
+      Placement pb = at(*bias, i);
+      bool ok = is_shard(out_p.back(), od - 1) ? is_shard(pb, 0) : is_replicate(pb);
+      TS_CHECK(ok, "{}: bias placement {} does not fit output placement {} on mesh dim {}", call.name,
+               placement_str(pb), placement_str(out_p.back()), i);
+    }
+  }
+  std::vector<Tensor> locals{sa.local, sw.local};
+  if (bias) {
+    // With a Partial output the bias is added by one rank per partial group, so the sum has it once.
+    bool mine = true;
+    for (size_t i = 0; i < out_p.size(); ++i)
+      if (is_partial(out_p[i]) && sa.mesh->get_local_rank(static_cast<int64_t>(i)) != 0) mine = false;
+    locals.push_back(mine ? (bias->is_distributed() ? dtensor_spec(*bias).local : *bias) : Tensor());
+  } else if (call.is_linear) {
+    locals.push_back(Tensor());
+  }
+  (void)partial_any;
+  Tensor local = call.local(locals)[0];
+  return {make_dtensor(local, sa.mesh, out_p, out_shape)};
+}
+
+std::vector<Tensor> random(DistCall& call) {
+  const DTensorSpec& ref = dtensor_spec(call.inputs[0]);
+  for (const auto& p : ref.placements)
+    TS_CHECK(!is_partial(p), "{}: cannot fill a Partial DTensor with random values", call.name);
+  auto [shape, offset] = local_shape_and_offset(ref.global_shape, *ref.mesh, ref.placements,
+                                                ref.mesh->get_coordinate());
+  // Element i of the shard is element offset + i of the full tensor.
+  RandomSpec s = call.spec;
+  Shape strides = s.index_strides.empty() ? contiguous_strides(ref.global_shape) : s.index_strides;
+  for (size_t d = 0; d < offset.size(); ++d) s.base += offset[d] * strides[d];
+  s.index_strides = strides;
+  Tensor local = ref.local;
+  call.random_fill(local, s);
+  return {call.inputs[0]};
+}
+
+std::vector<Tensor> like(DistCall& call) {
+  const DTensorSpec& ref = dtensor_spec(call.inputs[0]);
+  Tensor local = call.local({ref.local})[0];
+  return {make_dtensor(local, ref.mesh, ref.placements, ref.global_shape)};
+}
+
+std::vector<Tensor> handle(DistCall& call) {
+  switch (call.cls) {
+    case OpClass::Elementwise:
+    case OpClass::LinearElementwise: return elementwise(call);
+    case OpClass::InPlace: return inplace(call);
+    case OpClass::Reduction: return reduction(call);
+    case OpClass::Linear: return linear_rule(call);
+    case OpClass::Random: return random(call);
+    case OpClass::Like: return like(call);
+  }
+  TS_CHECK(false, "{}: unsupported on DTensors", call.name);
+}
+
+// Registers the handler when the library loads.
+const bool registered = [] {
+  set_dist_handler(handle);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace tessera

@@ -1,0 +1,26 @@
+#include "runtime/dtensor_hook.h"
+
+namespace tessera {
+
+namespace {
+DistHandler& handler() {
+  static DistHandler h;
+  return h;
+}
+}  // namespace
+
+void set_dist_handler(DistHandler h) { handler() = std::move(h); }
+
+bool any_distributed(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    if (t != nullptr && t->is_distributed()) return true;
+  return false;
+}
+
+std::vector<Tensor> dispatch_distributed(DistCall& call) {
+  TS_CHECK(static_cast<bool>(handler()),
+           "{}: got a DTensor but no DTensor support is registered (link the dtensor layer)", call.name);
+  return handler()(call);
+}
+
+}  // namespace tessera

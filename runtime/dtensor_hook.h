@@ -1,0 +1,53 @@
+// How ops reach DTensors without runtime/ knowing dtensor/. A DTensor is a
+// Tensor whose impl carries a DistSpec; a raw op that meets one describes
+// itself as a DistCall (its class, its inputs, and how to run it on local
+// tensors) and hands it to the handler the dtensor layer registered. The
+// handler applies its sharding rules (which placements are valid, which
+// collective or local computation gives the result) and returns DTensors.
+#pragma once
+
+#include <functional>
+#include <initializer_list>
+#include <vector>
+
+#include "runtime/random.h"
+#include "runtime/tensor.h"
+
+namespace tessera {
+
+enum class OpClass {
+  Elementwise,       // out-of-place, shape-preserving up to broadcasting (unary, binary, where)
+  LinearElementwise, // elementwise and linear in every DTensor input (neg, add, sub, scale)
+  InPlace,           // mutates inputs[0]; every DTensor operand must share its spec
+  Reduction,         // sum/mean over `dims` (empty: all) with `keepdim`
+  Linear,            // linear(x, w, b) or matmul(a, b)
+  Random,            // fills inputs[0] (random_fill with the shard's RandomSpec)
+  Like,              // a new tensor shaped like inputs[0] (zeros_like, to(dtype), clone)
+};
+
+struct DistCall {
+  const char* name = "";
+  OpClass cls = OpClass::Elementwise;
+  std::vector<Tensor> inputs;
+  // Runs the op on local tensors (the DTensors' local tensors, plain tensors as given).
+  std::function<std::vector<Tensor>(const std::vector<Tensor>& locals)> local;
+  // Reduction: the dims reduced (empty: all) and keepdim.
+  std::vector<int64_t> dims;
+  bool keepdim = false;
+  // Linear: true for linear(x, w[, b]) (w is [out, in]); false for matmul(a, b).
+  bool is_linear = false;
+  // Random: fills a local tensor given the counters of its elements.
+  std::function<void(Tensor& local, const RandomSpec& spec)> random_fill;
+  RandomSpec spec;  // the spec the full tensor would use
+};
+
+using DistHandler = std::function<std::vector<Tensor>(DistCall& call)>;
+
+// The dtensor layer registers itself here (once, at static initialisation).
+void set_dist_handler(DistHandler handler);
+// True when any of the tensors is a DTensor.
+bool any_distributed(std::initializer_list<const Tensor*> tensors);
+// Hands the call to the handler; throws when no DTensor support is linked in.
+std::vector<Tensor> dispatch_distributed(DistCall& call);
+
+}  // namespace tessera
