@@ -1,7 +1,9 @@
 #include "nn/optim.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "dtensor/redistribute.h"
 #include "runtime/profiler.h"
 
 namespace tessera::optim {
@@ -133,9 +135,42 @@ double WarmupCosine::lr_at(int64_t step) const {
 namespace tessera::nn {
 
 double grad_norm(const TensorList& params) {
+  TS_PROFILE("grad_norm");
   double total = 0.0;
-  for (const Tensor& p : params)
-    if (p.grad().defined()) total += ops::sum_squares(p.grad());
+  // Sharded gradients: each rank sums the squares of its shard (divided by how
+  // many ranks hold a replica of it), then one all-reduce per mesh adds them up.
+  std::vector<std::pair<MeshPtr, double>> per_mesh;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (!g.is_distributed()) {
+      total += ops::sum_squares(g);
+      continue;
+    }
+    const DTensorSpec* spec = &dtensor_spec(g);
+    Tensor reduced;
+    for (const auto& pl : spec->placements)
+      if (is_partial(pl)) {  // a pending reduction has to happen before squaring
+        Placements ps = spec->placements;
+        for (auto& q : ps)
+          if (is_partial(q)) q = Replicate{};
+        reduced = redistribute_local(g, ps);
+        spec = &dtensor_spec(reduced);
+        break;
+      }
+    double replicas = 1;
+    for (size_t i = 0; i < spec->placements.size(); ++i)
+      if (is_replicate(spec->placements[i])) replicas *= static_cast<double>(spec->mesh->size(static_cast<int64_t>(i)));
+    double part = ops::sum_squares(spec->local) / replicas;
+    auto it = std::find_if(per_mesh.begin(), per_mesh.end(), [&](const auto& e) { return *e.first == *spec->mesh; });
+    if (it == per_mesh.end()) per_mesh.emplace_back(spec->mesh, part);
+    else it->second += part;
+  }
+  for (auto& [mesh, part] : per_mesh) {
+    Tensor t = full({1}, part, DType::F64);
+    mesh->flat_group()->all_reduce(t)->wait();
+    total += t.item();
+  }
   return std::sqrt(total);
 }
 

@@ -217,6 +217,9 @@ TEST_CASE("subgroups: new_group and split", "[dist][groups]") {
 
 TEST_CASE("sequence numbers count collectives per group; world size 1 calls no MPI", "[dist][stats]") {
   auto pg = world();
+  CHECK(dist::rank() == pg->rank());
+  CHECK(dist::world_size() == pg->size());
+  CHECK(dist::local_rank() == dist::rank());  // one node: local ranks are the world ranks
   pg->barrier()->wait();
   pg->reset_stats();
   int64_t seq = pg->sequence();

@@ -5,6 +5,7 @@
 
 #include "autograd/functions.h"
 #include "dtensor/redistribute.h"
+#include "nn/optim.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -344,5 +345,27 @@ TEST_CASE("sharded random init equals the full init sliced, on any mesh", "[dten
       ops::normal_(dt, 0.0, 0.02, {99, 5, 0, {}});
       CHECK(equal(local_tensor(dt), local_tensor(distribute_tensor_local(full, mesh, ps))));
     }
+  }
+}
+
+TEST_CASE("gradient norm and clipping over sharded gradients: one all-reduce", "[dtensor][clip]") {
+  for (auto& mesh : meshes()) {
+    Placements ps = mesh->ndim() == 1 ? Placements{Shard{0}} : Placements{Replicate{}, Shard{0}};
+    Tensor ga = randn({17, 3}, 31, DType::F64), gb = randn({5}, 32, DType::F64), gc = randn({2, 2}, 33, DType::F64);
+    Tensor a = distribute_tensor_local(zeros({17, 3}, DType::F64), mesh, ps);
+    Tensor b = distribute_tensor_local(zeros({5}, DType::F64), mesh, Placements(ps.size(), Replicate{}));
+    Tensor c = zeros({2, 2}, DType::F64);  // a plain (replicated, unsharded) parameter
+    for (Tensor* t : {&a, &b, &c}) t->set_requires_grad(true);
+    a.set_grad(distribute_tensor_local(ga, mesh, ps));
+    b.set_grad(distribute_tensor_local(gb, mesh, Placements(ps.size(), Replicate{})));
+    c.set_grad(gc);
+    double expect = std::sqrt(ops::sum_squares(ga) + ops::sum_squares(gb) + ops::sum_squares(gc));
+    auto world_group = mesh->flat_group();
+    int64_t before = world_group->stats().all_reduce;
+    double norm = nn::clip_grad_norm_({a, b, c}, 0.5);
+    CHECK(norm == Approx(expect).epsilon(1e-12));
+    CHECK(world_group->stats().all_reduce - before == 1);  // one, whatever the number of parameters
+    CHECK(nn::grad_norm({a, b, c}) == Approx(0.5).epsilon(1e-6));
+    CHECK(testing::allclose(full_tensor(a.grad()), ops::mul(ga, 0.5 / (expect + 1e-6)), 1e-12, 1e-14));
   }
 }
