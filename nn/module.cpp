@@ -1,5 +1,7 @@
 #include "nn/module.h"
 
+#include "dtensor/dtensor.h"
+
 #include <algorithm>
 #include <unordered_set>
 
@@ -180,7 +182,12 @@ void Module::to(DType dtype) {
 
 void Module::to_empty(Device device) {
   autograd::NoGradGuard no_grad;
-  convert_slots(*this, [device](const Tensor& t) { return empty(t.shape(), t.dtype(), device); });
+  convert_slots(*this, [device](const Tensor& t) {
+    if (!t.is_distributed()) return empty(t.shape(), t.dtype(), device);
+    // A sharded parameter gets bytes for its local shard only.
+    const DTensorSpec& spec = dtensor_spec(t);
+    return make_dtensor(empty(spec.local.shape(), t.dtype(), device), spec.mesh, spec.placements, spec.global_shape);
+  });
 }
 
 void Module::init_weights(uint64_t seed) {

@@ -32,6 +32,15 @@ void Optimizer::zero_grad(bool set_to_none) {
     }
 }
 
+void Optimizer::check_params() const {
+  for (const auto& g : groups_)
+    for (const auto& p : g.params)
+      TS_CHECK(p.is_distributed() || !p.storage() || p.storage()->is_allocated() || p.is_meta(),
+               "optimizer: a parameter's storage has been released ({}): this optimizer holds parameters "
+               "that no longer train",
+               p.storage()->release_note.empty() ? "freed" : p.storage()->release_note);
+}
+
 void Optimizer::set_lr(double lr) {
   for (auto& g : groups_) g.lr = lr;
 }
@@ -56,6 +65,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
 
 void AdamW::step() {
   TS_PROFILE("AdamW.step");
+  check_params();
   autograd::NoGradGuard no_grad;
   const double b1 = options_.beta1, b2 = options_.beta2;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -93,6 +103,7 @@ SGD::SGD(const TensorList& params, SGDOptions options)
 
 void SGD::step() {
   TS_PROFILE("SGD.step");
+  check_params();
   autograd::NoGradGuard no_grad;
   ParamGroup& group = groups_[0];
   for (size_t j = 0; j < group.params.size(); ++j) {

@@ -26,6 +26,9 @@ class Optimizer {
 
  protected:
   explicit Optimizer(std::vector<ParamGroup> groups);
+  // Throws when a parameter's bytes were released (e.g. sharded by fully_shard after
+  // this optimizer was built on it): stepping it would silently train nothing.
+  void check_params() const;
   std::vector<ParamGroup> groups_;
 };
 

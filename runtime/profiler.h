@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/trace.h"
+
 namespace tessera::profiler {
 
 struct Entry {
@@ -34,17 +36,24 @@ int& depth();
 class Scope {
  public:
   explicit Scope(const char* name) : name_(name) {
-    if (!detail::g_enabled.load(std::memory_order_relaxed)) return;
+    bool profile = detail::g_enabled.load(std::memory_order_relaxed);
+    bool trace = trace::detail::g_enabled.load(std::memory_order_relaxed);
+    if (!profile && !trace) return;
     active_ = detail::depth()++ == 0;
     counted_ = true;
-    if (active_) start_ = std::chrono::steady_clock::now();
+    if (active_) {
+      start_ = std::chrono::steady_clock::now();
+      if (trace) trace_start_ = trace::now_us();
+    }
   }
   ~Scope() {
     if (!counted_) return;
     detail::depth()--;
-    if (active_)
-      detail::record(name_, std::chrono::duration<double, std::milli>(
-                                std::chrono::steady_clock::now() - start_).count());
+    if (!active_) return;
+    if (detail::g_enabled.load(std::memory_order_relaxed))
+      detail::record(name_, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+                                .count());
+    if (trace_start_ >= 0) trace::record(trace::Lane::Compute, name_, trace_start_, trace::now_us());
   }
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;
@@ -53,6 +62,7 @@ class Scope {
   const char* name_;
   bool active_ = false, counted_ = false;
   std::chrono::steady_clock::time_point start_;
+  double trace_start_ = -1;
 };
 
 }  // namespace tessera::profiler

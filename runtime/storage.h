@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "runtime/device.h"
 
@@ -30,6 +31,10 @@ class Storage {
   void release();
   // Re-allocates nbytes() bytes (contents undefined) if released; no-op otherwise.
   void allocate();
+
+  // Why the bytes were released, for the error of whoever touches them next
+  // (FSDP notes which parameter was sharded).
+  std::string release_note;
 
  private:
   void* data_ = nullptr;

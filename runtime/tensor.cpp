@@ -73,15 +73,17 @@ bool Tensor::is_contiguous() const {
 void* Tensor::data_ptr() const {
   const TensorImpl& t = checked();
   TS_CHECK(t.dist == nullptr,
-           "data_ptr: this tensor is a DTensor ({}); use its local tensor (to_local())",
+           "data_ptr: this tensor is a DTensor ({}); use its local tensor (to_local()); if it is an "
+           "FSDP parameter, run the module as module(x) (forward(x) skips the hooks that unshard it)",
            t.dist->str());
   TS_CHECK(!t.device.is_meta(), "data_ptr: tensor {} is on the meta device and has no bytes",
            shape_str(t.shape));
   TS_CHECK(t.storage != nullptr, "data_ptr: tensor has no storage");
-  TS_CHECK(t.storage->is_allocated(),
-           "data_ptr: the storage of tensor {} has been released (an FSDP parameter used while "
-           "resharded? call unshard() or run the module as module(x))",
-           shape_str(t.shape));
+  TS_CHECK(t.storage->is_allocated(), "data_ptr: the storage of tensor {} has been released ({})",
+           shape_str(t.shape),
+           t.storage->release_note.empty()
+               ? "an FSDP parameter used while resharded? call unshard() or run the module as module(x)"
+               : t.storage->release_note);
   return static_cast<char*>(t.storage->data()) + t.offset * dtype_size(t.dtype);
 }
 

@@ -19,7 +19,8 @@ inline double close_ratio(const Tensor& a, const Tensor& b, double rtol, double 
   double worst = 0;
   for (size_t i = 0; i < va.size(); ++i) {
     if (std::isnan(va[i]) && std::isnan(vb[i])) continue;
-    double r = std::fabs(va[i] - vb[i]) / (atol + rtol * std::fabs(vb[i]));
+    double diff = std::fabs(va[i] - vb[i]);
+    double r = diff == 0 ? 0.0 : diff / (atol + rtol * std::fabs(vb[i]));
     if (!(r <= worst)) worst = r;  // NaN propagates
   }
   return worst;

@@ -30,3 +30,6 @@
 #include "nn/module.h"
 #include "nn/optim.h"
 #include "nn/transformer.h"
+
+#include "fsdp/fully_shard.h"
+#include "fsdp/policies.h"

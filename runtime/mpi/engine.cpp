@@ -4,6 +4,7 @@
 #include <future>
 
 #include "runtime/check.h"
+#include "runtime/trace.h"
 
 namespace tessera::dist::detail {
 
@@ -29,7 +30,17 @@ std::string describe_descriptor(const int64_t* d) {
                      reduce_op_name(static_cast<ReduceOp>(d[5])), d[6]);
 }
 
+trace::Lane lane_of(const std::string& kind) {
+  if (kind == "all_gather") return trace::Lane::AllGather;
+  if (kind == "reduce_scatter") return trace::Lane::ReduceScatter;
+  if (kind == "all_reduce") return trace::Lane::AllReduce;
+  return trace::Lane::OtherCollective;
+}
+
 void complete(Collective& op, Collective::Stage stage, std::string error = "") {
+  if (op.issued_us >= 0)
+    trace::record(lane_of(op.kind), fmt::format("{} #{} ({})", op.kind, op.seq, op.group->name), op.issued_us,
+                  trace::now_us());
   op.stage = stage;
   op.error = std::move(error);
   op.keep_alive.clear();
@@ -68,6 +79,7 @@ std::string Collective::describe() const {
 
 void Collective::wait() {
   if (!done.load(std::memory_order_acquire)) {
+    trace::Scope waiting(trace::Lane::Wait, "wait");
     auto deadline = Clock::now() + timeout();
     if (!Engine::get().wait_for(*this, deadline)) {
       group->broken_reason = fmt::format("{} timed out", describe());
@@ -160,6 +172,7 @@ void Engine::abort_if_stuck_at_exit() {
 }
 
 void Engine::submit(std::shared_ptr<Collective> op) {
+  if (trace::enabled()) op->issued_us = trace::now_us();
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
     queue_.push_back(std::move(op));

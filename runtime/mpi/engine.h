@@ -51,6 +51,7 @@ struct Collective : public Work {
   std::vector<int64_t> gathered;  // everyone's descriptors (debug mode)
   std::string error;
   std::atomic<bool> done{false};
+  double issued_us = -1;  // for the trace: issue to completion on the collective's lane
 
   void wait() override;
   bool is_completed() override;

@@ -1,0 +1,175 @@
+#include "fsdp/collectives.h"
+
+#include "autograd/tape.h"
+#include "dtensor/dtensor.h"
+#include "runtime/trace.h"
+
+namespace tessera::fsdp {
+
+AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const dist::ProcessGroupPtr& group,
+                                   DType dtype) {
+  trace::Scope span(trace::Lane::FSDP, "all-gather copy-in");
+  AllGatherResult r;
+  r.world = group ? group->size() : 1;
+  int rank = group ? group->rank() : 0;
+  std::vector<Tensor> inputs;
+  for (FSDPParam* p : params) {
+    inputs.push_back(p->all_gather_input());
+    r.offsets.push_back(r.row);
+    r.row += inputs.back().numel();
+  }
+  // The all-gather input is this rank's row of the output: gathered in place.
+  r.output = empty({r.world * r.row}, dtype, params.front()->sharded_data.device());
+  Tensor slot = ops::narrow(r.output, 0, rank * r.row, r.row);
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor dst = ops::narrow(slot, 0, r.offsets[i], inputs[i].numel());
+    ops::copy_(dst, inputs[i]);
+  }
+  if (r.world > 1) r.work = group->all_gather_into_tensor(r.output, slot);
+  return r;
+}
+
+void foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FSDPParam*>& params) {
+  if (r.work) r.work->wait();
+  trace::Scope span(trace::Lane::FSDP, "all-gather copy-out");
+  autograd::NoGradGuard no_grad;
+  Tensor rows = ops::view(r.output, {r.world, r.row});
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDPParam* p = params[i];
+    int64_t n = (i + 1 < params.size() ? r.offsets[i + 1] : r.row) - r.offsets[i];
+    p->alloc_unsharded();
+    Tensor dst = ops::view(p->unsharded_buffer, {r.world, n});
+    ops::copy_(dst, ops::narrow(rows, 1, r.offsets[i], n));
+    if (p->shard_dim != 0) {
+      // Shard(d > 0): rank q's padded chunk is columns [q*c, (q+1)*c) of dim d.
+      int64_t w = p->unsharded_buffer.numel() / p->padded_numel;
+      int64_t c = p->padded_sharded_size[static_cast<size_t>(p->shard_dim)];
+      Tensor chunks = ops::view(p->unsharded_buffer, {w, p->padded_numel});
+      for (int64_t q = 0; q < w; ++q) {
+        Tensor piece = ops::view(ops::select(chunks, 0, q), p->padded_sharded_size);
+        Tensor target = ops::narrow(p->unsharded_param, p->shard_dim, q * c, c);
+        ops::copy_(target, piece);
+      }
+    }
+  }
+  r.output = Tensor();  // the flat buffer goes as soon as it is copied out
+}
+
+DivideOps divide_ops(const MeshInfo& m, std::optional<double> factor) {
+  DivideOps o;
+  if (!factor) {
+    o.reduce_scatter.op = m.shard_size > 1 ? dist::ReduceOp::Avg : dist::ReduceOp::Sum;
+    o.all_reduce.op = m.replicate_size > 1 ? dist::ReduceOp::Avg : dist::ReduceOp::Sum;
+    return o;
+  }
+  double f = *factor;
+  if (m.shard_size == 1) {
+    o.post_scale = 1.0 / f;
+  } else if (f == static_cast<double>(m.shard_size)) {
+    o.reduce_scatter.op = dist::ReduceOp::Avg;
+  } else {
+    o.reduce_scatter = {dist::ReduceOp::PremulSum, 1.0 / f};
+  }
+  o.all_reduce.op = dist::ReduceOp::Sum;
+  return o;
+}
+
+ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::vector<Tensor>& grads,
+                            const MeshInfo& m, DType reduce_dtype, const DivideOps& ops_in, bool all_reduce_grads,
+                            Tensor* partial_output) {
+  trace::Scope span(trace::Lane::FSDP, "reduce-scatter copy-in");
+  autograd::NoGradGuard no_grad;
+  ReduceResult r;
+  r.params = params;
+  r.mesh_info = m;
+  r.all_reduce_grads = all_reduce_grads;
+  r.all_reduce_op = ops_in.all_reduce;
+  r.partial_output = partial_output;
+  int64_t w = m.shard_size, row = 0;
+  for (FSDPParam* p : params) {
+    r.offsets.push_back(row);
+    row += p->padded_numel;
+  }
+  Device device = params.front()->sharded_data.device();
+  // Row q holds rank q's zero-padded chunk of every gradient, in the reduce dtype.
+  r.input = zeros({w * row}, reduce_dtype, device);
+  Tensor rows = ops::view(r.input, {w, row});
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDPParam* p = params[i];
+    const Tensor& g = grads[i];
+    int64_t n = p->orig_size[static_cast<size_t>(p->shard_dim)];
+    for (int64_t q = 0; q < w; ++q) {
+      auto [len, start] = shard_size_and_offset(n, w, q);
+      if (len == 0) continue;
+      Tensor piece = ops::contiguous(ops::narrow(g, p->shard_dim, start, len));
+      Tensor dst = ops::narrow(ops::select(rows, 0, q), 0, r.offsets[i], piece.numel());
+      ops::copy_(dst, ops::reshape(piece, {piece.numel()}));
+    }
+  }
+  if (w > 1) {
+    r.output = empty({row}, reduce_dtype, device);
+    r.reduce_scatter = m.shard_group->reduce_scatter_tensor(r.output, r.input, ops_in.reduce_scatter);
+  } else {
+    r.output = ops_in.post_scale == 1.0 ? r.input : ops::mul(r.input, ops_in.post_scale);
+  }
+  return r;
+}
+
+void advance_reduce(ReduceResult& r) {
+  if (r.reduce_scatter) {
+    r.reduce_scatter->wait();
+    r.reduce_scatter = nullptr;
+    r.input = Tensor();  // at most one reduce-scatter input lives past its collective
+    if (r.mesh_info.hsdp() && r.mesh_info.replicate_size > 1 && !r.all_reduce) {
+      if (!r.all_reduce_grads) {
+        // Reduce-scatter only: accumulate, all-reduce on a later micro-batch.
+        *r.partial_output = r.partial_output->defined() ? ops::add(*r.partial_output, r.output) : ops::clone(r.output);
+        r.done = true;
+        return;
+      }
+      if (r.partial_output && r.partial_output->defined()) {
+        ops::add_(r.output, *r.partial_output);
+        *r.partial_output = Tensor();
+      }
+      r.all_reduce = r.mesh_info.replicate_group->all_reduce(r.output, r.all_reduce_op);
+    }
+  } else if (r.mesh_info.hsdp() && r.mesh_info.replicate_size > 1 && !r.all_reduce && !r.done) {
+    // Shard size 1 with replicas: the all-reduce is the whole reduction.
+    if (!r.all_reduce_grads) {
+      *r.partial_output = r.partial_output->defined() ? ops::add(*r.partial_output, r.output) : ops::clone(r.output);
+      r.done = true;
+      return;
+    }
+    if (r.partial_output && r.partial_output->defined()) {
+      r.output = ops::add(r.output, *r.partial_output);
+      *r.partial_output = Tensor();
+    }
+    r.all_reduce = r.mesh_info.replicate_group->all_reduce(r.output, r.all_reduce_op);
+  }
+}
+
+void finish_reduce(ReduceResult& r) {
+  if (r.done) return;
+  advance_reduce(r);
+  if (r.done) return;  // accumulated for a later all-reduce
+  if (r.all_reduce) r.all_reduce->wait();
+  trace::Scope span(trace::Lane::FSDP, "gradient view-out");
+  autograd::NoGradGuard no_grad;
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    FSDPParam* p = r.params[i];
+    Tensor local = ops::view(ops::narrow(r.output, 0, r.offsets[i], shape_numel(p->sharded_size)), p->sharded_size);
+    if (local.dtype() != p->orig_dtype) local = ops::to(local, p->orig_dtype);
+    const DTensorSpec& spec = dtensor_spec(p->sharded_param);
+    Tensor grad = p->sharded_param.grad();
+    if (grad.defined()) {
+      Tensor& existing = grad;
+      ops::add_(existing, make_dtensor(local, spec.mesh, spec.placements, spec.global_shape));
+    } else {
+      p->sharded_param.set_grad(make_dtensor(local, spec.mesh, spec.placements, spec.global_shape));
+    }
+  }
+  r.output = Tensor();
+  r.done = true;
+}
+
+}  // namespace tessera::fsdp

@@ -1,0 +1,154 @@
+#include "fsdp/fsdp_param.h"
+
+#include "dtensor/dtensor.h"
+
+namespace tessera::fsdp {
+
+FSDPParam::FSDPParam(const Tensor& param, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
+                     std::string fqn_in)
+    : fqn(std::move(fqn_in)), slots_(std::move(slots)), mesh_info_(mesh_info) {
+  TS_CHECK(!param.is_distributed(), "fully_shard: parameter {} is already a DTensor ({}); FSDP over tensor "
+           "parallelism is not supported yet",
+           fqn, param.impl()->dist->str());
+  TS_CHECK(param.dim() > 0, "fully_shard doesn't support scalar parameters. Change {} to a 1D tensor with numel "
+           "equal to 1.",
+           fqn);
+  TS_CHECK(param.is_contiguous(), "fully_shard: parameter {} must be contiguous (strides {})", fqn,
+           shape_str(param.strides()));
+  orig_size = param.shape();
+  orig_dtype = param.dtype();
+  param_dtype = reduce_dtype = orig_dtype;
+  requires_grad = param.requires_grad();
+  shard_dim = wrap_dim(placement.dim, param.dim(), "fully_shard (shard_placement_fn)");
+  const int64_t w = mesh_info.shard_size, n = orig_size[static_cast<size_t>(shard_dim)];
+  TS_CHECK(shard_dim == 0 || n % w == 0,
+           "FSDP does not support uneven sharding on dim {}: parameter {} has size {} there, not a multiple of "
+           "the shard size {}",
+           shard_dim, fqn, n, w);
+  auto [len, start] = shard_size_and_offset(n, w, mesh_info.shard_rank);
+  sharded_size = orig_size;
+  sharded_size[static_cast<size_t>(shard_dim)] = len;
+  padded_sharded_size = orig_size;
+  padded_sharded_size[static_cast<size_t>(shard_dim)] = (n + w - 1) / w;
+  padded_numel = shape_numel(padded_sharded_size);
+
+  Device device = param.device();
+  sharded_data = zeros({padded_numel}, orig_dtype, device);
+  Tensor padded = ops::view(sharded_data, padded_sharded_size);
+  Tensor local = ops::narrow(padded, shard_dim, 0, len);
+  if (!device.is_meta()) {
+    Tensor dst = local;
+    ops::copy_(dst, ops::narrow(param, shard_dim, start, len));
+  }
+  Placements placements{Shard{shard_dim}};
+  if (mesh_info.hsdp()) placements = {Replicate{}, Shard{shard_dim}};
+  sharded_param = make_dtensor(local, mesh_info.mesh, placements, orig_size);
+  sharded_param.set_requires_grad(requires_grad);
+  // The full parameter is no longer needed: release its bytes, and leave a note
+  // for whoever still holds it (an optimizer built before fully_shard).
+  if (!device.is_meta() && param.storage()) {
+    param.storage()->release();
+    param.storage()->release_note =
+        fmt::format("parameter {} was sharded by fully_shard; use the module's parameters() after fully_shard "
+                    "(build the optimizer after it)",
+                    fqn);
+  }
+  register_all(sharded_param);
+}
+
+void FSDPParam::init_dtype_attrs(const MixedPrecisionPolicy& mp) {
+  param_dtype = mp.param_dtype && is_floating(orig_dtype) ? *mp.param_dtype : orig_dtype;
+  reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : param_dtype;
+}
+
+Tensor FSDPParam::all_gather_input() const {
+  if (state == ShardedState::ShardedPostForward) return post_forward_data;
+  return param_dtype == sharded_data.dtype() ? sharded_data : ops::to(sharded_data, param_dtype);
+}
+
+void FSDPParam::alloc_unsharded() {
+  if (!unsharded_buffer.defined() || unsharded_buffer.dtype() != param_dtype ||
+      unsharded_buffer.device() != sharded_data.device()) {
+    const int64_t w = mesh_info_.shard_size;
+    unsharded_buffer = empty({w * padded_numel}, param_dtype, sharded_data.device());
+    // Shard(0): the real rows come first and all padding last, so the full
+    // parameter is simply the buffer's first numel elements.
+    unsharded_param = shard_dim == 0
+                          ? ops::view(ops::narrow(unsharded_buffer, 0, 0, shape_numel(orig_size)), orig_size)
+                          : empty(orig_size, param_dtype, sharded_data.device());
+    if (requires_grad) unsharded_param.set_requires_grad(true);
+    return;
+  }
+  unsharded_buffer.storage()->allocate();
+  unsharded_param.storage()->allocate();
+}
+
+void FSDPParam::free_unsharded() {
+  if (!unsharded_buffer.defined()) return;
+  unsharded_buffer.storage()->release();
+  unsharded_param.storage()->release();
+}
+
+void FSDPParam::register_all(const Tensor& value) {
+  for (auto& s : slots_) {
+    nn::Module::Slot* slot = s.module->find_parameter_slot(s.name);
+    TS_ASSERT(slot != nullptr);
+    slot->value = value;
+  }
+}
+
+Tensor FSDPParam::current_registered() const {
+  return slots_.front().module->find_parameter_slot(slots_.front().name)->value;
+}
+
+void FSDPParam::to_sharded() {
+  register_all(sharded_param);
+  free_unsharded();
+  post_forward_data = Tensor();
+  state = ShardedState::Sharded;
+}
+
+void FSDPParam::to_sharded_post_forward(int k, int index) {
+  int64_t slice = unsharded_buffer.numel() / k;
+  post_forward_data = ops::clone(ops::narrow(unsharded_buffer, 0, index * slice, slice));
+  register_all(sharded_param);
+  free_unsharded();
+  state = ShardedState::ShardedPostForward;
+}
+
+void FSDPParam::to_unsharded() {
+  // Freezing (or unfreezing) the sharded parameter carries over to compute.
+  requires_grad = sharded_param.requires_grad();
+  if (unsharded_param.requires_grad() != requires_grad) unsharded_param.set_requires_grad(requires_grad);
+  register_all(unsharded_param);
+  post_forward_data = Tensor();
+  state = ShardedState::Unsharded;
+}
+
+void FSDPParam::reset_sharded_param() {
+  Tensor current = current_registered();
+  if (!current.is_distributed() || current.is_same(sharded_param)) return;
+  const DTensorSpec& spec = dtensor_spec(current);
+  Tensor local = spec.local;
+  // A new padded buffer in the registered tensor's dtype and device, holding its values.
+  sharded_data = zeros({padded_numel}, local.dtype(), local.device());
+  Tensor padded = ops::view(sharded_data, padded_sharded_size);
+  Tensor view = ops::narrow(padded, shard_dim, 0, sharded_size[static_cast<size_t>(shard_dim)]);
+  if (!local.is_meta()) {
+    Tensor dst = view;
+    ops::copy_(dst, local);
+  }
+  orig_dtype = local.dtype();
+  sharded_param = make_dtensor(view, spec.mesh, spec.placements, spec.global_shape);
+  sharded_param.set_requires_grad(requires_grad);
+  unsharded_buffer = Tensor();  // re-created in the (possibly new) dtype and device on next unshard
+  unsharded_param = Tensor();
+  register_all(sharded_param);
+}
+
+Tensor FSDPParam::unsharded_grad() const {
+  if (unsharded_accumulated_grad.defined()) return unsharded_accumulated_grad;
+  return unsharded_param.defined() ? unsharded_param.grad() : Tensor();
+}
+
+}  // namespace tessera::fsdp

@@ -1,0 +1,111 @@
+#include "runtime/trace.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+
+namespace tessera::trace {
+
+namespace detail {
+std::atomic<bool> g_enabled{false};
+}
+
+namespace {
+std::mutex& buffer_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::vector<Span>& buffer() {
+  static std::vector<Span> spans;
+  return spans;
+}
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+}  // namespace
+
+const char* lane_name(Lane lane) {
+  switch (lane) {
+    case Lane::Compute: return "compute";
+    case Lane::AllGather: return "all_gather";
+    case Lane::ReduceScatter: return "reduce_scatter";
+    case Lane::AllReduce: return "all_reduce";
+    case Lane::OtherCollective: return "other collectives";
+    case Lane::Wait: return "waiting for communication (exposed)";
+    case Lane::FSDP: return "fsdp";
+  }
+  return "?";
+}
+
+void enable(bool on) { detail::g_enabled.store(on); }
+bool enabled() { return detail::g_enabled.load(); }
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void record(Lane lane, std::string name, double start_us, double end_us) {
+  if (!enabled()) return;
+  std::lock_guard<std::mutex> lk(buffer_mu());
+  buffer().push_back({lane, std::move(name), start_us, end_us});
+}
+
+std::vector<Span> take() {
+  std::vector<Span> out;
+  {
+    std::lock_guard<std::mutex> lk(buffer_mu());
+    out.swap(buffer());
+  }
+  std::sort(out.begin(), out.end(), [](const Span& a, const Span& b) { return a.start_us < b.start_us; });
+  return out;
+}
+
+std::string chrome_trace_events(const std::vector<Span>& spans, int rank) {
+  std::vector<std::string> events;
+  events.push_back(fmt::format(R"({{"name":"process_name","ph":"M","pid":{},"args":{{"name":"rank {}"}}}})", rank,
+                               rank));
+  for (int lane = 0; lane <= static_cast<int>(Lane::FSDP); ++lane)
+    events.push_back(fmt::format(R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
+                                 rank, lane, lane_name(static_cast<Lane>(lane))));
+  for (const auto& s : spans)
+    events.push_back(fmt::format(R"({{"name":"{}","ph":"X","pid":{},"tid":{},"ts":{:.3f},"dur":{:.3f}}})",
+                                 escape(s.name), rank, static_cast<int>(s.lane), s.start_us,
+                                 std::max(0.0, s.end_us - s.start_us)));
+  return fmt::format("{}", fmt::join(events, ",\n"));
+}
+
+std::string chrome_trace_file(const std::vector<std::string>& per_rank_events) {
+  std::vector<std::string> nonempty;
+  for (const auto& e : per_rank_events)
+    if (!e.empty()) nonempty.push_back(e);
+  return fmt::format("{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n{}\n]}}\n", fmt::join(nonempty, ",\n"));
+}
+
+double covered_us(const std::vector<Span>& spans, Lane lane) {
+  std::vector<std::pair<double, double>> iv;
+  for (const auto& s : spans)
+    if (s.lane == lane) iv.emplace_back(s.start_us, s.end_us);
+  std::sort(iv.begin(), iv.end());
+  double total = 0, cur_start = 0, cur_end = -1;
+  for (auto [a, b] : iv) {
+    if (a > cur_end) {
+      if (cur_end > cur_start) total += cur_end - cur_start;
+      cur_start = a;
+      cur_end = b;
+    } else {
+      cur_end = std::max(cur_end, b);
+    }
+  }
+  if (cur_end > cur_start) total += cur_end - cur_start;
+  return total;
+}
+
+}  // namespace tessera::trace

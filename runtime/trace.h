@@ -1,0 +1,59 @@
+// Timeline tracing: spans on lanes (compute, each collective kind, time spent
+// waiting for collectives, FSDP bookkeeping), written as Chrome trace /
+// Perfetto JSON (open in https://ui.perfetto.dev or chrome://tracing). The
+// "wait" lane is the communication a step did not hide: exposed communication
+// is the time spent there. Off by default; when off a span costs one atomic load.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+namespace tessera::trace {
+
+enum class Lane { Compute = 0, AllGather, ReduceScatter, AllReduce, OtherCollective, Wait, FSDP };
+const char* lane_name(Lane lane);
+
+struct Span {
+  Lane lane;
+  std::string name;
+  double start_us;
+  double end_us;
+};
+
+void enable(bool on);
+bool enabled();
+double now_us();  // monotonic, microseconds
+void record(Lane lane, std::string name, double start_us, double end_us);
+// Removes and returns the recorded spans (all threads), ordered by start.
+std::vector<Span> take();
+// The spans as Chrome trace events, one process per rank and one thread per lane.
+std::string chrome_trace_events(const std::vector<Span>& spans, int rank);
+// A complete trace file body from already-formatted events (joined with commas).
+std::string chrome_trace_file(const std::vector<std::string>& per_rank_events);
+// Total time covered by the spans of a lane (overlapping spans counted once).
+double covered_us(const std::vector<Span>& spans, Lane lane);
+
+namespace detail {
+extern std::atomic<bool> g_enabled;
+}
+
+// Records its lifetime as a span.
+class Scope {
+ public:
+  Scope(Lane lane, const char* name) : lane_(lane), name_(name) {
+    if (detail::g_enabled.load(std::memory_order_relaxed)) start_ = now_us();
+  }
+  ~Scope() {
+    if (start_ >= 0) record(lane_, name_, start_, now_us());
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  Lane lane_;
+  const char* name_;
+  double start_ = -1;
+};
+
+}  // namespace tessera::trace
