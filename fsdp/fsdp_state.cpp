@@ -78,9 +78,12 @@ void FSDPState::pre_forward(TensorList& args) {
     cast_floating(args, param_group->param_dtype());
   if (param_group) {
     param_group->pre_forward();
-    FSDPParamGroup* g = param_group.get();
-    autograd::record_marker(fqn + " post_backward", [g] { g->post_backward(); });
-    comm_ctx->current_forward_order.push_back(g);
+    // The tape may outlive the model: markers hold the state weakly.
+    std::weak_ptr<nn::ModuleExtension> weak = module.extension;
+    autograd::record_marker(fqn + " post_backward", [weak] {
+      if (auto st = weak.lock()) static_cast<FSDPState*>(st.get())->param_group->post_backward();
+    });
+    comm_ctx->current_forward_order.push_back(param_group.get());
   }
   // Prefetch: explicit targets, or (CPU default) the group that ran after this one last iteration.
   if (explicit_forward_prefetch) {
@@ -94,8 +97,13 @@ void FSDPState::pre_forward(TensorList& args) {
   } else if (param_group) {
     size_t position = comm_ctx->current_forward_order.size() - 1;
     const auto& order = comm_ctx->forward_order;
-    if (position + 1 < order.size() && order[position] == param_group.get() && order[position + 1] != param_group.get())
-      order[position + 1]->unshard(/*async_op=*/true);
+    if (position + 1 < order.size() && order[position] == param_group.get() && order[position + 1] != param_group.get()) {
+      FSDPParamGroup* next = order[position + 1];
+      TrainingState saved = next->training_state;
+      next->training_state = TrainingState::Forward;
+      next->unshard(/*async_op=*/true);
+      next->training_state = saved;
+    }
   }
   forward_calls_++;
 }
@@ -107,7 +115,11 @@ void FSDPState::post_forward(TensorList& outputs) {
     TensorList watch;
     for (const auto& t : outputs)
       if (t.defined() && t.requires_grad()) watch.push_back(t);
-    if (!watch.empty()) autograd::record_marker(fqn + " pre_backward", [this] { pre_backward(); }, watch);
+    std::weak_ptr<nn::ModuleExtension> weak = module.extension;
+    if (!watch.empty())
+      autograd::record_marker(fqn + " pre_backward", [weak] {
+        if (auto st = weak.lock()) static_cast<FSDPState*>(st.get())->pre_backward();
+      }, watch);
   }
   if (state_ctx->iter_forward_root == this) {
     comm_ctx->forward_order = comm_ctx->current_forward_order;
@@ -121,8 +133,10 @@ void FSDPState::pre_backward() {
   training_state = TrainingState::PreBackward;
   if (!state_ctx->post_backward_final_callback_queued) {
     state_ctx->post_backward_final_callback_queued = true;
-    FSDPState* root = state_ctx->root;
-    autograd::queue_callback([root] { root->root_post_backward_final_callback(); });
+    std::weak_ptr<nn::ModuleExtension> weak = state_ctx->root->module.extension;
+    autograd::queue_callback([weak] {
+      if (auto st = weak.lock()) static_cast<FSDPState*>(st.get())->root_post_backward_final_callback();
+    });
   }
   if (param_group) param_group->pre_backward(/*default_prefetch=*/backward_prefetch.empty());
   for (auto it = backward_prefetch.rbegin(); it != backward_prefetch.rend(); ++it) {

@@ -1,0 +1,347 @@
+// FSDP behaviour beyond parity: communication counts, event orders, gradient
+// accumulation, mixed precision, controls, and the error paths.
+#include "tests/fsdp/fsdp_helpers.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+nn::TransformerConfig tiny_gpt() {
+  nn::TransformerConfig t;
+  t.vocab_size = 13;
+  t.block_size = 8;
+  t.n_layer = 3;
+  t.n_head = 2;
+  t.n_embd = 8;
+  return t;
+}
+
+std::shared_ptr<nn::GPT> sharded_gpt(const MeshPtr& mesh, fsdp::ReshardAfterForward raf, bool root_raf_too = false,
+                                     fsdp::MixedPrecisionPolicy mp = {}) {
+  auto model = nn::GPT::on_meta(tiny_gpt());
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = mesh, .reshard_after_forward = raf, .mp_policy = mp});
+  fsdp::fully_shard(*model, {.mesh = mesh, .reshard_after_forward = root_raf_too ? raf : fsdp::ReshardAfterForward{},
+                             .mp_policy = mp});
+  model->to_empty(Device::cpu());
+  model->init_weights(5);
+  return model;
+}
+
+struct Counts {
+  int64_t ag = 0, rs = 0, ar = 0;
+};
+
+Counts counts(const std::vector<dist::ProcessGroupPtr>& groups) {
+  Counts c;
+  for (auto& g : groups) {
+    auto s = g->stats();
+    c.ag += s.all_gather;
+    c.rs += s.reduce_scatter;
+    c.ar += s.all_reduce;
+  }
+  return c;
+}
+
+void reset(const std::vector<dist::ProcessGroupPtr>& groups) {
+  for (auto& g : groups) g->reset_stats();
+}
+
+Tensor tokens(uint64_t seed) { return randint({2, 8}, 0, 13, seed); }
+
+}  // namespace
+
+TEST_CASE("collective counts per iteration (B blocks + root)", "[fsdp][comm]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
+  const int64_t B = 3, expect = w > 1 ? 1 : 0;  // world size 1: no collective at all
+  struct Case {
+    fsdp::ReshardAfterForward raf;
+    bool root_too;
+    int64_t backward_ag;
+    const char* name;
+  };
+  std::vector<Case> cases = {{{}, false, B, "default (root keeps its parameters)"},
+                             {true, true, B + 1, "reshard after forward everywhere"},
+                             {false, true, 0, "no reshard after forward"}};
+  for (auto& c : cases) {
+    INFO(c.name);
+    auto model = sharded_gpt(mesh, c.raf, c.root_too);
+    for (int it = 0; it < 2; ++it) {
+      reset(g);
+      Tensor loss = nn::cross_entropy((*model)(tokens(it)), tokens(it + 10));
+      Counts f = counts(g);
+      CHECK(f.ag == (B + 1) * expect);
+      CHECK(f.rs == 0);
+      reset(g);
+      autograd::backward(loss);
+      Counts b = counts(g);
+      CHECK(b.ag == c.backward_ag * expect);
+      CHECK(b.rs == (B + 1) * expect);
+      CHECK(b.ar == 0);
+      model->zero_grad();
+    }
+    // The optimizer steps on shards without any collective; clipping costs one all-reduce.
+    optim::AdamW opt(model->parameters(), {.lr = 1e-3});
+    autograd::backward(nn::cross_entropy((*model)(tokens(3)), tokens(4)));
+    reset(g);
+    opt.step();
+    CHECK(counts(g).ag + counts(g).rs + counts(g).ar == 0);
+    nn::clip_grad_norm_(model->parameters(), 1.0);
+    CHECK(counts(g).ar == 1);
+  }
+  if (w == 1) CHECK(mesh->get_group(0)->stats().mpi_calls == 0);
+  // Int reshard_after_forward: the backward gathers run over the size-k groups.
+  if (w == 4) {
+    auto model = sharded_gpt(mesh, 2, true);
+    (void)nn::cross_entropy((*model)(tokens(1)), tokens(2));
+    autograd::clear_tape();
+    fsdp::reset_iter_state(*model);
+    reset(g);
+    Tensor loss = nn::cross_entropy((*model)(tokens(1)), tokens(2));
+    CHECK(counts(g).ag == B + 1);
+    reset(g);
+    autograd::backward(loss);
+    CHECK(counts(g).ag == 0);  // not on the world group...
+    CHECK(counts(g).rs == B + 1);
+  }
+}
+
+TEST_CASE("event order: implicit forward prefetch and reverse post-forward backward prefetch", "[fsdp][order]") {
+  auto mesh = init_device_mesh("cpu", {world()}, {"dp"});
+  auto model = sharded_gpt(mesh, true, true);
+  autograd::backward(nn::cross_entropy((*model)(tokens(1)), tokens(2)));  // records the forward order
+  std::vector<std::string> events;
+  fsdp::fsdp_state(*model).comm_ctx->on_event = [&](const std::string& e, const std::string& fqn,
+                                                   fsdp::TrainingState s) {
+    events.push_back(e + " " + (fqn.empty() ? "root" : fqn) + " " + fsdp::training_state_name(s));
+  };
+  Tensor loss = nn::cross_entropy((*model)(tokens(3)), tokens(4));
+  std::vector<std::string> forward = {
+      "unshard root FORWARD",           "unshard transformer.h.0 FORWARD", "unshard transformer.h.1 FORWARD",
+      "reshard transformer.h.0 FORWARD", "unshard transformer.h.2 FORWARD", "reshard transformer.h.1 FORWARD",
+      "reshard transformer.h.2 FORWARD", "reshard root FORWARD"};
+  CHECK(events == forward);
+  events.clear();
+  autograd::backward(loss);
+  std::vector<std::string> unshard_and_post;
+  for (auto& e : events)
+    if (e.rfind("unshard", 0) == 0 || e.rfind("post_backward", 0) == 0) unshard_and_post.push_back(e);
+  std::vector<std::string> backward = {
+      "unshard root PRE_BACKWARD",           "unshard transformer.h.2 PRE_BACKWARD",
+      "unshard transformer.h.1 PRE_BACKWARD", "post_backward transformer.h.2 POST_BACKWARD",
+      "unshard transformer.h.0 PRE_BACKWARD", "post_backward transformer.h.1 POST_BACKWARD",
+      "post_backward transformer.h.0 POST_BACKWARD", "post_backward root POST_BACKWARD"};
+  CHECK(unshard_and_post == backward);
+  // Explicit forward prefetch of two blocks at once.
+  events.clear();
+  fsdp::set_modules_to_forward_prefetch(*model, {model->blocks[0].get(), model->blocks[1].get()});
+  for (auto& b : model->blocks) fsdp::set_modules_to_forward_prefetch(*b, {});
+  (void)nn::cross_entropy((*model)(tokens(5)), tokens(6));
+  std::vector<std::string> explicit_forward = {
+      "unshard root FORWARD",           "unshard transformer.h.0 FORWARD", "unshard transformer.h.1 FORWARD",
+      "reshard transformer.h.0 FORWARD", "reshard transformer.h.1 FORWARD", "unshard transformer.h.2 FORWARD",
+      "reshard transformer.h.2 FORWARD", "reshard root FORWARD"};
+  CHECK(events == explicit_forward);
+  autograd::clear_tape();
+  fsdp::reset_iter_state(*model);
+}
+
+TEST_CASE("gradient accumulation without sync, then one reduction", "[fsdp][accumulation]") {
+  int w = world();
+  for (auto& mesh : {init_device_mesh("cpu", {w}, {"dp"})}) {
+    MLPStack ref;
+    ref.init_weights(9);
+    ref.to(DType::F64);
+    MLPStack model(Device::meta());
+    for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .reshard_after_forward = true});
+    fsdp::fully_shard(model, {.mesh = mesh, .reshard_after_forward = true});
+    model.to_empty(Device::cpu());
+    model.init_weights(9);
+    model.to(DType::F64);
+    auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
+    const int64_t M = 3, micro = 3, e = w > 1 ? 1 : 0;
+    reset(g);
+    for (int64_t mb = 0; mb < micro; ++mb) {
+      fsdp::set_requires_gradient_sync(model, mb == micro - 1);
+      Tensor x = randn({12, 15}, 50 + static_cast<uint64_t>(mb), DType::F64);
+      Tensor y = randn({12, 5}, 60 + static_cast<uint64_t>(mb), DType::F64);
+      autograd::backward(mean(square(ref(x) - y)));
+      autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+    }
+    Counts c = counts(g);
+    CHECK(c.rs == (M + 1) * e);                 // only the last micro-batch reduces
+    CHECK(c.ag == 2 * (M + 1) * micro * e);     // forward and backward, every micro-batch
+    check_sharded_parity(model, ref, 1e-9, 1e-12);
+  }
+}
+
+TEST_CASE("bf16 parameters with f32 reduction match a same-rounding reference", "[fsdp][mixed_precision]") {
+  auto mesh = init_device_mesh("cpu", {world()}, {"dp"});
+  fsdp::MixedPrecisionPolicy mp{.param_dtype = DType::BF16, .reduce_dtype = DType::F32};
+  MLPStack model(Device::meta());
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .mp_policy = mp});
+  fsdp::fully_shard(model, {.mesh = mesh, .mp_policy = mp});
+  model.to_empty(Device::cpu());
+  model.init_weights(4);
+  // Reference: f32 master weights; each step computes with a bf16 copy, and the
+  // bf16 gradients are averaged in f32 (what FSDP's f32 reduce-scatter does).
+  MLPStack master;
+  master.init_weights(4);
+  MLPStack compute;
+  compute.to(DType::BF16);
+  optim::SGD fopt(model.parameters(), {.lr = 0.05}), ropt(master.parameters(), {.lr = 0.05});
+  for (int step = 0; step < 3; ++step) {
+    Tensor x = randn({12, 15}, 70 + step), y = randn({12, 5}, 80 + step);
+    // FSDP: inputs are cast to bf16 by cast_forward_inputs; outputs come back in bf16.
+    Tensor out = model(local_rows(x));
+    CHECK(out.dtype() == DType::BF16);
+    autograd::backward(mean(square(to(out, DType::F32) - local_rows(y))));
+    // Reference, rank by rank on the same rows, then the f32 average.
+    {
+      autograd::NoGradGuard ng;
+      compute.load_state_dict(master.state_dict());
+    }
+    std::vector<Tensor> sum_grads;
+    int w = world();
+    for (int r = 0; r < w; ++r) {
+      Tensor xr = ops::narrow(x, 0, r * 12 / w, 12 / w), yr = ops::narrow(y, 0, r * 12 / w, 12 / w);
+      Tensor o = compute(to(xr, DType::BF16));
+      autograd::backward(mean(square(to(o, DType::F32) - yr)));
+      auto params = compute.parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        Tensor gf = ops::to(params[i].grad(), DType::F32);
+        if (r == 0) sum_grads.push_back(gf);
+        else sum_grads[i] = ops::add(sum_grads[i], gf);
+      }
+      compute.zero_grad();
+    }
+    auto mparams = master.parameters();
+    for (size_t i = 0; i < mparams.size(); ++i) mparams[i].set_grad(ops::mul(sum_grads[i], 1.0 / w));
+    check_sharded_parity(model, master, 1e-5, 1e-6);
+    CHECK(local_tensor(model.parameters()[0].grad()).dtype() == DType::F32);  // the optimizer steps in f32
+    fopt.step();
+    ropt.step();
+    fopt.zero_grad();
+    ropt.zero_grad();
+  }
+}
+
+TEST_CASE("unshard/reshard by hand, divide factor, forward methods, reset after an exception", "[fsdp][controls]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  MLPStack ref;
+  ref.init_weights(2);
+  ref.to(DType::F64);
+  MLPStack model(Device::meta());
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
+  fsdp::fully_shard(model, {.mesh = mesh});
+  model.to_empty(Device::cpu());
+  model.init_weights(2);
+  model.to(DType::F64);
+  // unshard(async) before the first forward gives the full parameters.
+  auto handle = fsdp::unshard(*model.blocks()[0], true);
+  handle.wait();
+  CHECK(!model.mlps->operator[](0).parameters()[0].is_distributed());
+  CHECK(testing::equal(model.mlps->operator[](0).parameters()[0], ref.mlps->operator[](0).parameters()[0]));
+  fsdp::reshard(*model.blocks()[0]);
+  CHECK(model.mlps->operator[](0).parameters()[0].is_distributed());
+  // A custom divide factor: the sum of gradients over ranks divided by the factor.
+  fsdp::set_gradient_divide_factor(model, 2.0 * w);
+  Tensor x = randn({12, 15}, 1, DType::F64), y = randn({12, 5}, 2, DType::F64);
+  autograd::backward(mean(square(ref(x) - y)));
+  for (auto& p : ref.parameters()) p.set_grad(ops::mul(p.grad(), 0.5));  // mean over ranks / 2
+  autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  ref.zero_grad();
+  model.zero_grad();
+  fsdp::set_gradient_divide_factor(model, static_cast<double>(w));
+  // An exception in the middle of forward; reset_iter_state recovers.
+  Tensor bad = randn({12, 14}, 3, DType::F64);
+  CHECK_THROWS_WITH(model(local_rows(bad)), Catch::Contains("has 14 features but weight"));
+  fsdp::reset_iter_state(model);
+  autograd::backward(mean(square(ref(x) - y)));
+  autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  // Another method with the module's hooks (register_fsdp_forward_method).
+  auto& block = *model.blocks()[1];
+  TensorList out = fsdp::call_with_fsdp_hooks(block, {randn({2, 17}, 4, DType::F64)}, [&](const TensorList& in) {
+    CHECK_FALSE(block.parameters()[0].is_distributed());  // unsharded inside
+    return TensorList{static_cast<MLP&>(block).fc1->forward(in[0])};
+  });
+  CHECK(out[0].shape() == Shape{2, 8});
+  autograd::clear_tape();
+  fsdp::reset_iter_state(model);
+}
+
+TEST_CASE("error paths name what is wrong", "[fsdp][errors]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  {  // An optimizer built before fully_shard holds parameters that no longer train.
+    MLPStack model;
+    optim::AdamW stale(model.parameters(), {});
+    for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
+    fsdp::fully_shard(model, {.mesh = mesh});
+    CHECK_THROWS_WITH(stale.step(), Catch::Contains("was sharded by fully_shard"));
+    // forward() skips the hooks: parameters are still sharded DTensors.
+    CHECK_THROWS_WITH(model.forward(randn({4, 15}, 1)), Catch::Contains("DTensor"));
+  }
+  {  // Tied parameters split across groups.
+    auto model = nn::GPT::on_meta(tiny_gpt());
+    model->to_empty(Device::cpu());
+    fsdp::fully_shard(*model->wte, {.mesh = mesh});
+    CHECK_THROWS_WITH(fsdp::fully_shard(*model, {.mesh = mesh}), Catch::Contains("already managed by another FSDP group"));
+  }
+  {  // Scalars, uneven dim > 0, applied twice, 3-D meshes.
+    nn::Module m;
+    m.register_parameter("scale", full({}, 1.0));
+    CHECK_THROWS_WITH(fsdp::fully_shard(m, {.mesh = mesh}),
+                      Catch::Contains("Change scale to a 1D tensor with numel equal to 1"));
+    nn::Linear lin(w + 1, 4);
+    if (w > 1)
+      CHECK_THROWS_WITH(fsdp::fully_shard(lin, {.mesh = mesh, .shard_placement_fn = [](const Tensor&) {
+                                                  return std::optional<Shard>(Shard{1});
+                                                }}),
+                        Catch::Contains("does not support uneven sharding on dim 1"));
+    nn::Linear ok(4, 3);
+    fsdp::fully_shard(ok, {.mesh = mesh});
+    CHECK_THROWS_WITH(fsdp::fully_shard(ok, {.mesh = mesh}), Catch::Contains("applied twice"));
+    auto mesh3 = init_device_mesh("cpu", {w, 1, 1}, {"a", "b", "c"});
+    nn::Linear l3(4, 3);
+    CHECK_THROWS_WITH(fsdp::fully_shard(l3, {.mesh = mesh3}), Catch::Contains("expects a 1D or 2D DeviceMesh"));
+  }
+  {  // Different meshes under one root.
+    auto other = init_device_mesh("cpu", {w, 1}, {"x", "y"});
+    MLPStack model;
+    fsdp::fully_shard(*model.blocks()[0], {.mesh = other});
+    fsdp::fully_shard(model, {.mesh = mesh});
+    CHECK_THROWS_WITH(model(randn({2, 15}, 1)), Catch::Contains("one root needs one mesh"));
+  }
+  {  // A meta model not materialised.
+    MLPStack model(Device::meta());
+    fsdp::fully_shard(model, {.mesh = mesh});
+    CHECK_THROWS_WITH(model(randn({2, 15}, 1)), Catch::Contains("still on meta"));
+  }
+  autograd::clear_tape();  // the failed forwards left markers behind
+}
+
+TEST_CASE("Shard(1) placement via shard_placement_fn trains like Shard(0)", "[fsdp][placement]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  nn::Linear ref(4 * w, 3);
+  ref.init_weights(6);
+  ref.to(DType::F64);
+  nn::Linear model(4 * w, 3, true, Device::meta());
+  fsdp::fully_shard(model, {.mesh = mesh, .shard_placement_fn = [](const Tensor& p) {
+                              return p.dim() == 2 ? std::optional<Shard>(Shard{1}) : std::nullopt;
+                            }});
+  model.to_empty(Device::cpu());
+  model.init_weights(6);
+  model.to(DType::F64);
+  CHECK(is_shard(dtensor_spec(model.weight).placements[0], 1));
+  Tensor x = randn({12, 4 * w}, 7, DType::F64);
+  autograd::backward(sum(square(ref(x))) * (1.0 / w));
+  autograd::backward(sum(square(model(local_rows(x)))));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+}
