@@ -34,6 +34,17 @@ std::string chrome_trace_file(const std::vector<std::string>& per_rank_events);
 // Total time covered by the spans of a lane (overlapping spans counted once).
 double covered_us(const std::vector<Span>& spans, Lane lane);
 
+// One step in numbers: time covered by each lane; `exposed` is the time the
+// compute thread spent waiting for communication (the part overlap did not hide).
+struct Summary {
+  double compute_us = 0, all_gather_us = 0, reduce_scatter_us = 0, all_reduce_us = 0, exposed_us = 0;
+};
+Summary summarize(const std::vector<Span>& spans);
+
+// Writes every rank's spans into one Chrome trace file at `path` (rank 0
+// writes; every rank of the world must call it).
+void write_chrome_trace(const std::string& path, const std::vector<Span>& spans);
+
 namespace detail {
 extern std::atomic<bool> g_enabled;
 }

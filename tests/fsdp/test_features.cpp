@@ -1,5 +1,10 @@
 // FSDP behaviour beyond parity: communication counts, event orders, gradient
 // accumulation, mixed precision, controls, and the error paths.
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "runtime/trace.h"
 #include "tests/fsdp/fsdp_helpers.h"
 
 using namespace tessera;
@@ -344,4 +349,107 @@ TEST_CASE("Shard(1) placement via shard_placement_fn trains like Shard(0)", "[fs
   autograd::backward(sum(square(ref(x))) * (1.0 / w));
   autograd::backward(sum(square(model(local_rows(x)))));
   check_sharded_parity(model, ref, 1e-9, 1e-12);
+}
+
+TEST_CASE("HSDP: reduce-scatter every micro-batch, all-reduce only on the last", "[fsdp][hsdp]") {
+  int w = world();
+  if (w != 4) return;
+  auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  MLPStack ref;
+  ref.init_weights(11);
+  ref.to(DType::F64);
+  MLPStack model(Device::meta());
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
+  fsdp::fully_shard(model, {.mesh = mesh});
+  model.to_empty(Device::cpu());
+  model.init_weights(11);
+  model.to(DType::F64);
+  auto shard = std::vector<dist::ProcessGroupPtr>{mesh->get_group("shard")};
+  auto rep = std::vector<dist::ProcessGroupPtr>{mesh->get_group("replicate")};
+  reset(shard);
+  reset(rep);
+  const int64_t M = 3, micro = 3;
+  for (int64_t mb = 0; mb < micro; ++mb) {
+    fsdp::set_requires_all_reduce(model, mb == micro - 1);
+    Tensor x = randn({12, 15}, 90 + static_cast<uint64_t>(mb), DType::F64);
+    Tensor y = randn({12, 5}, 95 + static_cast<uint64_t>(mb), DType::F64);
+    autograd::backward(mean(square(ref(x) - y)));
+    autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  }
+  CHECK(counts(shard).rs == (M + 1) * micro);
+  CHECK(counts(rep).ar == M + 1);
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+}
+
+TEST_CASE("no-sync micro-batches accumulate bf16 gradients in the f32 reduce dtype", "[fsdp][mixed_precision]") {
+  auto mesh = init_device_mesh("cpu", {world()}, {"dp"});
+  fsdp::MixedPrecisionPolicy mp{.param_dtype = DType::BF16, .reduce_dtype = DType::F32};
+  MLPStack model(Device::meta());
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .mp_policy = mp});
+  fsdp::fully_shard(model, {.mesh = mesh, .mp_policy = mp});
+  model.to_empty(Device::cpu());
+  model.init_weights(4);
+  fsdp::set_requires_gradient_sync(model, false);
+  autograd::backward(mean(to(model(randn({4, 15}, 1)), DType::F32)));
+  auto& group = *fsdp::fsdp_state(*model.blocks()[0]).param_group;
+  REQUIRE(group.fsdp_params[0]->unsharded_accumulated_grad.defined());
+  CHECK(group.fsdp_params[0]->unsharded_accumulated_grad.dtype() == DType::F32);
+  CHECK_FALSE(model.parameters()[0].grad().defined());  // nothing reduced yet
+  fsdp::set_requires_gradient_sync(model, true);
+  autograd::backward(mean(to(model(randn({4, 15}, 2)), DType::F32)));
+  CHECK_FALSE(group.fsdp_params[0]->unsharded_accumulated_grad.defined());
+  CHECK(local_tensor(model.parameters()[0].grad()).dtype() == DType::F32);
+  // output_dtype casts what the module returns.
+  MLP head(15, 4, 3, Device::meta());
+  fsdp::fully_shard(head, {.mesh = mesh, .mp_policy = {.param_dtype = DType::BF16, .output_dtype = DType::F32}});
+  head.to_empty(Device::cpu());
+  head.init_weights(1);
+  CHECK(head(randn({2, 15}, 3)).dtype() == DType::F32);
+  autograd::clear_tape();
+}
+
+
+TEST_CASE("traces: lanes for compute and each collective, exposed time, one file for all ranks", "[fsdp][trace]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  auto model = sharded_gpt(mesh, true, true);
+  autograd::backward(nn::cross_entropy((*model)(tokens(1)), tokens(2)));
+  model->zero_grad();
+  trace::take();
+  trace::enable(true);
+  double t0 = trace::now_us();
+  autograd::backward(nn::cross_entropy((*model)(tokens(3)), tokens(4)));
+  double t1 = trace::now_us();
+  trace::enable(false);
+  auto spans = trace::take();
+  auto s = trace::summarize(spans);
+  CHECK(s.compute_us > 0);
+  CHECK(s.exposed_us <= t1 - t0);
+  bool has_fsdp = false, has_ag = false, has_rs = false;
+  for (auto& sp : spans) {
+    has_fsdp = has_fsdp || sp.lane == trace::Lane::FSDP;
+    has_ag = has_ag || sp.lane == trace::Lane::AllGather;
+    has_rs = has_rs || sp.lane == trace::Lane::ReduceScatter;
+    CHECK(sp.end_us >= sp.start_us);
+  }
+  CHECK(has_fsdp);
+  CHECK(has_ag == (w > 1));
+  CHECK(has_rs == (w > 1));
+  std::string path = "test_fsdp_trace.json";
+  trace::write_chrome_trace(path, spans);
+  if (dist::rank() == 0) {
+    std::ifstream in(path);
+    auto j = nlohmann::json::parse(in);
+    std::set<int> pids;
+    std::set<std::string> lanes;
+    for (auto& e : j["traceEvents"]) {
+      pids.insert(e["pid"].get<int>());
+      if (e["name"] == "thread_name") lanes.insert(e["args"]["name"].get<std::string>());
+    }
+    CHECK(static_cast<int>(pids.size()) == w);
+    CHECK(lanes.count("compute") == 1);
+    CHECK(lanes.count("all_gather") == 1);
+    CHECK(lanes.count("reduce_scatter") == 1);
+    CHECK(lanes.count("waiting for communication (exposed)") == 1);
+  }
 }
