@@ -124,7 +124,7 @@ void FSDPParamGroup::pre_backward(bool default_prefetch) {
   training_state = TrainingState::PreBackward;
   unshard(/*async_op=*/true);
   wait_for_unshard();
-  if (!default_prefetch || post_forward_indices.empty()) return;
+  if (!default_prefetch || !comm_ctx->prefetch || post_forward_indices.empty()) return;
   // Reverse post-forward order: the group whose forward finished just before ours.
   size_t i = post_forward_indices.back();
   post_forward_indices.pop_back();

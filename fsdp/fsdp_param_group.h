@@ -30,6 +30,9 @@ struct FSDPCommContext {
   std::vector<FSDPParamGroup*> forward_order;       // last iteration's pre-forward order (CPU forward prefetch)
   std::vector<FSDPParamGroup*> current_forward_order;
   std::deque<ReduceResult> reductions;  // gradient reductions not yet written
+  // Implicit forward prefetch and default backward prefetch (off only to measure
+  // what prefetching buys: fsdp::set_prefetch).
+  bool prefetch = true;
   // Called for "unshard", "reshard", "post_backward" (tests assert event orders).
   std::function<void(const std::string& event, const std::string& fqn, TrainingState state)> on_event;
   void event(const char* what, const FSDPParamGroup& g);

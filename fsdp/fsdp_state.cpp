@@ -94,7 +94,7 @@ void FSDPState::pre_forward(TensorList& args) {
       st->param_group->unshard(/*async_op=*/true);
       st->param_group->training_state = saved;
     }
-  } else if (param_group) {
+  } else if (param_group && comm_ctx->prefetch) {
     size_t position = comm_ctx->current_forward_order.size() - 1;
     const auto& order = comm_ctx->forward_order;
     if (position + 1 < order.size() && order[position] == param_group.get() && order[position + 1] != param_group.get()) {

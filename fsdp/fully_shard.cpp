@@ -251,6 +251,12 @@ void reset_iter_state(nn::Module& root) {
   st.state_ctx->post_backward_final_callback_queued = false;
 }
 
+void set_prefetch(nn::Module& root, bool enabled) {
+  FSDPState& st = fsdp_state(root);
+  st.lazy_init();
+  st.comm_ctx->prefetch = enabled;
+}
+
 TensorList call_with_fsdp_hooks(nn::Module& module, TensorList inputs,
                                 const std::function<TensorList(const TensorList&)>& method) {
   return module.call_with_hooks(std::move(inputs), method);

@@ -57,6 +57,10 @@ void set_modules_to_backward_prefetch(nn::Module& module, const std::vector<nn::
 // trains correctly.
 void reset_iter_state(nn::Module& root);
 
+// Turns implicit forward prefetch and default backward prefetch off (or back
+// on) for the whole root (not in PyTorch; for measuring what prefetch buys).
+void set_prefetch(nn::Module& root, bool enabled);
+
 // register_fsdp_forward_method: runs `method` (another entry point of the
 // module, e.g. generate) with the module's FSDP hooks around it.
 TensorList call_with_fsdp_hooks(nn::Module& module, TensorList inputs,
