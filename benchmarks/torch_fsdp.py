@@ -19,17 +19,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-torch.set_num_threads(1)
 from torch_step import GPT, V, T  # noqa: E402  (the same model definition)
+
+# Threads per rank: the 2 cores divided by the ranks (TORCH_THREADS overrides).
+torch.set_num_threads(int(os.environ.get("TORCH_THREADS", max(1, 2 // int(os.environ.get("WORLD_SIZE", "1"))))))
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 fully_shard = None
 try:
     from torch.distributed.fsdp import fully_shard  # torch >= 2.6
-except ImportError:
+except Exception:  # ImportError, or older torch failing to import the module
     try:
         from torch.distributed._composable.fsdp import fully_shard  # torch 2.4-2.5
-    except ImportError:
+    except Exception:
         pass
 mode = sys.argv[2] if len(sys.argv) > 2 else ("fsdp" if fully_shard else "ddp")
 

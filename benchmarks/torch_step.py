@@ -15,10 +15,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-torch.set_num_threads(threads)
-torch.manual_seed(1)
 
 V, T, L, H, C, B = 256, 128, 4, 4, 256, 8
 
@@ -66,23 +62,32 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-model = GPT()
-opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-x = torch.randint(0, V, (B, T))
-y = torch.randint(0, V, (B, T))
-rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # high-water mark after setup
-total = 0.0
-for s in range(steps + 3):
-    t0 = time.perf_counter()
-    loss = F.cross_entropy(model(x).view(-1, V), y.view(-1))
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    ms = (time.perf_counter() - t0) * 1000
-    if s >= 3:
-        total += ms
-per = total / steps
-peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(f"torch {torch.__version__} threads {threads}  step {per:.1f} ms  tokens/s {B * T / per * 1000:.0f}  "
-      f"peak RSS {peak_mib:.1f} MiB (+{peak_mib - rss_setup:.1f} MiB over setup)")
+def main():
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    torch.set_num_threads(threads)
+    torch.manual_seed(1)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    x = torch.randint(0, V, (B, T))
+    y = torch.randint(0, V, (B, T))
+    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # high-water mark after setup
+    total = 0.0
+    for s in range(steps + 3):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).view(-1, V), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ms = (time.perf_counter() - t0) * 1000
+        if s >= 3:
+            total += ms
+    per = total / steps
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"torch {torch.__version__} threads {threads}  step {per:.1f} ms  tokens/s {B * T / per * 1000:.0f}  "
+          f"peak RSS {peak_mib:.1f} MiB (+{peak_mib - rss_setup:.1f} MiB over setup)")
+
+
+if __name__ == "__main__":
+    main()
