@@ -453,3 +453,75 @@ TEST_CASE("traces: lanes for compute and each collective, exposed time, one file
     CHECK(lanes.count("waiting for communication (exposed)") == 1);
   }
 }
+
+namespace {
+// Embedding -> Linear, each its own FSDP group.
+class EmbedHead : public nn::Module {
+ public:
+  explicit EmbedHead(Device d = Device::cpu()) {
+    emb = register_module("emb", std::make_shared<nn::Embedding>(11, 6, d));
+    out = register_module("out", std::make_shared<nn::Linear>(6, 3, true, d));
+  }
+  Tensor forward(const Tensor& idx) override { return (*out)((*emb)(idx)); }
+  std::shared_ptr<nn::Embedding> emb;
+  std::shared_ptr<nn::Linear> out;
+};
+}  // namespace
+
+TEST_CASE("runtime controls: reshard after forward/backward, unshard in backward, last backward, ignored",
+          "[fsdp][controls]") {
+  int w = world();
+  const int64_t e = w > 1 ? 1 : 0;
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
+  EmbedHead ref;
+  ref.init_weights(3);
+  ref.to(DType::F64);
+  EmbedHead model(Device::meta());
+  fsdp::fully_shard(*model.emb, {.mesh = mesh});
+  fsdp::fully_shard(model, {.mesh = mesh});
+  model.to_empty(Device::cpu());
+  model.init_weights(3);
+  model.to(DType::F64);
+  Tensor idx = randint({12, 5}, 0, 11, 1);  // divisible by 1-4 ranks
+  auto step = [&](nn::Module& m, const Tensor& i) { autograd::backward(sum(square(m(i)))); };
+  // The embedding's weight is not needed to compute its gradient: skip its backward all-gather.
+  fsdp::set_unshard_in_backward(*model.emb, false);
+  fsdp::set_reshard_after_forward(model, true);  // root included: both groups gather again in backward
+  reset(g);
+  step(model, local_rows(idx));
+  CHECK(counts(g).ag == (2 + 1) * e);  // forward 2, backward 1 (the root's, not the embedding's)
+  step(ref, idx);
+  for (auto& p : ref.parameters()) p.set_grad(ops::mul(p.grad(), 1.0 / w));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  // Keep parameters unsharded after backward (with no sync): nothing re-gathered next time.
+  fsdp::set_requires_gradient_sync(model, false);
+  fsdp::set_reshard_after_backward(model, false);
+  fsdp::set_reshard_after_forward(model, false);
+  step(model, local_rows(idx));
+  CHECK_FALSE(model.out->weight.is_distributed());  // still the unsharded parameter
+  reset(g);
+  fsdp::set_requires_gradient_sync(model, true);
+  fsdp::set_reshard_after_backward(model, true);
+  step(model, local_rows(idx));
+  CHECK(counts(g).ag == 0);
+  CHECK(model.out->weight.is_distributed());
+  // Not the last backward: reductions may stay in flight; the next last backward completes them.
+  ref.zero_grad();
+  model.zero_grad();
+  fsdp::set_is_last_backward(model, false);
+  step(model, local_rows(idx));
+  fsdp::set_is_last_backward(model, true);
+  step(model, local_rows(idx));
+  step(ref, idx);
+  step(ref, idx);
+  for (auto& p : ref.parameters()) p.set_grad(ops::mul(p.grad(), 1.0 / w));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  // Ignored parameters stay whole and unmanaged.
+  EmbedHead partial;
+  fsdp::fully_shard(partial, {.mesh = mesh, .ignored_params = {partial.out->bias}});
+  CHECK(partial.out->weight.is_distributed());
+  CHECK_FALSE(partial.out->bias.is_distributed());
+  CHECK(partial.out->bias.storage()->is_allocated());
+  autograd::clear_tape();
+}
