@@ -94,6 +94,63 @@ void AdamW::step() {
   }
 }
 
+namespace {
+std::string name_of(const Tensor& p, const std::vector<std::pair<std::string, Tensor>>& named) {
+  for (const auto& [n, t] : named)
+    if (t.is_same(p)) return n;
+  TS_CHECK(false, "optimizer state_dict: a parameter of the optimizer is not among the named parameters given");
+}
+}  // namespace
+
+StateDict AdamW::state_dict(const std::vector<std::pair<std::string, Tensor>>& named) const {
+  StateDict out;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (size_t j = 0; j < groups_[g].params.size(); ++j) {
+      const State& s = state_[g][j];
+      if (!s.exp_avg.defined()) continue;
+      std::string n = name_of(groups_[g].params[j], named);
+      out.emplace_back(n + ".exp_avg", s.exp_avg);
+      out.emplace_back(n + ".exp_avg_sq", s.exp_avg_sq);
+      out.emplace_back(n + ".step", full({}, static_cast<double>(s.step), DType::I64));
+    }
+  return out;
+}
+
+void AdamW::init_state() {
+  autograd::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (size_t j = 0; j < groups_[g].params.size(); ++j) {
+      State& s = state_[g][j];
+      if (s.exp_avg.defined()) continue;
+      s.exp_avg = zeros_like(groups_[g].params[j]);
+      s.exp_avg_sq = zeros_like(groups_[g].params[j]);
+    }
+}
+
+void AdamW::load_state_dict(const StateDict& sd, const std::vector<std::pair<std::string, Tensor>>& named) {
+  autograd::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (size_t j = 0; j < groups_[g].params.size(); ++j) {
+      std::string n = name_of(groups_[g].params[j], named);
+      const Tensor* step = nn::find_in(sd, n + ".step");
+      if (step == nullptr) continue;
+      const Tensor* m = nn::find_in(sd, n + ".exp_avg");
+      const Tensor* v = nn::find_in(sd, n + ".exp_avg_sq");
+      TS_CHECK(m && v, "optimizer load_state_dict: '{}' has a step but no exp_avg/exp_avg_sq", n);
+      State& s = state_[g][j];
+      if (!s.exp_avg.defined()) {
+        s.exp_avg = zeros_like(groups_[g].params[j]);
+        s.exp_avg_sq = zeros_like(groups_[g].params[j]);
+      }
+      TS_CHECK(m->shape() == s.exp_avg.shape() && v->shape() == s.exp_avg.shape(),
+               "optimizer load_state_dict: '{}' moments are {} but the parameter is {}", n, shape_str(m->shape()),
+               shape_str(s.exp_avg.shape()));
+      if (!m->is_same(s.exp_avg)) ops::copy_(s.exp_avg, *m);
+      if (!v->is_same(s.exp_avg_sq)) ops::copy_(s.exp_avg_sq, *v);
+      s.step = static_cast<int64_t>(step->item());
+    }
+}
+
 SGD::SGD(const TensorList& params, SGDOptions options)
     : Optimizer(one_group(params, options.lr, options.weight_decay)), options_(options) {
   TS_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0),

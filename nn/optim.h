@@ -10,6 +10,8 @@
 
 namespace tessera::optim {
 
+using nn::StateDict;
+
 struct ParamGroup {
   TensorList params;
   double lr = 1e-3;
@@ -55,6 +57,18 @@ class AdamW : public Optimizer {
   // State of parameter j of group g.
   State& state(size_t group, size_t j) { return state_.at(group).at(j); }
   const AdamWOptions& options() const { return options_; }
+
+  // The moments keyed by parameter name: "<fqn>.exp_avg", "<fqn>.exp_avg_sq"
+  // (tensors like the parameter: sharded DTensors under FSDP, aliasing the
+  // optimizer's own) and "<fqn>.step" (a 0-dim i64 copy). `named` maps the
+  // optimizer's parameters to names (model.named_parameters()). Parameters
+  // without moments yet (never stepped, no init_state) have no entries.
+  StateDict state_dict(const std::vector<std::pair<std::string, Tensor>>& named) const;
+  // Copies moments and steps in (values converted to each parameter's dtype);
+  // missing entries leave a parameter's state fresh.
+  void load_state_dict(const StateDict& state, const std::vector<std::pair<std::string, Tensor>>& named);
+  // Creates zero moments for every parameter (the destinations a checkpoint loads into).
+  void init_state();
 
  private:
   AdamWOptions options_;

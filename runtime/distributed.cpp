@@ -2,9 +2,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "runtime/mpi/group.h"
+#include "runtime/random.h"
 
 namespace tessera::dist {
 
@@ -130,6 +132,26 @@ std::string progress_mode() {
 }
 
 void progress() { detail::Engine::get().progress_once(); }
+
+std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine) {
+  if (group->size() == 1) return {mine};
+  // Sizes first, then the bytes padded to i32 words (an element type every path moves as is).
+  Tensor size = full({1}, static_cast<double>(mine.size()), DType::I64);
+  Tensor sizes = empty({group->size()}, DType::I64);
+  group->all_gather_into_tensor(sizes, size)->wait();
+  auto sv = sizes.to_vector<int64_t>();
+  int64_t words = 0;
+  for (int64_t n : sv) words = std::max(words, (n + 3) / 4);
+  Tensor buf = zeros({words}, DType::I32);
+  if (!mine.empty()) std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  Tensor gathered = empty({words * group->size()}, DType::I32);
+  group->all_gather_into_tensor(gathered, buf)->wait();
+  std::vector<std::string> out;
+  const char* bytes = words ? static_cast<const char*>(gathered.data_ptr()) : "";
+  for (int r = 0; r < group->size(); ++r)
+    out.emplace_back(bytes + static_cast<int64_t>(r) * words * 4, static_cast<size_t>(sv[static_cast<size_t>(r)]));
+  return out;
+}
 
 void abort(const std::string& message, int code) {
   std::fprintf(stderr, "tessera: rank %d: %s\n", rank(), message.c_str());

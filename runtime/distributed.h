@@ -116,6 +116,10 @@ std::string progress_mode();
 // Drives in-flight collectives from the calling thread (poll mode; no-op otherwise).
 void progress();
 
+// Every rank's string, in rank order, on every rank of `group` (for metadata:
+// checkpoint chunk lists, trace events).
+std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine);
+
 // Aborts every rank with `message` (a fatal error the program cannot recover from).
 [[noreturn]] void abort(const std::string& message, int code = 1);
 

@@ -4,14 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <fstream>
 #include <mutex>
 
 #include "runtime/check.h"
 #include "runtime/distributed.h"
-#include "runtime/ops.h"
-#include "runtime/random.h"
 
 namespace tessera::trace {
 
@@ -121,25 +118,7 @@ Summary summarize(const std::vector<Span>& spans) {
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<Span>& spans) {
-  auto world = dist::world();
-  std::string mine = chrome_trace_events(spans, dist::rank());
-  std::vector<std::string> all{mine};
-  if (world->size() > 1) {
-    // Gather the ranks' event texts to rank 0 (sizes first, then the bytes padded to i32 words).
-    Tensor size = full({1}, static_cast<double>(mine.size()), DType::I64);
-    Tensor sizes = empty({world->size()}, DType::I64);
-    world->all_gather_into_tensor(sizes, size)->wait();
-    auto sv = sizes.to_vector<int64_t>();
-    int64_t words = 0;
-    for (int64_t n : sv) words = std::max(words, (n + 3) / 4);
-    Tensor buf = zeros({words}, DType::I32);
-    if (!mine.empty()) std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-    Tensor gathered = empty({words * world->size()}, DType::I32);
-    world->all_gather_into_tensor(gathered, buf)->wait();
-    all.clear();
-    const char* bytes = static_cast<const char*>(gathered.data_ptr());
-    for (int r = 0; r < world->size(); ++r) all.emplace_back(bytes + r * words * 4, static_cast<size_t>(sv[static_cast<size_t>(r)]));
-  }
+  std::vector<std::string> all = dist::all_gather_strings(dist::world(), chrome_trace_events(spans, dist::rank()));
   if (dist::rank() != 0) return;
   std::ofstream out(path);
   TS_CHECK(out.good(), "cannot write trace file '{}'", path);

@@ -29,7 +29,10 @@
 #include "nn/models.h"
 #include "nn/module.h"
 #include "nn/optim.h"
+#include "nn/safetensors.h"
 #include "nn/transformer.h"
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/checkpoint.h"
 #include "fsdp/policies.h"
+#include "fsdp/state_dict.h"

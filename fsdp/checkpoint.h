@@ -1,0 +1,82 @@
+// Distributed checkpoints.
+//
+//   <folder>/step-00000100/rank-00000.bin ... rank-0000N.bin   each rank's shards
+//   <folder>/step-00000100/metadata.json                        what is where
+//   <folder>/latest                                             the newest step
+//
+// Every rank writes its own shards in parallel (a replicated shard is written
+// once, by the rank at coordinate 0 of the replicate dims). metadata.json
+// records, per tensor, its global shape, dtype and placements, and per chunk
+// the file, byte offset, byte size, the chunk's box in the global tensor and
+// its CRC-32. Loading on any mesh (another world size, 1-D <-> 2-D, a single
+// process) reads only the chunks that overlap each rank's shard.
+//
+// A checkpoint appears only when complete: ranks write into step-N.tmp/,
+// fsync, meet at a barrier, rank 0 writes metadata.json and renames the
+// directory (one atomic rename). An interrupted save leaves at most a .tmp
+// directory, which loading ignores and the next save removes; older complete
+// checkpoints stay loadable; the newest `keep` are kept.
+//
+// Data files start with the magic "TSRCKPT" and a version; every read is
+// bounds-checked and checksummed, and metadata is validated as untrusted
+// input: a truncated file, a flipped byte, a wrong magic or version, or
+// metadata that disagrees with the model is an exception naming the file and
+// the tensor.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "nn/module.h"
+#include "nn/optim.h"
+
+namespace tessera::fsdp {
+
+struct ChunkInfo {
+  std::string file;      // a file name inside the checkpoint directory
+  uint64_t offset = 0;   // byte offset in that file
+  uint64_t bytes = 0;
+  Shape offsets;         // where the chunk starts in the global tensor
+  Shape shape;           // the chunk's shape
+  uint32_t crc32 = 0;
+};
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::F32;
+  Shape shape;             // global
+  std::string placements;  // as saved ("(S(0))", "(R, S(0))", "plain"); informational
+  std::vector<ChunkInfo> chunks;
+};
+
+struct CheckpointMetadata {
+  int version = 1;
+  int64_t step = 0;
+  int world_size = 1;
+  std::vector<TensorInfo> tensors;
+  std::string extra_json = "{}";      // the training state besides tensors (scheduler, data, config)
+  std::vector<std::string> rank_state;  // per saving rank: its RNG state (JSON)
+  const TensorInfo* find(const std::string& name) const;
+};
+
+// Saves the model's state dict and (if given) the optimizer's as
+// "optim.<name>.exp_avg" etc. Collective: every rank calls it. Returns the
+// checkpoint directory.
+std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* optimizer,
+                            const std::string& extra_json = "{}", int keep = 0);
+// The newest complete checkpoint directory in folder ("" if there is none).
+std::string latest_checkpoint(const std::string& folder);
+// Loads into the model (any mesh) and optimizer; restores this rank's RNG
+// when the world size matches. Returns the metadata (step, extra state).
+CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* optimizer);
+
+// Reads and validates <dir>/metadata.json.
+CheckpointMetadata read_metadata(const std::string& dir);
+// Validates metadata text as untrusted input (`file` names it in errors).
+CheckpointMetadata parse_metadata(const std::string& text, const std::string& file);
+// Reads one chunk (header, bounds and checksum checked) as a tensor of its shape.
+Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk);
+
+uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
+
+}  // namespace tessera::fsdp
