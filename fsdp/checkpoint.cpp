@@ -136,14 +136,6 @@ void prune(const fs::path& folder, int keep) {
   }
 }
 
-// Every rank's error (or "") to every rank; throws on all ranks if any failed,
-// so that one rank's bad file or full disk never leaves the others waiting.
-void agree(const std::string& error, const std::string& what) {
-  auto errors = dist::all_gather_strings(dist::world(), error);
-  for (size_t r = 0; r < errors.size(); ++r)
-    TS_CHECK(errors[r].empty(), "{} failed on rank {}: {}", what, r, errors[r]);
-}
-
 }  // namespace
 
 uint32_t crc32(const void* data, size_t n, uint32_t crc) {
@@ -189,7 +181,7 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step, nn::Modu
       error = fmt::format("cannot prepare '{}': {}", tmp_dir.string(), e.what());
     }
   }
-  agree(error, "save_checkpoint");
+  dist::throw_if_any_failed(world, error, "save_checkpoint");
 
   // Every rank writes the chunks it owns into its own file.
   std::string file_name = fmt::format("rank-{:05d}.bin", rank);
@@ -278,7 +270,7 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step, nn::Modu
   } catch (const std::exception& e) {
     error = e.what();
   }
-  agree(error, "save_checkpoint");
+  dist::throw_if_any_failed(world, error, "save_checkpoint");
   return final_dir.string();
 }
 
@@ -299,12 +291,17 @@ std::string latest_checkpoint(const std::string& folder) {
 }
 
 namespace {
+// A shape from untrusted JSON: at most 16 dims, each and the product at most 2^48.
 Shape read_shape(const json& j, const std::string& file, const std::string& what) {
   TS_CHECK(j.is_array() && j.size() <= 16, "{}: {} must be an array of at most 16 dims", file, what);
   Shape s;
+  uint64_t numel = 1;
   for (const auto& d : j) {
     TS_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= (1ull << 48), "{}: {} has an invalid dim", file, what);
-    s.push_back(d.get<int64_t>());
+    uint64_t dim = d.get<uint64_t>();
+    TS_CHECK(dim == 0 || numel <= (1ull << 48) / dim, "{}: {} has more than 2^48 elements", file, what);
+    numel = dim == 0 ? 0 : numel * dim;
+    s.push_back(static_cast<int64_t>(dim));
   }
   return s;
 }
@@ -325,7 +322,9 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
   CheckpointMetadata out;
   TS_CHECK(md.contains("step") && md["step"].is_number_integer(), "{}: step missing", file);
   out.step = md["step"].get<int64_t>();
-  TS_CHECK(md.contains("world_size") && md["world_size"].is_number_unsigned(), "{}: world_size missing", file);
+  TS_CHECK(md.contains("world_size") && md["world_size"].is_number_unsigned() &&
+               md["world_size"].get<uint64_t>() - 1 < (1u << 24),
+           "{}: world_size missing or invalid", file);
   out.world_size = md["world_size"].get<int>();
   TS_CHECK(md.contains("tensors") && md["tensors"].is_array(), "{}: tensors missing", file);
   for (const auto& t : md["tensors"]) {
@@ -333,7 +332,11 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
     TensorInfo info;
     info.name = t["name"].get<std::string>();
     TS_CHECK(t.contains("dtype") && t["dtype"].is_string(), "{}: tensor '{}' has no dtype", file, info.name);
-    info.dtype = dtype_from_name(t["dtype"].get<std::string>());
+    try {
+      info.dtype = dtype_from_name(t["dtype"].get<std::string>());
+    } catch (const Error& e) {
+      TS_CHECK(false, "{}: tensor '{}': {}", file, info.name, e.what());
+    }
     TS_CHECK(t.contains("shape"), "{}: tensor '{}' has no shape", file, info.name);
     info.shape = read_shape(t["shape"], file, "shape of '" + info.name + "'");
     if (t.contains("placements") && t["placements"].is_string()) info.placements = t["placements"].get<std::string>();
@@ -404,7 +407,7 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
   TS_CHECK(version == kVersion, "{}: data file version {} (this build reads {})", p.string(), version, kVersion);
   std::error_code ec;
   uint64_t size = fs::file_size(p, ec);
-  TS_CHECK(!ec && chunk.offset + chunk.bytes <= size,
+  TS_CHECK(!ec && chunk.bytes <= size && chunk.offset <= size - chunk.bytes,
            "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(), tensor.name, chunk.offset,
            chunk.offset + chunk.bytes, size);
   Tensor t = empty(chunk.shape, tensor.dtype);
@@ -437,7 +440,7 @@ CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, op
   } catch (const std::exception& e) {
     error = e.what();
   }
-  agree(error, "load_checkpoint");
+  dist::throw_if_any_failed(dist::world(), error, "load_checkpoint");
   for (auto& [p, m] : model.named_modules())
     if (m->extension) m->extension->after_load_state_dict(*m);
   return md;
@@ -453,11 +456,11 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
   std::vector<std::string> missing, unexpected;
   for (const auto& [name, t] : dest)
     if (name.rfind("optim.", 0) != 0 && md.find(name) == nullptr) missing.push_back(name);
-  for (const auto& t : md.tensors)
-    if (nn::find_in(dest, t.name) == nullptr) unexpected.push_back(t.name);
+  for (const auto& t : md.tensors)  // optimizer state is skipped when loading weights only
+    if (nn::find_in(dest, t.name) == nullptr && (opt || t.name.rfind("optim.", 0) != 0)) unexpected.push_back(t.name);
   TS_CHECK(missing.empty() && unexpected.empty(),
            "{}: the checkpoint does not match the model{}: missing keys [{}]; unexpected keys [{}]", md_file,
-           opt ? " and optimizer" : "", fmt::join(missing, ", "), fmt::join(unexpected, ", "));
+           opt ? " and optimizer" : "", nn::key_list(missing), nn::key_list(unexpected));
   for (auto& [name, t] : dest) {
     const TensorInfo* info = md.find(name);
     if (info == nullptr) continue;  // optimizer moments of a parameter that had not stepped

@@ -1,6 +1,7 @@
 #include "fsdp/state_dict.h"
 
 #include "dtensor/dtensor.h"
+#include "nn/safetensors.h"
 
 namespace tessera::fsdp {
 
@@ -48,8 +49,8 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
     if (!mismatched.empty())
       error = fmt::format("load_full_state_dict: size mismatch for {}", fmt::join(mismatched, "; "));
     else if (strict && (!missing.empty() || !unexpected.empty()))
-      error = fmt::format("load_full_state_dict: missing keys [{}]; unexpected keys [{}]", fmt::join(missing, ", "),
-                          fmt::join(unexpected, ", "));
+      error = fmt::format("load_full_state_dict: missing keys [{}]; unexpected keys [{}]", nn::key_list(missing),
+                          nn::key_list(unexpected));
   }
   if (from_rank0) error = dist::all_gather_strings(dist::world(), error)[0];
   TS_CHECK(error.empty(), "{}", error);
@@ -79,6 +80,88 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
       ops::copy_(dst, value);
     }
   }
+  for (auto& [p, m] : model.named_modules())
+    if (m->extension) m->extension->after_load_state_dict(*m);
+}
+
+
+void save_safetensors(nn::Module& model, const std::string& path, const std::map<std::string, std::string>& metadata,
+                      std::optional<DType> dtype) {
+  autograd::NoGradGuard no_grad;
+  nn::StateDict state = model.state_dict();
+  auto out_dtype = [&](const Tensor& t) { return dtype && is_floating(t.dtype()) ? *dtype : t.dtype(); };
+  std::vector<nn::SafetensorsEntry> entries;
+  uint64_t offset = 0;
+  for (const auto& [name, t] : state) {
+    uint64_t bytes = static_cast<uint64_t>(t.numel()) * dtype_size(out_dtype(t));
+    entries.push_back({name, out_dtype(t), t.shape(), offset, offset + bytes});
+    offset += bytes;
+  }
+  // One tensor gathered at a time, in header order; only rank 0 writes.
+  auto gather = [&](size_t i) {
+    const Tensor& t = state[i].second;
+    Tensor whole = t.is_distributed() ? full_tensor(t) : t;
+    return ops::to(whole, out_dtype(t));
+  };
+  std::string error;
+  if (dist::rank() == 0) {
+    try {
+      nn::write_safetensors(path, entries, gather, metadata);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  } else {
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (state[i].second.is_distributed()) full_tensor(state[i].second);
+  }
+  dist::throw_if_any_failed(dist::world(), error, "save_safetensors");
+}
+
+void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
+  autograd::NoGradGuard no_grad;
+  nn::StateDict own = model.state_dict();
+  std::string error;
+  try {
+    nn::SafetensorsFile file(path);
+    std::vector<std::string> missing, unexpected;
+    for (const auto& e : file.entries())
+      if (nn::find_in(own, e.name) == nullptr) unexpected.push_back(e.name);
+    for (const auto& [name, dst] : own) {
+      if (file.find(name) != nullptr) continue;
+      bool tied_elsewhere = false;  // e.g. lm_head.weight tied to the embedding and stored once
+      for (const auto& [other, t] : own)
+        if (other != name && t.is_same(dst) && file.find(other) != nullptr) tied_elsewhere = true;
+      if (!tied_elsewhere) missing.push_back(name);
+    }
+    TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
+             "{}: the file does not match the model: missing keys [{}]; unexpected keys [{}]", path,
+             nn::key_list(missing), nn::key_list(unexpected));
+    for (auto& [name, dst] : own) {
+      const nn::SafetensorsEntry* e = file.find(name);
+      if (e == nullptr) continue;
+      TS_CHECK(e->shape == dst.shape(), "{}: tensor '{}' is {} in the file but {} in the model", path, name,
+               shape_str(e->shape), shape_str(dst.shape()));
+      Tensor local = dst;
+      Shape start(dst.shape().size(), 0), extent = dst.shape();
+      if (dst.is_distributed()) {
+        const DTensorSpec& spec = dtensor_spec(dst);
+        local = spec.local;
+        auto [ls, off] = local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements,
+                                                spec.mesh->get_coordinate());
+        start = off;
+        extent = ls;
+      }
+      if (shape_numel(extent) == 0) continue;
+      // Read this rank's rows only; narrow any other sharded dims in memory.
+      Tensor src = start.empty() ? file.read(name, dst.dtype())
+                                 : file.read_rows(name, start[0], extent[0], dst.dtype());
+      for (size_t d = 1; d < start.size(); ++d) src = ops::narrow(src, static_cast<int64_t>(d), start[d], extent[d]);
+      ops::copy_(local, src);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  dist::throw_if_any_failed(dist::world(), error, "load_safetensors");
   for (auto& [p, m] : model.named_modules())
     if (m->extension) m->extension->after_load_state_dict(*m);
 }

@@ -11,6 +11,8 @@
 #pragma once
 
 #include <functional>
+#include <map>
+#include <optional>
 
 #include "nn/module.h"
 
@@ -29,5 +31,19 @@ nn::StateDict full_state_dict(nn::Module& model, bool rank0_only = true);
 // converted; shapes must match.
 void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool from_rank0 = false,
                           bool strict = true);
+
+// Exports the model (FSDP or plain) to one .safetensors file written by rank 0,
+// gathering one parameter at a time (collective). Every state-dict key is
+// written under the model's names (GPT: nanoGPT's, Llama: Hugging Face's);
+// with `dtype` floating tensors are converted (e.g. bf16 for release).
+void save_safetensors(nn::Module& model, const std::string& path,
+                      const std::map<std::string, std::string>& metadata = {},
+                      std::optional<DType> dtype = std::nullopt);
+// Imports a .safetensors file into the model (FSDP or plain): every rank reads
+// only the rows of its own shards; values are converted to each parameter's
+// dtype. strict: missing keys (other than a tied weight present under another
+// name) and unexpected keys are errors. Collective; a failure on any rank
+// throws on all.
+void load_safetensors(nn::Module& model, const std::string& path, bool strict = true);
 
 }  // namespace tessera::fsdp

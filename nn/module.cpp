@@ -7,6 +7,12 @@
 
 namespace tessera::nn {
 
+std::string key_list(const std::vector<std::string>& keys, size_t max) {
+  if (keys.size() <= max) return fmt::format("{}", fmt::join(keys, ", "));
+  return fmt::format("{}, ... ({} more)", fmt::join(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(max), ", "),
+                     keys.size() - max);
+}
+
 const Tensor* find_in(const StateDict& sd, const std::string& name) {
   for (const auto& [k, v] : sd)
     if (k == name) return &v;
@@ -245,11 +251,10 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
   }
   for (auto& [name, t] : state)
     if (find_in(own, name) == nullptr) unexpected.push_back(name);
-  auto join = [](const std::vector<std::string>& v) { return fmt::format("{}", fmt::join(v, ", ")); };
-  TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", join(mismatched));
+  TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", key_list(mismatched));
   TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
-           "load_state_dict: missing keys [{}]; unexpected keys [{}]", join(missing),
-           join(unexpected));
+           "load_state_dict: missing keys [{}]; unexpected keys [{}]", key_list(missing),
+           key_list(unexpected));
   for (auto& [name, dst] : own) {
     const Tensor* src = find_in(state, name);
     if (src == nullptr || src->is_same(dst)) continue;

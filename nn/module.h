@@ -21,6 +21,8 @@ namespace tessera::nn {
 // An ordered name -> tensor map (state dicts keep the module's order).
 using StateDict = std::vector<std::pair<std::string, Tensor>>;
 const Tensor* find_in(const StateDict& sd, const std::string& name);
+// "a, b, c" for error messages, the first `max` names then "... (N more)".
+std::string key_list(const std::vector<std::string>& keys, size_t max = 8);
 
 class Module;
 using ModulePtr = std::shared_ptr<Module>;

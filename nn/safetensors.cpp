@@ -3,11 +3,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <bit>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 
 namespace tessera::nn {
+
+static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
 
 namespace {
 
@@ -95,13 +99,14 @@ std::vector<SafetensorsEntry> SafetensorsFile::parse_header(const std::string& t
              e.end - e.begin, safetensors_dtype(e.dtype), shape_str(e.shape), bytes);
     entries.push_back(std::move(e));
   }
-  // Spans may not overlap.
+  // Spans may not overlap (empty tensors may sit anywhere).
   std::vector<const SafetensorsEntry*> sorted;
-  for (const auto& e : entries) sorted.push_back(&e);
+  for (const auto& e : entries)
+    if (e.end > e.begin) sorted.push_back(&e);
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < sorted.size(); ++i)
-    TS_CHECK(sorted[i]->begin >= sorted[i - 1]->end || sorted[i - 1]->begin == sorted[i - 1]->end,
-             "{}: tensors '{}' and '{}' overlap in the data section", file, sorted[i - 1]->name, sorted[i]->name);
+    TS_CHECK(sorted[i]->begin >= sorted[i - 1]->end, "{}: tensors '{}' and '{}' overlap in the data section", file,
+             sorted[i - 1]->name, sorted[i]->name);
   return entries;
 }
 
@@ -139,40 +144,71 @@ const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
 Tensor SafetensorsFile::read(const std::string& name, std::optional<DType> dtype) const {
   const SafetensorsEntry* e = find(name);
   TS_CHECK(e != nullptr, "{}: no tensor named '{}'", path_, name);
-  Tensor t = empty(e->shape, e->dtype);
-  uint64_t n = e->end - e->begin;
+  return read_rows(name, 0, e->shape.empty() ? 1 : e->shape[0], dtype);
+}
+
+Tensor SafetensorsFile::read_rows(const std::string& name, int64_t begin, int64_t count,
+                                  std::optional<DType> dtype) const {
+  const SafetensorsEntry* e = find(name);
+  TS_CHECK(e != nullptr, "{}: no tensor named '{}'", path_, name);
+  int64_t rows = e->shape.empty() ? 1 : e->shape[0];
+  TS_CHECK(begin >= 0 && count >= 0 && begin + count <= rows, "{}: rows [{}, {}) of tensor '{}' (shape {})", path_,
+           begin, begin + count, name, shape_str(e->shape));
+  Shape shape = e->shape;
+  if (!shape.empty()) shape[0] = count;
+  Tensor t = empty(shape, e->dtype);
+  uint64_t row_bytes = rows ? (e->end - e->begin) / static_cast<uint64_t>(rows) : 0;
+  uint64_t n = row_bytes * static_cast<uint64_t>(count);
   if (n > 0) {
-    TS_CHECK(fseeko(file_, static_cast<off_t>(data_start_ + e->begin), SEEK_SET) == 0 &&
+    TS_CHECK(fseeko(file_, static_cast<off_t>(data_start_ + e->begin + row_bytes * static_cast<uint64_t>(begin)),
+                    SEEK_SET) == 0 &&
                  std::fread(t.data_ptr(), 1, n, file_) == n,
              "{}: cannot read tensor '{}' ({} bytes; truncated file?)", path_, name, n);
   }
-  return dtype ? ops::to(t, *dtype) : t;
+  return dtype && *dtype != t.dtype() ? ops::to(t, *dtype) : t;
 }
 
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::function<Tensor(size_t)>& fill, const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  for (const auto& e : entries)
+  uint64_t expected = 0;
+  for (const auto& e : entries) {
+    TS_CHECK(e.begin == expected && e.end >= e.begin,
+             "write_safetensors: '{}' has data_offsets [{}, {}]; entries are written back to back from {}", e.name,
+             e.begin, e.end, expected);
+    expected = e.end;
     header[e.name] = {{"dtype", safetensors_dtype(e.dtype)}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
+  }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text += ' ';  // the data section starts 8-byte aligned
   std::string tmp = path + ".tmp";
+  // fill(i) is called for every entry even after an error (it may run a
+  // collective that other ranks take part in); the first error is thrown at the end.
+  std::string error;
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  TS_CHECK(f != nullptr, "cannot write safetensors file '{}'", tmp);
+  if (f == nullptr) error = fmt::format("cannot write safetensors file '{}': {}", tmp, std::strerror(errno));
   unsigned char len[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  for (size_t i = 0; ok && i < entries.size(); ++i) {
+  if (f && (std::fwrite(len, 1, 8, f) != 8 || std::fwrite(text.data(), 1, text.size(), f) != text.size()))
+    error = fmt::format("writing safetensors file '{}' failed (disk full?)", tmp);
+  for (size_t i = 0; i < entries.size(); ++i) {
     Tensor t = ops::contiguous(fill(i));
-    TS_CHECK(t.dtype() == entries[i].dtype && t.shape() == entries[i].shape,
-             "write_safetensors: tensor '{}' is {} {}, the header says {} {}", entries[i].name, dtype_name(t.dtype()),
-             shape_str(t.shape()), dtype_name(entries[i].dtype), shape_str(entries[i].shape));
-    if (t.numel() > 0) ok = std::fwrite(t.data_ptr(), 1, t.nbytes(), f) == t.nbytes();
+    if (!error.empty()) continue;
+    if (t.dtype() != entries[i].dtype || t.shape() != entries[i].shape)
+      error = fmt::format("write_safetensors: tensor '{}' is {} {}, the header says {} {}", entries[i].name,
+                          dtype_name(t.dtype()), shape_str(t.shape()), dtype_name(entries[i].dtype),
+                          shape_str(entries[i].shape));
+    else if (t.numel() > 0 && std::fwrite(t.data_ptr(), 1, t.nbytes(), f) != t.nbytes())
+      error = fmt::format("writing safetensors file '{}' failed (disk full?)", tmp);
   }
-  ok = std::fclose(f) == 0 && ok;
-  TS_CHECK(ok, "writing safetensors file '{}' failed (disk full?)", tmp);
+  if (f && std::fclose(f) != 0 && error.empty()) error = fmt::format("closing safetensors file '{}' failed", tmp);
+  if (!error.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+  }
+  TS_CHECK(error.empty(), "{}", error);
   std::filesystem::rename(tmp, path);
 }
 

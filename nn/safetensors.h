@@ -40,6 +40,9 @@ class SafetensorsFile {
   const SafetensorsEntry* find(const std::string& name) const;
   // Reads a tensor, converted to `dtype` when given.
   Tensor read(const std::string& name, std::optional<DType> dtype = std::nullopt) const;
+  // Rows [begin, begin + count) of dim 0 only (a rank's Shard(0) slice).
+  Tensor read_rows(const std::string& name, int64_t begin, int64_t count,
+                   std::optional<DType> dtype = std::nullopt) const;
 
   // Parses a header (for tests and fuzzing): the JSON text and the data size it describes.
   static std::vector<SafetensorsEntry> parse_header(const std::string& json, uint64_t data_size,
@@ -54,9 +57,12 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// Writes tensors in the given order. The header is computed from shapes and
-// dtypes first; fill(i) then supplies the bytes of entry i one at a time, so a
-// sharded model can be streamed out without holding it whole.
+// Writes tensors in the given order (data_offsets back to back from 0). The
+// header is computed from shapes and dtypes first; fill(i) then supplies the
+// bytes of entry i one at a time, so a sharded model can be streamed out
+// without holding it whole. fill is called for every entry even after a write
+// error (it may be a collective); the error is thrown at the end. The file
+// appears under its name only when complete.
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::function<Tensor(size_t)>& fill,
                        const std::map<std::string, std::string>& metadata = {});

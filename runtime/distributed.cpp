@@ -153,6 +153,12 @@ std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const 
   return out;
 }
 
+void throw_if_any_failed(const ProcessGroupPtr& group, const std::string& error, const std::string& what) {
+  auto errors = all_gather_strings(group, error);
+  for (size_t r = 0; r < errors.size(); ++r)
+    TS_CHECK(errors[r].empty(), "{} failed on rank {}: {}", what, r, errors[r]);
+}
+
 void abort(const std::string& message, int code) {
   std::fprintf(stderr, "tessera: rank %d: %s\n", rank(), message.c_str());
   std::fflush(stderr);

@@ -119,6 +119,10 @@ void progress();
 // Every rank's string, in rank order, on every rank of `group` (for metadata:
 // checkpoint chunk lists, trace events).
 std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine);
+// Shares each rank's error ("" for none) and throws on every rank if any rank
+// failed, naming the first that did: one rank's bad file or full disk then
+// never leaves the others waiting in the next collective.
+void throw_if_any_failed(const ProcessGroupPtr& group, const std::string& error, const std::string& what);
 
 // Aborts every rank with `message` (a fatal error the program cannot recover from).
 [[noreturn]] void abort(const std::string& message, int code = 1);

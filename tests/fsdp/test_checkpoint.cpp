@@ -1,0 +1,384 @@
+// State dicts and checkpoints inside one program at 1-4 ranks: sharded state
+// dicts alias the shards, full state dicts stream one parameter at a time,
+// checkpoints round-trip with keep-K and training state, corrupt or
+// mismatched checkpoints fail with the file and tensor named on every rank,
+// and safetensors export/import of a sharded model. (Loading at another world
+// size, exact resume and a killed save: checkpoint_test.sh.)
+#include <filesystem>
+#include <fstream>
+
+#include "fsdp/checkpoint.h"
+#include "runtime/allocator.h"
+#include "fsdp/state_dict.h"
+#include "nn/safetensors.h"
+#include "tests/fsdp/fsdp_helpers.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+using Catch::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+nn::TransformerConfig small_gpt(int64_t n_layer = 2, int64_t n_embd = 12) {
+  nn::TransformerConfig c;
+  c.vocab_size = 4 * world() + 1;  // uneven rows
+  c.block_size = 8;
+  c.n_layer = n_layer;
+  c.n_head = 2;
+  c.n_embd = n_embd;
+  return c;
+}
+
+std::shared_ptr<nn::GPT> sharded_gpt(const nn::TransformerConfig& c, uint64_t seed, MeshPtr mesh = nullptr) {
+  if (!mesh) mesh = init_device_mesh("cpu", {world()}, {"dp"});
+  auto model = nn::GPT::on_meta(c);
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = mesh});
+  fsdp::fully_shard(*model, {.mesh = mesh});
+  model->to_empty(Device::cpu());
+  model->init_weights(seed);
+  return model;
+}
+
+void train_steps(nn::GPT& model, optim::AdamW& opt, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    Tensor x = randint({12, 8}, 0, model.config.vocab_size, 50 + static_cast<uint64_t>(s));
+    Tensor loss = nn::cross_entropy(model(local_rows(x)), local_rows(x));
+    autograd::backward(loss);
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
+// A directory every rank agrees on (rank 0 creates it), removed at scope exit.
+struct SharedDir {
+  fs::path path;
+  SharedDir() {
+    std::string mine;
+    if (dist::rank() == 0) {
+      char tmpl[] = "/tmp/tessera-ckpt-XXXXXX";
+      REQUIRE(mkdtemp(tmpl) != nullptr);
+      mine = tmpl;
+    }
+    path = dist::all_gather_strings(dist::world(), mine)[0];
+  }
+  ~SharedDir() {
+    dist::world()->barrier()->wait();
+    if (dist::rank() == 0) fs::remove_all(path);
+  }
+};
+
+void barrier() { dist::world()->barrier()->wait(); }
+
+// Every local shard of a equals b's.
+void check_same_shards(nn::Module& a, nn::Module& b) {
+  auto pa = a.state_dict(), pb = b.state_dict();
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    INFO(pa[i].first);
+    REQUIRE(pa[i].first == pb[i].first);
+    CHECK(equal(local_tensor(pa[i].second), local_tensor(pb[i].second)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's", "[checkpoint][state_dict]") {
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 3);
+  nn::GPT reference(c);
+  auto sd = model->state_dict();
+  auto ref_sd = reference.state_dict();
+  REQUIRE(sd.size() == ref_sd.size());
+  auto params = model->named_parameters();
+  for (size_t i = 0; i < sd.size(); ++i) {
+    INFO(sd[i].first);
+    CHECK(sd[i].first == ref_sd[i].first);
+    REQUIRE(sd[i].second.is_distributed());
+    CHECK(sd[i].second.shape() == ref_sd[i].second.shape());
+    if (const Tensor* p = nn::find_in(params, sd[i].first))
+      CHECK(local_tensor(sd[i].second).data_ptr() == local_tensor(*p).data_ptr());  // no copy
+  }
+
+  // load_state_dict of DTensors copies into the existing shards.
+  auto other = sharded_gpt(c, 99);
+  std::vector<const void*> before;
+  for (auto& [k, v] : model->state_dict()) before.push_back(local_tensor(v).data_ptr());
+  model->load_state_dict(other->state_dict());
+  check_same_shards(*model, *other);
+  auto after = model->state_dict();
+  for (size_t i = 0; i < after.size(); ++i) CHECK(local_tensor(after[i].second).data_ptr() == before[i]);
+
+  // Optimizer state: sharded moments aliasing the optimizer's, keyed by FQN.
+  optim::AdamW opt(model->parameters(), {.lr = 1e-2});
+  train_steps(*model, opt, 1);
+  auto osd = opt.state_dict(model->named_parameters());
+  const Tensor* m = nn::find_in(osd, "transformer.h.1.attn.c_attn.weight.exp_avg");
+  REQUIRE(m != nullptr);
+  REQUIRE(m->is_distributed());
+  CHECK(m->shape() == Shape{36, 12});
+  const Tensor* step = nn::find_in(osd, "transformer.h.1.attn.c_attn.weight.step");
+  REQUIRE(step != nullptr);
+  CHECK(step->item() == 1);
+  bool aliased = false;
+  for (size_t j = 0; j < opt.param_groups().at(0).params.size(); ++j)
+    if (local_tensor(opt.state(0, j).exp_avg).data_ptr() == local_tensor(*m).data_ptr()) aliased = true;
+  CHECK(aliased);
+}
+
+TEST_CASE("full state dict: rank 0 only or all, one parameter in memory at a time", "[checkpoint][state_dict]") {
+  auto c = small_gpt(2, 24);
+  c.vocab_size = 64 * world() + 3;  // the embedding is the largest parameter
+  auto model = sharded_gpt(c, 5);
+  nn::GPT reference(c);
+  reference.init_weights(5);
+
+  for (bool rank0_only : {true, false}) {
+    auto full = fsdp::full_state_dict(*model, rank0_only);
+    auto ref = reference.state_dict();
+    if (rank0_only && dist::rank() != 0) {
+      CHECK(full.empty());
+      continue;
+    }
+    REQUIRE(full.size() == ref.size());
+    for (size_t i = 0; i < full.size(); ++i) {
+      INFO(full[i].first);
+      CHECK(full[i].first == ref[i].first);
+      CHECK(!full[i].second.is_distributed());
+      CHECK(equal(full[i].second, ref[i].second));
+    }
+  }
+
+  // Streaming: the peak over the shards stays near one full parameter.
+  int64_t largest = 0;
+  for (auto& [k, v] : reference.state_dict()) largest = std::max<int64_t>(largest, static_cast<int64_t>(v.nbytes()));
+  reset_peak_memory_stats();
+  int64_t base = memory_stats().current_bytes;
+  int64_t seen = 0;
+  fsdp::for_each_full_tensor(model->state_dict(), false, [&](const std::string&, const Tensor& t) { seen += static_cast<int64_t>(t.nbytes()); });
+  int64_t extra = memory_stats().peak_bytes - base;
+  INFO("peak over shards " << extra << " B, largest parameter " << largest << " B, all parameters " << seen << " B");
+  CHECK(extra <= 2 * largest + 4096);  // the gathered tensor and its padded receive buffer
+  CHECK(seen > 3 * largest);           // the bound is meaningful: the whole model is much larger
+}
+
+TEST_CASE("load_full_state_dict keeps only each rank's shard; errors on every rank", "[checkpoint][state_dict]") {
+  auto c = small_gpt();
+  nn::GPT reference(c);
+  reference.init_weights(21);
+  auto full = reference.state_dict();
+  for (bool from_rank0 : {false, true}) {
+    INFO("from_rank0 " << from_rank0);
+    auto model = sharded_gpt(c, 1);
+    nn::StateDict given = from_rank0 && dist::rank() != 0 ? nn::StateDict{} : full;
+    fsdp::load_full_state_dict(*model, given, from_rank0);
+    check_sharded_parity(*model, reference, 0, 0, false);
+
+    nn::StateDict missing(full.begin() + 1, full.end());
+    if (from_rank0 && dist::rank() != 0) missing.clear();
+    REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, missing, from_rank0),
+                        Contains("missing keys [transformer.wte.weight]"));
+    nn::StateDict wrong = given;
+    if (!wrong.empty()) wrong[2].second = zeros({3, 3});
+    REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, wrong, from_rank0), Contains("size mismatch for"));
+  }
+}
+
+TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[checkpoint][dcp]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 8);
+  optim::AdamW opt(model->parameters(), {.lr = 1e-2, .weight_decay = 0.1});
+  for (int64_t step = 1; step <= 4; ++step) {
+    train_steps(*model, opt, 1);
+    fsdp::save_checkpoint(dir.path, step, *model, &opt, fmt::format(R"({{"data_position": {}}})", step * 12), 2);
+  }
+  barrier();
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"latest", "step-00000003", "step-00000004"});
+  std::string latest = fsdp::latest_checkpoint(dir.path);
+  CHECK(fs::path(latest).filename() == "step-00000004");
+
+  auto fresh = sharded_gpt(c, 77);
+  optim::AdamW fresh_opt(fresh->parameters(), {.lr = 1e-2, .weight_decay = 0.1});
+  auto md = fsdp::load_checkpoint(latest, *fresh, &fresh_opt);
+  CHECK(md.step == 4);
+  CHECK(md.world_size == world());
+  CHECK(md.extra_json == R"({"data_position":48})");
+  check_same_shards(*fresh, *model);
+  auto a = opt.state_dict(model->named_parameters()), b = fresh_opt.state_dict(fresh->named_parameters());
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO(a[i].first);
+    CHECK(a[i].first == b[i].first);
+    CHECK(equal(a[i].second.is_distributed() ? local_tensor(a[i].second) : a[i].second,
+                b[i].second.is_distributed() ? local_tensor(b[i].second) : b[i].second));
+  }
+  // One more step from both gives the same parameters.
+  train_steps(*model, opt, 1);
+  train_steps(*fresh, fresh_opt, 1);
+  check_same_shards(*fresh, *model);
+
+  // A plain (unsharded) model loads the same checkpoint whole.
+  nn::GPT plain(c);
+  fsdp::load_checkpoint(dir.path / "step-00000003", plain, nullptr);
+  auto model3 = sharded_gpt(c, 0);
+  fsdp::load_checkpoint(dir.path / "step-00000003", *model3, nullptr);
+  check_sharded_parity(*model3, plain, 0, 0, false);
+}
+
+TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and tensor", "[checkpoint][errors]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 4);
+  std::string good = fsdp::save_checkpoint(dir.path, 1, *model, nullptr);
+  fs::path data = fs::path(good) / "rank-00000.bin", meta = fs::path(good) / "metadata.json";
+
+  // Each case damages a copy of the checkpoint (rank 0 does it; everyone loads).
+  auto damaged = [&](const std::string& name, const std::function<void(const fs::path&)>& damage) {
+    fs::path copy = dir.path / name;
+    if (dist::rank() == 0) {
+      fs::copy(good, copy, fs::copy_options::recursive);
+      damage(copy);
+    }
+    barrier();
+    return copy.string();
+  };
+  auto rewrite = [](const fs::path& file, const std::function<void(std::string&)>& edit) {
+    std::ifstream in(file, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    edit(bytes);
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  };
+  auto load = [&](const std::string& d, nn::Module& m) { fsdp::load_checkpoint(d, m, nullptr); };
+  auto fresh = sharded_gpt(c, 0);
+
+  SECTION("truncated data file") {
+    auto d = damaged("truncated", [](const fs::path& p) { fs::resize_file(p / "rank-00000.bin", 100); });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: truncated: tensor '") &&
+                                             Contains("failed on rank 0"));
+  }
+  SECTION("a flipped byte") {
+    auto d = damaged("flipped", [&](const fs::path& p) {
+      rewrite(p / "rank-00000.bin", [](std::string& b) { b[b.size() / 2] ^= 0x10; });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: checksum mismatch in tensor '"));
+  }
+  SECTION("wrong data file magic") {
+    auto d = damaged("magic", [&](const fs::path& p) { rewrite(p / "rank-00000.bin", [](std::string& b) { b[0] = 'X'; }); });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: not a Tessera checkpoint data file"));
+  }
+  SECTION("newer metadata version") {
+    auto d = damaged("version", [&](const fs::path& p) {
+      rewrite(p / "metadata.json", [](std::string& b) { b.replace(b.find("\"version\": 1"), 12, "\"version\": 9"); });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: checkpoint version 9 (this build reads version 1)"));
+  }
+  SECTION("truncated metadata") {
+    auto d = damaged("meta-trunc", [](const fs::path& p) { fs::resize_file(p / "metadata.json", 200); });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: checkpoint metadata is not valid JSON"));
+  }
+  SECTION("no metadata (an interrupted save)") {
+    auto d = damaged("no-meta", [](const fs::path& p) { fs::remove(p / "metadata.json"); });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("no checkpoint metadata"));
+  }
+  SECTION("a model with more layers: missing keys") {
+    auto bigger = sharded_gpt(small_gpt(3), 0);
+    REQUIRE_THROWS_WITH(load(good, *bigger), Contains("missing keys [transformer.h.2.ln_1.weight"));
+  }
+  SECTION("a model with fewer layers: unexpected keys") {
+    auto smaller = sharded_gpt(small_gpt(1), 0);
+    REQUIRE_THROWS_WITH(load(good, *smaller), Contains("unexpected keys [transformer.h.1.ln_1.weight"));
+  }
+  SECTION("a wider model: shape mismatch") {
+    auto wider = sharded_gpt(small_gpt(2, 16), 0);
+    REQUIRE_THROWS_WITH(load(good, *wider),
+                        Contains("tensor 'transformer.wte.weight' is [") && Contains("in the checkpoint but"));
+  }
+  SECTION("another dtype: dtype mismatch") {
+    auto f64 = sharded_gpt(c, 0);
+    f64->to(DType::F64);
+    REQUIRE_THROWS_WITH(load(good, *f64), Contains("is f32 in the checkpoint but f64 in the model"));
+  }
+  // Every section leaves the model usable: a good load still works afterwards.
+  load(good, *fresh);
+  check_same_shards(*fresh, *model);
+}
+
+TEST_CASE("safetensors export and import of a sharded model", "[checkpoint][safetensors]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  nn::GPT reference(c);
+  reference.init_weights(13);
+  auto model = sharded_gpt(c, 13);
+  std::string path = (dir.path / "gpt.safetensors").string();
+  fsdp::save_safetensors(*model, path, {{"format", "pt"}});
+  barrier();
+
+  nn::SafetensorsFile file(path);
+  CHECK(file.metadata().at("format") == "pt");
+  auto ref = reference.state_dict();
+  REQUIRE(file.entries().size() == ref.size());
+  for (auto& [k, v] : ref) {
+    INFO(k);
+    CHECK(equal(file.read(k), v));
+  }
+  CHECK(file.find("transformer.h.1.attn.c_attn.weight") != nullptr);  // nanoGPT names
+  CHECK(file.find("lm_head.weight") != nullptr);
+
+  // Import into a fresh sharded model: each rank reads its rows only.
+  auto fresh = sharded_gpt(c, 0);
+  fsdp::load_safetensors(*fresh, path);
+  check_sharded_parity(*fresh, reference, 0, 0, false);
+
+  // bf16 export; the import converts back to f32 (values bf16-rounded).
+  std::string bf = (dir.path / "gpt-bf16.safetensors").string();
+  fsdp::save_safetensors(*model, bf, {}, DType::BF16);
+  barrier();
+  CHECK(nn::SafetensorsFile(bf).find("transformer.wte.weight")->dtype == DType::BF16);
+  fsdp::load_safetensors(*fresh, bf);
+  nn::GPT rounded(c);
+  rounded.init_weights(13);
+  rounded.to(DType::BF16);
+  rounded.to(DType::F32);
+  check_sharded_parity(*fresh, rounded, 0, 0, false);
+
+  // A file without the tied lm_head (stored once, as Hugging Face does) still loads.
+  std::string untied = (dir.path / "tied.safetensors").string();
+  if (dist::rank() == 0) {
+    nn::StateDict sd;
+    for (auto& [k, v] : ref)
+      if (k != "lm_head.weight") sd.emplace_back(k, v);
+    nn::save_safetensors(untied, sd);
+  }
+  barrier();
+  auto tied = sharded_gpt(c, 0);
+  fsdp::load_safetensors(*tied, untied);
+  check_sharded_parity(*tied, reference, 0, 0, false);
+
+  // A Llama exports under Hugging Face names and reloads.
+  nn::TransformerConfig lc = c;
+  lc.n_kv_head = 1;
+  nn::Llama llama(lc);
+  llama.init_weights(2);
+  std::string lp = (dir.path / "llama.safetensors").string();
+  fsdp::save_safetensors(llama, lp);
+  barrier();
+  nn::SafetensorsFile lf(lp);
+  for (const char* k : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+                        "model.norm.weight", "lm_head.weight"})
+    CHECK(lf.find(k) != nullptr);
+  nn::Llama llama2(lc);
+  fsdp::load_safetensors(llama2, lp);
+  auto l1 = llama.state_dict(), l2 = llama2.state_dict();
+  for (size_t i = 0; i < l1.size(); ++i) CHECK(equal(l1[i].second, l2[i].second));
+
+  // A file for another model: named keys on every rank.
+  REQUIRE_THROWS_WITH(fsdp::load_safetensors(*fresh, lp),
+                      Contains("missing keys [transformer.wpe.weight, transformer.h.0.ln_1.weight,") &&
+                          Contains("(19 more)") &&
+                          Contains("unexpected keys [model.embed_tokens.weight"));
+}
