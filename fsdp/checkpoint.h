@@ -8,7 +8,7 @@
 // once, by the rank at coordinate 0 of the replicate dims). metadata.json
 // records, per tensor, its global shape, dtype and placements, and per chunk
 // the file, byte offset, byte size, the chunk's box in the global tensor and
-// its CRC-32. Loading on any mesh (another world size, 1-D <-> 2-D, a single
+// its CRC-32C. Loading on any mesh (another world size, 1-D <-> 2-D, a single
 // process) reads only the chunks that overlap each rank's shard.
 //
 // A checkpoint appears only when complete: ranks write into step-N.tmp/,
@@ -38,7 +38,7 @@ struct ChunkInfo {
   uint64_t bytes = 0;
   Shape offsets;         // where the chunk starts in the global tensor
   Shape shape;           // the chunk's shape
-  uint32_t crc32 = 0;
+  uint32_t crc32c = 0;   // CRC-32C (Castagnoli) of the bytes
 };
 
 struct TensorInfo {
@@ -77,6 +77,10 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
 // Reads one chunk (header, bounds and checksum checked) as a tensor of its shape.
 Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk);
 
-uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
+// CRC-32C (Castagnoli; the SSE4.2 instruction where the build has it).
+uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+namespace detail {
+uint32_t crc32c_software(const void* data, size_t n, uint32_t crc = 0);  // the portable path
+}
 
 }  // namespace tessera::fsdp

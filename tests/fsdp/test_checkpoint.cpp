@@ -83,6 +83,22 @@ void check_same_shards(nn::Module& a, nn::Module& b) {
 
 }  // namespace
 
+TEST_CASE("CRC-32C: the standard check value; instruction and portable paths agree", "[checkpoint][crc]") {
+  const char* check = "123456789";
+  CHECK(fsdp::crc32c(check, 9) == 0xE3069283u);
+  CHECK(fsdp::detail::crc32c_software(check, 9) == 0xE3069283u);
+  Tensor r = randn({1000}, 5);
+  const auto* bytes = static_cast<const unsigned char*>(r.data_ptr());
+  for (size_t off : {size_t{0}, size_t{1}, size_t{3}, size_t{7}}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63}, 3999 - off}) {
+      uint32_t hw = fsdp::crc32c(bytes + off, n), sw = fsdp::detail::crc32c_software(bytes + off, n);
+      CHECK(hw == sw);
+      // Chaining: crc(a ++ b) == crc(b, crc(a)).
+      CHECK(fsdp::crc32c(bytes + off + n / 2, n - n / 2, fsdp::crc32c(bytes + off, n / 2)) == hw);
+    }
+  }
+}
+
 TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's", "[checkpoint][state_dict]") {
   auto c = small_gpt();
   auto model = sharded_gpt(c, 3);
