@@ -8,7 +8,8 @@
 //   plain-read   every rank read()s its plain file back the same way
 // MB/s in total (all bytes / slowest rank) and per rank (mean), and the ratio
 // of Tessera to the plain I/O. Median over repeats.
-//   mpirun -np 4 -x OMP_NUM_THREADS=1 build/benchmarks/bench_checkpoint [dir] [repeats] [n_layer] [n_embd]
+//   mpirun -np 4 -x OMP_NUM_THREADS=1 build/benchmarks/bench_checkpoint [dir] [repeats] [n_layer]
+//   [n_embd]
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -152,13 +153,18 @@ int main(int argc, char** argv) {
   Timing load = throughput(bytes, median(load_s)), read = throughput(bytes, median(read_s));
   double total_mb = reduce(bytes, dist::ReduceOp::Sum) / 1e6;
   if (rank == 0) {
-    std::printf("checkpoint of GPT (%lld layers, d=%lld) + AdamW: %.1f MB on %d rank(s), median of %d\n",
-                static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), total_mb, w, repeats);
+    std::printf(
+        "checkpoint of GPT (%lld layers, d=%lld) + AdamW: %.1f MB on %d rank(s), median of %d\n",
+        static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), total_mb, w, repeats);
     std::printf("%-12s %12s %14s %10s\n", "", "total MB/s", "per rank MB/s", "vs plain");
-    std::printf("%-12s %12.0f %14.0f %10.2f\n", "save", save.total_mbs, save.per_rank_mbs, save.total_mbs / write.total_mbs);
-    std::printf("%-12s %12.0f %14.0f %10s\n", "plain-write", write.total_mbs, write.per_rank_mbs, "1.00");
-    std::printf("%-12s %12.0f %14.0f %10.2f\n", "load", load.total_mbs, load.per_rank_mbs, load.total_mbs / read.total_mbs);
-    std::printf("%-12s %12.0f %14.0f %10s\n", "plain-read", read.total_mbs, read.per_rank_mbs, "1.00");
+    std::printf("%-12s %12.0f %14.0f %10.2f\n", "save", save.total_mbs, save.per_rank_mbs,
+                save.total_mbs / write.total_mbs);
+    std::printf("%-12s %12.0f %14.0f %10s\n", "plain-write", write.total_mbs, write.per_rank_mbs,
+                "1.00");
+    std::printf("%-12s %12.0f %14.0f %10.2f\n", "load", load.total_mbs, load.per_rank_mbs,
+                load.total_mbs / read.total_mbs);
+    std::printf("%-12s %12.0f %14.0f %10s\n", "plain-read", read.total_mbs, read.per_rank_mbs,
+                "1.00");
     fs::remove_all(folder);
   }
   return 0;

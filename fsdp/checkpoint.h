@@ -33,12 +33,12 @@
 namespace tessera::fsdp {
 
 struct ChunkInfo {
-  std::string file;      // a file name inside the checkpoint directory
-  uint64_t offset = 0;   // byte offset in that file
+  std::string file;     // a file name inside the checkpoint directory
+  uint64_t offset = 0;  // byte offset in that file
   uint64_t bytes = 0;
-  Shape offsets;         // where the chunk starts in the global tensor
-  Shape shape;           // the chunk's shape
-  uint32_t crc32c = 0;   // CRC-32C (Castagnoli) of the bytes
+  Shape offsets;        // where the chunk starts in the global tensor
+  Shape shape;          // the chunk's shape
+  uint32_t crc32c = 0;  // CRC-32C (Castagnoli) of the bytes
 };
 
 struct TensorInfo {
@@ -54,7 +54,7 @@ struct CheckpointMetadata {
   int64_t step = 0;
   int world_size = 1;
   std::vector<TensorInfo> tensors;
-  std::string extra_json = "{}";      // the training state besides tensors (scheduler, data, config)
+  std::string extra_json = "{}";  // the training state besides tensors (scheduler, data, config)
   std::vector<std::string> rank_state;  // per saving rank: its RNG state (JSON)
   const TensorInfo* find(const std::string& name) const;
 };
@@ -62,13 +62,15 @@ struct CheckpointMetadata {
 // Saves the model's state dict and (if given) the optimizer's as
 // "optim.<name>.exp_avg" etc. Collective: every rank calls it. Returns the
 // checkpoint directory.
-std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* optimizer,
-                            const std::string& extra_json = "{}", int keep = 0);
+std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model,
+                            optim::AdamW* optimizer, const std::string& extra_json = "{}",
+                            int keep = 0);
 // The newest complete checkpoint directory in folder ("" if there is none).
 std::string latest_checkpoint(const std::string& folder);
 // Loads into the model (any mesh) and optimizer; restores this rank's RNG
 // when the world size matches. Returns the metadata (step, extra state).
-CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* optimizer);
+CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model,
+                                   optim::AdamW* optimizer);
 
 // Reads and validates <dir>/metadata.json.
 CheckpointMetadata read_metadata(const std::string& dir);

@@ -21,13 +21,15 @@ void for_each_full_tensor(const nn::StateDict& state, bool rank0_only,
 
 nn::StateDict full_state_dict(nn::Module& model, bool rank0_only) {
   nn::StateDict out;
-  for_each_full_tensor(model.state_dict(), rank0_only, [&](const std::string& name, const Tensor& t) {
-    if (t.defined()) out.emplace_back(name, ops::clone(t));
-  });
+  for_each_full_tensor(model.state_dict(), rank0_only,
+                       [&](const std::string& name, const Tensor& t) {
+                         if (t.defined()) out.emplace_back(name, ops::clone(t));
+                       });
   return out;
 }
 
-void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool from_rank0, bool strict) {
+void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool from_rank0,
+                          bool strict) {
   autograd::NoGradGuard no_grad;
   nn::StateDict own = model.state_dict();
   bool reader = !from_rank0 || dist::rank() == 0;
@@ -41,16 +43,17 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
       if (src == nullptr)
         missing.push_back(name);
       else if (src->shape() != t.shape())
-        mismatched.push_back(fmt::format("{}: checkpoint {} vs model {}", name, shape_str(src->shape()),
-                                         shape_str(t.shape())));
+        mismatched.push_back(fmt::format("{}: checkpoint {} vs model {}", name,
+                                         shape_str(src->shape()), shape_str(t.shape())));
     }
     for (const auto& [name, t] : state)
       if (nn::find_in(own, name) == nullptr) unexpected.push_back(name);
     if (!mismatched.empty())
-      error = fmt::format("load_full_state_dict: size mismatch for {}", fmt::join(mismatched, "; "));
+      error =
+          fmt::format("load_full_state_dict: size mismatch for {}", fmt::join(mismatched, "; "));
     else if (strict && (!missing.empty() || !unexpected.empty()))
-      error = fmt::format("load_full_state_dict: missing keys [{}]; unexpected keys [{}]", nn::key_list(missing),
-                          nn::key_list(unexpected));
+      error = fmt::format("load_full_state_dict: missing keys [{}]; unexpected keys [{}]",
+                          nn::key_list(missing), nn::key_list(unexpected));
   }
   if (from_rank0) error = dist::all_gather_strings(dist::world(), error)[0];
   TS_CHECK(error.empty(), "{}", error);
@@ -84,12 +87,14 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
     if (m->extension) m->extension->after_load_state_dict(*m);
 }
 
-
-void save_safetensors(nn::Module& model, const std::string& path, const std::map<std::string, std::string>& metadata,
+void save_safetensors(nn::Module& model, const std::string& path,
+                      const std::map<std::string, std::string>& metadata,
                       std::optional<DType> dtype) {
   autograd::NoGradGuard no_grad;
   nn::StateDict state = model.state_dict();
-  auto out_dtype = [&](const Tensor& t) { return dtype && is_floating(t.dtype()) ? *dtype : t.dtype(); };
+  auto out_dtype = [&](const Tensor& t) {
+    return dtype && is_floating(t.dtype()) ? *dtype : t.dtype();
+  };
   std::vector<nn::SafetensorsEntry> entries;
   uint64_t offset = 0;
   for (const auto& [name, t] : state) {
@@ -139,8 +144,8 @@ void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
     for (auto& [name, dst] : own) {
       const nn::SafetensorsEntry* e = file.find(name);
       if (e == nullptr) continue;
-      TS_CHECK(e->shape == dst.shape(), "{}: tensor '{}' is {} in the file but {} in the model", path, name,
-               shape_str(e->shape), shape_str(dst.shape()));
+      TS_CHECK(e->shape == dst.shape(), "{}: tensor '{}' is {} in the file but {} in the model",
+               path, name, shape_str(e->shape), shape_str(dst.shape()));
       Tensor local = dst;
       Shape start(dst.shape().size(), 0), extent = dst.shape();
       if (dst.is_distributed()) {
@@ -155,7 +160,8 @@ void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
       // Read this rank's rows only; narrow any other sharded dims in memory.
       Tensor src = start.empty() ? file.read(name, dst.dtype())
                                  : file.read_rows(name, start[0], extent[0], dst.dtype());
-      for (size_t d = 1; d < start.size(); ++d) src = ops::narrow(src, static_cast<int64_t>(d), start[d], extent[d]);
+      for (size_t d = 1; d < start.size(); ++d)
+        src = ops::narrow(src, static_cast<int64_t>(d), start[d], extent[d]);
       ops::copy_(local, src);
     }
   } catch (const std::exception& e) {

@@ -45,9 +45,9 @@ class SafetensorsFile {
                    std::optional<DType> dtype = std::nullopt) const;
 
   // Parses a header (for tests and fuzzing): the JSON text and the data size it describes.
-  static std::vector<SafetensorsEntry> parse_header(const std::string& json, uint64_t data_size,
-                                                    const std::string& file,
-                                                    std::map<std::string, std::string>* metadata = nullptr);
+  static std::vector<SafetensorsEntry> parse_header(
+      const std::string& json, uint64_t data_size, const std::string& file,
+      std::map<std::string, std::string>* metadata = nullptr);
 
  private:
   std::string path_;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoints across processes (ckpt_tool does the work; see its header).
-#   1. Save at every W in 1..4; load at every W' in 1..4 and on a 2x2 mesh:
-#      every shard identical to the full reference.
+#   1. Save at every W in 1..4 and on a 2x2 mesh; load at every W' in 1..4
+#      and on a 2x2 mesh: every shard identical to the full reference.
 #   2. Exact resume: (train 3, save, restart, train 3 more) == train 6, bit for
 #      bit, at the same world size; within f32 rounding at other world sizes.
 #   3. A rank killed with SIGKILL in the middle of a save: the step-N.tmp
@@ -28,10 +28,17 @@ for w in 1 2 3 4; do
   echo "W=$w -> 2x2 mesh: $out"
   [[ $out == *"mismatches 0"* ]] || fail "W=$w -> 2x2"
 done
+echo "== reshard: save on a 2x2 HSDP mesh, load on 1-D meshes"
+run 4 save "$work/hsdp" "$work/ref-hsdp.safetensors" 2d
+for w2 in 1 2 3 4; do
+  out=$(run "$w2" verify "$(ls -d "$work/hsdp"/step-*)" "$work/ref-hsdp.safetensors")
+  echo "2x2 -> W'=$w2: $out"
+  [[ $out == *"mismatches 0"* ]] || fail "2x2 -> W'=$w2"
+done
 
 losses() { grep '^step' | awk '$2 >= 3'; }
 echo "== exact resume"
-for w in 1 2 3; do
+for w in 1 2 3 4; do
   straight=$(run "$w" train "$work/r$w" 6 3 | losses)
   [[ $(echo "$straight" | wc -l) == 3 ]] || fail "expected 3 losses, got: $straight"
   resumed=$(run "$w" resume "$work/r$w" 6 | losses)

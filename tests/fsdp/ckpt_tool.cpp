@@ -1,8 +1,9 @@
 // A small program for the multi-process checkpoint tests (checkpoint_test.sh):
 // each subcommand runs under mpirun at some world size.
 //
-//   save   <dir> <reference.safetensors>   train 2 steps, save model + optimizer,
-//                                          export the full state as a reference
+//   save   <dir> <reference.safetensors> [2d]  train 2 steps (on a 2x2 mesh with
+//                                          2d), save model + optimizer, export the
+//                                          full state as a reference
 //   verify <dir> <reference.safetensors> [2d]  load at this world size (or a
 //                                          2x2 mesh) and compare every shard
 //   train  <dir> <steps> <save_at>         train, saving at step save_at; print losses
@@ -46,16 +47,19 @@ Run build(bool two_d) {
   fsdp::fully_shard(*r.model, {.mesh = mesh});
   r.model->to_empty(Device::cpu());
   r.model->init_weights(11);
-  r.opt = std::make_unique<optim::AdamW>(r.model->parameters(), optim::AdamWOptions{.lr = 1e-2, .weight_decay = 0.1});
+  r.opt = std::make_unique<optim::AdamW>(r.model->parameters(),
+                                         optim::AdamWOptions{.lr = 1e-2, .weight_decay = 0.1});
   return r;
 }
 
 // One step on a global batch of 12 sequences (the same data at any world size).
 double step(Run& r, int64_t s) {
   int w = dist::world_size(), rank = dist::rank();
-  Tensor x = randint({12, 8}, 0, 17, 1000 + static_cast<uint64_t>(s)), y = randint({12, 8}, 0, 17, 2000 + static_cast<uint64_t>(s));
+  Tensor x = randint({12, 8}, 0, 17, 1000 + static_cast<uint64_t>(s)),
+         y = randint({12, 8}, 0, 17, 2000 + static_cast<uint64_t>(s));
   int64_t n = 12 / w;
-  Tensor lx = ops::contiguous(ops::narrow(x, 0, rank * n, n)), ly = ops::contiguous(ops::narrow(y, 0, rank * n, n));
+  Tensor lx = ops::contiguous(ops::narrow(x, 0, rank * n, n)),
+         ly = ops::contiguous(ops::narrow(y, 0, rank * n, n));
   Tensor loss = nn::cross_entropy((*r.model)(lx), ly);
   autograd::backward(loss);
   nn::clip_grad_norm_(r.model->parameters(), 1.0);
@@ -80,7 +84,7 @@ int main(int argc, char** argv) {
     dist::init(argc, argv);
     std::string cmd = argc > 1 ? argv[1] : "";
     if (cmd == "save" && argc >= 4) {
-      Run r = build(false);
+      Run r = build(argc > 4 && std::string(argv[4]) == "2d");
       step(r, 0);
       step(r, 1);
       fsdp::save_checkpoint(argv[2], 2, *r.model, r.opt.get(), R"({"note": "ckpt_tool"})", 2);
@@ -94,8 +98,10 @@ int main(int argc, char** argv) {
         off += bytes;
       }
       std::vector<Tensor> gathered;
-      fsdp::for_each_full_tensor(all, true, [&](const std::string&, const Tensor& t) { gathered.push_back(t); });
-      if (dist::rank() == 0) nn::write_safetensors(argv[3], entries, [&](size_t i) { return gathered[i]; });
+      fsdp::for_each_full_tensor(
+          all, true, [&](const std::string&, const Tensor& t) { gathered.push_back(t); });
+      if (dist::rank() == 0)
+        nn::write_safetensors(argv[3], entries, [&](size_t i) { return gathered[i]; });
       return 0;
     }
     if (cmd == "verify" && argc >= 4) {
@@ -107,7 +113,8 @@ int main(int argc, char** argv) {
       for (auto& [k, v] : everything(r)) {
         Tensor full = ref.read(k);
         Tensor expect = v.is_distributed()
-                            ? local_tensor(distribute_tensor_local(full, dtensor_spec(v).mesh, dtensor_spec(v).placements))
+                            ? local_tensor(distribute_tensor_local(full, dtensor_spec(v).mesh,
+                                                                   dtensor_spec(v).placements))
                             : full;
         Tensor got = v.is_distributed() ? local_tensor(v) : v;
         if (got.to_vector<double>() != expect.to_vector<double>()) {
@@ -116,13 +123,15 @@ int main(int argc, char** argv) {
         }
       }
       if (md.step != 2) ++bad;
-      if (dist::rank() == 0) std::printf("verified %zu tensors, step %lld, mismatches %lld\n", ref.entries().size(),
-                                         static_cast<long long>(md.step), static_cast<long long>(bad));
+      if (dist::rank() == 0)
+        std::printf("verified %zu tensors, step %lld, mismatches %lld\n", ref.entries().size(),
+                    static_cast<long long>(md.step), static_cast<long long>(bad));
       return bad == 0 ? 0 : 1;
     }
     if ((cmd == "train" && argc >= 5) || (cmd == "resume" && argc >= 4)) {
       Run r = build(false);
-      int64_t steps = std::atoll(argv[3]), start = 0, save_at = argc >= 5 ? std::atoll(argv[4]) : -1;
+      int64_t steps = std::atoll(argv[3]), start = 0,
+              save_at = argc >= 5 ? std::atoll(argv[4]) : -1;
       if (cmd == "resume") {
         std::string dir = fsdp::latest_checkpoint(argv[2]);
         if (dir.empty()) throw Error("no checkpoint to resume from");
@@ -130,7 +139,8 @@ int main(int argc, char** argv) {
       }
       for (int64_t s = start; s < steps; ++s) {
         double loss = step(r, s);
-        if (dist::rank() == 0) std::printf("step %lld loss %.17g\n", static_cast<long long>(s), loss);
+        if (dist::rank() == 0)
+          std::printf("step %lld loss %.17g\n", static_cast<long long>(s), loss);
         if (s + 1 == save_at) fsdp::save_checkpoint(argv[2], s + 1, *r.model, r.opt.get());
       }
       return 0;

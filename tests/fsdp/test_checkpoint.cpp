@@ -8,9 +8,9 @@
 #include <fstream>
 
 #include "fsdp/checkpoint.h"
-#include "runtime/allocator.h"
 #include "fsdp/state_dict.h"
 #include "nn/safetensors.h"
+#include "runtime/allocator.h"
 #include "tests/fsdp/fsdp_helpers.h"
 
 using namespace tessera;
@@ -30,7 +30,8 @@ nn::TransformerConfig small_gpt(int64_t n_layer = 2, int64_t n_embd = 12) {
   return c;
 }
 
-std::shared_ptr<nn::GPT> sharded_gpt(const nn::TransformerConfig& c, uint64_t seed, MeshPtr mesh = nullptr) {
+std::shared_ptr<nn::GPT> sharded_gpt(const nn::TransformerConfig& c, uint64_t seed,
+                                     MeshPtr mesh = nullptr) {
   if (!mesh) mesh = init_device_mesh("cpu", {world()}, {"dp"});
   auto model = nn::GPT::on_meta(c);
   for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = mesh});
@@ -68,7 +69,9 @@ struct SharedDir {
   }
 };
 
-void barrier() { dist::world()->barrier()->wait(); }
+void barrier() {
+  dist::world()->barrier()->wait();
+}
 
 // Every local shard of a equals b's.
 void check_same_shards(nn::Module& a, nn::Module& b) {
@@ -83,15 +86,18 @@ void check_same_shards(nn::Module& a, nn::Module& b) {
 
 }  // namespace
 
-TEST_CASE("CRC-32C: the standard check value; instruction and portable paths agree", "[checkpoint][crc]") {
+TEST_CASE("CRC-32C: the standard check value; instruction and portable paths agree",
+          "[checkpoint][crc]") {
   const char* check = "123456789";
   CHECK(fsdp::crc32c(check, 9) == 0xE3069283u);
   CHECK(fsdp::detail::crc32c_software(check, 9) == 0xE3069283u);
   Tensor r = randn({1000}, 5);
   const auto* bytes = static_cast<const unsigned char*>(r.data_ptr());
   for (size_t off : {size_t{0}, size_t{1}, size_t{3}, size_t{7}}) {
-    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63}, 3999 - off}) {
-      uint32_t hw = fsdp::crc32c(bytes + off, n), sw = fsdp::detail::crc32c_software(bytes + off, n);
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63}, 3999 - off}) {
+      uint32_t hw = fsdp::crc32c(bytes + off, n),
+               sw = fsdp::detail::crc32c_software(bytes + off, n);
       CHECK(hw == sw);
       // Chaining: crc(a ++ b) == crc(b, crc(a)).
       CHECK(fsdp::crc32c(bytes + off + n / 2, n - n / 2, fsdp::crc32c(bytes + off, n / 2)) == hw);
@@ -99,7 +105,8 @@ TEST_CASE("CRC-32C: the standard check value; instruction and portable paths agr
   }
 }
 
-TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's", "[checkpoint][state_dict]") {
+TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's",
+          "[checkpoint][state_dict]") {
   auto c = small_gpt();
   auto model = sharded_gpt(c, 3);
   nn::GPT reference(c);
@@ -123,7 +130,8 @@ TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's
   model->load_state_dict(other->state_dict());
   check_same_shards(*model, *other);
   auto after = model->state_dict();
-  for (size_t i = 0; i < after.size(); ++i) CHECK(local_tensor(after[i].second).data_ptr() == before[i]);
+  for (size_t i = 0; i < after.size(); ++i)
+    CHECK(local_tensor(after[i].second).data_ptr() == before[i]);
 
   // Optimizer state: sharded moments aliasing the optimizer's, keyed by FQN.
   optim::AdamW opt(model->parameters(), {.lr = 1e-2});
@@ -138,11 +146,13 @@ TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's
   CHECK(step->item() == 1);
   bool aliased = false;
   for (size_t j = 0; j < opt.param_groups().at(0).params.size(); ++j)
-    if (local_tensor(opt.state(0, j).exp_avg).data_ptr() == local_tensor(*m).data_ptr()) aliased = true;
+    if (local_tensor(opt.state(0, j).exp_avg).data_ptr() == local_tensor(*m).data_ptr())
+      aliased = true;
   CHECK(aliased);
 }
 
-TEST_CASE("full state dict: rank 0 only or all, one parameter in memory at a time", "[checkpoint][state_dict]") {
+TEST_CASE("full state dict: rank 0 only or all, one parameter in memory at a time",
+          "[checkpoint][state_dict]") {
   auto c = small_gpt(2, 24);
   c.vocab_size = 64 * world() + 3;  // the embedding is the largest parameter
   auto model = sharded_gpt(c, 5);
@@ -167,18 +177,23 @@ TEST_CASE("full state dict: rank 0 only or all, one parameter in memory at a tim
 
   // Streaming: the peak over the shards stays near one full parameter.
   int64_t largest = 0;
-  for (auto& [k, v] : reference.state_dict()) largest = std::max<int64_t>(largest, static_cast<int64_t>(v.nbytes()));
+  for (auto& [k, v] : reference.state_dict())
+    largest = std::max<int64_t>(largest, static_cast<int64_t>(v.nbytes()));
   reset_peak_memory_stats();
   int64_t base = memory_stats().current_bytes;
   int64_t seen = 0;
-  fsdp::for_each_full_tensor(model->state_dict(), false, [&](const std::string&, const Tensor& t) { seen += static_cast<int64_t>(t.nbytes()); });
+  fsdp::for_each_full_tensor(model->state_dict(), false, [&](const std::string&, const Tensor& t) {
+    seen += static_cast<int64_t>(t.nbytes());
+  });
   int64_t extra = memory_stats().peak_bytes - base;
-  INFO("peak over shards " << extra << " B, largest parameter " << largest << " B, all parameters " << seen << " B");
+  INFO("peak over shards " << extra << " B, largest parameter " << largest << " B, all parameters "
+                           << seen << " B");
   CHECK(extra <= 2 * largest + 4096);  // the gathered tensor and its padded receive buffer
   CHECK(seen > 3 * largest);           // the bound is meaningful: the whole model is much larger
 }
 
-TEST_CASE("load_full_state_dict keeps only each rank's shard; errors on every rank", "[checkpoint][state_dict]") {
+TEST_CASE("load_full_state_dict keeps only each rank's shard; errors on every rank",
+          "[checkpoint][state_dict]") {
   auto c = small_gpt();
   nn::GPT reference(c);
   reference.init_weights(21);
@@ -196,7 +211,8 @@ TEST_CASE("load_full_state_dict keeps only each rank's shard; errors on every ra
                         Contains("missing keys [transformer.wte.weight]"));
     nn::StateDict wrong = given;
     if (!wrong.empty()) wrong[2].second = zeros({3, 3});
-    REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, wrong, from_rank0), Contains("size mismatch for"));
+    REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, wrong, from_rank0),
+                        Contains("size mismatch for"));
   }
 }
 
@@ -207,11 +223,13 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   optim::AdamW opt(model->parameters(), {.lr = 1e-2, .weight_decay = 0.1});
   for (int64_t step = 1; step <= 4; ++step) {
     train_steps(*model, opt, 1);
-    fsdp::save_checkpoint(dir.path, step, *model, &opt, fmt::format(R"({{"data_position": {}}})", step * 12), 2);
+    fsdp::save_checkpoint(dir.path, step, *model, &opt,
+                          fmt::format(R"({{"data_position": {}}})", step * 12), 2);
   }
   barrier();
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir.path)) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir.path))
+    names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   CHECK(names == std::vector<std::string>{"latest", "step-00000003", "step-00000004"});
   std::string latest = fsdp::latest_checkpoint(dir.path);
@@ -224,7 +242,8 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   CHECK(md.world_size == world());
   CHECK(md.extra_json == R"({"data_position":48})");
   check_same_shards(*fresh, *model);
-  auto a = opt.state_dict(model->named_parameters()), b = fresh_opt.state_dict(fresh->named_parameters());
+  auto a = opt.state_dict(model->named_parameters()),
+       b = fresh_opt.state_dict(fresh->named_parameters());
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     INFO(a[i].first);
@@ -245,7 +264,8 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   check_sharded_parity(*model3, plain, 0, 0, false);
 }
 
-TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and tensor", "[checkpoint][errors]") {
+TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and tensor",
+          "[checkpoint][errors]") {
   SharedDir dir;
   auto c = small_gpt();
   auto model = sharded_gpt(c, 4);
@@ -272,7 +292,8 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
   auto fresh = sharded_gpt(c, 0);
 
   SECTION("truncated data file") {
-    auto d = damaged("truncated", [](const fs::path& p) { fs::resize_file(p / "rank-00000.bin", 100); });
+    auto d =
+        damaged("truncated", [](const fs::path& p) { fs::resize_file(p / "rank-00000.bin", 100); });
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: truncated: tensor '") &&
                                              Contains("failed on rank 0"));
   }
@@ -283,18 +304,26 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: checksum mismatch in tensor '"));
   }
   SECTION("wrong data file magic") {
-    auto d = damaged("magic", [&](const fs::path& p) { rewrite(p / "rank-00000.bin", [](std::string& b) { b[0] = 'X'; }); });
-    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: not a Tessera checkpoint data file"));
+    auto d = damaged("magic", [&](const fs::path& p) {
+      rewrite(p / "rank-00000.bin", [](std::string& b) { b[0] = 'X'; });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh),
+                        Contains("rank-00000.bin: not a Tessera checkpoint data file"));
   }
   SECTION("newer metadata version") {
     auto d = damaged("version", [&](const fs::path& p) {
-      rewrite(p / "metadata.json", [](std::string& b) { b.replace(b.find("\"version\": 1"), 12, "\"version\": 9"); });
+      rewrite(p / "metadata.json",
+              [](std::string& b) { b.replace(b.find("\"version\": 1"), 12, "\"version\": 9"); });
     });
-    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: checkpoint version 9 (this build reads version 1)"));
+    REQUIRE_THROWS_WITH(
+        load(d, *fresh),
+        Contains("metadata.json: checkpoint version 9 (this build reads version 1)"));
   }
   SECTION("truncated metadata") {
-    auto d = damaged("meta-trunc", [](const fs::path& p) { fs::resize_file(p / "metadata.json", 200); });
-    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: checkpoint metadata is not valid JSON"));
+    auto d =
+        damaged("meta-trunc", [](const fs::path& p) { fs::resize_file(p / "metadata.json", 200); });
+    REQUIRE_THROWS_WITH(load(d, *fresh),
+                        Contains("metadata.json: checkpoint metadata is not valid JSON"));
   }
   SECTION("no metadata (an interrupted save)") {
     auto d = damaged("no-meta", [](const fs::path& p) { fs::remove(p / "metadata.json"); });
@@ -306,17 +335,19 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
   }
   SECTION("a model with fewer layers: unexpected keys") {
     auto smaller = sharded_gpt(small_gpt(1), 0);
-    REQUIRE_THROWS_WITH(load(good, *smaller), Contains("unexpected keys [transformer.h.1.ln_1.weight"));
+    REQUIRE_THROWS_WITH(load(good, *smaller),
+                        Contains("unexpected keys [transformer.h.1.ln_1.weight"));
   }
   SECTION("a wider model: shape mismatch") {
     auto wider = sharded_gpt(small_gpt(2, 16), 0);
-    REQUIRE_THROWS_WITH(load(good, *wider),
-                        Contains("tensor 'transformer.wte.weight' is [") && Contains("in the checkpoint but"));
+    REQUIRE_THROWS_WITH(load(good, *wider), Contains("tensor 'transformer.wte.weight' is [") &&
+                                                Contains("in the checkpoint but"));
   }
   SECTION("another dtype: dtype mismatch") {
     auto f64 = sharded_gpt(c, 0);
     f64->to(DType::F64);
-    REQUIRE_THROWS_WITH(load(good, *f64), Contains("is f32 in the checkpoint but f64 in the model"));
+    REQUIRE_THROWS_WITH(load(good, *f64),
+                        Contains("is f32 in the checkpoint but f64 in the model"));
   }
   // Every section leaves the model usable: a good load still works afterwards.
   load(good, *fresh);
@@ -383,9 +414,10 @@ TEST_CASE("safetensors export and import of a sharded model", "[checkpoint][safe
   fsdp::save_safetensors(llama, lp);
   barrier();
   nn::SafetensorsFile lf(lp);
-  for (const char* k : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight",
-                        "model.norm.weight", "lm_head.weight"})
+  for (const char* k :
+       {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+        "model.norm.weight", "lm_head.weight"})
     CHECK(lf.find(k) != nullptr);
   nn::Llama llama2(lc);
   fsdp::load_safetensors(llama2, lp);
@@ -393,8 +425,8 @@ TEST_CASE("safetensors export and import of a sharded model", "[checkpoint][safe
   for (size_t i = 0; i < l1.size(); ++i) CHECK(equal(l1[i].second, l2[i].second));
 
   // A file for another model: named keys on every rank.
-  REQUIRE_THROWS_WITH(fsdp::load_safetensors(*fresh, lp),
-                      Contains("missing keys [transformer.wpe.weight, transformer.h.0.ln_1.weight,") &&
-                          Contains("(19 more)") &&
-                          Contains("unexpected keys [model.embed_tokens.weight"));
+  REQUIRE_THROWS_WITH(
+      fsdp::load_safetensors(*fresh, lp),
+      Contains("missing keys [transformer.wpe.weight, transformer.h.0.ln_1.weight,") &&
+          Contains("(19 more)") && Contains("unexpected keys [model.embed_tokens.weight"));
 }

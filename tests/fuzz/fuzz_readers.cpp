@@ -15,8 +15,8 @@
 
 #include "fsdp/checkpoint.h"
 #include "nn/layers.h"
-#include "runtime/distributed.h"
 #include "nn/safetensors.h"
+#include "runtime/distributed.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -25,12 +25,34 @@ namespace {
 
 std::mt19937_64 rng;
 
-size_t pick(size_t n) { return n == 0 ? 0 : static_cast<size_t>(rng() % n); }
+size_t pick(size_t n) {
+  return n == 0 ? 0 : static_cast<size_t>(rng() % n);
+}
 
-const std::vector<std::string> kValues = {
-    "-1", "0", "1", "7", "4294967295", "4294967296", "9223372036854775807", "18446744073709551615",
-    "18446744073709551616", "281474976710656", "1e308", "-0.5", "null", "true", "[]", "{}", "\"\"",
-    "\"F32\"", "\"BF16\"", "\"x/../y\"", "[0, 0]", "[1, 2, 3]", "[18446744073709551615, 4]", "\"rank-00000.bin\""};
+const std::vector<std::string> kValues = {"-1",
+                                          "0",
+                                          "1",
+                                          "7",
+                                          "4294967295",
+                                          "4294967296",
+                                          "9223372036854775807",
+                                          "18446744073709551615",
+                                          "18446744073709551616",
+                                          "281474976710656",
+                                          "1e308",
+                                          "-0.5",
+                                          "null",
+                                          "true",
+                                          "[]",
+                                          "{}",
+                                          "\"\"",
+                                          "\"F32\"",
+                                          "\"BF16\"",
+                                          "\"x/../y\"",
+                                          "[0, 0]",
+                                          "[1, 2, 3]",
+                                          "[18446744073709551615, 4]",
+                                          "\"rank-00000.bin\""};
 
 // One random edit of a text: bit flips, deletions, duplicated spans, a token
 // replaced by an interesting value, or truncation.
@@ -100,8 +122,8 @@ void feed(Counts& c, const std::string& what, const std::string& input, Fn&& fn)
     ++c.rejected;
   } catch (const std::exception& e) {
     ++c.failures;
-    std::fprintf(stderr, "FAIL (%s): %s threw %s\n  input: %.300s\n", what.c_str(), typeid(e).name(), e.what(),
-                 input.c_str());
+    std::fprintf(stderr, "FAIL (%s): %s threw %s\n  input: %.300s\n", what.c_str(),
+                 typeid(e).name(), e.what(), input.c_str());
   }
 }
 
@@ -136,13 +158,16 @@ int main(int argc, char** argv) {
   // --- safetensors: headers through parse_header, whole files through the reader.
   std::string seed_file = valid_safetensors(dir);
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<unsigned char>(seed_file[static_cast<size_t>(i)]);
-  std::string seed_header = seed_file.substr(8, header_len), seed_data = seed_file.substr(8 + header_len);
+  for (int i = 7; i >= 0; --i)
+    header_len = (header_len << 8) | static_cast<unsigned char>(seed_file[static_cast<size_t>(i)]);
+  std::string seed_header = seed_file.substr(8, header_len),
+              seed_data = seed_file.substr(8 + header_len);
   Counts st;
   for (int64_t i = 0; i < iterations; ++i) {
     std::string header = mutate(seed_header);
     uint64_t data_size = pick(4) == 0 ? pick(1 << 20) : seed_data.size();
-    feed(st, "parse_header", header, [&] { nn::SafetensorsFile::parse_header(header, data_size, "fuzz"); });
+    feed(st, "parse_header", header,
+         [&] { nn::SafetensorsFile::parse_header(header, data_size, "fuzz"); });
     if (i % 8 == 0) {  // the whole file: length prefix, header, data (any of them mutated)
       std::string bytes = seed_file;
       if (pick(2)) bytes = bytes.substr(0, 8) + header + seed_data;
@@ -182,13 +207,17 @@ int main(int argc, char** argv) {
   }
   fs::remove_all(dir);
   std::printf("safetensors: %lld inputs, %lld accepted, %lld rejected, %lld failures\n",
-              static_cast<long long>(st.accepted + st.rejected + st.failures), static_cast<long long>(st.accepted),
-              static_cast<long long>(st.rejected), static_cast<long long>(st.failures));
+              static_cast<long long>(st.accepted + st.rejected + st.failures),
+              static_cast<long long>(st.accepted), static_cast<long long>(st.rejected),
+              static_cast<long long>(st.failures));
   std::printf("checkpoint:  %lld inputs, %lld accepted, %lld rejected, %lld failures\n",
-              static_cast<long long>(ck.accepted + ck.rejected + ck.failures), static_cast<long long>(ck.accepted),
-              static_cast<long long>(ck.rejected), static_cast<long long>(ck.failures));
-  // Both readers must have rejected most inputs and accepted some (the fuzzer reaches past the first check).
-  bool exercised = st.rejected > iterations / 4 && ck.rejected > iterations / 4 && st.accepted > 0 && ck.accepted > 0;
+              static_cast<long long>(ck.accepted + ck.rejected + ck.failures),
+              static_cast<long long>(ck.accepted), static_cast<long long>(ck.rejected),
+              static_cast<long long>(ck.failures));
+  // Both readers must have rejected most inputs and accepted some (the fuzzer reaches past the
+  // first check).
+  bool exercised = st.rejected > iterations / 4 && ck.rejected > iterations / 4 &&
+                   st.accepted > 0 && ck.accepted > 0;
   if (!exercised) std::printf("the mutations did not exercise both outcomes of both readers\n");
   return st.failures == 0 && ck.failures == 0 && exercised ? 0 : 1;
 }

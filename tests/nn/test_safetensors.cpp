@@ -53,7 +53,8 @@ TEST_CASE("safetensors round trip: every dtype, odd shapes, conversion on read",
   sd.emplace_back("b.bool", gt(randn({10}, 7), zeros({10})));
   sd.emplace_back("e.empty", zeros({0, 5}));
   sd.emplace_back("s.scalar", full({}, 2.5));
-  sd.emplace_back("v.view", ops::transpose(randn({4, 6}, 8), 0, 1));  // non-contiguous: written contiguous
+  sd.emplace_back("v.view",
+                  ops::transpose(randn({4, 6}, 8), 0, 1));  // non-contiguous: written contiguous
   fs::path p = dir.path / "all.safetensors";
   nn::save_safetensors(p, sd, {{"step", "17"}});
 
@@ -103,13 +104,16 @@ TEST_CASE("safetensors written by an independent Python writer", "[safetensors][
   for (int i = 0; i < 7; ++i) recip.push_back(1.0 / (i + 1));
   CHECK(f.read("a.f64").to_vector<double>() == recip);
   // bf16 written by rounding to nearest even: the same as our conversion.
-  CHECK(equal(f.read("m.bf16"), ops::to(from_vector<double>({-3.0, -2.75, -2.5, -2.25, -2.0, -1.75}, {2, 3}), DType::BF16)));
+  CHECK(equal(
+      f.read("m.bf16"),
+      ops::to(from_vector<double>({-3.0, -2.75, -2.5, -2.25, -2.0, -1.75}, {2, 3}), DType::BF16)));
   auto h = f.read("m.f16", DType::F64).to_vector<double>();
   CHECK(h[0] == 0.5);
   CHECK(h[1] == -2.0);
   CHECK(h[2] == 65504.0);
   CHECK(std::abs(h[3] - 1e-3) < 1e-6);
-  CHECK(f.read("i.i64").to_vector<int64_t>() == std::vector<int64_t>{-(int64_t{1} << 40), 7, 0, int64_t{1} << 50});
+  CHECK(f.read("i.i64").to_vector<int64_t>() ==
+        std::vector<int64_t>{-(int64_t{1} << 40), 7, 0, int64_t{1} << 50});
   CHECK(f.read("i.i32").to_vector<int64_t>() == std::vector<int64_t>{-5, 0, 2147483647});
   CHECK(f.read("b.bool").to_vector<int64_t>() == std::vector<int64_t>{1, 0, 0, 1, 1});
   CHECK(f.read("e.empty").shape() == Shape{0, 4});
@@ -118,7 +122,8 @@ TEST_CASE("safetensors written by an independent Python writer", "[safetensors][
   CHECK(s.item() == 42.5);
 }
 
-TEST_CASE("malformed safetensors files are rejected naming file and tensor", "[safetensors][errors]") {
+TEST_CASE("malformed safetensors files are rejected naming file and tensor",
+          "[safetensors][errors]") {
   TempDir dir;
   auto parse = [](const std::string& header, uint64_t data_size) {
     return nn::SafetensorsFile::parse_header(header, data_size, "f.safetensors");
@@ -127,43 +132,59 @@ TEST_CASE("malformed safetensors files are rejected naming file and tensor", "[s
   CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]})", 8),
                     Contains("f.safetensors: the safetensors header is not valid JSON"));
   CHECK_THROWS_WITH(parse(R"([1, 2])", 8), Contains("must be a JSON object"));
-  CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})", 8),
-                    Contains("tensor 'a' has data_offsets [0, 16] outside the data section of 8 bytes"));
+  CHECK_THROWS_WITH(
+      parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})", 8),
+      Contains("tensor 'a' has data_offsets [0, 16] outside the data section of 8 bytes"));
   CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 16),
                     Contains("tensor 'a' spans 8 bytes but F32 [3] needs 12"));
   CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})", 16),
                     Contains("outside the data section"));
   CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 16),
+                              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                          16),
                     Contains("tensors 'a' and 'b' overlap"));
-  CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}})", 8),
-                    Contains("tensor 'a' has unsupported dtype 'F8_E4M3'"));
+  CHECK_THROWS_WITH(
+      parse(R"({"a": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}})", 8),
+      Contains("tensor 'a' has unsupported dtype 'F8_E4M3'"));
   CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", 8),
                     Contains("negative or non-integer dim"));
-  CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [281474976710656, 281474976710656], "data_offsets": [0, 8]}})", 8),
-                    Contains("too large"));
-  CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2]}})", 8), Contains("needs dtype, shape and data_offsets"));
-  CHECK_THROWS_WITH(parse(R"({"__metadata__": {"k": 1}})", 0), Contains("__metadata__ value 'k' is not a string"));
+  CHECK_THROWS_WITH(
+      parse(
+          R"({"a": {"dtype": "F32", "shape": [281474976710656, 281474976710656], "data_offsets": [0, 8]}})",
+          8),
+      Contains("too large"));
+  CHECK_THROWS_WITH(parse(R"({"a": {"dtype": "F32", "shape": [2]}})", 8),
+                    Contains("needs dtype, shape and data_offsets"));
+  CHECK_THROWS_WITH(parse(R"({"__metadata__": {"k": 1}})", 0),
+                    Contains("__metadata__ value 'k' is not a string"));
 
   // File-level: truncated, absurd header length, data cut short.
   fs::path p = dir.path / "bad.safetensors";
   write_bytes(p, "abc");
   CHECK_THROWS_WITH(nn::SafetensorsFile(p), Contains("truncated safetensors file (3 bytes"));
-  write_bytes(p, file_bytes(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "12345678").substr(0, 30));
+  write_bytes(
+      p, file_bytes(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "12345678")
+             .substr(0, 30));
   CHECK_THROWS_WITH(nn::SafetensorsFile(p), Contains("runs past the end"));
-  write_bytes(p, file_bytes(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "1234"));
-  CHECK_THROWS_WITH(nn::SafetensorsFile(p), Contains("bad.safetensors: tensor 'a' has data_offsets [0, 8] outside the data section of 4 bytes"));
+  write_bytes(
+      p, file_bytes(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "1234"));
+  CHECK_THROWS_WITH(nn::SafetensorsFile(p), Contains("bad.safetensors: tensor 'a' has data_offsets "
+                                                     "[0, 8] outside the data section of 4 bytes"));
   std::string huge(8, '\xff');
   write_bytes(p, huge + "{}");
   CHECK_THROWS_WITH(nn::SafetensorsFile(p), Contains("exceeds the limit"));
   write_bytes(p, file_bytes(std::string(64, ' '), ""));
-  CHECK_THROWS_WITH(nn::SafetensorsFile(p, 16), Contains("header of 64 bytes exceeds the limit of 16"));
-  CHECK_THROWS_WITH(nn::SafetensorsFile(dir.path / "missing.safetensors"), Contains("missing.safetensors: cannot read"));
+  CHECK_THROWS_WITH(nn::SafetensorsFile(p, 16),
+                    Contains("header of 64 bytes exceeds the limit of 16"));
+  CHECK_THROWS_WITH(nn::SafetensorsFile(dir.path / "missing.safetensors"),
+                    Contains("missing.safetensors: cannot read"));
 
   // The writer refuses entries that are not back to back, and leaves no partial file.
   fs::path w = dir.path / "w.safetensors";
-  std::vector<nn::SafetensorsEntry> gap{{"a", DType::F32, {2}, 0, 8}, {"b", DType::F32, {2}, 16, 24}};
-  CHECK_THROWS_WITH(nn::write_safetensors(w, gap, [](size_t) { return zeros({2}); }), Contains("back to back"));
+  std::vector<nn::SafetensorsEntry> gap{{"a", DType::F32, {2}, 0, 8},
+                                        {"b", DType::F32, {2}, 16, 24}};
+  CHECK_THROWS_WITH(nn::write_safetensors(w, gap, [](size_t) { return zeros({2}); }),
+                    Contains("back to back"));
   std::vector<nn::SafetensorsEntry> wrong{{"a", DType::F32, {2}, 0, 8}};
   CHECK_THROWS_WITH(nn::write_safetensors(w, wrong, [](size_t) { return zeros({3}); }),
                     Contains("tensor 'a' is f32 [3], the header says f32 [2]"));
