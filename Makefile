@@ -5,9 +5,11 @@
 
 PACKAGES := g++ meson ninja-build pkg-config cmake catch2 libfmt-dev libopenblas-dev \
             libopenblas-openmp-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev \
-            libopenmpi-dev openmpi-bin fortunes
+            libopenmpi-dev openmpi-bin fortunes gnuplot-nox python3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BUILD ?= build
+RANKS ?= 4
+ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root)
 MESON_FLAGS ?= --buildtype=release
 
 .PHONY: train test deps build install bench clean
@@ -28,8 +30,13 @@ $(BUILD)/build.ninja:
 build: deps $(BUILD)/build.ninja
 	meson compile -C $(BUILD)
 
+# FSDP over $(RANKS) ranks (more ranks than cores is fine: --oversubscribe);
+# the progress bar when make's output is a terminal.
 train: build
-	$(BUILD)/tools/tessera-train
+	@progress=$$([ -t 1 ] && echo on || echo off); \
+	echo "mpirun -np $(RANKS) $(BUILD)/tools/tessera-train"; \
+	mpirun -np $(RANKS) --oversubscribe --bind-to none $(ROOT_FLAG) \
+	  $(BUILD)/tools/tessera-train --metrics.progress $$progress
 
 test: build
 	meson test -C $(BUILD) --print-errorlogs --num-processes 1

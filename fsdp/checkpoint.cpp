@@ -291,8 +291,14 @@ void commit(const fs::path& folder, const fs::path& tmp_dir, const fs::path& fin
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& folder_in, int64_t step, nn::Module& model,
+std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model,
                             optim::AdamW* opt, const std::string& extra_json, int keep) {
+  autograd::NoGradGuard no_grad;
+  return save_checkpoint(folder, step, tensors_of(model, opt, false), extra_json, keep);
+}
+
+std::string save_checkpoint(const std::string& folder_in, int64_t step, const nn::StateDict& tensors,
+                            const std::string& extra_json, int keep) {
   autograd::NoGradGuard no_grad;
   auto world = dist::world();
   int rank = dist::rank();
@@ -317,7 +323,6 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step, nn::Modu
   dist::throw_if_any_failed(world, error, "save_checkpoint");
 
   // 2. Every rank writes its own file in parallel.
-  nn::StateDict tensors = tensors_of(model, opt, false);
   json chunks = json::array();
   try {
     chunks = write_own_chunks(tmp_dir, fmt::format("rank-{:05d}.bin", rank), rank, tensors);
@@ -525,6 +530,18 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
 namespace {
 CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Module& model,
                                                 optim::AdamW* opt, nn::StateDict& dest);
+}
+
+Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor) {
+  Tensor out = zeros(tensor.shape, tensor.dtype);
+  for (const auto& ch : tensor.chunks) {
+    Tensor data = read_chunk(dir, tensor, ch);
+    Tensor dst = out;
+    for (size_t d = 0; d < ch.offsets.size(); ++d)
+      dst = ops::narrow(dst, static_cast<int64_t>(d), ch.offsets[d], ch.shape[d]);
+    ops::copy_(dst, data);
+  }
+  return out;
 }
 
 CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* opt) {

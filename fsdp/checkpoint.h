@@ -65,6 +65,10 @@ struct CheckpointMetadata {
 std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model,
                             optim::AdamW* optimizer, const std::string& extra_json = "{}",
                             int keep = 0);
+// The same for any state dict (DTensors and plain tensors; tessera-ckpt
+// converts files with it).
+std::string save_checkpoint(const std::string& folder, int64_t step, const nn::StateDict& tensors,
+                            const std::string& extra_json = "{}", int keep = 0);
 // The newest complete checkpoint directory in folder ("" if there is none).
 std::string latest_checkpoint(const std::string& folder);
 // Loads into the model (any mesh) and optimizer; restores this rank's RNG
@@ -80,6 +84,9 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
 Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk);
 
 // CRC-32C (Castagnoli; the SSE4.2 instruction where the build has it).
+// One whole tensor assembled from all its chunks (each checked).
+Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor);
+
 uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
 namespace detail {
 uint32_t crc32c_software(const void* data, size_t n, uint32_t crc = 0);  // the portable path

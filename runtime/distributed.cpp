@@ -35,11 +35,6 @@ const char* env(const char* name) {
   return v != nullptr && *v != '\0' ? v : nullptr;
 }
 
-// Launched by mpirun (OpenMPI, MPICH/Hydra) or srun?
-bool launched_by_mpi() {
-  return env("OMPI_COMM_WORLD_SIZE") || env("PMI_SIZE") || env("PMIX_RANK") || env("SLURM_STEP_ID") ||
-         env("MPI_LOCALNRANKS");
-}
 
 void read_settings(World& w) {
   if (const char* t = env("TESSERA_COLLECTIVE_TIMEOUT")) {
@@ -72,7 +67,7 @@ void init() {
   World& w = world_state();
   if (w.initialized) return;
   read_settings(w);
-  if (launched_by_mpi()) {
+  if (launched()) {
     const char* mode = env("TESSERA_PROGRESS");
     std::string m = mode ? mode : "thread";
     TS_CHECK(m == "thread" || m == "poll", "TESSERA_PROGRESS must be 'thread' or 'poll', got '{}'", m);
@@ -132,6 +127,11 @@ std::string progress_mode() {
 }
 
 void progress() { detail::Engine::get().progress_once(); }
+
+bool launched() {
+  return env("OMPI_COMM_WORLD_SIZE") || env("PMI_SIZE") || env("PMIX_RANK") || env("SLURM_STEP_ID") ||
+         env("MPI_LOCALNRANKS");
+}
 
 std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine) {
   if (group->size() == 1) return {mine};

@@ -115,6 +115,12 @@ bool debug_collectives();
 std::string progress_mode();
 // Drives in-flight collectives from the calling thread (poll mode; no-op otherwise).
 void progress();
+// Seconds this process has spent blocked in Work::wait() since it started:
+// the communication that overlap did not hide (exposed). Always counted.
+double total_wait_seconds();
+
+// Started by a launcher (mpirun/mpiexec of OpenMPI or MPICH, srun)?
+bool launched();
 
 // Every rank's string, in rank order, on every rank of `group` (for metadata:
 // checkpoint chunk lists, trace events).

@@ -1,5 +1,6 @@
 #include "tools/config.h"
 
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -133,9 +134,38 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       float_key("optimizer.momentum", c.optimizer.momentum, "SGD momentum"),
       int_key("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, "linear warmup steps"),
       float_key("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, "final lr / peak lr (cosine)"),
+      int_key("parallelism.data_parallel_shard_degree", c.parallelism.data_parallel_shard_degree,
+              "ranks each parameter is sharded over (-1 = world / replicate degree)"),
+      int_key("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree,
+              "replica groups (> 1: HSDP on a 2-D mesh)"),
+      bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
+               "free gathered parameters after forward (false: keep them for backward)"),
+      string_key("mixed_precision.param_dtype", c.mixed_precision.param_dtype,
+                 "dtype parameters are gathered and computed in", {"float32", "bfloat16"}),
+      string_key("mixed_precision.reduce_dtype", c.mixed_precision.reduce_dtype,
+                 "dtype gradients are reduced in", {"float32", "bfloat16"}),
       string_key("activation_checkpoint.mode", c.activation_checkpoint.mode,
                  "recompute blocks in backward", {"none", "full"}),
+      bool_key("checkpoint.enable", c.checkpoint.enable, "save distributed checkpoints"),
+      string_key("checkpoint.folder", c.checkpoint.folder, "checkpoint folder (inside job.dump_folder)"),
+      int_key("checkpoint.interval", c.checkpoint.interval, "steps between checkpoints (and one at the end)"),
+      int_key("checkpoint.keep", c.checkpoint.keep, "newest checkpoints kept (0 = all)"),
+      bool_key("checkpoint.resume", c.checkpoint.resume, "continue from the newest complete checkpoint"),
+      string_key("checkpoint.export_safetensors", c.checkpoint.export_safetensors,
+                 "at the end, export the model to this .safetensors file (inside job.dump_folder)"),
+      string_key("checkpoint.export_dtype", c.checkpoint.export_dtype, "dtype of the export",
+                 {"float32", "bfloat16"}),
       int_key("metrics.log_interval", c.metrics.log_interval, "steps between log lines"),
+      string_key("metrics.jsonl", c.metrics.jsonl, "JSONL metrics file (inside job.dump_folder; empty = off)"),
+      string_key("metrics.plot", c.metrics.plot, "loss-curve PNG at the end (needs gnuplot; empty = off)"),
+      float_key("metrics.peak_tflops", c.metrics.peak_tflops,
+                "peak TFLOP/s of all the job's hardware, for MFU"),
+      string_key("metrics.progress", c.metrics.progress,
+                 "progress bar (auto: when stdout is a terminal and no MPI launcher forwards it)",
+                 {"auto", "on", "off"}),
+      string_key("profiling.trace_steps", c.profiling.trace_steps,
+                 "steps to trace, e.g. \"10,11\" (Chrome/Perfetto JSON, all ranks in one file)"),
+      string_key("profiling.trace_folder", c.profiling.trace_folder, "trace folder (inside job.dump_folder)"),
       int_key("sample.max_new_tokens", c.sample.max_new_tokens, "tokens generated after training (0 = none)"),
       float_key("sample.temperature", c.sample.temperature, "sampling temperature (0 = greedy)"),
       int_key("sample.top_k", c.sample.top_k, "sample from the k most likely tokens (0 = all)"),
@@ -206,11 +236,12 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
   }
 }
 
-bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program) {
+bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program, bool print) {
   auto keys = config_keys(cfg);
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
+      if (!print) return false;
       std::printf("usage: %s [--preset NAME] [--config FILE.toml] [--section.key VALUE ...]\n\n", program.c_str());
       std::printf("presets:\n");
       for (const auto& p : presets()) std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
@@ -265,6 +296,76 @@ void validate(const TrainConfig& c) {
            "training.dataset = shards needs training.train_shard and training.val_shard");
   TS_CHECK(c.optimizer.lr > 0, "optimizer.lr must be positive, got {}", c.optimizer.lr);
   TS_CHECK(c.metrics.log_interval > 0, "metrics.log_interval must be positive");
+  TS_CHECK(c.metrics.peak_tflops > 0, "metrics.peak_tflops must be positive");
+  TS_CHECK(c.checkpoint.interval > 0, "checkpoint.interval must be positive, got {}", c.checkpoint.interval);
+  TS_CHECK(c.checkpoint.keep >= 0, "checkpoint.keep must be >= 0, got {}", c.checkpoint.keep);
+  TS_CHECK(c.parallelism.data_parallel_replicate_degree >= 1,
+           "parallelism.data_parallel_replicate_degree must be >= 1, got {}",
+           c.parallelism.data_parallel_replicate_degree);
+  TS_CHECK(c.parallelism.data_parallel_shard_degree == -1 || c.parallelism.data_parallel_shard_degree >= 1,
+           "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
+           c.parallelism.data_parallel_shard_degree);
+  trace_steps(c);  // parses
+}
+
+std::vector<int64_t> trace_steps(const TrainConfig& c) {
+  std::vector<int64_t> out;
+  std::string s = c.profiling.trace_steps;
+  size_t at = 0;
+  while (at < s.size()) {
+    size_t end = s.find(',', at);
+    std::string item = s.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TS_CHECK(used == item.size() && !item.empty() && v >= 1,
+             "profiling.trace_steps expects step numbers >= 1 separated by commas (e.g. \"10,11\"), got '{}'", s);
+    out.push_back(v);
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return out;
+}
+
+std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
+  int64_t rep = c.parallelism.data_parallel_replicate_degree;
+  int64_t shard = c.parallelism.data_parallel_shard_degree;
+  if (shard == -1) {
+    TS_CHECK(world_size % rep == 0,
+             "parallelism.data_parallel_replicate_degree ({}) must divide the number of ranks ({})", rep,
+             world_size);
+    shard = world_size / rep;
+  }
+  TS_CHECK(rep * shard == world_size,
+           "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep, shard,
+           rep * shard, world_size);
+  return {rep, shard};
+}
+
+std::string model_to_json(TrainConfig& cfg) {
+  nlohmann::ordered_json j;
+  for (const auto& k : config_keys(cfg))
+    if (k.name.rfind("model.", 0) == 0 || k.name == "training.seq_len") j[k.name] = k.get();
+  return j.dump();
+}
+
+void model_from_json(TrainConfig& cfg, const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, "stored model configuration is not valid JSON: {}", e.what());
+  }
+  TS_CHECK(j.is_object(), "stored model configuration must be a JSON object");
+  auto keys = config_keys(cfg);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    TS_CHECK(it.value().is_string(), "stored model configuration: '{}' must be a string", it.key());
+    find_key(keys, it.key()).set(it.value().get<std::string>());
+  }
 }
 
 std::string to_toml(TrainConfig& cfg) {

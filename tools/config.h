@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tessera::tools {
@@ -57,12 +58,38 @@ struct TrainConfig {
     int64_t warmup_steps = 60;
     double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   } lr_scheduler;
+  struct Parallelism {
+    int64_t data_parallel_shard_degree = -1;    // ranks a parameter is sharded over (-1: the rest)
+    int64_t data_parallel_replicate_degree = 1;  // > 1: HSDP, a 2-D (replicate, shard) mesh
+    bool reshard_after_forward = true;           // false: ZeRO-2 style, no all-gather in backward
+  } parallelism;
+  struct MixedPrecision {
+    std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params
+    std::string reduce_dtype = "float32";  // float32 | bfloat16: gradient reduce-scatter dtype
+  } mixed_precision;
   struct ActivationCheckpoint {
     std::string mode = "none";  // none | full
   } activation_checkpoint;
+  struct Checkpoint {
+    bool enable = false;
+    std::string folder = "checkpoint";  // inside job.dump_folder unless absolute
+    int64_t interval = 200;             // steps between checkpoints (and one at the end)
+    int64_t keep = 2;                   // newest complete checkpoints kept (0: all)
+    bool resume = false;                // continue from the newest complete checkpoint
+    std::string export_safetensors = "";  // at the end: write the model here (inside dump_folder unless absolute)
+    std::string export_dtype = "float32";
+  } checkpoint;
   struct Metrics {
     int64_t log_interval = 25;
+    std::string jsonl = "metrics.jsonl";  // inside dump_folder ("" = off)
+    std::string plot = "loss.png";        // loss curve at the end ("" = off; needs gnuplot)
+    double peak_tflops = 0.2;             // the job's peak for MFU: all ranks' hardware together
+    std::string progress = "auto";        // auto | on | off: the progress bar (auto: a terminal, no launcher)
   } metrics;
+  struct Profiling {
+    std::string trace_steps = "";     // e.g. "10,11": Chrome/Perfetto traces of those steps
+    std::string trace_folder = "traces";  // inside dump_folder
+  } profiling;
   struct Sample {
     int64_t max_new_tokens = 300;
     double temperature = 0.8;
@@ -93,10 +120,20 @@ const std::vector<Preset>& presets();
 // Applies a TOML file (sections and keys as above).
 void load_toml(TrainConfig& cfg, const std::string& path);
 // Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
-// `--section.key=value`, in order. Returns false when --help was asked (after printing it).
-bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program);
+// `--section.key=value`, in order. Returns false when --help was asked (after
+// printing it when `print`: under mpirun only rank 0 prints).
+bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program, bool print = true);
 // Checks cross-key consistency (e.g. n_embd divisible by n_head).
 void validate(const TrainConfig& cfg);
+// The steps named by profiling.trace_steps (1-based), validated.
+std::vector<int64_t> trace_steps(const TrainConfig& cfg);
+// The data-parallel mesh {replicate, shard} for world_size ranks (-1 resolved).
+std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
+// The [model] section (and training.seq_len, the block size) as a JSON object
+// of strings, stored in checkpoints and exported files so tools can rebuild
+// the model; and back (unknown keys are errors).
+std::string model_to_json(TrainConfig& cfg);
+void model_from_json(TrainConfig& cfg, const std::string& json);
 // The whole configuration as TOML (what a run used).
 std::string to_toml(TrainConfig& cfg);
 

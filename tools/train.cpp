@@ -1,33 +1,57 @@
-// tessera-train: trains a language model on the embedded default (the
-// fortunes corpus, byte tokens) or on given data, then prints a sample.
+// tessera-train: trains a language model with FSDP2 across the ranks of an
+// MPI job (or as one plain process), on the embedded default (the fortunes
+// corpus, byte tokens) or on given data; checkpoints, metrics, traces, and a
+// generated sample at the end.
 //
-//   tessera-train                         # the embedded default (make train)
+//   mpirun -np 4 tessera-train                   # the embedded default (make train)
 //   tessera-train --preset tiny --training.steps 20
-//   tessera-train --config run.toml --optimizer.lr 1e-3
+//   mpirun -np 4 tessera-train --config run.toml --parallelism.data_parallel_replicate_degree 2
+//   mpirun -np 2 tessera-train --checkpoint.enable true --checkpoint.resume true
+//
+// Every rank runs this program; rank 0 alone prints and writes metrics.
+#include <signal.h>
+
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <thread>
 
+#include "dtensor/dtensor.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/state_dict.h"
 #include "nn/generate.h"
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "runtime/allocator.h"
 #include "runtime/parallel.h"
+#include "runtime/trace.h"
 #include "tools/config.h"
 #include "tools/data.h"
+#include "tools/report.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string format_duration(double seconds) {
-  int s = static_cast<int>(std::lround(std::max(0.0, seconds)));
-  return s >= 60 ? fmt::format("{}m{:02}s", s / 60, s % 60) : fmt::format("{}s", s);
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
 }
+
+// A path inside job.dump_folder unless absolute.
+std::string out_path(const tools::TrainConfig& c, const std::string& p) {
+  return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
+}
+
+DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF16 : DType::F32; }
 
 nn::TransformerConfig model_config(const tools::TrainConfig& c) {
   nn::TransformerConfig m;
@@ -45,7 +69,16 @@ nn::TransformerConfig model_config(const tools::TrainConfig& c) {
   return m;
 }
 
-// Train and validation tokens for the configured dataset (prepared once, then cached).
+// Reduces scalars over all ranks.
+double all_reduce(double v, dist::ReduceOp op) {
+  if (dist::world_size() == 1) return v;
+  Tensor t = full({1}, v, DType::F64);
+  dist::world()->all_reduce(t, {op})->wait();
+  return t.item();
+}
+
+// Train and validation tokens: rank 0 prepares the shards once (cached in
+// data_dir), then every rank reads them.
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::TrainConfig& c) {
   std::string train_path, val_path;
   if (c.training.dataset == "shards") {
@@ -56,145 +89,391 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
     std::string name = text ? fs::path(c.training.text).stem().string() : "fortunes";
     train_path = (fs::path(c.training.data_dir) / (name + "_train.bin")).string();
     val_path = (fs::path(c.training.data_dir) / (name + "_val.bin")).string();
-    if (!fs::exists(train_path) || !fs::exists(val_path)) {
-      auto files = text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
-      std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(),
-                  train_path.c_str(), val_path.c_str());
-      data::prepare_text_dataset(files, c.training.data_dir, name);
+    std::string error;
+    if (dist::rank() == 0 && (!fs::exists(train_path) || !fs::exists(val_path))) {
+      try {
+        auto files = text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
+        std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(),
+                    train_path.c_str(), val_path.c_str());
+        data::prepare_text_dataset(files, c.training.data_dir, name);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
     }
+    dist::throw_if_any_failed(dist::world(), error, "preparing the data");
   }
   return {data::read_shard(train_path), data::read_shard(val_path)};
 }
 
-double evaluate(nn::LanguageModel& model, const data::Loader& val, int64_t batches, int64_t batch) {
-  autograd::NoGradGuard no_grad;
-  model.eval();
-  double total = 0;
-  for (int64_t i = 0; i < batches; ++i) {
-    auto [x, y] = val.eval_batch(i, batch);
-    total += nn::cross_entropy(model(x), y).item();
+// Test hook: TESSERA_TEST_KILL="rank:step" kills that rank (SIGKILL) when it
+// reaches that step, to check that the other ranks end with an error.
+void maybe_die(int64_t step) {
+  const char* spec = std::getenv("TESSERA_TEST_KILL");
+  if (spec == nullptr) return;
+  int rank = -1;
+  long long at = -1;
+  if (std::sscanf(spec, "%d:%lld", &rank, &at) == 2 && rank == dist::rank() && at == step) {
+    std::fprintf(stderr, "rank %d: killing itself at step %lld (TESSERA_TEST_KILL)\n", rank, at);
+    std::fflush(stderr);
+    ::raise(SIGKILL);
   }
-  model.train();
-  return total / static_cast<double>(batches);
 }
 
-int run(int argc, char** argv) {
-  tools::TrainConfig cfg;
-  if (!tools::parse_args(cfg, argc, argv, "tessera-train")) return 0;
-  tools::validate(cfg);
-  const auto& T = cfg.training;
+class Trainer {
+ public:
+  explicit Trainer(tools::TrainConfig cfg) : cfg_(std::move(cfg)), T_(cfg_.training) {}
+  int run();
 
-  auto [train_tokens, val_tokens] = load_data(cfg);
-  for (const auto* toks : {&train_tokens, &val_tokens})
-    for (uint16_t t : *toks)
-      TS_CHECK(t < cfg.model.vocab_size, "token {} in the data is outside model.vocab_size {}", t,
-               cfg.model.vocab_size);
-  double baseline = data::unigram_baseline(train_tokens, val_tokens, cfg.model.vocab_size);
-  data::Loader train(std::move(train_tokens), T.seq_len, static_cast<uint64_t>(cfg.job.seed));
-  data::Loader val(std::move(val_tokens), T.seq_len, static_cast<uint64_t>(cfg.job.seed));
+ private:
+  void build_model();
+  void build_optimizer();
+  int64_t resume();
+  void save(int64_t step);
+  double train_step(int64_t step);
+  double evaluate();
+  void log_line(int64_t step, double loss, double lr, double gnorm);
+  void finish(double total_s);
+  json extra_state(int64_t step);
+  void say(const std::string& text) {
+    if (rank_ == 0) progress_->line(text);
+  }
 
-  nn::TransformerConfig mcfg = model_config(cfg);
-  std::shared_ptr<nn::LanguageModel> model;
-  if (cfg.model.arch == "llama") model = std::make_shared<nn::Llama>(mcfg, Device::meta());
-  else model = std::make_shared<nn::GPT>(mcfg, Device::meta());
-  model->to_empty(Device::cpu());
-  model->init_weights(static_cast<uint64_t>(cfg.job.seed));
+  tools::TrainConfig cfg_;
+  const tools::TrainConfig::Training& T_;
+  int rank_ = dist::rank(), world_ = dist::world_size();
+  MeshPtr mesh_;
+  std::shared_ptr<nn::LanguageModel> model_;
+  std::unique_ptr<optim::Optimizer> opt_;
+  optim::AdamW* adamw_ = nullptr;
+  optim::WarmupCosine schedule_;
+  std::unique_ptr<data::Loader> train_, val_;
+  double baseline_ = 0;
+  int64_t micro_global_ = 0, micro_local_ = 0;
+  std::unique_ptr<tools::Progress> progress_;
+  std::unique_ptr<tools::JsonlWriter> jsonl_;
+  tools::LossCurve curve_;
+  double flops_per_token_ = 0;
+  // The current log window.
+  Clock::time_point window_start_;
+  int64_t window_tokens_ = 0;
+  double window_wait_start_ = 0;
+  double last_val_ = NAN;
+};
 
+void Trainer::build_model() {
+  nn::TransformerConfig mcfg = model_config(cfg_);
+  auto [rep, shard] = tools::mesh_shape(cfg_, world_);
+  mesh_ = rep > 1 ? init_device_mesh("cpu", {rep, shard}, {"dp_replicate", "dp_shard"})
+                  : init_device_mesh("cpu", {shard}, {"dp_shard"});
+  if (cfg_.model.arch == "llama") model_ = std::make_shared<nn::Llama>(mcfg, Device::meta());
+  else model_ = std::make_shared<nn::GPT>(mcfg, Device::meta());
+  fsdp::FullyShardOptions opt{
+      .mesh = mesh_,
+      // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in backward)
+      .reshard_after_forward = cfg_.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
+                                                                       : fsdp::ReshardAfterForward{false},
+      .mp_policy = {.param_dtype = dtype_of(cfg_.mixed_precision.param_dtype),
+                    .reduce_dtype = dtype_of(cfg_.mixed_precision.reduce_dtype)}};
+  for (auto& block : model_->blocks) fsdp::fully_shard(*block, opt);
+  fsdp::fully_shard(*model_, opt);
+  model_->to_empty(Device::cpu());
+  model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
+  // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
+  // backward, plus 12 * layers * width * seq_len for attention scores.
+  flops_per_token_ = 6.0 * static_cast<double>(model_->num_parameters()) +
+                     12.0 * static_cast<double>(mcfg.n_layer * mcfg.n_embd * T_.seq_len);
+}
+
+void Trainer::build_optimizer() {
   // Weight decay on matrices only (nanoGPT's grouping).
   TensorList decay, no_decay;
-  for (auto& [name, p] : model->named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  std::unique_ptr<optim::Optimizer> opt;
-  if (cfg.optimizer.name == "sgd") {
-    opt = std::make_unique<optim::SGD>(model->parameters(),
-                                       optim::SGDOptions{.lr = cfg.optimizer.lr, .momentum = cfg.optimizer.momentum,
-                                                         .weight_decay = cfg.optimizer.weight_decay});
+  for (auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  const auto& o = cfg_.optimizer;
+  if (o.name == "sgd") {
+    opt_ = std::make_unique<optim::SGD>(
+        model_->parameters(),
+        optim::SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
   } else {
-    opt = std::make_unique<optim::AdamW>(
-        std::vector<optim::ParamGroup>{{decay, cfg.optimizer.lr, cfg.optimizer.weight_decay},
-                                       {no_decay, cfg.optimizer.lr, 0.0}},
-        optim::AdamWOptions{.lr = cfg.optimizer.lr, .beta1 = cfg.optimizer.beta1, .beta2 = cfg.optimizer.beta2,
-                            .eps = cfg.optimizer.eps});
+    auto adamw = std::make_unique<optim::AdamW>(
+        std::vector<optim::ParamGroup>{{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}},
+        optim::AdamWOptions{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps});
+    adamw_ = adamw.get();
+    opt_ = std::move(adamw);
   }
-  optim::WarmupCosine schedule{cfg.optimizer.lr, cfg.optimizer.lr * cfg.lr_scheduler.min_lr_ratio,
-                               cfg.lr_scheduler.warmup_steps, T.steps};
+  schedule_ = {o.lr, o.lr * cfg_.lr_scheduler.min_lr_ratio, cfg_.lr_scheduler.warmup_steps, T_.steps};
+}
 
-  int64_t micro = T.batch_size / T.grad_accum;
-  int64_t tokens_per_step = T.batch_size * T.seq_len;
-  std::printf("model %s: %d layers, d=%lld, %lld parameters | %d threads\n", cfg.model.arch.c_str(),
-              static_cast<int>(mcfg.n_layer), static_cast<long long>(mcfg.n_embd),
-              static_cast<long long>(model->num_parameters()), num_threads());
-  std::printf("data: %lld train tokens, %lld validation tokens | %lld tokens/step | unigram baseline %.4f\n",
-              static_cast<long long>(train.num_tokens()), static_cast<long long>(val.num_tokens()),
-              static_cast<long long>(tokens_per_step), baseline);
+json Trainer::extra_state(int64_t step) {
+  json losses = json::array(), vals = json::array();
+  for (const auto& [s, l] : curve_.train) losses.push_back({s, l});
+  for (const auto& [s, l] : curve_.val) vals.push_back({s, l});
+  return {{"step", step},
+          {"data", {{"next_micro_batch", step * T_.grad_accum}, {"seed", cfg_.job.seed}}},
+          {"lr_scheduler", {{"next_step", step}, {"lr", schedule_.lr_at(step)}}},
+          {"model", json::parse(tools::model_to_json(cfg_))},
+          {"config", tools::to_toml(cfg_)},
+          {"losses", losses},
+          {"val_losses", vals}};
+}
 
-  auto start = Clock::now();
-  auto window_start = start;
-  int64_t window_tokens = 0;
-  double last_val = NAN;
-  for (int64_t step = 0; step < T.steps; ++step) {
-    double lr = schedule.lr_at(step);
-    opt->set_lr(lr);
-    double loss_sum = 0;
-    for (int64_t m = 0; m < T.grad_accum; ++m) {
-      auto [x, y] = train.batch(step * T.grad_accum + m, micro, 0, 1);
-      Tensor loss = nn::cross_entropy((*model)(x), y);
-      loss_sum += loss.item();
-      autograd::backward(loss * (1.0 / static_cast<double>(T.grad_accum)));
+void Trainer::save(int64_t step) {
+  auto t0 = Clock::now();
+  std::string dir = fsdp::save_checkpoint(out_path(cfg_, cfg_.checkpoint.folder), step, *model_, adamw_,
+                                          extra_state(step).dump(), static_cast<int>(cfg_.checkpoint.keep));
+  say(fmt::format("checkpoint: step {} -> {} ({:.2f} s)", step, dir, seconds_since(t0)));
+}
+
+int64_t Trainer::resume() {
+  std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
+  std::string dir = fsdp::latest_checkpoint(folder);
+  if (dir.empty()) {
+    say(fmt::format("resume: no complete checkpoint in {}; starting from step 0", folder));
+    return 0;
+  }
+  auto md = fsdp::load_checkpoint(dir, *model_, adamw_);
+  json extra = json::parse(md.extra_json);
+  TS_CHECK(extra.contains("data") && extra["data"].contains("next_micro_batch"),
+           "{}: not a tessera-train checkpoint (no data position)", dir);
+  TS_CHECK(extra["data"]["next_micro_batch"].get<int64_t>() == md.step * T_.grad_accum,
+           "{}: saved with another training.grad_accum; the data position cannot be mapped", dir);
+  for (const auto& p : extra.value("losses", json::array())) curve_.train.emplace_back(p[0], p[1]);
+  for (const auto& p : extra.value("val_losses", json::array())) curve_.val.emplace_back(p[0], p[1]);
+  if (!curve_.val.empty()) last_val_ = curve_.val.back().second;
+  say(fmt::format("resumed from {} (step {}, saved on {} rank(s), now {}{})", dir, md.step, md.world_size,
+                  world_, md.world_size == world_ ? "" : ": resharded"));
+  return md.step;
+}
+
+double Trainer::train_step(int64_t step) {
+  opt_->set_lr(schedule_.lr_at(step));
+  double loss_sum = 0;
+  for (int64_t m = 0; m < T_.grad_accum; ++m) {
+    // Gradients are reduced once, after the last micro-batch.
+    fsdp::set_requires_gradient_sync(*model_, m + 1 == T_.grad_accum);
+    auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, rank_, world_);
+    Tensor loss = nn::cross_entropy((*model_)(x), y);
+    loss_sum += loss.item();
+    autograd::backward(loss * (1.0 / static_cast<double>(T_.grad_accum)));
+  }
+  return all_reduce(loss_sum / static_cast<double>(T_.grad_accum), dist::ReduceOp::Avg);
+}
+
+double Trainer::evaluate() {
+  autograd::NoGradGuard no_grad;
+  model_->eval();
+  double total = 0;
+  for (int64_t i = 0; i < T_.eval_batches; ++i) {
+    auto [x, y] = val_->eval_batch(i, micro_global_);  // the same windows at any world size
+    Tensor lx = ops::contiguous(ops::narrow(x, 0, rank_ * micro_local_, micro_local_));
+    Tensor ly = ops::contiguous(ops::narrow(y, 0, rank_ * micro_local_, micro_local_));
+    total += nn::cross_entropy((*model_)(lx), ly).item();
+  }
+  model_->train();
+  return all_reduce(total / static_cast<double>(T_.eval_batches), dist::ReduceOp::Avg);
+}
+
+void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
+  double window = seconds_since(window_start_);
+  double waited = dist::total_wait_seconds() - window_wait_start_;
+  // Every rank takes part: peak memory and exposed communication are maxima over ranks.
+  double peak_mib = all_reduce(static_cast<double>(memory_stats().peak_bytes) / 1048576.0, dist::ReduceOp::Max);
+  double exposed = all_reduce(100.0 * waited / window, dist::ReduceOp::Max);
+  double tok_s = static_cast<double>(window_tokens_) / window;
+  double mfu = 100.0 * tok_s * flops_per_token_ / (cfg_.metrics.peak_tflops * 1e12);
+  if (rank_ == 0) {
+    say(fmt::format("step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
+                    "({:.0f}/rank) | MFU {:.1f}% | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
+                    step, T_.steps, loss, std::isnan(last_val_) ? "-     " : fmt::format("{:.4f}", last_val_),
+                    lr, gnorm, tok_s, tok_s / world_, mfu, peak_mib, exposed));
+    jsonl_->write(json{{"step", step},
+                       {"loss", loss},
+                       {"lr", lr},
+                       {"grad_norm", gnorm},
+                       {"tokens_per_s", tok_s},
+                       {"tokens_per_s_per_rank", tok_s / world_},
+                       {"mfu_pct", mfu},
+                       {"peak_mem_mib_max_rank", peak_mib},
+                       {"exposed_comm_pct_max_rank", exposed},
+                       {"ranks", world_}}
+                      .dump());
+  }
+  window_start_ = Clock::now();
+  window_tokens_ = 0;
+  window_wait_start_ = dist::total_wait_seconds();
+}
+
+int Trainer::run() {
+  const auto& M = cfg_.metrics;
+  progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off", dist::launched());
+  if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
+  jsonl_ = std::make_unique<tools::JsonlWriter>(rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "");
+  TS_CHECK(T_.batch_size % (T_.grad_accum * world_) == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({})", T_.batch_size,
+           T_.grad_accum, world_);
+  TS_CHECK(!cfg_.checkpoint.enable || cfg_.optimizer.name == "adamw",
+           "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
+  micro_global_ = T_.batch_size / T_.grad_accum;
+  micro_local_ = micro_global_ / world_;
+  auto trace_steps = tools::trace_steps(cfg_);
+
+  auto [train_tokens, val_tokens] = load_data(cfg_);
+  for (const auto* toks : {&train_tokens, &val_tokens})
+    for (uint16_t t : *toks)
+      TS_CHECK(t < cfg_.model.vocab_size, "token {} in the data is outside model.vocab_size {}", t,
+               cfg_.model.vocab_size);
+  baseline_ = data::unigram_baseline(train_tokens, val_tokens, cfg_.model.vocab_size);
+  train_ = std::make_unique<data::Loader>(std::move(train_tokens), T_.seq_len, static_cast<uint64_t>(cfg_.job.seed));
+  val_ = std::make_unique<data::Loader>(std::move(val_tokens), T_.seq_len, static_cast<uint64_t>(cfg_.job.seed));
+  curve_.baseline = baseline_;
+
+  build_model();
+  build_optimizer();
+  auto [rep, shard] = tools::mesh_shape(cfg_, world_);
+  say(fmt::format("model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
+                  "param {} reduce {}",
+                  cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
+                  rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard)
+                          : fmt::format("FSDP over {}", shard),
+                  num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
+  say(fmt::format("data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "
+                  "per micro-batch) | unigram baseline {:.4f}",
+                  train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
+                  micro_local_, baseline_));
+
+  int64_t start = cfg_.checkpoint.resume ? resume() : 0;
+  auto run_start = Clock::now();
+  window_start_ = run_start;
+  window_wait_start_ = dist::total_wait_seconds();
+  for (int64_t step = start; step < T_.steps; ++step) {
+    maybe_die(step);
+    bool tracing = std::find(trace_steps.begin(), trace_steps.end(), step + 1) != trace_steps.end();
+    if (tracing) trace::enable(true);
+    double loss = train_step(step);
+    double gnorm = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
+                                   : nn::grad_norm(model_->parameters());
+    opt_->step();
+    opt_->zero_grad();
+    if (tracing) {
+      trace::enable(false);
+      auto spans = trace::take();
+      std::string path = out_path(cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
+      if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
+      trace::write_chrome_trace(path, spans);
+      auto s = trace::summarize(spans);
+      say(fmt::format("trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
+                      "all-gather {:.1f} ms, reduce-scatter {:.1f} ms, exposed {:.1f} ms",
+                      step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
+                      s.exposed_us / 1e3));
     }
-    double gnorm = T.max_norm > 0 ? nn::clip_grad_norm_(model->parameters(), T.max_norm)
-                                  : nn::grad_norm(model->parameters());
-    opt->step();
-    opt->zero_grad();
-    window_tokens += tokens_per_step;
-    double loss = loss_sum / static_cast<double>(T.grad_accum);
     TS_CHECK(std::isfinite(loss), "training diverged at step {}: loss is {}", step + 1, loss);
-    bool last = step + 1 == T.steps;
-    if ((step + 1) % T.eval_interval == 0 || last)
-      last_val = evaluate(*model, val, T.eval_batches, micro);
-    if ((step + 1) % cfg.metrics.log_interval == 0 || last || step == 0) {
-      auto now = Clock::now();
-      double window = std::chrono::duration<double>(now - window_start).count();
-      double elapsed = std::chrono::duration<double>(now - start).count();
-      double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(T.steps - step - 1);
-      std::printf("step %5lld/%lld | loss %.4f | val %.4f | lr %.2e | grad norm %.3f | %6.0f tok/s | "
-                  "peak mem %.0f MiB | eta %s\n",
-                  static_cast<long long>(step + 1), static_cast<long long>(T.steps), loss, last_val, lr,
-                  gnorm, static_cast<double>(window_tokens) / window,
-                  static_cast<double>(memory_stats().peak_bytes) / 1048576.0, format_duration(eta).c_str());
-      std::fflush(stdout);
-      window_start = now;
-      window_tokens = 0;
+    curve_.train.emplace_back(step + 1, loss);
+    window_tokens_ += T_.batch_size * T_.seq_len;
+    bool last = step + 1 == T_.steps;
+    if ((step + 1) % T_.eval_interval == 0 || last) {
+      last_val_ = evaluate();
+      curve_.val.emplace_back(step + 1, last_val_);
+      if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
     }
+    if ((step + 1) % M.log_interval == 0 || last || step == start) {
+      log_line(step + 1, loss, schedule_.lr_at(step), gnorm);
+    } else if (rank_ == 0) {
+      double elapsed = seconds_since(run_start);
+      double done = static_cast<double>(step + 1 - start);
+      progress_->update(step + 1, loss, done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
+                        elapsed / done * static_cast<double>(T_.steps - step - 1));
+    }
+    if (cfg_.checkpoint.enable && ((step + 1) % cfg_.checkpoint.interval == 0 || last)) save(step + 1);
   }
-  double total = std::chrono::duration<double>(Clock::now() - start).count();
-  std::printf("done: %lld steps in %s | validation loss %.4f vs unigram baseline %.4f (%.1f%% lower)\n",
-              static_cast<long long>(T.steps), format_duration(total).c_str(), last_val, baseline,
-              100.0 * (baseline - last_val) / baseline);
+  finish(seconds_since(run_start));
+  return 0;
+}
 
-  if (cfg.sample.max_new_tokens > 0) {
+void Trainer::finish(double total_s) {
+  if (T_.steps > 0 && !curve_.train.empty()) {
+    double gain = 100.0 * (baseline_ - last_val_) / baseline_;
+    say(fmt::format("done: {} steps in {} | validation loss {:.4f} vs unigram baseline {:.4f} ({:.1f}% {})",
+                    T_.steps, tools::format_duration(total_s), last_val_, baseline_, std::abs(gain),
+                    gain >= 0 ? "lower" : "higher: not learning yet"));
+  }
+  if (!cfg_.checkpoint.export_safetensors.empty()) {
+    std::string path = out_path(cfg_, cfg_.checkpoint.export_safetensors);
+    if (rank_ == 0 && fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
+    fsdp::save_safetensors(*model_, path, {{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}},
+                           dtype_of(cfg_.checkpoint.export_dtype));
+    say(fmt::format("exported the model to {} ({})", path, cfg_.checkpoint.export_dtype));
+  }
+  if (rank_ == 0) {
+    if (!cfg_.metrics.plot.empty() && !curve_.train.empty()) {
+      std::string png = out_path(cfg_, cfg_.metrics.plot);
+      std::string title = cfg_.job.name;
+      std::replace(title.begin(), title.end(), '\'', ' ');
+      std::string why = tools::plot_loss_png(curve_, png, title + ": loss");
+      say(why.empty() ? fmt::format("loss curve -> {}", png) : fmt::format("note: {}", why));
+    }
+    jsonl_->write(json{{"summary",
+                        {{"steps", T_.steps},
+                         {"seconds", total_s},
+                         {"final_loss", curve_.train.empty() ? NAN : curve_.train.back().second},
+                         {"val_loss", last_val_},
+                         {"unigram_baseline", baseline_},
+                         {"ranks", world_}}}}
+                      .dump());
+  }
+  if (cfg_.sample.max_new_tokens > 0) {
+    // Every rank runs the same forward passes (FSDP gathers collectively) and
+    // draws the same tokens from the same seed; rank 0 prints them.
     std::vector<int64_t> prompt;
-    for (unsigned char ch : cfg.sample.prompt) prompt.push_back(ch);
-    std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s", cfg.sample.temperature,
-                static_cast<long long>(cfg.sample.top_k), cfg.sample.prompt.c_str());
-    nn::generate(*model, prompt,
-                 {cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k,
-                  static_cast<uint64_t>(cfg.job.seed)},
-                 [](int64_t t) {
+    for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
+    if (rank_ == 0) {
+      progress_->finish();
+      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s", cfg_.sample.temperature,
+                  static_cast<long long>(cfg_.sample.top_k), cfg_.sample.prompt.c_str());
+    }
+    nn::generate(*model_, prompt,
+                 {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
+                  static_cast<uint64_t>(cfg_.job.seed)},
+                 [&](int64_t t) {
+                   if (rank_ != 0) return;
                    std::putchar(static_cast<int>(t));
                    std::fflush(stdout);
                  });
-    std::printf("\n---\n");
+    if (rank_ == 0) std::printf("\n---\n");
   }
-  return 0;
+  progress_->finish();
+}
+
+// OpenMP/BLAS threads per rank: the cores of this node shared by its ranks,
+// unless OMP_NUM_THREADS says otherwise.
+void set_threads_per_rank() {
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
+  int local = 1;
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
+  else if (const char* s2 = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s2));
+  int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  set_num_threads(std::max(1, cores / local));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  tools::TrainConfig cfg;
+  bool parsed = false;
   try {
-    return run(argc, argv);
+    dist::init(argc, argv);
+    set_threads_per_rank();
+    // Every rank parses the same arguments; only rank 0 reports a mistake.
+    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
+    tools::validate(cfg);
+    parsed = true;
+    return Trainer(cfg).run();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
-    return 2;
+    if (!parsed) {
+      if (dist::rank() == 0) std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
+      return 2;
+    }
+    std::string msg = fmt::format("error: {}", e.what());
+    if (dist::world_size() > 1) dist::abort("tessera-train: " + msg, 1);  // ends every rank
+    std::fprintf(stderr, "tessera-train: %s\n", msg.c_str());
+    return 1;
   }
 }

@@ -1,5 +1,6 @@
 #include "runtime/mpi/engine.h"
 
+#include <atomic>
 #include <cstdio>
 #include <future>
 
@@ -77,11 +78,17 @@ std::string Collective::describe() const {
                      fmt::join(group->global_ranks, ", "));
 }
 
+std::atomic<int64_t> g_wait_ns{0};
+
 void Collective::wait() {
   if (!done.load(std::memory_order_acquire)) {
     trace::Scope waiting(trace::Lane::Wait, "wait");
-    auto deadline = Clock::now() + timeout();
-    if (!Engine::get().wait_for(*this, deadline)) {
+    auto start = Clock::now();
+    auto deadline = start + timeout();
+    bool completed = Engine::get().wait_for(*this, deadline);
+    g_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+                        std::memory_order_relaxed);
+    if (!completed) {
       group->broken_reason = fmt::format("{} timed out", describe());
       group->broken = true;
       throw Error(fmt::format(
@@ -355,3 +362,7 @@ bool Engine::test(const std::shared_ptr<Collective>& op) {
 }
 
 }  // namespace tessera::dist::detail
+
+namespace tessera::dist {
+double total_wait_seconds() { return static_cast<double>(detail::g_wait_ns.load()) * 1e-9; }
+}  // namespace tessera::dist
