@@ -1,7 +1,7 @@
 #include "tools/config.h"
 
-#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -13,7 +13,10 @@ namespace tessera::tools {
 namespace {
 
 ConfigKey int_key(const std::string& name, int64_t& v, const std::string& help) {
-  return {name, "int", help, {},
+  return {name,
+          "int",
+          help,
+          {},
           [&v, name](const std::string& s) {
             size_t used = 0;
             long long x = 0;
@@ -22,14 +25,18 @@ ConfigKey int_key(const std::string& name, int64_t& v, const std::string& help) 
             } catch (const std::exception&) {
               used = 0;
             }
-            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects an integer, got '{}'", name, s);
+            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects an integer, got '{}'",
+                     name, s);
             v = x;
           },
           [&v] { return std::to_string(v); }};
 }
 
 ConfigKey float_key(const std::string& name, double& v, const std::string& help) {
-  return {name, "float", help, {},
+  return {name,
+          "float",
+          help,
+          {},
           [&v, name](const std::string& s) {
             size_t used = 0;
             double x = 0;
@@ -38,25 +45,35 @@ ConfigKey float_key(const std::string& name, double& v, const std::string& help)
             } catch (const std::exception&) {
               used = 0;
             }
-            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects a number, got '{}'", name, s);
+            TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects a number, got '{}'",
+                     name, s);
             v = x;
           },
           [&v] { return fmt::format("{}", v); }};
 }
 
 ConfigKey bool_key(const std::string& name, bool& v, const std::string& help) {
-  return {name, "bool", help, {"true", "false"},
+  return {name,
+          "bool",
+          help,
+          {"true", "false"},
           [&v, name](const std::string& s) {
-            if (s == "true" || s == "1") v = true;
-            else if (s == "false" || s == "0") v = false;
-            else TS_CHECK(false, "config key '{}' expects true or false, got '{}'", name, s);
+            if (s == "true" || s == "1")
+              v = true;
+            else if (s == "false" || s == "0")
+              v = false;
+            else
+              TS_CHECK(false, "config key '{}' expects true or false, got '{}'", name, s);
           },
           [&v] { return std::string(v ? "true" : "false"); }};
 }
 
 ConfigKey string_key(const std::string& name, std::string& v, const std::string& help,
                      std::vector<std::string> choices = {}) {
-  return {name, "string", help, choices,
+  return {name,
+          "string",
+          help,
+          choices,
           [&v, name, choices](const std::string& s) {
             if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
               TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s,
@@ -112,17 +129,22 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       int_key("model.ffn_hidden", c.model.ffn_hidden, "MLP hidden size (0 = default for arch)"),
       float_key("model.dropout", c.model.dropout, "dropout probability"),
       bool_key("model.bias", c.model.bias, "biases in Linear and LayerNorm (gpt2)"),
-      bool_key("model.tie_embeddings", c.model.tie_embeddings, "lm_head shares the token embedding"),
+      bool_key("model.tie_embeddings", c.model.tie_embeddings,
+               "lm_head shares the token embedding"),
       int_key("training.batch_size", c.training.batch_size, "global batch in sequences"),
       int_key("training.seq_len", c.training.seq_len, "sequence length (the model's block size)"),
       int_key("training.steps", c.training.steps, "optimizer steps"),
       int_key("training.grad_accum", c.training.grad_accum, "micro-batches per step"),
       float_key("training.max_norm", c.training.max_norm, "gradient clipping norm (0 = off)"),
-      string_key("training.dataset", c.training.dataset, "data source", {"fortunes", "text", "shards"}),
+      string_key("training.dataset", c.training.dataset, "data source",
+                 {"fortunes", "text", "shards"}),
       string_key("training.text", c.training.text, "text file (dataset = text)"),
-      string_key("training.train_shard", c.training.train_shard, "llm.c train shard (dataset = shards)"),
-      string_key("training.val_shard", c.training.val_shard, "llm.c validation shard (dataset = shards)"),
-      string_key("training.data_dir", c.training.data_dir, "where prepared token shards are cached"),
+      string_key("training.train_shard", c.training.train_shard,
+                 "llm.c train shard (dataset = shards)"),
+      string_key("training.val_shard", c.training.val_shard,
+                 "llm.c validation shard (dataset = shards)"),
+      string_key("training.data_dir", c.training.data_dir,
+                 "where prepared token shards are cached"),
       int_key("training.eval_interval", c.training.eval_interval, "steps between validation runs"),
       int_key("training.eval_batches", c.training.eval_batches, "batches per validation run"),
       string_key("optimizer.name", c.optimizer.name, "optimizer", {"adamw", "sgd"}),
@@ -130,13 +152,16 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       float_key("optimizer.beta1", c.optimizer.beta1, "AdamW beta1"),
       float_key("optimizer.beta2", c.optimizer.beta2, "AdamW beta2"),
       float_key("optimizer.eps", c.optimizer.eps, "AdamW epsilon"),
-      float_key("optimizer.weight_decay", c.optimizer.weight_decay, "weight decay (2-D weights only)"),
+      float_key("optimizer.weight_decay", c.optimizer.weight_decay,
+                "weight decay (2-D weights only)"),
       float_key("optimizer.momentum", c.optimizer.momentum, "SGD momentum"),
       int_key("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, "linear warmup steps"),
-      float_key("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, "final lr / peak lr (cosine)"),
+      float_key("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio,
+                "final lr / peak lr (cosine)"),
       int_key("parallelism.data_parallel_shard_degree", c.parallelism.data_parallel_shard_degree,
               "ranks each parameter is sharded over (-1 = world / replicate degree)"),
-      int_key("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree,
+      int_key("parallelism.data_parallel_replicate_degree",
+              c.parallelism.data_parallel_replicate_degree,
               "replica groups (> 1: HSDP on a 2-D mesh)"),
       bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
                "free gathered parameters after forward (false: keep them for backward)"),
@@ -147,17 +172,22 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("activation_checkpoint.mode", c.activation_checkpoint.mode,
                  "recompute blocks in backward", {"none", "full"}),
       bool_key("checkpoint.enable", c.checkpoint.enable, "save distributed checkpoints"),
-      string_key("checkpoint.folder", c.checkpoint.folder, "checkpoint folder (inside job.dump_folder)"),
-      int_key("checkpoint.interval", c.checkpoint.interval, "steps between checkpoints (and one at the end)"),
+      string_key("checkpoint.folder", c.checkpoint.folder,
+                 "checkpoint folder (inside job.dump_folder)"),
+      int_key("checkpoint.interval", c.checkpoint.interval,
+              "steps between checkpoints (and one at the end)"),
       int_key("checkpoint.keep", c.checkpoint.keep, "newest checkpoints kept (0 = all)"),
-      bool_key("checkpoint.resume", c.checkpoint.resume, "continue from the newest complete checkpoint"),
+      bool_key("checkpoint.resume", c.checkpoint.resume,
+               "continue from the newest complete checkpoint"),
       string_key("checkpoint.export_safetensors", c.checkpoint.export_safetensors,
                  "at the end, export the model to this .safetensors file (inside job.dump_folder)"),
       string_key("checkpoint.export_dtype", c.checkpoint.export_dtype, "dtype of the export",
                  {"float32", "bfloat16"}),
       int_key("metrics.log_interval", c.metrics.log_interval, "steps between log lines"),
-      string_key("metrics.jsonl", c.metrics.jsonl, "JSONL metrics file (inside job.dump_folder; empty = off)"),
-      string_key("metrics.plot", c.metrics.plot, "loss-curve PNG at the end (needs gnuplot; empty = off)"),
+      string_key("metrics.jsonl", c.metrics.jsonl,
+                 "JSONL metrics file (inside job.dump_folder; empty = off)"),
+      string_key("metrics.plot", c.metrics.plot,
+                 "loss-curve PNG at the end (needs gnuplot; empty = off)"),
       float_key("metrics.peak_tflops", c.metrics.peak_tflops,
                 "peak TFLOP/s of all the job's hardware, for MFU"),
       string_key("metrics.progress", c.metrics.progress,
@@ -165,8 +195,10 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  {"auto", "on", "off"}),
       string_key("profiling.trace_steps", c.profiling.trace_steps,
                  "steps to trace, e.g. \"10,11\" (Chrome/Perfetto JSON, all ranks in one file)"),
-      string_key("profiling.trace_folder", c.profiling.trace_folder, "trace folder (inside job.dump_folder)"),
-      int_key("sample.max_new_tokens", c.sample.max_new_tokens, "tokens generated after training (0 = none)"),
+      string_key("profiling.trace_folder", c.profiling.trace_folder,
+                 "trace folder (inside job.dump_folder)"),
+      int_key("sample.max_new_tokens", c.sample.max_new_tokens,
+              "tokens generated after training (0 = none)"),
       float_key("sample.temperature", c.sample.temperature, "sampling temperature (0 = greedy)"),
       int_key("sample.top_k", c.sample.top_k, "sample from the k most likely tokens (0 = all)"),
       string_key("sample.prompt", c.sample.prompt, "prompt for the sample"),
@@ -220,17 +252,24 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
   auto keys = config_keys(cfg);
   for (auto& [section, node] : table) {
     const toml::table* sec = node.as_table();
-    TS_CHECK(sec != nullptr, "config file '{}': '{}' must be a [section]", path, std::string(section.str()));
+    TS_CHECK(sec != nullptr, "config file '{}': '{}' must be a [section]", path,
+             std::string(section.str()));
     for (auto& [key, value] : *sec) {
       std::string name = std::string(section.str()) + "." + std::string(key.str());
       ConfigKey& k = find_key(keys, name);
       std::string text;
-      if (auto s = value.value<std::string>(); s && value.is_string()) text = *s;
-      else if (value.is_integer()) text = std::to_string(*value.value<int64_t>());
-      else if (value.is_floating_point()) text = fmt::format("{}", *value.value<double>());
-      else if (value.is_boolean()) text = *value.value<bool>() ? "true" : "false";
-      else TS_CHECK(false, "config file '{}': key '{}' has an unsupported value type", path, name);
-      TS_CHECK(k.type != "string" || value.is_string(), "config file '{}': key '{}' expects a string", path, name);
+      if (auto s = value.value<std::string>(); s && value.is_string())
+        text = *s;
+      else if (value.is_integer())
+        text = std::to_string(*value.value<int64_t>());
+      else if (value.is_floating_point())
+        text = fmt::format("{}", *value.value<double>());
+      else if (value.is_boolean())
+        text = *value.value<bool>() ? "true" : "false";
+      else
+        TS_CHECK(false, "config file '{}': key '{}' has an unsupported value type", path, name);
+      TS_CHECK(k.type != "string" || value.is_string(),
+               "config file '{}': key '{}' expects a string", path, name);
       k.set(text);
     }
   }
@@ -242,19 +281,23 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       if (!print) return false;
-      std::printf("usage: %s [--preset NAME] [--config FILE.toml] [--section.key VALUE ...]\n\n", program.c_str());
+      std::printf("usage: %s [--preset NAME] [--config FILE.toml] [--section.key VALUE ...]\n\n",
+                  program.c_str());
       std::printf("presets:\n");
-      for (const auto& p : presets()) std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
+      for (const auto& p : presets())
+        std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
       std::printf("\nkeys (default value):\n");
       for (const auto& k : keys) {
         std::string choices;
-        if (!k.choices.empty() && k.type == "string") choices = fmt::format(" [{}]", fmt::join(k.choices, "|"));
+        if (!k.choices.empty() && k.type == "string")
+          choices = fmt::format(" [{}]", fmt::join(k.choices, "|"));
         std::printf("  --%-30s %-7s %s%s (%s)\n", k.name.c_str(), k.type.c_str(), k.help.c_str(),
                     choices.c_str(), k.get().c_str());
       }
       return false;
     }
-    TS_CHECK(arg.rfind("--", 0) == 0, "unexpected argument '{}' (options look like --section.key value)", arg);
+    TS_CHECK(arg.rfind("--", 0) == 0,
+             "unexpected argument '{}' (options look like --section.key value)", arg);
     std::string name = arg.substr(2), value;
     size_t eq = name.find('=');
     if (eq != std::string::npos) {
@@ -267,7 +310,8 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
     if (name == "config") {
       load_toml(cfg, value);
     } else if (name == "preset") {
-      auto it = std::find_if(presets().begin(), presets().end(), [&](const Preset& p) { return p.name == value; });
+      auto it = std::find_if(presets().begin(), presets().end(),
+                             [&](const Preset& p) { return p.name == value; });
       if (it == presets().end()) {
         std::vector<std::string> names;
         for (const auto& p : presets()) names.push_back(p.name);
@@ -282,30 +326,44 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
 }
 
 void validate(const TrainConfig& c) {
-  TS_CHECK(c.model.n_embd % c.model.n_head == 0, "model.n_embd ({}) must be divisible by model.n_head ({})",
-           c.model.n_embd, c.model.n_head);
+  TS_CHECK(c.model.n_embd % c.model.n_head == 0,
+           "model.n_embd ({}) must be divisible by model.n_head ({})", c.model.n_embd,
+           c.model.n_head);
   TS_CHECK(c.training.batch_size > 0 && c.training.seq_len > 0 && c.training.steps >= 0,
            "training.batch_size, training.seq_len must be positive and training.steps >= 0");
   TS_CHECK(c.training.grad_accum > 0 && c.training.batch_size % c.training.grad_accum == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({})", c.training.batch_size,
-           c.training.grad_accum);
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({})",
+           c.training.batch_size, c.training.grad_accum);
   TS_CHECK(c.model.vocab_size >= 256 || c.training.dataset != "fortunes",
            "model.vocab_size ({}) must be at least 256 for byte tokens", c.model.vocab_size);
-  TS_CHECK(c.training.dataset != "text" || !c.training.text.empty(), "training.dataset = text needs training.text");
-  TS_CHECK(c.training.dataset != "shards" || (!c.training.train_shard.empty() && !c.training.val_shard.empty()),
+  TS_CHECK(c.training.dataset != "text" || !c.training.text.empty(),
+           "training.dataset = text needs training.text");
+  TS_CHECK(c.training.dataset != "shards" ||
+               (!c.training.train_shard.empty() && !c.training.val_shard.empty()),
            "training.dataset = shards needs training.train_shard and training.val_shard");
   TS_CHECK(c.optimizer.lr > 0, "optimizer.lr must be positive, got {}", c.optimizer.lr);
   TS_CHECK(c.metrics.log_interval > 0, "metrics.log_interval must be positive");
   TS_CHECK(c.metrics.peak_tflops > 0, "metrics.peak_tflops must be positive");
-  TS_CHECK(c.checkpoint.interval > 0, "checkpoint.interval must be positive, got {}", c.checkpoint.interval);
+  TS_CHECK(c.checkpoint.interval > 0, "checkpoint.interval must be positive, got {}",
+           c.checkpoint.interval);
   TS_CHECK(c.checkpoint.keep >= 0, "checkpoint.keep must be >= 0, got {}", c.checkpoint.keep);
   TS_CHECK(c.parallelism.data_parallel_replicate_degree >= 1,
            "parallelism.data_parallel_replicate_degree must be >= 1, got {}",
            c.parallelism.data_parallel_replicate_degree);
-  TS_CHECK(c.parallelism.data_parallel_shard_degree == -1 || c.parallelism.data_parallel_shard_degree >= 1,
+  TS_CHECK(c.parallelism.data_parallel_shard_degree == -1 ||
+               c.parallelism.data_parallel_shard_degree >= 1,
            "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
            c.parallelism.data_parallel_shard_degree);
   trace_steps(c);  // parses
+}
+
+void validate_for_world(const TrainConfig& c, int world_size) {
+  mesh_shape(c, world_size);
+  TS_CHECK(c.training.batch_size % (c.training.grad_accum * world_size) == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({})",
+           c.training.batch_size, c.training.grad_accum, world_size);
+  TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
+           "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
 }
 
 std::vector<int64_t> trace_steps(const TrainConfig& c) {
@@ -323,7 +381,9 @@ std::vector<int64_t> trace_steps(const TrainConfig& c) {
       used = 0;
     }
     TS_CHECK(used == item.size() && !item.empty() && v >= 1,
-             "profiling.trace_steps expects step numbers >= 1 separated by commas (e.g. \"10,11\"), got '{}'", s);
+             "profiling.trace_steps expects step numbers >= 1 separated by commas (e.g. "
+             "\"10,11\"), got '{}'",
+             s);
     out.push_back(v);
     if (end == std::string::npos) break;
     at = end + 1;
@@ -336,13 +396,13 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
   int64_t shard = c.parallelism.data_parallel_shard_degree;
   if (shard == -1) {
     TS_CHECK(world_size % rep == 0,
-             "parallelism.data_parallel_replicate_degree ({}) must divide the number of ranks ({})", rep,
-             world_size);
+             "parallelism.data_parallel_replicate_degree ({}) must divide the number of ranks ({})",
+             rep, world_size);
     shard = world_size / rep;
   }
   TS_CHECK(rep * shard == world_size,
-           "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep, shard,
-           rep * shard, world_size);
+           "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep,
+           shard, rep * shard, world_size);
   return {rep, shard};
 }
 
@@ -382,7 +442,10 @@ std::string to_toml(TrainConfig& cfg) {
       std::string esc;
       for (char ch : v) {
         if (ch == '"' || ch == '\\') esc += '\\';
-        if (ch == '\n') { esc += "\\n"; continue; }
+        if (ch == '\n') {
+          esc += "\\n";
+          continue;
+        }
         esc += ch;
       }
       v = "\"" + esc + "\"";

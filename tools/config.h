@@ -35,8 +35,8 @@ struct TrainConfig {
     int64_t batch_size = 16;  // global batch, in sequences
     int64_t seq_len = 128;
     int64_t steps = 600;
-    int64_t grad_accum = 1;  // micro-batches per step
-    double max_norm = 1.0;   // gradient clipping (0: off)
+    int64_t grad_accum = 1;            // micro-batches per step
+    double max_norm = 1.0;             // gradient clipping (0: off)
     std::string dataset = "fortunes";  // fortunes | text | shards
     std::string text = "";             // dataset = text: a text file to train on
     std::string train_shard = "";      // dataset = shards: llm.c token shards
@@ -59,7 +59,7 @@ struct TrainConfig {
     double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   } lr_scheduler;
   struct Parallelism {
-    int64_t data_parallel_shard_degree = -1;    // ranks a parameter is sharded over (-1: the rest)
+    int64_t data_parallel_shard_degree = -1;     // ranks a parameter is sharded over (-1: the rest)
     int64_t data_parallel_replicate_degree = 1;  // > 1: HSDP, a 2-D (replicate, shard) mesh
     bool reshard_after_forward = true;           // false: ZeRO-2 style, no all-gather in backward
   } parallelism;
@@ -76,7 +76,8 @@ struct TrainConfig {
     int64_t interval = 200;             // steps between checkpoints (and one at the end)
     int64_t keep = 2;                   // newest complete checkpoints kept (0: all)
     bool resume = false;                // continue from the newest complete checkpoint
-    std::string export_safetensors = "";  // at the end: write the model here (inside dump_folder unless absolute)
+    std::string export_safetensors =
+        "";  // at the end: write the model here (inside dump_folder unless absolute)
     std::string export_dtype = "float32";
   } checkpoint;
   struct Metrics {
@@ -84,10 +85,11 @@ struct TrainConfig {
     std::string jsonl = "metrics.jsonl";  // inside dump_folder ("" = off)
     std::string plot = "loss.png";        // loss curve at the end ("" = off; needs gnuplot)
     double peak_tflops = 0.2;             // the job's peak for MFU: all ranks' hardware together
-    std::string progress = "auto";        // auto | on | off: the progress bar (auto: a terminal, no launcher)
+    std::string progress =
+        "auto";  // auto | on | off: the progress bar (auto: a terminal, no launcher)
   } metrics;
   struct Profiling {
-    std::string trace_steps = "";     // e.g. "10,11": Chrome/Perfetto traces of those steps
+    std::string trace_steps = "";         // e.g. "10,11": Chrome/Perfetto traces of those steps
     std::string trace_folder = "traces";  // inside dump_folder
   } profiling;
   struct Sample {
@@ -103,7 +105,7 @@ struct ConfigKey {
   std::string name;  // "training.steps"
   std::string type;  // int | float | bool | string
   std::string help;
-  std::vector<std::string> choices;  // strings: the valid values (empty: any)
+  std::vector<std::string> choices;             // strings: the valid values (empty: any)
   std::function<void(const std::string&)> set;  // parses and assigns, throws naming the key
   std::function<std::string()> get;
 };
@@ -122,9 +124,12 @@ void load_toml(TrainConfig& cfg, const std::string& path);
 // Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
 // `--section.key=value`, in order. Returns false when --help was asked (after
 // printing it when `print`: under mpirun only rank 0 prints).
-bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program, bool print = true);
+bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program,
+                bool print = true);
 // Checks cross-key consistency (e.g. n_embd divisible by n_head).
 void validate(const TrainConfig& cfg);
+// Checks what depends on the number of ranks (mesh degrees, batch split).
+void validate_for_world(const TrainConfig& cfg, int world_size);
 // The steps named by profiling.trace_steps (1-based), validated.
 std::vector<int64_t> trace_steps(const TrainConfig& cfg);
 // The data-parallel mesh {replicate, shard} for world_size ranks (-1 resolved).

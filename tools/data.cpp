@@ -60,8 +60,8 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
   int32_t header[256] = {};
   header[0] = kShardMagic;
   header[1] = kShardVersion;
-  TS_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), "write_shard: {} tokens exceed the format's limit",
-           tokens.size());
+  TS_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX),
+           "write_shard: {} tokens exceed the format's limit", tokens.size());
   header[2] = static_cast<int32_t>(tokens.size());
   std::string tmp = path + ".tmp";
   {
@@ -80,18 +80,20 @@ std::vector<uint16_t> read_shard(const std::string& path) {
   TS_CHECK(in.good(), "token shard '{}' does not exist or cannot be read", path);
   int32_t header[256];
   in.read(reinterpret_cast<char*>(header), sizeof(header));
-  TS_CHECK(in.gcount() == sizeof(header), "token shard '{}' is truncated: {} bytes, header needs {}",
-           path, in.gcount(), sizeof(header));
-  TS_CHECK(header[0] == kShardMagic, "token shard '{}' has magic {} (expected {}): not an llm.c token shard",
-           path, header[0], kShardMagic);
-  TS_CHECK(header[1] == kShardVersion, "token shard '{}' has version {} (this reader supports {})", path,
-           header[1], kShardVersion);
+  TS_CHECK(in.gcount() == sizeof(header),
+           "token shard '{}' is truncated: {} bytes, header needs {}", path, in.gcount(),
+           sizeof(header));
+  TS_CHECK(header[0] == kShardMagic,
+           "token shard '{}' has magic {} (expected {}): not an llm.c token shard", path, header[0],
+           kShardMagic);
+  TS_CHECK(header[1] == kShardVersion, "token shard '{}' has version {} (this reader supports {})",
+           path, header[1], kShardVersion);
   TS_CHECK(header[2] >= 0, "token shard '{}' has a negative token count {}", path, header[2]);
   std::vector<uint16_t> tokens(static_cast<size_t>(header[2]));
   in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 2));
   TS_CHECK(static_cast<size_t>(in.gcount()) == tokens.size() * 2,
-           "token shard '{}' is truncated: header promises {} tokens, file holds {}", path, header[2],
-           in.gcount() / 2);
+           "token shard '{}' is truncated: header promises {} tokens, file holds {}", path,
+           header[2], in.gcount() / 2);
   return tokens;
 }
 
@@ -104,27 +106,31 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
   std::string val = (fs::path(dir) / (name + "_val.bin")).string();
   std::vector<uint16_t> tokens = encode_bytes(read_text_files(files));
   size_t n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
-  TS_CHECK(n_val > 0 && n_val < tokens.size(), "corpus of {} tokens is too small to split", tokens.size());
+  TS_CHECK(n_val > 0 && n_val < tokens.size(), "corpus of {} tokens is too small to split",
+           tokens.size());
   write_shard(val, std::vector<uint16_t>(tokens.end() - static_cast<long>(n_val), tokens.end()));
-  write_shard(train, std::vector<uint16_t>(tokens.begin(), tokens.end() - static_cast<long>(n_val)));
+  write_shard(train,
+              std::vector<uint16_t>(tokens.begin(), tokens.end() - static_cast<long>(n_val)));
   return {train, val};
 }
 
 Loader::Loader(std::vector<uint16_t> tokens, int64_t seq_len, uint64_t seed)
     : tokens_(std::move(tokens)), seq_len_(seq_len), seed_(seed) {
   TS_CHECK(seq_len > 0, "loader: seq_len must be positive, got {}", seq_len);
-  TS_CHECK(num_tokens() > seq_len + 1, "loader: {} tokens are too few for windows of {}", num_tokens(),
-           seq_len + 1);
+  TS_CHECK(num_tokens() > seq_len + 1, "loader: {} tokens are too few for windows of {}",
+           num_tokens(), seq_len + 1);
 }
 
-std::pair<Tensor, Tensor> Loader::batch(int64_t step, int64_t local_batch, int rank, int world) const {
+std::pair<Tensor, Tensor> Loader::batch(int64_t step, int64_t local_batch, int rank,
+                                        int world) const {
   std::vector<int64_t> x(static_cast<size_t>(local_batch * seq_len_)), y(x.size());
   uint64_t span = static_cast<uint64_t>(num_tokens() - seq_len_ - 1);
   int64_t global = local_batch * world;
   for (int64_t i = 0; i < local_batch; ++i) {
     uint64_t sample = static_cast<uint64_t>(step * global + rank * local_batch + i);
-    auto r = philox4x32({static_cast<uint32_t>(sample), static_cast<uint32_t>(sample >> 32), 0x6c6f6164u, 0},
-                        {static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)});
+    auto r = philox4x32(
+        {static_cast<uint32_t>(sample), static_cast<uint32_t>(sample >> 32), 0x6c6f6164u, 0},
+        {static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)});
     uint64_t start = ((static_cast<uint64_t>(r[0]) << 32) | r[1]) % (span + 1);
     for (int64_t t = 0; t < seq_len_; ++t) {
       x[static_cast<size_t>(i * seq_len_ + t)] = tokens_[start + static_cast<uint64_t>(t)];

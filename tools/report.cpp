@@ -64,7 +64,8 @@ void JsonlWriter::write(const std::string& json_object) {
   std::fflush(f_);
 }
 
-std::string plot_loss_png(const LossCurve& curve, const std::string& png_path, const std::string& title) {
+std::string plot_loss_png(const LossCurve& curve, const std::string& png_path,
+                          const std::string& title) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0)
     return "gnuplot is not installed (Debian: gnuplot-nox); no loss curve";
   std::string data = png_path + ".dat";
@@ -81,21 +82,24 @@ std::string plot_loss_png(const LossCurve& curve, const std::string& png_path, c
       "set xlabel 'step'\nset ylabel 'loss (nats/token)'\nset grid\nset key top right\n"
       "plot '{dat}' index 0 using 1:2 with lines lw 1 lc rgb '#4477aa' title 'train'{val}{base}\n",
       fmt::arg("png", png_path), fmt::arg("title", title), fmt::arg("dat", data),
-      fmt::arg("val", curve.val.empty()
-                          ? std::string()
-                          : fmt::format(", '{}' index 1 using 1:2 with linespoints lw 2 pt 7 lc rgb "
-                                        "'#cc6677' title 'validation'",
-                                        data)),
-      fmt::arg("base", curve.baseline > 0
-                           ? fmt::format(", {} with lines dt 2 lc rgb '#888888' title 'unigram baseline'",
-                                         curve.baseline)
-                           : std::string()));
+      fmt::arg("val",
+               curve.val.empty()
+                   ? std::string()
+                   : fmt::format(", '{}' index 1 using 1:2 with linespoints lw 2 pt 7 lc rgb "
+                                 "'#cc6677' title 'validation'",
+                                 data)),
+      fmt::arg("base",
+               curve.baseline > 0
+                   ? fmt::format(", {} with lines dt 2 lc rgb '#888888' title 'unigram baseline'",
+                                 curve.baseline)
+                   : std::string()));
   std::FILE* gp = ::popen("gnuplot 2>&1", "w");
   if (gp == nullptr) return "could not start gnuplot";
   std::fputs(script.c_str(), gp);
   int rc = ::pclose(gp);
   std::filesystem::remove(data);
-  if (rc != 0 || !std::filesystem::exists(png_path)) return fmt::format("gnuplot failed (exit {})", rc);
+  if (rc != 0 || !std::filesystem::exists(png_path))
+    return fmt::format("gnuplot failed (exit {})", rc);
   return "";
 }
 

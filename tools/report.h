@@ -48,6 +48,7 @@ struct LossCurve {
   double baseline = 0;  // drawn as a horizontal line when > 0
 };
 // Writes a PNG with gnuplot. Returns "" on success or why it could not (no gnuplot).
-std::string plot_loss_png(const LossCurve& curve, const std::string& png_path, const std::string& title);
+std::string plot_loss_png(const LossCurve& curve, const std::string& png_path,
+                          const std::string& title);
 
 }  // namespace tessera::tools

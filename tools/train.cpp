@@ -51,7 +51,9 @@ std::string out_path(const tools::TrainConfig& c, const std::string& p) {
   return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
 }
 
-DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF16 : DType::F32; }
+DType dtype_of(const std::string& name) {
+  return name == "bfloat16" ? DType::BF16 : DType::F32;
+}
 
 nn::TransformerConfig model_config(const tools::TrainConfig& c) {
   nn::TransformerConfig m;
@@ -92,7 +94,8 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
     std::string error;
     if (dist::rank() == 0 && (!fs::exists(train_path) || !fs::exists(val_path))) {
       try {
-        auto files = text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
+        auto files =
+            text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
         std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(),
                     train_path.c_str(), val_path.c_str());
         data::prepare_text_dataset(files, c.training.data_dir, name);
@@ -165,13 +168,17 @@ void Trainer::build_model() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   mesh_ = rep > 1 ? init_device_mesh("cpu", {rep, shard}, {"dp_replicate", "dp_shard"})
                   : init_device_mesh("cpu", {shard}, {"dp_shard"});
-  if (cfg_.model.arch == "llama") model_ = std::make_shared<nn::Llama>(mcfg, Device::meta());
-  else model_ = std::make_shared<nn::GPT>(mcfg, Device::meta());
+  if (cfg_.model.arch == "llama")
+    model_ = std::make_shared<nn::Llama>(mcfg, Device::meta());
+  else
+    model_ = std::make_shared<nn::GPT>(mcfg, Device::meta());
   fsdp::FullyShardOptions opt{
       .mesh = mesh_,
-      // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in backward)
-      .reshard_after_forward = cfg_.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
-                                                                       : fsdp::ReshardAfterForward{false},
+      // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in
+      // backward)
+      .reshard_after_forward = cfg_.parallelism.reshard_after_forward
+                                   ? fsdp::ReshardAfterForward{}
+                                   : fsdp::ReshardAfterForward{false},
       .mp_policy = {.param_dtype = dtype_of(cfg_.mixed_precision.param_dtype),
                     .reduce_dtype = dtype_of(cfg_.mixed_precision.reduce_dtype)}};
   for (auto& block : model_->blocks) fsdp::fully_shard(*block, opt);
@@ -200,7 +207,8 @@ void Trainer::build_optimizer() {
     adamw_ = adamw.get();
     opt_ = std::move(adamw);
   }
-  schedule_ = {o.lr, o.lr * cfg_.lr_scheduler.min_lr_ratio, cfg_.lr_scheduler.warmup_steps, T_.steps};
+  schedule_ = {o.lr, o.lr * cfg_.lr_scheduler.min_lr_ratio, cfg_.lr_scheduler.warmup_steps,
+               T_.steps};
 }
 
 json Trainer::extra_state(int64_t step) {
@@ -218,8 +226,9 @@ json Trainer::extra_state(int64_t step) {
 
 void Trainer::save(int64_t step) {
   auto t0 = Clock::now();
-  std::string dir = fsdp::save_checkpoint(out_path(cfg_, cfg_.checkpoint.folder), step, *model_, adamw_,
-                                          extra_state(step).dump(), static_cast<int>(cfg_.checkpoint.keep));
+  std::string dir =
+      fsdp::save_checkpoint(out_path(cfg_, cfg_.checkpoint.folder), step, *model_, adamw_,
+                            extra_state(step).dump(), static_cast<int>(cfg_.checkpoint.keep));
   say(fmt::format("checkpoint: step {} -> {} ({:.2f} s)", step, dir, seconds_since(t0)));
 }
 
@@ -237,10 +246,11 @@ int64_t Trainer::resume() {
   TS_CHECK(extra["data"]["next_micro_batch"].get<int64_t>() == md.step * T_.grad_accum,
            "{}: saved with another training.grad_accum; the data position cannot be mapped", dir);
   for (const auto& p : extra.value("losses", json::array())) curve_.train.emplace_back(p[0], p[1]);
-  for (const auto& p : extra.value("val_losses", json::array())) curve_.val.emplace_back(p[0], p[1]);
+  for (const auto& p : extra.value("val_losses", json::array()))
+    curve_.val.emplace_back(p[0], p[1]);
   if (!curve_.val.empty()) last_val_ = curve_.val.back().second;
-  say(fmt::format("resumed from {} (step {}, saved on {} rank(s), now {}{})", dir, md.step, md.world_size,
-                  world_, md.world_size == world_ ? "" : ": resharded"));
+  say(fmt::format("resumed from {} (step {}, saved on {} rank(s), now {}{})", dir, md.step,
+                  md.world_size, world_, md.world_size == world_ ? "" : ": resharded"));
   return md.step;
 }
 
@@ -276,26 +286,29 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   double window = seconds_since(window_start_);
   double waited = dist::total_wait_seconds() - window_wait_start_;
   // Every rank takes part: peak memory and exposed communication are maxima over ranks.
-  double peak_mib = all_reduce(static_cast<double>(memory_stats().peak_bytes) / 1048576.0, dist::ReduceOp::Max);
+  double peak_mib =
+      all_reduce(static_cast<double>(memory_stats().peak_bytes) / 1048576.0, dist::ReduceOp::Max);
   double exposed = all_reduce(100.0 * waited / window, dist::ReduceOp::Max);
   double tok_s = static_cast<double>(window_tokens_) / window;
   double mfu = 100.0 * tok_s * flops_per_token_ / (cfg_.metrics.peak_tflops * 1e12);
   if (rank_ == 0) {
-    say(fmt::format("step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
-                    "({:.0f}/rank) | MFU {:.1f}% | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
-                    step, T_.steps, loss, std::isnan(last_val_) ? "-     " : fmt::format("{:.4f}", last_val_),
-                    lr, gnorm, tok_s, tok_s / world_, mfu, peak_mib, exposed));
-    jsonl_->write(json{{"step", step},
-                       {"loss", loss},
-                       {"lr", lr},
-                       {"grad_norm", gnorm},
-                       {"tokens_per_s", tok_s},
-                       {"tokens_per_s_per_rank", tok_s / world_},
-                       {"mfu_pct", mfu},
-                       {"peak_mem_mib_max_rank", peak_mib},
-                       {"exposed_comm_pct_max_rank", exposed},
-                       {"ranks", world_}}
-                      .dump());
+    say(fmt::format(
+        "step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
+        "({:.0f}/rank) | MFU {:.1f}% | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
+        step, T_.steps, loss, std::isnan(last_val_) ? "-     " : fmt::format("{:.4f}", last_val_),
+        lr, gnorm, tok_s, tok_s / world_, mfu, peak_mib, exposed));
+    jsonl_->write(json{
+        {"step", step},
+        {"loss", loss},
+        {"lr", lr},
+        {"grad_norm", gnorm},
+        {"tokens_per_s", tok_s},
+        {"tokens_per_s_per_rank", tok_s / world_},
+        {"mfu_pct", mfu},
+        {"peak_mem_mib_max_rank", peak_mib},
+        {"exposed_comm_pct_max_rank", exposed},
+        {"ranks",
+         world_}}.dump());
   }
   window_start_ = Clock::now();
   window_tokens_ = 0;
@@ -304,14 +317,11 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
 
 int Trainer::run() {
   const auto& M = cfg_.metrics;
-  progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off", dist::launched());
+  progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off",
+                                                dist::launched());
   if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
-  jsonl_ = std::make_unique<tools::JsonlWriter>(rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "");
-  TS_CHECK(T_.batch_size % (T_.grad_accum * world_) == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({})", T_.batch_size,
-           T_.grad_accum, world_);
-  TS_CHECK(!cfg_.checkpoint.enable || cfg_.optimizer.name == "adamw",
-           "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
+  jsonl_ = std::make_unique<tools::JsonlWriter>(
+      rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "");
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / world_;
   auto trace_steps = tools::trace_steps(cfg_);
@@ -322,23 +332,27 @@ int Trainer::run() {
       TS_CHECK(t < cfg_.model.vocab_size, "token {} in the data is outside model.vocab_size {}", t,
                cfg_.model.vocab_size);
   baseline_ = data::unigram_baseline(train_tokens, val_tokens, cfg_.model.vocab_size);
-  train_ = std::make_unique<data::Loader>(std::move(train_tokens), T_.seq_len, static_cast<uint64_t>(cfg_.job.seed));
-  val_ = std::make_unique<data::Loader>(std::move(val_tokens), T_.seq_len, static_cast<uint64_t>(cfg_.job.seed));
+  train_ = std::make_unique<data::Loader>(std::move(train_tokens), T_.seq_len,
+                                          static_cast<uint64_t>(cfg_.job.seed));
+  val_ = std::make_unique<data::Loader>(std::move(val_tokens), T_.seq_len,
+                                        static_cast<uint64_t>(cfg_.job.seed));
   curve_.baseline = baseline_;
 
   build_model();
   build_optimizer();
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
-  say(fmt::format("model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
-                  "param {} reduce {}",
-                  cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
-                  rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard)
-                          : fmt::format("FSDP over {}", shard),
-                  num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
-  say(fmt::format("data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "
-                  "per micro-batch) | unigram baseline {:.4f}",
-                  train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
-                  micro_local_, baseline_));
+  say(fmt::format(
+      "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
+      "param {} reduce {}",
+      cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
+      rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard)
+              : fmt::format("FSDP over {}", shard),
+      num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
+  say(fmt::format(
+      "data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "
+      "per micro-batch) | unigram baseline {:.4f}",
+      train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
+      micro_local_, baseline_));
 
   int64_t start = cfg_.checkpoint.resume ? resume() : 0;
   auto run_start = Clock::now();
@@ -356,14 +370,16 @@ int Trainer::run() {
     if (tracing) {
       trace::enable(false);
       auto spans = trace::take();
-      std::string path = out_path(cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
+      std::string path = out_path(
+          cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
       if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
       trace::write_chrome_trace(path, spans);
       auto s = trace::summarize(spans);
-      say(fmt::format("trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
-                      "all-gather {:.1f} ms, reduce-scatter {:.1f} ms, exposed {:.1f} ms",
-                      step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
-                      s.exposed_us / 1e3));
+      say(fmt::format(
+          "trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
+          "all-gather {:.1f} ms, reduce-scatter {:.1f} ms, exposed {:.1f} ms",
+          step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
+          s.exposed_us / 1e3));
     }
     TS_CHECK(std::isfinite(loss), "training diverged at step {}: loss is {}", step + 1, loss);
     curve_.train.emplace_back(step + 1, loss);
@@ -379,10 +395,12 @@ int Trainer::run() {
     } else if (rank_ == 0) {
       double elapsed = seconds_since(run_start);
       double done = static_cast<double>(step + 1 - start);
-      progress_->update(step + 1, loss, done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
+      progress_->update(step + 1, loss,
+                        done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
                         elapsed / done * static_cast<double>(T_.steps - step - 1));
     }
-    if (cfg_.checkpoint.enable && ((step + 1) % cfg_.checkpoint.interval == 0 || last)) save(step + 1);
+    if (cfg_.checkpoint.enable && ((step + 1) % cfg_.checkpoint.interval == 0 || last))
+      save(step + 1);
   }
   finish(seconds_since(run_start));
   return 0;
@@ -391,14 +409,17 @@ int Trainer::run() {
 void Trainer::finish(double total_s) {
   if (T_.steps > 0 && !curve_.train.empty()) {
     double gain = 100.0 * (baseline_ - last_val_) / baseline_;
-    say(fmt::format("done: {} steps in {} | validation loss {:.4f} vs unigram baseline {:.4f} ({:.1f}% {})",
-                    T_.steps, tools::format_duration(total_s), last_val_, baseline_, std::abs(gain),
-                    gain >= 0 ? "lower" : "higher: not learning yet"));
+    say(fmt::format(
+        "done: {} steps in {} | validation loss {:.4f} vs unigram baseline {:.4f} ({:.1f}% {})",
+        T_.steps, tools::format_duration(total_s), last_val_, baseline_, std::abs(gain),
+        gain >= 0 ? "lower" : "higher: not learning yet"));
   }
   if (!cfg_.checkpoint.export_safetensors.empty()) {
     std::string path = out_path(cfg_, cfg_.checkpoint.export_safetensors);
-    if (rank_ == 0 && fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
-    fsdp::save_safetensors(*model_, path, {{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}},
+    if (rank_ == 0 && fs::path(path).has_parent_path())
+      fs::create_directories(fs::path(path).parent_path());
+    fsdp::save_safetensors(*model_, path,
+                           {{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}},
                            dtype_of(cfg_.checkpoint.export_dtype));
     say(fmt::format("exported the model to {} ({})", path, cfg_.checkpoint.export_dtype));
   }
@@ -447,8 +468,10 @@ void Trainer::finish(double total_s) {
 void set_threads_per_rank() {
   if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
   int local = 1;
-  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
-  else if (const char* s2 = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s2));
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    local = std::max(1, std::atoi(s));
+  else if (const char* s2 = std::getenv("SLURM_NTASKS_PER_NODE"))
+    local = std::max(1, std::atoi(s2));
   int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   set_num_threads(std::max(1, cores / local));
 }
@@ -464,6 +487,7 @@ int main(int argc, char** argv) {
     // Every rank parses the same arguments; only rank 0 reports a mistake.
     if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
     tools::validate(cfg);
+    tools::validate_for_world(cfg, dist::world_size());
     parsed = true;
     return Trainer(cfg).run();
   } catch (const std::exception& e) {

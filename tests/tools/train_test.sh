@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# End-to-end tests of the command-line tools on the tiny preset:
+#   tessera-train at 1, 2 and 4 ranks (and a 2x2 HSDP mesh): the loss falls,
+#     and every rank count gives the same losses (f32 tolerance);
+#   resume from a checkpoint equals the straight run (bitwise at the same
+#     rank count, f32 tolerance on another);
+#   traces, JSONL metrics, the loss curve, the safetensors export;
+#   config errors name the key; a killed rank ends the job with an error,
+#     not a hang;
+#   tessera-generate is deterministic and produces the asked number of tokens;
+#   tessera-ckpt lists and converts; tessera-data prepares and checks shards.
+set -euo pipefail
+bin=$1      # build/tools
+work=$2
+rm -rf "$work"
+mkdir -p "$work"
+cd "$work"
+mpi=(mpirun --oversubscribe --allow-run-as-root --bind-to none)
+fail() { echo "FAIL: $*" >&2; exit 1; }
+tiny=(--preset tiny --training.steps 40 --metrics.log_interval 10 --training.data_dir "$work/data"
+      --sample.max_new_tokens 0 --metrics.progress off)
+train() { local np=$1; shift; "${mpi[@]}" -np "$np" "$bin/tessera-train" "${tiny[@]}" "$@"; }
+# The logged losses of a run, one per line (full precision, from the JSONL file).
+losses() { python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "loss" in r: print(r["step"], repr(r["loss"]))' "$1/metrics.jsonl"; }
+# Same steps, losses equal within a relative tolerance.
+close() { python3 -c '
+import sys
+a = [l.split() for l in open(sys.argv[1])]; b = [l.split() for l in open(sys.argv[2])]
+assert [x[0] for x in a] == [x[0] for x in b], (a, b)
+bad = [(x, y) for x, y in zip(a, b) if abs(float(x[1]) - float(y[1])) > float(sys.argv[3]) * abs(float(x[1]))]
+sys.exit("differ: %s" % bad if bad else 0)' "$1" "$2" "$3"; }
+
+echo "== training at 1, 2, 4 ranks and on a 2x2 HSDP mesh"
+"$bin/tessera-train" "${tiny[@]}" --job.dump_folder w1 --profiling.trace_steps 3 > w1.log
+train 2 --job.dump_folder w2 > w2.log
+train 4 --job.dump_folder w4 --profiling.trace_steps 3,4 --checkpoint.export_safetensors model.safetensors > w4.log
+train 4 --job.dump_folder hsdp --parallelism.data_parallel_replicate_degree 2 > hsdp.log
+for d in w1 w2 w4 hsdp; do losses $d > $d.losses; done
+cat w1.losses
+python3 -c '
+import sys
+l = [float(x.split()[1]) for x in open("w1.losses")]
+sys.exit(0 if l[-1] < l[0] - 1.5 else "loss did not fall: %s" % l)'
+cmp w1.losses w2.losses || fail "1 and 2 ranks should give bitwise equal losses"
+close w1.losses w4.losses 1e-5 || fail "4 ranks drifted from 1 rank"
+close w1.losses hsdp.losses 1e-5 || fail "HSDP drifted from 1 rank"
+grep -q "FSDP over 4" w4.log || fail "w4 run did not report its mesh"
+grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
+grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
+python3 -c '
+import json
+rows = [json.loads(l) for l in open("w4/metrics.jsonl")]
+keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu_pct",
+        "peak_mem_mib_max_rank", "exposed_comm_pct_max_rank"}
+logged = [r for r in rows if "loss" in r]
+assert logged and all(keys <= set(r) for r in logged), logged[0]
+assert any("val_loss" in r for r in rows) and "summary" in rows[-1], rows[-1]
+trace = json.load(open("w4/traces/step-4.json"))
+events = trace["traceEvents"] if isinstance(trace, dict) else trace
+pids = {e.get("pid") for e in events}
+names = json.dumps(events)
+assert len(pids - {None}) >= 4, pids
+assert "all-gather" in names or "all_gather" in names, "no all-gather lane"
+assert "reduce" in names, "no reduce-scatter lane"
+print("metrics and trace OK:", len(events), "trace events from", len(pids), "ranks")'
+[[ -f w1/traces/step-3.json ]] || fail "no trace from the 1-rank run"
+if command -v gnuplot >/dev/null; then
+  [[ $(head -c 4 w4/loss.png | od -An -c | tr -d ' ') == '211PNG' ]] || fail "loss.png is not a PNG"
+fi
+
+echo "== resume equals straight-through"
+train 2 --job.dump_folder straight --checkpoint.enable true --checkpoint.interval 20 --checkpoint.keep 0 > straight.log
+losses straight > straight.losses
+for np in 2 4; do
+  rm -rf "r$np" && mkdir -p "r$np/checkpoint"
+  cp -r straight/checkpoint/step-00000020 "r$np/checkpoint/"
+  train $np --job.dump_folder "r$np" --checkpoint.enable true --checkpoint.interval 20 --checkpoint.resume true > "r$np.log"
+  grep -q "resumed from" "r$np.log" || fail "run at $np ranks did not resume"
+  losses "r$np" > "r$np.losses"
+  grep -E '^(30|40) ' straight.losses > straight.tail
+  grep -E '^(30|40) ' "r$np.losses" > "r$np.tail"
+done
+cmp straight.tail r2.tail || fail "resume at the same rank count is not bitwise equal"
+close straight.tail r4.tail 1e-5 || fail "resume on 4 ranks drifted beyond f32 rounding"
+grep -q "resharded" r4.log || fail "resume on 4 ranks did not say it resharded"
+echo "resume: bitwise at 2 ranks, within 1e-5 at 4"
+
+echo "== config errors"
+expect_error() {
+  local want=$1; shift
+  if out=$("$@" 2>&1); then fail "expected an error for: $*"; fi
+  [[ $out == *"$want"* ]] || fail "expected '$want' in: $out"
+}
+expect_error "unknown config key 'training.stepz' (did you mean 'training.steps'?)" "$bin/tessera-train" --training.stepz 5
+expect_error "config key 'training.steps' expects an integer, got 'many'" "$bin/tessera-train" --training.steps many
+expect_error "config key 'model.arch' has no choice 'gpt5' (valid: gpt2, llama)" "$bin/tessera-train" --model.arch gpt5
+expect_error "unknown preset 'huge'" "$bin/tessera-train" --preset huge
+expect_error "must be a multiple of training.grad_accum (1) x ranks (3)" "${mpi[@]}" -np 3 "$bin/tessera-train" "${tiny[@]}"
+expect_error "replicate degree 3 x shard degree 1 = 3 ranks, but the job has 2" \
+  "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --parallelism.data_parallel_replicate_degree 3 \
+  --parallelism.data_parallel_shard_degree 1
+echo "config errors named"
+
+echo "== a killed rank ends the job"
+start=$(date +%s)
+if TESSERA_TEST_KILL=1:5 TESSERA_COLLECTIVE_TIMEOUT=20 timeout 120 "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" \
+    --job.dump_folder killed > killed.log 2>&1; then
+  fail "the job with a killed rank exited 0"
+fi
+elapsed=$(( $(date +%s) - start ))
+[[ $elapsed -lt 100 ]] || fail "the job took ${elapsed}s to end (a hang?)"
+grep -qiE "killing itself|exited on signal|did not complete|aborting|error" killed.log || fail "no error message: $(cat killed.log)"
+echo "killed rank: the job ended with an error in ${elapsed}s"
+
+echo "== Ctrl-C in the middle of checkpointing leaves nothing partial"
+"${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --training.steps 100000 --checkpoint.enable true \
+  --checkpoint.interval 1 --checkpoint.keep 3 --job.dump_folder interrupted > interrupted.log 2>&1 &
+pid=$!
+for _ in $(seq 100); do [[ -e interrupted/checkpoint/latest ]] && break; sleep 0.1; done
+sleep 1
+kill -INT $pid
+wait $pid && fail "the interrupted run exited 0" || true
+latest=$(cat interrupted/checkpoint/latest)
+for d in interrupted/checkpoint/step-*; do
+  [[ $d == *.tmp || -f $d/metadata.json ]] || fail "$d is incomplete but not marked .tmp"
+done
+[[ -f interrupted/checkpoint/$latest/metadata.json ]] || fail "latest names an incomplete checkpoint"
+step=$((10#${latest#step-}))
+"${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --training.steps $((step + 3)) --checkpoint.enable true \
+  --checkpoint.resume true --job.dump_folder interrupted > resumed.log
+grep -q "resumed from .*$latest" resumed.log || fail "did not resume from $latest"
+echo "interrupted at $latest; every directory complete or .tmp; resumed"
+
+echo "== tessera-generate"
+g1=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_tokens 37 --job.seed 7 2>/dev/null | od -An -tx1)
+g2=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_tokens 37 --job.seed 7 2>/dev/null | od -An -tx1)
+g3=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_tokens 37 --job.seed 8 2>/dev/null | od -An -tx1)
+[[ "$g1" == "$g2" ]] || fail "the same seed gave different text"
+[[ "$g1" != "$g3" ]] || fail "another seed gave the same text"
+n=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_tokens 37 --sample.prompt "Q: " 2>/dev/null | wc -c)
+[[ $n == $((3 + 37 + 1)) ]] || fail "expected 3 + 37 + 1 bytes, got $n"
+from_ckpt=$("$bin/tessera-generate" --checkpoint straight/checkpoint --sample.max_new_tokens 20 2>/dev/null | od -An -tx1)
+[[ -n "$from_ckpt" ]] || fail "generate from a sharded checkpoint printed nothing"
+echo "generate: deterministic, 37 tokens"
+
+echo "== tessera-ckpt"
+"$bin/tessera-ckpt" list straight/checkpoint > ckpt-list.txt
+head -3 ckpt-list.txt
+grep -q "saved by 2 rank(s)" ckpt-list.txt || fail "list does not show the saving world size"
+grep -q "transformer.h.1.mlp.c_fc.weight" ckpt-list.txt || fail "list lacks a tensor"
+"$bin/tessera-ckpt" to-safetensors straight/checkpoint conv.safetensors
+"$bin/tessera-ckpt" from-safetensors conv.safetensors conv-ckpt
+a=$("$bin/tessera-generate" --checkpoint straight/checkpoint --sample.max_new_tokens 30 2>/dev/null | od -An -tx1)
+b=$("$bin/tessera-generate" --checkpoint conv.safetensors --sample.max_new_tokens 30 2>/dev/null | od -An -tx1)
+c=$("$bin/tessera-generate" --checkpoint conv-ckpt --sample.max_new_tokens 30 2>/dev/null | od -An -tx1)
+[[ "$a" == "$b" && "$a" == "$c" ]] || fail "converted checkpoints generate different text"
+expect_error "holds no complete checkpoint" "$bin/tessera-ckpt" list w1
+echo "ckpt: list and both conversions agree"
+
+echo "== tessera-data"
+printf 'The quick brown fox jumps over the lazy dog.\n%.0s' {1..200} > book.txt
+"$bin/tessera-data" prepare --out shards --name book book.txt
+"$bin/tessera-data" info shards/book_train.bin | grep -q "byte tokens" || fail "info"
+"$bin/tessera-train" "${tiny[@]}" --training.steps 5 --training.dataset shards \
+  --training.train_shard shards/book_train.bin --training.val_shard shards/book_val.bin --job.dump_folder book > book.log
+head -c 600 shards/book_train.bin > short.bin
+expect_error "is truncated" "$bin/tessera-data" info short.bin
+expect_error "is truncated" "$bin/tessera-train" "${tiny[@]}" --training.dataset shards \
+  --training.train_shard short.bin --training.val_shard shards/book_val.bin
+expect_error "does not exist" "$bin/tessera-data" info missing.bin
+echo "train_test: all passed"

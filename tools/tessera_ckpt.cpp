@@ -1,0 +1,184 @@
+// tessera-ckpt: inspects and converts checkpoints (one process, any size of
+// the run that saved them).
+//
+//   tessera-ckpt list PATH
+//       PATH: a checkpoint directory (step-N), a checkpoint folder (its newest
+//       complete checkpoint) or a .safetensors file. Every tensor with dtype,
+//       shape, placements, chunks and size; the step, world size and stored
+//       model configuration.
+//   tessera-ckpt to-safetensors CHECKPOINT OUT.safetensors [--dtype bfloat16] [--with-optimizer]
+//       The model (and optionally the AdamW state) as one safetensors file,
+//       assembled tensor by tensor (memory: one tensor at a time).
+//   tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N]
+//       A checkpoint (one rank's file) that tessera-train resumes from or
+//       loads onto any number of ranks.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint.h"
+#include "nn/safetensors.h"
+
+using namespace tessera;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+int usage() {
+  std::fprintf(
+      stderr,
+      "usage: tessera-ckpt list PATH\n"
+      "       tessera-ckpt to-safetensors CHECKPOINT OUT.safetensors [--dtype float32|bfloat16] "
+      "[--with-optimizer]\n"
+      "       tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N]\n");
+  return 2;
+}
+
+// A checkpoint directory from a directory or a folder of checkpoints.
+std::string checkpoint_dir(const std::string& path) {
+  TS_CHECK(fs::is_directory(path), "'{}' is neither a checkpoint directory nor a .safetensors file",
+           path);
+  if (fs::exists(fs::path(path) / "metadata.json")) return path;
+  std::string latest = fsdp::latest_checkpoint(path);
+  TS_CHECK(!latest.empty(), "'{}' holds no complete checkpoint (no step-N/metadata.json)", path);
+  return latest;
+}
+
+std::string human_bytes(double b) {
+  if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
+  if (b >= 1e6) return fmt::format("{:.2f} MB", b / 1e6);
+  if (b >= 1e3) return fmt::format("{:.1f} kB", b / 1e3);
+  return fmt::format("{} B", b);
+}
+
+bool is_safetensors(const std::string& path) {
+  return fs::path(path).extension() == ".safetensors" && fs::is_regular_file(path);
+}
+
+int list(const std::string& path) {
+  if (is_safetensors(path)) {
+    nn::SafetensorsFile f(path);
+    double total = 0;
+    std::printf("%s: safetensors, %zu tensors\n", path.c_str(), f.entries().size());
+    for (const auto& [k, v] : f.metadata())
+      std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+    for (const auto& e : f.entries()) {
+      double bytes = static_cast<double>(e.end - e.begin);
+      total += bytes;
+      std::printf("  %-52s %-5s %-16s %10s\n", e.name.c_str(), nn::safetensors_dtype(e.dtype),
+                  shape_str(e.shape).c_str(), human_bytes(bytes).c_str());
+    }
+    std::printf("total %s\n", human_bytes(total).c_str());
+    return 0;
+  }
+  std::string dir = checkpoint_dir(path);
+  auto md = fsdp::read_metadata(dir);
+  std::printf("%s: step %lld, saved by %d rank(s), %zu tensors\n", dir.c_str(),
+              static_cast<long long>(md.step), md.world_size, md.tensors.size());
+  json extra = json::parse(md.extra_json);
+  if (extra.contains("model")) std::printf("  model %s\n", extra["model"].dump().c_str());
+  double model_bytes = 0, optim_bytes = 0;
+  for (const auto& t : md.tensors) {
+    double bytes =
+        static_cast<double>(shape_numel(t.shape)) * static_cast<double>(dtype_size(t.dtype));
+    (t.name.rfind("optim.", 0) == 0 ? optim_bytes : model_bytes) += bytes;
+    std::printf("  %-52s %-5s %-16s %-12s %3zu chunk(s) %10s\n", t.name.c_str(),
+                dtype_name(t.dtype), shape_str(t.shape).c_str(), t.placements.c_str(),
+                t.chunks.size(), human_bytes(bytes).c_str());
+  }
+  std::printf("model %s, optimizer %s\n", human_bytes(model_bytes).c_str(),
+              human_bytes(optim_bytes).c_str());
+  return 0;
+}
+
+int to_safetensors(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() >= 2, "to-safetensors needs CHECKPOINT and OUT.safetensors");
+  std::string dir = checkpoint_dir(args[0]), out = args[1];
+  std::optional<DType> dtype;
+  bool with_optimizer = false;
+  for (size_t i = 2; i < args.size(); ++i) {
+    if (args[i] == "--with-optimizer") {
+      with_optimizer = true;
+    } else if (args[i] == "--dtype" && i + 1 < args.size()) {
+      std::string d = args[++i];
+      TS_CHECK(d == "float32" || d == "bfloat16", "--dtype expects float32 or bfloat16, got '{}'",
+               d);
+      dtype = d == "bfloat16" ? DType::BF16 : DType::F32;
+    } else {
+      TS_CHECK(false, "unknown option '{}' (valid: --dtype, --with-optimizer)", args[i]);
+    }
+  }
+  auto md = fsdp::read_metadata(dir);
+  std::vector<const fsdp::TensorInfo*> chosen;
+  std::vector<nn::SafetensorsEntry> entries;
+  uint64_t offset = 0;
+  auto out_dtype = [&](DType dt) { return dtype && is_floating(dt) ? *dtype : dt; };
+  for (const auto& t : md.tensors) {
+    if (!with_optimizer && t.name.rfind("optim.", 0) == 0) continue;
+    uint64_t bytes = static_cast<uint64_t>(shape_numel(t.shape)) * dtype_size(out_dtype(t.dtype));
+    entries.push_back({t.name, out_dtype(t.dtype), t.shape, offset, offset + bytes});
+    offset += bytes;
+    chosen.push_back(&t);
+  }
+  std::map<std::string, std::string> meta{{"format", "pt"},
+                                          {"tessera_step", std::to_string(md.step)}};
+  json extra = json::parse(md.extra_json);
+  if (extra.contains("model")) meta["tessera_model"] = extra["model"].dump();
+  nn::write_safetensors(
+      out, entries,
+      [&](size_t i) { return ops::to(fsdp::read_full_tensor(dir, *chosen[i]), entries[i].dtype); },
+      meta);
+  std::printf("%s -> %s: %zu tensors, %s\n", dir.c_str(), out.c_str(), entries.size(),
+              human_bytes(static_cast<double>(offset)).c_str());
+  return 0;
+}
+
+int from_safetensors(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() >= 2, "from-safetensors needs IN.safetensors and OUT_FOLDER");
+  int64_t step = 0;
+  for (size_t i = 2; i < args.size(); ++i) {
+    TS_CHECK(args[i] == "--step" && i + 1 < args.size(), "unknown option '{}' (valid: --step N)",
+             args[i]);
+    step = std::stoll(args[++i]);
+  }
+  nn::SafetensorsFile f(args[0]);
+  nn::StateDict tensors;
+  for (const auto& e : f.entries()) tensors.emplace_back(e.name, f.read(e.name));
+  json extra = {{"step", step}, {"source", args[0]}};
+  // At step 0 tessera-train can start from it (--checkpoint.resume true: fresh optimizer, data from
+  // the start).
+  if (step == 0) extra["data"] = {{"next_micro_batch", 0}};
+  if (auto it = f.metadata().find("tessera_model"); it != f.metadata().end())
+    extra["model"] = json::parse(it->second);
+  std::string dir = fsdp::save_checkpoint(args[1], step, tensors, extra.dump());
+  std::printf("%s -> %s: %zu tensors\n", args[0].c_str(), dir.c_str(), tensors.size());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") return usage();
+  try {
+    std::string cmd = args[0];
+    args.erase(args.begin());
+    if (cmd == "list" && args.size() == 1) return list(args[0]);
+    if (cmd == "to-safetensors") return to_safetensors(args);
+    if (cmd == "from-safetensors") return from_safetensors(args);
+    std::fprintf(stderr,
+                 "tessera-ckpt: unknown command or arguments '%s' (valid: list, to-safetensors, "
+                 "from-safetensors)\n",
+                 cmd.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera-ckpt: error: %s\n", e.what());
+    return 1;
+  }
+}

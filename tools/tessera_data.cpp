@@ -1,0 +1,113 @@
+// tessera-data: turns text into llm.c token shards and inspects shards.
+//
+//   tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...
+//       byte-level tokens of the files, concatenated; the last F (default 0.1)
+//       is validation: DIR/NAME_train.bin and DIR/NAME_val.bin
+//   tessera-data info SHARD...
+//       header, token count, token range and the first tokens as text
+//
+// Shards follow llm.c: a header of 256 int32 (magic 20240520, version 1,
+// token count) and then uint16 tokens, so shards made by llm.c's own scripts
+// (GPT-2 tokens: train with --model.vocab_size 50304) load as they are.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "runtime/check.h"
+#include "tools/data.h"
+
+using namespace tessera;
+namespace fs = std::filesystem;
+
+namespace {
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...\n"
+               "       tessera-data info SHARD...\n");
+  return 2;
+}
+
+int prepare(const std::vector<std::string>& args) {
+  std::string out = "data", name;
+  double val_fraction = 0.1;
+  std::vector<std::string> files;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto value = [&](const char* opt) {
+      TS_CHECK(i + 1 < args.size(), "{} needs a value", opt);
+      return args[++i];
+    };
+    if (args[i] == "--out")
+      out = value("--out");
+    else if (args[i] == "--name")
+      name = value("--name");
+    else if (args[i] == "--val-fraction") {
+      std::string v = value("--val-fraction");
+      size_t used = 0;
+      try {
+        val_fraction = std::stod(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      TS_CHECK(used == v.size() && val_fraction > 0 && val_fraction < 1,
+               "--val-fraction expects a number in (0, 1), got '{}'", v);
+    } else if (args[i].rfind("--", 0) == 0) {
+      TS_CHECK(false, "unknown option '{}' (valid: --out, --name, --val-fraction)", args[i]);
+    } else {
+      files.push_back(args[i]);
+    }
+  }
+  TS_CHECK(!files.empty(), "prepare needs at least one text file");
+  if (name.empty()) name = fs::path(files[0]).stem().string();
+  auto [train, val] = data::prepare_text_dataset(files, out, name, val_fraction);
+  std::printf("%s: %lld tokens\n%s: %lld tokens\n", train.c_str(),
+              static_cast<long long>(data::read_shard(train).size()), val.c_str(),
+              static_cast<long long>(data::read_shard(val).size()));
+  return 0;
+}
+
+int info(const std::vector<std::string>& shards) {
+  TS_CHECK(!shards.empty(), "info needs at least one shard");
+  for (const auto& path : shards) {
+    auto tokens = data::read_shard(path);
+    auto [lo, hi] = std::minmax_element(tokens.begin(), tokens.end());
+    std::printf("%s: llm.c shard version %d, %zu tokens (%.1f MB)", path.c_str(),
+                data::kShardVersion, tokens.size(), static_cast<double>(fs::file_size(path)) / 1e6);
+    if (tokens.empty()) {
+      std::printf("\n");
+      continue;
+    }
+    std::printf(", token ids %d..%d%s\n", *lo, *hi,
+                *hi < 256 ? " (byte tokens)" : " (needs a vocabulary > 256)");
+    if (*hi < 256) {
+      std::vector<int64_t> head(
+          tokens.begin(), tokens.begin() + static_cast<long>(std::min<size_t>(80, tokens.size())));
+      std::string text = data::decode_bytes(head);
+      for (char& c : text)
+        if (c == '\n' || c == '\t') c = ' ';
+      std::printf("  begins: \"%s\"\n", text.c_str());
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") return usage();
+  try {
+    std::string cmd = args[0];
+    args.erase(args.begin());
+    if (cmd == "prepare") return prepare(args);
+    if (cmd == "info") return info(args);
+    std::fprintf(stderr, "tessera-data: unknown command '%s' (valid: prepare, info)\n",
+                 cmd.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera-data: error: %s\n", e.what());
+    return 1;
+  }
+}
