@@ -46,11 +46,11 @@ void Progress::finish() {
   drawn_ = false;
 }
 
-JsonlWriter::JsonlWriter(const std::string& path) {
+JsonlWriter::JsonlWriter(const std::string& path, bool append) {
   if (path.empty()) return;
   auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  f_ = std::fopen(path.c_str(), "a");
+  f_ = std::fopen(path.c_str(), append ? "a" : "w");
   TS_CHECK(f_ != nullptr, "cannot open metrics file '{}'", path);
 }
 

@@ -32,7 +32,8 @@ class Progress {
 // Appends one JSON object per line; flushed after each, so a crashed run keeps its metrics.
 class JsonlWriter {
  public:
-  explicit JsonlWriter(const std::string& path);  // "" = off
+  // "" = off; append continues a resumed run's file, otherwise it starts empty.
+  JsonlWriter(const std::string& path, bool append);
   ~JsonlWriter();
   JsonlWriter(const JsonlWriter&) = delete;
   JsonlWriter& operator=(const JsonlWriter&) = delete;

@@ -160,7 +160,19 @@ class Trainer {
   Clock::time_point window_start_;
   int64_t window_tokens_ = 0;
   double window_wait_start_ = 0;
+  double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
   double last_val_ = NAN;
+
+  // Runs fn outside the throughput window: its time and its waits on
+  // collectives count in neither tokens/s nor exposed communication.
+  template <class Fn>
+  void outside_window(Fn&& fn) {
+    auto t0 = Clock::now();
+    double w0 = dist::total_wait_seconds();
+    fn();
+    excluded_s_ += seconds_since(t0);
+    excluded_wait_s_ += dist::total_wait_seconds() - w0;
+  }
 };
 
 void Trainer::build_model() {
@@ -283,8 +295,8 @@ double Trainer::evaluate() {
 }
 
 void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
-  double window = seconds_since(window_start_);
-  double waited = dist::total_wait_seconds() - window_wait_start_;
+  double window = seconds_since(window_start_) - excluded_s_;
+  double waited = dist::total_wait_seconds() - window_wait_start_ - excluded_wait_s_;
   // Every rank takes part: peak memory and exposed communication are maxima over ranks.
   double peak_mib =
       all_reduce(static_cast<double>(memory_stats().peak_bytes) / 1048576.0, dist::ReduceOp::Max);
@@ -313,6 +325,7 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   window_start_ = Clock::now();
   window_tokens_ = 0;
   window_wait_start_ = dist::total_wait_seconds();
+  excluded_s_ = excluded_wait_s_ = 0;
 }
 
 int Trainer::run() {
@@ -321,7 +334,15 @@ int Trainer::run() {
                                                 dist::launched());
   if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
   jsonl_ = std::make_unique<tools::JsonlWriter>(
-      rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "");
+      rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "", cfg_.checkpoint.resume);
+  if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
+    // Never mix two runs' checkpoints (the newer would shadow or prune the other).
+    std::string folder = out_path(cfg_, cfg_.checkpoint.folder), existing = fsdp::latest_checkpoint(folder);
+    TS_CHECK(existing.empty(),
+             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to continue it, "
+             "or choose another --checkpoint.folder or --job.dump_folder",
+             folder, fs::path(existing).filename().string());
+  }
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / world_;
   auto trace_steps = tools::trace_steps(cfg_);
@@ -373,7 +394,7 @@ int Trainer::run() {
       std::string path = out_path(
           cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
       if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
-      trace::write_chrome_trace(path, spans);
+      outside_window([&] { trace::write_chrome_trace(path, spans); });
       auto s = trace::summarize(spans);
       say(fmt::format(
           "trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
@@ -386,7 +407,7 @@ int Trainer::run() {
     window_tokens_ += T_.batch_size * T_.seq_len;
     bool last = step + 1 == T_.steps;
     if ((step + 1) % T_.eval_interval == 0 || last) {
-      last_val_ = evaluate();
+      outside_window([&] { last_val_ = evaluate(); });
       curve_.val.emplace_back(step + 1, last_val_);
       if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
     }

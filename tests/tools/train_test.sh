@@ -103,6 +103,8 @@ expect_error "must be a multiple of training.grad_accum (1) x ranks (3)" "${mpi[
 expect_error "replicate degree 3 x shard degree 1 = 3 ranks, but the job has 2" \
   "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --parallelism.data_parallel_replicate_degree 3 \
   --parallelism.data_parallel_shard_degree 1
+expect_error "already holds a checkpoint of another run (step-00000040): pass --checkpoint.resume true" \
+  "$bin/tessera-train" "${tiny[@]}" --job.dump_folder straight --checkpoint.enable true
 echo "config errors named"
 
 echo "== a killed rank ends the job"
