@@ -72,6 +72,11 @@ if command -v gnuplot >/dev/null; then
   [[ $(head -c 4 w4/loss.png | od -An -c | tr -d ' ') == '211PNG' ]] || fail "loss.png is not a PNG"
 fi
 
+train 2 --job.dump_folder llama --preset llama-small --training.steps 6 --mixed_precision.param_dtype bfloat16 \
+  --activation_checkpoint.mode full --parallelism.reshard_after_forward false > llama.log
+grep -q "model llama: .*param bfloat16" llama.log || fail "the Llama bf16 run did not report its setup"
+grep -q "^done: 6 steps" llama.log || fail "the Llama bf16 run did not finish"
+
 echo "== resume equals straight-through"
 train 2 --job.dump_folder straight --checkpoint.enable true --checkpoint.interval 20 --checkpoint.keep 0 > straight.log
 losses straight > straight.losses
