@@ -1,7 +1,7 @@
 // Fuzz-style test of the two readers of untrusted files: thousands of mutated
 // safetensors headers/files and checkpoint metadata/data files, fed to the
 // readers built with AddressSanitizer and UBSan (tests/meson.build compiles
-// nn/safetensors.cpp and fsdp/checkpoint.cpp into this program with them).
+// nn/safetensors.cpp and fsdp/checkpoint_format.cpp into this program with them).
 // Every input must be either accepted or rejected with a tessera::Error; any
 // other exception, a crash or a sanitizer report fails the test.
 //

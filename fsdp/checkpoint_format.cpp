@@ -1,0 +1,287 @@
+#include "fsdp/checkpoint_format.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace tessera::fsdp {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---- data files -----------------------------------------------------------------
+
+DataFile::DataFile(const std::string& path, int rank) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TS_CHECK(fd_ >= 0, "checkpoint: cannot create '{}': {}", path, std::strerror(errno));
+  char header[kDataHeaderBytes];
+  std::memcpy(header, kDataMagic, 8);
+  uint32_t v = kFormatVersion, r = static_cast<uint32_t>(rank);
+  std::memcpy(header + 8, &v, 4);
+  std::memcpy(header + 12, &r, 4);
+  write(header, kDataHeaderBytes);
+  // Test hook: a rank that kills itself mid-save (see tests/fsdp/checkpoint_test.sh).
+  if (const char* kr = std::getenv("TESSERA_CHECKPOINT_KILL_RANK"); kr && std::atoi(kr) == rank)
+    if (const char* after = std::getenv("TESSERA_CHECKPOINT_KILL_AFTER"))
+      kill_after_ = std::atoll(after);
+}
+
+DataFile::~DataFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void DataFile::write(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    size_t piece = n;
+    if (kill_after_ >= 0) {
+      if (static_cast<int64_t>(size_) >= kill_after_) ::kill(::getpid(), SIGKILL);
+      piece =
+          std::min<size_t>(n, static_cast<size_t>(kill_after_ - static_cast<int64_t>(size_)) + 1);
+    }
+    ssize_t w = ::write(fd_, p, piece);
+    TS_CHECK(w > 0, "checkpoint: writing '{}' failed: {} (disk full?)", path_,
+             std::strerror(errno));
+    p += w;
+    n -= static_cast<size_t>(w);
+    size_ += static_cast<uint64_t>(w);
+  }
+}
+
+void DataFile::finish() {
+  TS_CHECK(::fsync(fd_) == 0, "checkpoint: fsync of '{}' failed: {}", path_, std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+}
+
+// ---- checksums ------------------------------------------------------------------
+
+namespace detail {
+// Slicing-by-8 over the reflected Castagnoli polynomial (portable; tested against the instruction).
+uint32_t crc32c_software(const void* data, size_t n, uint32_t crc) {
+  static const auto tables = [] {
+    std::array<std::array<uint32_t, 256>, 8> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0x82F63B78u ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (size_t k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xffu];
+    return t;
+  }();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    word ^= crc;
+    crc = tables[7][word & 0xff] ^ tables[6][(word >> 8) & 0xff] ^ tables[5][(word >> 16) & 0xff] ^
+          tables[4][(word >> 24) & 0xff] ^ tables[3][(word >> 32) & 0xff] ^
+          tables[2][(word >> 40) & 0xff] ^ tables[1][(word >> 48) & 0xff] ^ tables[0][word >> 56];
+  }
+  for (; n > 0; --n, ++p) crc = tables[0][(crc ^ *p) & 0xffu] ^ (crc >> 8);
+  return ~crc;
+}
+}  // namespace detail
+
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+#if defined(__SSE4_2__)
+  // The SSE4.2 crc32 instruction computes exactly CRC-32C, 8 bytes at a time.
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    crc = static_cast<uint32_t>(__builtin_ia32_crc32di(crc, word));
+  }
+  for (; n > 0; --n, ++p) crc = __builtin_ia32_crc32qi(crc, *p);
+  return ~crc;
+#else
+  return detail::crc32c_software(data, n, crc);
+#endif
+}
+
+const TensorInfo* CheckpointMetadata::find(const std::string& name) const {
+  for (const auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+// ---- reading: metadata and chunks as untrusted input ------------------------------
+
+namespace {
+// A shape from untrusted JSON: at most 16 dims, each and the product at most 2^48.
+Shape read_shape(const json& j, const std::string& file, const std::string& what) {
+  TS_CHECK(j.is_array() && j.size() <= 16, "{}: {} must be an array of at most 16 dims", file,
+           what);
+  Shape s;
+  uint64_t numel = 1;
+  for (const auto& d : j) {
+    TS_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= (1ull << 48),
+             "{}: {} has an invalid dim", file, what);
+    uint64_t dim = d.get<uint64_t>();
+    TS_CHECK(dim == 0 || numel <= (1ull << 48) / dim, "{}: {} has more than 2^48 elements", file,
+             what);
+    numel = dim == 0 ? 0 : numel * dim;
+    s.push_back(static_cast<int64_t>(dim));
+  }
+  return s;
+}
+}  // namespace
+
+CheckpointMetadata parse_metadata(const std::string& text, const std::string& file) {
+  json md;
+  try {
+    md = json::parse(text);
+  } catch (const json::exception& e) {
+    TS_CHECK(false, "{}: checkpoint metadata is not valid JSON ({})", file, e.what());
+  }
+  TS_CHECK(md.is_object() && md.contains("magic") && md["magic"] == kMetadataMagic,
+           "{}: not a Tessera checkpoint (missing or wrong magic)", file);
+  TS_CHECK(md.contains("version") && md["version"].is_number_integer(),
+           "{}: checkpoint version missing", file);
+  TS_CHECK(md["version"].get<int64_t>() == kFormatVersion,
+           "{}: checkpoint version {} (this build reads version {})", file,
+           md["version"].get<int64_t>(), kFormatVersion);
+  CheckpointMetadata out;
+  TS_CHECK(md.contains("step") && md["step"].is_number_integer(), "{}: step missing", file);
+  out.step = md["step"].get<int64_t>();
+  TS_CHECK(md.contains("world_size") && md["world_size"].is_number_unsigned() &&
+               md["world_size"].get<uint64_t>() - 1 < (1u << 24),
+           "{}: world_size missing or invalid", file);
+  out.world_size = md["world_size"].get<int>();
+  TS_CHECK(md.contains("tensors") && md["tensors"].is_array(), "{}: tensors missing", file);
+  for (const auto& t : md["tensors"]) {
+    TS_CHECK(t.is_object() && t.contains("name") && t["name"].is_string(),
+             "{}: a tensor entry has no name", file);
+    TensorInfo info;
+    info.name = t["name"].get<std::string>();
+    TS_CHECK(t.contains("dtype") && t["dtype"].is_string(), "{}: tensor '{}' has no dtype", file,
+             info.name);
+    try {
+      info.dtype = dtype_from_name(t["dtype"].get<std::string>());
+    } catch (const Error& e) {
+      TS_CHECK(false, "{}: tensor '{}': {}", file, info.name, e.what());
+    }
+    TS_CHECK(t.contains("shape"), "{}: tensor '{}' has no shape", file, info.name);
+    info.shape = read_shape(t["shape"], file, "shape of '" + info.name + "'");
+    if (t.contains("placements") && t["placements"].is_string())
+      info.placements = t["placements"].get<std::string>();
+    TS_CHECK(t.contains("chunks") && t["chunks"].is_array(), "{}: tensor '{}' has no chunks", file,
+             info.name);
+    uint64_t covered = 0;
+    for (const auto& c : t["chunks"]) {
+      TS_CHECK(c.is_object() && c.contains("file") && c["file"].is_string(),
+               "{}: a chunk of '{}' names no file", file, info.name);
+      ChunkInfo ch;
+      ch.file = c["file"].get<std::string>();
+      TS_CHECK(!ch.file.empty() && ch.file.find('/') == std::string::npos &&
+                   ch.file.find("..") == std::string::npos,
+               "{}: chunk file '{}' of '{}' must be a plain file name in the checkpoint directory",
+               file, ch.file, info.name);
+      TS_CHECK(c.contains("offset") && c["offset"].is_number_unsigned() && c.contains("bytes") &&
+                   c["bytes"].is_number_unsigned() && c.contains("crc32c") &&
+                   c["crc32c"].is_number_unsigned(),
+               "{}: a chunk of '{}' lacks offset, bytes or crc32c", file, info.name);
+      ch.offset = c["offset"].get<uint64_t>();
+      ch.bytes = c["bytes"].get<uint64_t>();
+      TS_CHECK(c["crc32c"].get<uint64_t>() <= 0xffffffffull, "{}: bad crc32c for '{}'", file,
+               info.name);
+      ch.crc32c = c["crc32c"].get<uint32_t>();
+      TS_CHECK(c.contains("offsets") && c.contains("shape"), "{}: a chunk of '{}' has no box", file,
+               info.name);
+      ch.offsets = read_shape(c["offsets"], file, "chunk offsets of '" + info.name + "'");
+      ch.shape = read_shape(c["shape"], file, "chunk shape of '" + info.name + "'");
+      TS_CHECK(ch.offsets.size() == info.shape.size() && ch.shape.size() == info.shape.size(),
+               "{}: a chunk of '{}' has rank {} but the tensor has rank {}", file, info.name,
+               ch.shape.size(), info.shape.size());
+      uint64_t n = 1;
+      for (size_t d = 0; d < info.shape.size(); ++d) {
+        TS_CHECK(ch.offsets[d] + ch.shape[d] <= info.shape[d],
+                 "{}: a chunk of '{}' lies outside the tensor {}", file, info.name,
+                 shape_str(info.shape));
+        n *= static_cast<uint64_t>(ch.shape[d]);
+      }
+      TS_CHECK(n * dtype_size(info.dtype) == ch.bytes,
+               "{}: a chunk of '{}' holds {} bytes but its shape needs {}", file, info.name,
+               ch.bytes, n * dtype_size(info.dtype));
+      TS_CHECK(ch.offset >= kDataHeaderBytes, "{}: a chunk of '{}' overlaps the data file header",
+               file, info.name);
+      covered += n;
+      info.chunks.push_back(ch);
+    }
+    TS_CHECK(covered == static_cast<uint64_t>(shape_numel(info.shape)),
+             "{}: the chunks of '{}' cover {} of its {} elements", file, info.name, covered,
+             shape_numel(info.shape));
+    out.tensors.push_back(std::move(info));
+  }
+  if (md.contains("extra")) out.extra_json = md["extra"].dump();
+  if (md.contains("rank_state") && md["rank_state"].is_array())
+    for (const auto& r : md["rank_state"]) out.rank_state.push_back(r.dump());
+  return out;
+}
+
+CheckpointMetadata read_metadata(const std::string& dir) {
+  fs::path p = fs::path(dir) / "metadata.json";
+  std::ifstream in(p);
+  TS_CHECK(in.good(), "{}: no checkpoint metadata (an incomplete or missing checkpoint)",
+           p.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_metadata(ss.str(), p.string());
+}
+
+Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk) {
+  fs::path p = fs::path(dir) / chunk.file;
+  std::ifstream in(p, std::ios::binary);
+  TS_CHECK(in.good(), "{}: missing data file (tensor '{}')", p.string(), tensor.name);
+  char header[kDataHeaderBytes];
+  in.read(header, kDataHeaderBytes);
+  TS_CHECK(in.gcount() == static_cast<std::streamsize>(kDataHeaderBytes) &&
+               std::memcmp(header, kDataMagic, 8) == 0,
+           "{}: not a Tessera checkpoint data file (bad magic)", p.string());
+  uint32_t version;
+  std::memcpy(&version, header + 8, 4);
+  TS_CHECK(version == kFormatVersion, "{}: data file version {} (this build reads {})", p.string(),
+           version, kFormatVersion);
+  std::error_code ec;
+  uint64_t size = fs::file_size(p, ec);
+  TS_CHECK(!ec && chunk.bytes <= size && chunk.offset <= size - chunk.bytes,
+           "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
+           tensor.name, chunk.offset, chunk.offset + chunk.bytes, size);
+  Tensor t = empty(chunk.shape, tensor.dtype);
+  if (chunk.bytes) {
+    in.seekg(static_cast<std::streamoff>(chunk.offset));
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(chunk.bytes));
+    TS_CHECK(in.gcount() == static_cast<std::streamsize>(chunk.bytes),
+             "{}: short read of tensor '{}'", p.string(), tensor.name);
+  }
+  uint32_t crc = chunk.bytes ? crc32c(t.data_ptr(), chunk.bytes) : 0;
+  TS_CHECK(crc == chunk.crc32c,
+           "{}: checksum mismatch in tensor '{}' (chunk at offset {}): the file is corrupt",
+           p.string(), tensor.name, chunk.offset);
+  return t;
+}
+
+Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor) {
+  Tensor out = zeros(tensor.shape, tensor.dtype);
+  for (const auto& ch : tensor.chunks) {
+    Tensor data = read_chunk(dir, tensor, ch);
+    Tensor dst = out;
+    for (size_t d = 0; d < ch.offsets.size(); ++d)
+      dst = ops::narrow(dst, static_cast<int64_t>(d), ch.offsets[d], ch.shape[d]);
+    ops::copy_(dst, data);
+  }
+  return out;
+}
+
+}  // namespace tessera::fsdp
