@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -122,6 +123,25 @@ void maybe_die(int64_t step) {
   }
 }
 
+// SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption notice) ask for a
+// clean stop: the ranks agree at the end of the step, save a checkpoint when
+// enabled, and exit with 128 + the signal. A second signal kills at once.
+volatile std::sig_atomic_t g_stop_signal = 0;
+void on_stop_signal(int sig) {
+  g_stop_signal = sig;
+}
+int stop_signal() {
+  return static_cast<int>(g_stop_signal);
+}
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESETHAND;  // the second signal takes the default action
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 class Trainer {
  public:
   explicit Trainer(tools::TrainConfig cfg) : cfg_(std::move(cfg)), T_(cfg_.training) {}
@@ -162,6 +182,7 @@ class Trainer {
   double window_wait_start_ = 0;
   double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
   double last_val_ = NAN;
+  bool stop_requested_ = false;  // SIGINT/SIGTERM on any rank: save and stop after this step
 
   // Runs fn outside the throughput window: its time and its waits on
   // collectives count in neither tokens/s nor exposed communication.
@@ -277,7 +298,13 @@ double Trainer::train_step(int64_t step) {
     loss_sum += loss.item();
     autograd::backward(loss * (1.0 / static_cast<double>(T_.grad_accum)));
   }
-  return all_reduce(loss_sum / static_cast<double>(T_.grad_accum), dist::ReduceOp::Avg);
+  // The loss averaged over ranks, and whether any rank was asked to stop (one all-reduce).
+  double local[2] = {loss_sum / static_cast<double>(T_.grad_accum), stop_signal() != 0 ? 1.0 : 0.0};
+  Tensor both = from_vector<double>({local[0], local[1]}, {2});
+  if (world_ > 1) dist::world()->all_reduce(both, {dist::ReduceOp::Sum})->wait();
+  auto v = both.to_vector<double>();
+  stop_requested_ = v[1] > 0;
+  return v[0] / world_;
 }
 
 double Trainer::evaluate() {
@@ -337,9 +364,11 @@ int Trainer::run() {
       rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "", cfg_.checkpoint.resume);
   if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
     // Never mix two runs' checkpoints (the newer would shadow or prune the other).
-    std::string folder = out_path(cfg_, cfg_.checkpoint.folder), existing = fsdp::latest_checkpoint(folder);
+    std::string folder = out_path(cfg_, cfg_.checkpoint.folder),
+                existing = fsdp::latest_checkpoint(folder);
     TS_CHECK(existing.empty(),
-             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to continue it, "
+             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to "
+             "continue it, "
              "or choose another --checkpoint.folder or --job.dump_folder",
              folder, fs::path(existing).filename().string());
   }
@@ -420,8 +449,17 @@ int Trainer::run() {
                         done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
                         elapsed / done * static_cast<double>(T_.steps - step - 1));
     }
-    if (cfg_.checkpoint.enable && ((step + 1) % cfg_.checkpoint.interval == 0 || last))
-      save(step + 1);
+    bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
+    if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_))
+      outside_window([&] { save(step + 1); });
+    if (stop_requested_) {
+      progress_->finish();
+      say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
+                      cfg_.checkpoint.enable
+                          ? "checkpoint saved; continue with --checkpoint.resume true"
+                          : "nothing saved (checkpoint.enable is false)"));
+      return 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM);
+    }
   }
   finish(seconds_since(run_start));
   return 0;
@@ -510,6 +548,7 @@ int main(int argc, char** argv) {
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
     parsed = true;
+    install_stop_handlers();
     return Trainer(cfg).run();
   } catch (const std::exception& e) {
     if (!parsed) {

@@ -123,7 +123,20 @@ elapsed=$(( $(date +%s) - start ))
 grep -qiE "killing itself|exited on signal|did not complete|aborting|error" killed.log || fail "no error message: $(cat killed.log)"
 echo "killed rank: the job ended with an error in ${elapsed}s"
 
-echo "== Ctrl-C in the middle of checkpointing leaves nothing partial"
+echo "== Ctrl-C / SIGTERM: a checkpoint at the end of the step, nothing partial, resumable"
+# One process, SIGINT: the step finishes, a checkpoint is saved, exit 130.
+"$bin/tessera-train" "${tiny[@]}" --training.steps 100000 --checkpoint.enable true --checkpoint.interval 100000 \
+  --job.dump_folder sigint > sigint.log 2>&1 &
+pid=$!
+for _ in $(seq 200); do grep -q "^step" sigint.log 2>/dev/null && break; sleep 0.1; done
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[[ $rc == 130 ]] || fail "SIGINT: expected exit 130, got $rc: $(tail -3 sigint.log)"
+grep -q "interrupted (SIGINT/SIGTERM) after step .*checkpoint saved" sigint.log || fail "SIGINT: no checkpoint message"
+[[ -f sigint/checkpoint/$(cat sigint/checkpoint/latest)/metadata.json ]] || fail "SIGINT: no complete checkpoint"
+
+# mpirun, checkpointing every step, Ctrl-C to the launcher: every directory is
+# complete or .tmp, latest is complete, and the run resumes from it.
 "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --training.steps 100000 --checkpoint.enable true \
   --checkpoint.interval 1 --checkpoint.keep 3 --job.dump_folder interrupted > interrupted.log 2>&1 &
 pid=$!
