@@ -1,10 +1,17 @@
 // The communication engine: every MPI call goes through it. Collectives are
 // queued by the calling thread and started, tested and finished by whoever
 // "pumps" the engine, one thread at a time (MPI_THREAD_SERIALIZED):
+//   - the submitting caller, which posts a collective's messages at once if
+//     MPI is free;
 //   - the progress thread (thread mode), in the background while the caller
-//     computes, testing in-flight collectives every ~50 us;
+//     computes, testing in-flight collectives every ~50 us. It is not woken
+//     per submission (on 2 busy cores a wake-up costs more than a 1 MiB
+//     gather): the first op boundary 50 us after a submission nudges it, a
+//     waiter leaving with work in flight wakes it, and it looks by itself
+//     every 10 ms;
 //   - a caller blocked in Work::wait(), which pumps until its collective is
-//     done (as MPI_Wait would) instead of paying a thread hand-off;
+//     done (as MPI_Wait would) instead of paying a thread hand-off; the
+//     thread stands back meanwhile;
 //   - the compute thread at op boundaries (poll mode, no progress thread).
 // Internal to runtime/.
 #pragma once
@@ -111,6 +118,10 @@ class Engine {
   std::vector<std::shared_ptr<Collective>> inflight_;
   std::atomic<int> inflight_count_{0};
   std::atomic<int> waiters_{0};  // callers pumping in wait(): the thread stands back
+  // steady_clock ticks of the caller's last submit or wait() exit: the thread
+  // starts pumping only kPollInterval after it.
+  std::atomic<int64_t> last_caller_activity_{0};
+  std::atomic<bool> unnudged_{false};  // submitted work the thread has not been told about
   std::thread thread_;
   bool thread_mode_ = true;
   bool started_ = false;

@@ -186,6 +186,32 @@ TEST_CASE("collectives return at once and complete on wait; several in flight", 
     CHECK(ts[static_cast<size_t>(i)].to_vector<float>()[0] == (i + 1) * (i % 2 ? pair->size() : W));
 }
 
+TEST_CASE("a collective completes in the background while the caller computes or sleeps", "[dist][async]") {
+  auto pg = world();
+  int W = pg->size();
+  if (W == 1) return;
+  // Nobody calls wait(): the progress thread (nudged at op boundaries, or on
+  // its own timer while the caller sleeps) must finish the work.
+  Tensor part = randn({262144 + 3}, 7 + static_cast<uint64_t>(pg->rank()));
+  Tensor full = empty({(262144 + 3) * static_cast<int64_t>(W)});
+  auto gather = pg->all_gather_into_tensor(full, part);
+  Tensor x = randn({64, 64}, 1);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!gather->is_completed() && std::chrono::steady_clock::now() < deadline) x = ops::unary(ops::UnaryOp::Tanh, ops::matmul(x, x));
+  CHECK(gather->is_completed());
+  Tensor sum = ones({1000});
+  auto reduce = pg->all_reduce(sum);
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!reduce->is_completed() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (dist::progress_mode() == "thread") CHECK(reduce->is_completed());
+  reduce->wait();
+  gather->wait();
+  CHECK(sum.to_vector<float>()[999] == static_cast<float>(W));
+  auto mine = ops::narrow(full, 0, (262144 + 3) * static_cast<int64_t>(pg->rank()), 262144 + 3);
+  CHECK(testing::equal(mine, part));
+}
+
 TEST_CASE("subgroups: new_group and split", "[dist][groups]") {
   auto pg = world();
   int W = pg->size(), r = pg->rank();
