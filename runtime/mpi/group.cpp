@@ -359,6 +359,10 @@ std::shared_ptr<ProcessGroup> MpiGroup::make_child(MPI_Comm comm, const std::str
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   TS_MPI(MPI_Comm_rank(comm, &st->rank));
   TS_MPI(MPI_Comm_size(comm, &st->size));
+  if (st->size == 1) {  // a group of one needs no communicator: its collectives are local
+    TS_MPI(MPI_Comm_free(&comm));
+    return local_group(name);
+  }
   TS_MPI(MPI_Comm_dup(comm, &st->check_comm));
   int world_rank = dist::rank();
   st->global_ranks.resize(static_cast<size_t>(st->size));
@@ -388,7 +392,8 @@ std::shared_ptr<ProcessGroup> MpiGroup::new_group(const std::vector<int>& ranks,
 }
 
 std::shared_ptr<ProcessGroup> MpiGroup::split(int color, int key, const std::string& name) {
-  if (state_->comm == MPI_COMM_NULL) return color >= 0 ? local_group(name.empty() ? "split" : name) : nullptr;
+  if (size() == 1 || state_->comm == MPI_COMM_NULL)
+    return color >= 0 ? local_group(name.empty() ? fmt::format("{}/split{}", state_->name, color) : name) : nullptr;
   std::string label = name.empty() ? fmt::format("{}/split{}", state_->name, color) : name;
   std::shared_ptr<ProcessGroup> out;
   MPI_Comm parent = state_->comm;

@@ -5,10 +5,12 @@
 #include <map>
 #include <tuple>
 #include <cmath>
+#include <functional>
 #include <thread>
 
 #include "runtime/distributed.h"
 #include "tests/helpers.h"
+#include "tests/mpi_calls.h"
 
 using namespace tessera;
 using dist::ReduceOp;
@@ -262,6 +264,77 @@ TEST_CASE("sequence numbers count collectives per group; world size 1 calls no M
     CHECK(s.mpi_calls == 2);
     CHECK(pg->sequence() == seq + 2);
   }
+}
+
+TEST_CASE("world size 1 makes no MPI call at all (counted through PMPI)", "[dist][stats]") {
+  auto pg = world();
+  int64_t before = testing::mpi_calls_made();
+  // Every collective at sizes 0, 1 and 17, subgroups, splits and a barrier.
+  for (int64_t n : {0, 1, 17}) {
+    Tensor t = randn({n}, 3);
+    pg->all_reduce(t, {ReduceOp::Max})->wait();
+    Tensor out = empty({n * pg->size()});
+    pg->all_gather_into_tensor(out, t)->wait();
+    Tensor part = empty({n});
+    pg->reduce_scatter_tensor(part, out, {ReduceOp::Avg})->wait();
+    pg->broadcast(t, 0)->wait();
+    Tensor a2a = empty({n * pg->size()});
+    pg->all_to_all(a2a, out)->wait();
+  }
+  auto sub = pg->split(pg->rank() % 2, pg->rank());
+  auto ranks = std::vector<int>{0};
+  auto first = pg->new_group(ranks);
+  if (first) first->all_reduce(ones({5}))->wait();
+  sub->barrier()->wait();
+  int64_t made = testing::mpi_calls_made() - before;
+  if (pg->size() == 1) {
+    CHECK(made == 0);
+    CHECK(testing::mpi_calls_made() == 0);  // not even at start-up
+  } else {
+    CHECK(made > 0);  // the counter sees Tessera's calls
+  }
+}
+
+TEST_CASE("the debug mode names an op or dtype mismatch", "[dist][debug]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  if (W == 1) return;
+  dist::set_debug_collectives(true);
+  auto check = [&](const char* label, const std::function<void(const dist::ProcessGroupPtr&)>& call,
+                   const std::vector<std::string>& expected) {
+    auto victim = pg->split(0, r, label);
+    std::string message;
+    try {
+      call(victim);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    INFO(message);
+    CHECK_THAT(message, Catch::Contains(fmt::format("collective mismatch on group '{}'", label)));
+    for (auto& e : expected) CHECK_THAT(message, Catch::Contains(e));
+  };
+  // Rank 0 sums where the others take the max.
+  check("op-mismatch", [&](const dist::ProcessGroupPtr& g) {
+    Tensor t = ones({9});
+    g->all_reduce(t, {r == 0 ? ReduceOp::Sum : ReduceOp::Max})->wait();
+  }, {"op sum", "op max"});
+  // Rank 0 reduces bf16, the others f32.
+  check("dtype-mismatch", [&](const dist::ProcessGroupPtr& g) {
+    Tensor t = ones({9}, r == 0 ? DType::BF16 : DType::F32);
+    g->all_reduce(t)->wait();
+  }, {"all_reduce(bf16", "all_reduce(f32"});
+  // Rank 0 all-gathers where the others all-reduce.
+  check("kind-mismatch", [&](const dist::ProcessGroupPtr& g) {
+    Tensor t = ones({4});
+    if (r == 0) {
+      Tensor out = empty({4 * g->size()});
+      g->all_gather_into_tensor(out, t)->wait();
+    } else {
+      g->all_reduce(t)->wait();
+    }
+  }, {"all_gather(", "all_reduce("});
+  dist::set_debug_collectives(false);
+  pg->barrier()->wait();
 }
 
 TEST_CASE("the debug mode catches a mismatched collective on every rank", "[dist][debug]") {

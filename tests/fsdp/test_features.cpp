@@ -1,11 +1,17 @@
 // FSDP behaviour beyond parity: communication counts, event orders, gradient
 // accumulation, mixed precision, controls, and the error paths.
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "fsdp/checkpoint.h"
+#include "fsdp/state_dict.h"
 #include "runtime/trace.h"
 #include "tests/fsdp/fsdp_helpers.h"
+#include "tests/mpi_calls.h"
 
 using namespace tessera;
 using namespace tessera::testing;
@@ -111,6 +117,43 @@ TEST_CASE("collective counts per iteration (B blocks + root)", "[fsdp][comm]") {
     CHECK(counts(g).ag == 0);  // not on the world group...
     CHECK(counts(g).rs == B + 1);
   }
+  // Int edge cases as PyTorch: k = W is true, k = 1 is false, a non-divisor is an error.
+  if (w > 1) {
+    for (int k : {w, 1}) {
+      INFO("reshard_after_forward=" << k);
+      auto model = sharded_gpt(mesh, k, true);
+      Tensor loss = nn::cross_entropy((*model)(tokens(1)), tokens(2));
+      reset(g);
+      autograd::backward(loss);
+      CHECK(counts(g).ag == (k == w ? B + 1 : 0));
+      CHECK(counts(g).rs == B + 1);
+    }
+    CHECK_THROWS_WITH(sharded_gpt(mesh, w + 1, true), Catch::Contains("must be a positive divisor of the shard size"));
+    CHECK_THROWS_WITH(sharded_gpt(mesh, 0, true), Catch::Contains("must be a positive divisor of the shard size"));
+  }
+}
+
+TEST_CASE("world size 1: FSDP and HSDP training, clipping and a checkpoint make no MPI call", "[fsdp][comm]") {
+  if (world() != 1) return;
+  int64_t before = testing::mpi_calls_made();
+  auto mesh = init_device_mesh("cpu", {1}, {"dp"});
+  auto hsdp = init_device_mesh("cpu", {1, 1}, {"replicate", "shard"});
+  for (const auto& m : {mesh, hsdp}) {
+    auto model = sharded_gpt(m, true, true, {.param_dtype = DType::BF16, .reduce_dtype = DType::F32});
+    optim::AdamW opt(model->parameters(), {.lr = 1e-3});
+    for (uint64_t it = 0; it < 2; ++it) {
+      autograd::backward(nn::cross_entropy((*model)(tokens(it)), tokens(it + 7)));
+      nn::clip_grad_norm_(model->parameters(), 1.0);
+      opt.step();
+      opt.zero_grad();
+    }
+    auto dir = std::filesystem::temp_directory_path() / fmt::format("tessera-np1-ckpt-{}", ::getpid());
+    std::string saved = fsdp::save_checkpoint(dir.string(), 2, *model, &opt);
+    fsdp::load_checkpoint(saved, *model, &opt);
+    (void)fsdp::full_state_dict(*model);
+    std::filesystem::remove_all(dir);
+  }
+  CHECK(testing::mpi_calls_made() - before == 0);
 }
 
 TEST_CASE("event order: implicit forward prefetch and reverse post-forward backward prefetch", "[fsdp][order]") {
@@ -435,7 +478,27 @@ TEST_CASE("traces: lanes for compute and each collective, exposed time, one file
   CHECK(has_fsdp);
   CHECK(has_ag == (w > 1));
   CHECK(has_rs == (w > 1));
-  std::string path = "test_fsdp_trace.json";
+  if (w > 1) {
+    // Prefetch: some all-gather is in flight while compute runs (issued
+    // before a block's backward, completed during it).
+    bool overlapped = false;
+    for (auto& ag : spans) {
+      if (ag.lane != trace::Lane::AllGather) continue;
+      for (auto& c : spans)
+        overlapped = overlapped || (c.lane == trace::Lane::Compute && c.start_us >= ag.start_us &&
+                                    c.end_us <= ag.end_us);
+    }
+    CHECK(overlapped);
+    double waited = 0;
+    for (auto& sp : spans)
+      if (sp.lane == trace::Lane::Wait) waited += sp.end_us - sp.start_us;
+    CHECK(std::abs(s.exposed_us - waited) < 1.0);  // exposed = time blocked in wait()
+  }
+  // A path every rank agrees on (rank 0 writes the file), outside the source tree.
+  std::string path = (std::filesystem::temp_directory_path() /
+                      fmt::format("tessera-trace-test-{}.json",
+                                  dist::all_gather_strings(dist::world(), std::to_string(::getpid()))[0]))
+                         .string();
   trace::write_chrome_trace(path, spans);
   if (dist::rank() == 0) {
     std::ifstream in(path);
@@ -451,6 +514,7 @@ TEST_CASE("traces: lanes for compute and each collective, exposed time, one file
     CHECK(lanes.count("all_gather") == 1);
     CHECK(lanes.count("reduce_scatter") == 1);
     CHECK(lanes.count("waiting for communication (exposed)") == 1);
+    std::filesystem::remove(path);
   }
 }
 
