@@ -227,7 +227,13 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
               zeros(node.output_shapes[k], node.output_dtypes[k], node.output_devices[k]);
           continue;
         }
-        // Hooks and retain_grad of the (non-leaf) output, if it is still alive.
+        if (k < node.output_hooks.size()) {
+          for (auto& hook : node.output_hooks[k]) {
+            Tensor r = hook(grad_outputs[k]);
+            if (r.defined()) grad_outputs[k] = r;
+          }
+        }
+        // Hooks registered off the tape, and retain_grad, of the (non-leaf) output if it is still alive.
         if (auto out = node.outputs[k].lock(); out && out->autograd) {
           for (auto& hook : out->autograd->hooks) {
             Tensor r = hook(grad_outputs[k]);
@@ -289,6 +295,20 @@ void retain_grad(const Tensor& x) {
 void register_hook(const Tensor& x, std::function<Tensor(const Tensor&)> hook) {
   TS_CHECK(x.requires_grad(), "register_hook: cannot register a hook on a tensor that does not "
                               "require grad");
+  if (!x.is_leaf()) {
+    // On the node that produced x (the most recent one: search from the end).
+    auto& nodes = current_tape().nodes();
+    uint64_t id = x.impl()->id;
+    for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+      Node& node = **it;
+      for (size_t k = 0; k < node.output_ids.size(); ++k) {
+        if (node.output_ids[k] != id) continue;
+        node.output_hooks.resize(node.output_ids.size());
+        node.output_hooks[k].push_back(std::move(hook));
+        return;
+      }
+    }
+  }
   x.autograd_meta().hooks.push_back(std::move(hook));
 }
 

@@ -57,7 +57,11 @@ struct Node {
   };
   std::vector<Input> inputs;
   std::vector<uint64_t> output_ids;
-  std::vector<std::weak_ptr<TensorImpl>> outputs;  // for hooks / retain_grad on non-leaves
+  std::vector<std::weak_ptr<TensorImpl>> outputs;  // for retain_grad on non-leaves
+  // Gradient hooks of output k (register_hook on a non-leaf). They live on the
+  // node, as PyTorch's live on grad_fn, so they fire even after the tensor
+  // itself is gone (a module output consumed by the next layer).
+  std::vector<std::vector<std::function<Tensor(const Tensor&)>>> output_hooks;
   std::vector<Shape> output_shapes;
   std::vector<DType> output_dtypes;
   std::vector<Device> output_devices;

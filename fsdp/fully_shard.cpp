@@ -262,4 +262,11 @@ TensorList call_with_fsdp_hooks(nn::Module& module, TensorList inputs,
   return module.call_with_hooks(std::move(inputs), method);
 }
 
+std::function<TensorList(TensorList)> register_fsdp_forward_method(
+    nn::Module& module, std::function<TensorList(const TensorList&)> method) {
+  return [&module, method = std::move(method)](TensorList inputs) {
+    return call_with_fsdp_hooks(module, std::move(inputs), method);
+  };
+}
+
 }  // namespace tessera::fsdp

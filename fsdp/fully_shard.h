@@ -65,5 +65,9 @@ void set_prefetch(nn::Module& root, bool enabled);
 // module, e.g. generate) with the module's FSDP hooks around it.
 TensorList call_with_fsdp_hooks(nn::Module& module, TensorList inputs,
                                 const std::function<TensorList(const TensorList&)>& method);
+// PyTorch patches the method onto the module; C++ cannot, so this returns the
+// method wrapped in the module's FSDP hooks: call the result instead.
+std::function<TensorList(TensorList)> register_fsdp_forward_method(
+    nn::Module& module, std::function<TensorList(const TensorList&)> method);
 
 }  // namespace tessera::fsdp

@@ -312,13 +312,39 @@ TEST_CASE("unshard/reshard by hand, divide factor, forward methods, reset after 
   autograd::backward(mean(square(ref(x) - y)));
   autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
   check_sharded_parity(model, ref, 1e-9, 1e-12);
-  // Another method with the module's hooks (register_fsdp_forward_method).
+  ref.zero_grad();
+  model.zero_grad();
+  // An exception in the middle of backward: a gradient hook on block 0's
+  // output throws after the head and blocks 2 and 1 ran their backward (and
+  // issued their reduce-scatters). reset_iter_state recovers.
+  auto hook = model.blocks()[0]->register_forward_hook([](nn::Module&, const TensorList&, TensorList& outs) {
+    autograd::register_hook(outs[0], [](const Tensor&) -> Tensor { throw Error("injected failure in backward"); });
+  });
+  CHECK_THROWS_WITH(autograd::backward(mean(square(model(local_rows(x)) - local_rows(y)))),
+                    Catch::Contains("injected failure in backward"));
+  model.blocks()[0]->remove_hook(hook);
+  fsdp::reset_iter_state(model);
+  model.zero_grad();
+  autograd::backward(mean(square(ref(x) - y)));
+  autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  ref.zero_grad();
+  model.zero_grad();
+  // Another method with the module's hooks (register_fsdp_forward_method):
+  // unsharded inside, resharded after, gradients reduce-scattered as usual.
   auto& block = *model.blocks()[1];
-  TensorList out = fsdp::call_with_fsdp_hooks(block, {randn({2, 17}, 4, DType::F64)}, [&](const TensorList& in) {
+  auto fc1_only = fsdp::register_fsdp_forward_method(block, [&](const TensorList& in) {
     CHECK_FALSE(block.parameters()[0].is_distributed());  // unsharded inside
     return TensorList{static_cast<MLP&>(block).fc1->forward(in[0])};
   });
-  CHECK(out[0].shape() == Shape{2, 8});
+  Tensor z = randn({12, 17}, 4, DType::F64);  // 12 rows: whole rows on 1-4 ranks
+  TensorList out = fc1_only({local_rows(z)});
+  CHECK(out[0].shape() == Shape{local_rows(z).size(0), 8});
+  CHECK(block.parameters()[0].is_distributed());  // resharded after (reshard_after_forward)
+  autograd::backward(sum(out[0]));
+  autograd::backward(sum(static_cast<MLP&>(ref.mlps->operator[](1)).fc1->forward(z)));
+  for (auto& p : ref.parameters()) p.set_grad(p.grad().defined() ? ops::mul(p.grad(), 1.0 / w) : p.grad());
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
   autograd::clear_tape();
   fsdp::reset_iter_state(model);
 }
