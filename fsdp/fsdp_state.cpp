@@ -139,8 +139,8 @@ void FSDPState::pre_backward() {
     });
   }
   if (param_group) param_group->pre_backward(/*default_prefetch=*/backward_prefetch.empty());
-  for (auto it = backward_prefetch.rbegin(); it != backward_prefetch.rend(); ++it) {
-    FSDPParamGroup* g = (*it)->param_group.get();
+  for (FSDPState* target : backward_prefetch) {  // in the order given, as PyTorch (the first runs first)
+    FSDPParamGroup* g = target->param_group.get();
     if (!g) continue;
     TrainingState saved = g->training_state;
     g->training_state = TrainingState::PreBackward;

@@ -164,3 +164,134 @@ TEST_CASE("gradcheck: attention (causal, full, grouped-query) and rope", "[gradc
     GRADCHECK([cs, sn](const TensorList& x) { return rope(x[0], cs, sn); }, q);
   }
 }
+
+TEST_CASE("gradcheck: attention with an explicit scale", "[gradcheck][attention]") {
+  for (int64_t t : {1, 3, 17}) {
+    INFO("T=" << t);
+    Tensor q = rnd({1, 2, t, 4}, 11), k = rnd({1, 2, t, 4}, 12), v = rnd({1, 2, t, 4}, 13);
+    GRADCHECK(
+        [](const TensorList& x) {
+          return scaled_dot_product_attention(x[0], x[1], x[2], true, 0.7);
+        },
+        q, k, v);
+    GRADCHECK(
+        [](const TensorList& x) {
+          return scaled_dot_product_attention(x[0], x[1], x[2], false, 1.3);
+        },
+        q, k, v);
+    Tensor k1 = rnd({1, 1, t, 4}, 14), v1 = rnd({1, 1, t, 4}, 15);
+    GRADCHECK(
+        [](const TensorList& x) {
+          return scaled_dot_product_attention(x[0], x[1], x[2], false, 0.45);
+        },
+        q, k1, v1);
+  }
+}
+
+namespace {
+// Attention from differentiable primitives: k/v heads repeated for grouped-query
+// attention (query head h reads kv head h / (H / Hkv)), the score matrix
+// materialised, future keys masked.
+Tensor primitive_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                           double scale) {
+  int64_t b = q.size(0), h = q.size(1), t = q.size(2), hkv = k.size(1), s = k.size(2),
+          d = q.size(3);
+  auto repeat_kv = [&](const Tensor& x) {
+    return reshape(expand(unsqueeze(x, 2), {b, hkv, h / hkv, s, d}), {b, h, s, d});
+  };
+  Tensor scores = matmul(q, transpose(repeat_kv(k), -2, -1)) * scale;
+  if (causal) {
+    Tensor future = ops::binary(ops::BinaryOp::Gt, ops::reshape(arange(0, s), {1, s}),
+                                ops::reshape(arange(0, t), {t, 1}));
+    scores = where(future, full({}, -1e30, scores.dtype()), scores);
+  }
+  return matmul(softmax(scores, -1), repeat_kv(v));
+}
+}  // namespace
+
+// Central differences at T = 257 would take minutes; instead the fused backward is
+// compared with autograd through the primitive attention (itself gradient-checked
+// by the matmul/softmax/where checks above).
+TEST_CASE("attention backward equals autograd through the primitive attention at long T",
+          "[gradcheck][attention]") {
+  for (int64_t t : {129, 257}) {
+    for (bool causal : {true, false}) {
+      for (int64_t hkv : {4, 2, 1}) {
+        // An explicit scale in half the cases (0: the default 1/sqrt(D)), both in each (T, causal).
+        double scale = (hkv == 2) == causal ? 0.3 : 0.0;
+        INFO("T=" << t << " causal=" << causal << " kv heads=" << hkv << " scale=" << scale);
+        Tensor q = rnd({1, 4, t, 8}, static_cast<uint64_t>(t + hkv)), k = rnd({1, hkv, t, 8}, 2),
+               v = rnd({1, hkv, t, 8}, 3);
+        Tensor w = rnd({1, 4, t, 8}, 4);  // L = sum(out * w): a random output gradient
+        auto grads = [&](bool fused, DType dt) {
+          TensorList leaves;
+          for (const Tensor& x : {q, k, v}) {
+            Tensor l = ops::to(x, dt);
+            if (l.is_same(x)) l = ops::clone(x);
+            l.set_requires_grad(true);
+            leaves.push_back(l);
+          }
+          std::optional<double> given = scale == 0.0 ? std::nullopt : std::optional<double>(scale);
+          Tensor out =
+              fused ? scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], causal, given)
+                    : primitive_attention(leaves[0], leaves[1], leaves[2], causal,
+                                          given.value_or(1.0 / std::sqrt(8.0)));
+          autograd::backward(sum(mul(out, ops::to(w, dt))));
+          return TensorList{ops::to(out, DType::F64), ops::to(leaves[0].grad(), DType::F64),
+                            ops::to(leaves[1].grad(), DType::F64),
+                            ops::to(leaves[2].grad(), DType::F64)};
+        };
+        TensorList ref = grads(false, DType::F64);
+        TensorList ours = grads(true, DType::F64);
+        TensorList ours32 = grads(true, DType::F32);
+        const char* names[] = {"out", "dq", "dk", "dv"};
+        for (size_t i = 0; i < 4; ++i) {
+          INFO(names[i]);
+          CHECK_CLOSE(ours[i], ref[i], 1e-10, 1e-12);
+          CHECK_CLOSE(ours32[i], ref[i], 1e-4, 1e-5);
+        }
+      }
+    }
+  }
+}
+
+namespace {
+// sin whose recorded backward is cos(x) * factor: right for factor 1 only. With
+// `drop_second`, a second input y is added and its gradient never returned.
+Tensor sin_with_backward(const Tensor& x, double factor, const Tensor& y = {}) {
+  Tensor out = ops::unary(ops::UnaryOp::Sin, x);
+  if (y.defined()) out = ops::add(out, y);
+  TensorList inputs = y.defined() ? TensorList{x, y} : TensorList{x};
+  if (autograd::should_record(inputs))
+    autograd::record(
+        "test_sin", inputs, {out}, [x, factor, two = y.defined()](const TensorList& g) {
+          Tensor gx = ops::mul(ops::mul(g[0], ops::unary(ops::UnaryOp::Cos, x)), factor);
+          return two ? TensorList{gx, Tensor()} : TensorList{gx};
+        });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("gradcheck fails for a wrong backward and says where", "[gradcheck]") {
+  for (int64_t n : kSizes) {
+    INFO("n=" << n);
+    Tensor x = rnd({n}, n), y = rnd({n}, n + 1);
+    // The right backward passes (so a failure below is the backward's fault).
+    auto good = check_grads([](const TensorList& t) { return sin_with_backward(t[0], 1.0); }, x);
+    INFO(good.message);
+    CHECK(good.ok);
+    // Off by 0.1%: beyond gradcheck's rtol of 1e-4.
+    auto bad = check_grads([](const TensorList& t) { return sin_with_backward(t[0], 1.001); }, x);
+    CHECK_FALSE(bad.ok);
+    CHECK(bad.max_error > 1.0);
+    CHECK_THAT(bad.message, Catch::Contains("input 0 element"));
+    // A sign error.
+    CHECK_FALSE(
+        check_grads([](const TensorList& t) { return sin_with_backward(t[0], -1.0); }, x).ok);
+    // A missing gradient for the second input.
+    auto missing =
+        check_grads([](const TensorList& t) { return sin_with_backward(t[0], 1.0, t[1]); }, x, y);
+    CHECK_FALSE(missing.ok);
+    CHECK_THAT(missing.message, Catch::Contains("input 1 element"));
+  }
+}

@@ -255,3 +255,61 @@ TEST_CASE("dropout: inverted scaling, mask reused in backward, identity in eval"
   CHECK(testing::equal(detach(dropout(x, 0.25, true)), detach(y)));
   CHECK_THROWS_WITH(dropout(x, 1.0, true), Catch::Contains("probability must be in [0, 1)"));
 }
+
+TEST_CASE("comparisons return bool tensors that carry no gradient", "[tape][compare]") {
+  using Fn = Tensor (*)(const Tensor&, const Tensor&);
+  std::vector<std::tuple<const char*, Fn, ops::BinaryOp>> cmps = {
+      {"lt", lt, ops::BinaryOp::Lt}, {"le", le, ops::BinaryOp::Le}, {"gt", gt, ops::BinaryOp::Gt},
+      {"ge", ge, ops::BinaryOp::Ge}, {"eq", eq, ops::BinaryOp::Eq}, {"ne", ne, ops::BinaryOp::Ne}};
+  // Rounded to halves so that ties occur; [3, 17] against a row [17].
+  Tensor a = ops::mul(ops::to(randint({3, 17}, -2, 3, 1), DType::F64), 0.5);
+  Tensor b = ops::mul(ops::to(randint({17}, -2, 3, 2), DType::F64), 0.5);
+  a.set_requires_grad(true);
+  b.set_requires_grad(true);
+  for (auto& [name, fn, op] : cmps) {
+    INFO(name);
+    size_t before = autograd::tape_size();
+    Tensor r = fn(a, b);
+    CHECK(r.dtype() == DType::Bool);
+    CHECK(r.shape() == Shape{3, 17});
+    CHECK_FALSE(r.requires_grad());
+    CHECK(autograd::tape_size() == before);  // nothing recorded
+    CHECK(r.to_vector<double>() == ops::binary(op, a, b).to_vector<double>());
+  }
+  // Used as a mask, the comparison routes gradients and gets none itself.
+  Tensor y = sum(where(gt(a, b), a, b * 2.0));
+  autograd::backward(y);
+  auto mask = ops::binary(ops::BinaryOp::Gt, a, b).to_vector<double>();
+  auto ga = a.grad().to_vector<double>();
+  for (size_t i = 0; i < mask.size(); ++i) CHECK(ga[i] == mask[i]);
+}
+
+TEST_CASE("a hook on a non-leaf fires after the tensor itself is gone", "[tape][hooks]") {
+  // As PyTorch's hooks live on grad_fn: a module output consumed by the next
+  // layer and then dropped still reports (and may replace) its gradient.
+  Tensor x = leaf({5}, 11);
+  Tensor seen;
+  Tensor y;
+  {
+    Tensor h = tanh(x);
+    autograd::register_hook(h, [&](const Tensor& g) {
+      seen = ops::clone(g);
+      return ops::mul(g, 0.5);
+    });
+    y = h * 3.0;
+  }  // h's tensor object is gone; only the tape knows it
+  autograd::backward(sum(y));
+  CHECK(equal(seen, full({5}, 3.0, DType::F64)));
+  Tensor t = tanh(detach(x));
+  CHECK(allclose(x.grad(), (ones({5}, DType::F64) - t * t) * 1.5, 1e-12, 1e-12));
+  // A throwing hook stops the backward with its exception.
+  x.set_grad(Tensor());
+  Tensor z;
+  {
+    Tensor h = tanh(x);
+    autograd::register_hook(h, [](const Tensor&) -> Tensor { throw Error("hook failed"); });
+    z = h * 2.0;
+  }
+  CHECK_THROWS_WITH(autograd::backward(sum(z)), Catch::Contains("hook failed"));
+  autograd::clear_tape();
+}

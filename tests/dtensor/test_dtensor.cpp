@@ -1,7 +1,9 @@
 // DeviceMesh, placements, redistribute and DTensor ops, under mpirun with
 // 1-4 ranks. Every rank knows the full tensors (built from seeds), so each
 // checks its own local piece exactly.
+#include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "autograd/functions.h"
 #include "dtensor/redistribute.h"
@@ -112,6 +114,141 @@ TEST_CASE("device meshes: dims, groups, slicing, flattening", "[dtensor][mesh]")
   CHECK_THROWS_WITH(init_device_mesh("cpu", {w, 1}, {"a", "a"}), Catch::Contains("must be unique"));
 }
 
+namespace {
+// Every rank of a group's global rank, gathered over the group (in group order).
+std::vector<int> group_members(const dist::ProcessGroupPtr& g) {
+  Tensor mine = full({1}, static_cast<double>(dist::rank()), DType::F64);
+  Tensor all = empty({g->size()}, DType::F64);
+  g->all_gather_into_tensor(all, mine)->wait();
+  std::vector<int> out;
+  for (double v : all.to_vector<double>()) out.push_back(static_cast<int>(v));
+  return out;
+}
+
+// This rank's piece, cut here in mesh-dim order straight from torch.chunk sizes.
+Tensor chunk_piece(const Tensor& full, const DeviceMesh& mesh, const Placements& ps) {
+  Tensor t = full;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (!is_shard(ps[i])) continue;
+    int64_t d = shard_dim(ps[i]);
+    auto [len, start] = shard_size_and_offset(t.size(d), mesh.size(static_cast<int64_t>(i)), mesh.get_coordinate()[i]);
+    t = ops::narrow(t, d, start, len);
+  }
+  return ops::contiguous(t);
+}
+}  // namespace
+
+TEST_CASE("3-D meshes: named dims, coordinates, multi-name slices, flattening, redistribute", "[dtensor][mesh]") {
+  int w = world(), r = dist::rank();
+  int meshes_tested = 0;
+  for (int64_t a = 1; a <= w; ++a) {
+    for (int64_t b = 1; b <= w; ++b) {
+      if (w % (a * b)) continue;  // every 3-factor shape of this world size (4: 2x1x2, 1x2x2, 4x1x1, ...)
+      int64_t c = w / (a * b);
+      auto m = init_device_mesh("cpu", {a, b, c}, {"a", "b", "c"});
+      INFO(m->str());
+      ++meshes_tested;
+      std::vector<int64_t> co{r / (b * c), (r / c) % b, r % c};
+      CHECK(m->ndim() == 3);
+      CHECK(m->shape() == Shape{a, b, c});
+      CHECK(m->size() == w);
+      CHECK(m->get_coordinate() == co);
+      const std::vector<std::string> names{"a", "b", "c"};
+      auto rank_at = [&](int64_t i, int64_t j, int64_t k) { return static_cast<int>(i * b * c + j * c + k); };
+      for (int64_t i = 0; i < 3; ++i) {
+        auto name = names[static_cast<size_t>(i)];
+        CHECK(m->get_local_rank(i) == co[static_cast<size_t>(i)]);
+        CHECK(m->get_local_rank(name) == co[static_cast<size_t>(i)]);
+        CHECK(m->size(i) == m->shape()[static_cast<size_t>(i)]);
+        CHECK(m->get_group(name) == m->get_group(i));
+        CHECK(m->get_group(i)->size() == m->size(i));
+        CHECK(m->get_group(i)->rank() == m->get_local_rank(i));
+        // The group of dim i: the ranks that differ from me along dim i only, in coordinate order.
+        std::vector<int> expect;
+        for (int64_t v = 0; v < m->size(i); ++v) {
+          auto q = co;
+          q[static_cast<size_t>(i)] = v;
+          expect.push_back(rank_at(q[0], q[1], q[2]));
+        }
+        CHECK(group_members(m->get_group(i)) == expect);
+        auto one = (*m)[name];
+        CHECK(one->ranks() == expect);
+        CHECK(one->get_coordinate() == std::vector<int64_t>{co[static_cast<size_t>(i)]});
+      }
+      // mesh["a", "c"]: the 2-D submesh through my coordinate along b.
+      auto ac = m->slice({"a", "c"});
+      std::vector<int> ac_ranks;
+      for (int64_t i = 0; i < a; ++i)
+        for (int64_t k = 0; k < c; ++k) ac_ranks.push_back(rank_at(i, co[1], k));
+      CHECK(ac->ndim() == 2);
+      CHECK(ac->shape() == Shape{a, c});
+      CHECK(ac->dim_names() == std::vector<std::string>{"a", "c"});
+      CHECK(ac->ranks() == ac_ranks);
+      CHECK(ac->size() == a * c);
+      CHECK(ac->get_coordinate() == std::vector<int64_t>{co[0], co[2]});
+      CHECK(ac->get_local_rank("c") == co[2]);
+      CHECK(ac->get_group("a") == m->get_group("a"));
+      CHECK(ac->get_group(1) == m->get_group("c"));
+      CHECK(*m->slice({"a", "b", "c"}) == *m);
+      CHECK_THROWS_WITH(m->slice({"c", "a"}), Catch::Contains("must follow the mesh's order"));
+      CHECK_THROWS_WITH(m->slice({"a", "x"}), Catch::Contains("no dim named 'x'"));
+      // Flattening a subset of dims: one new group over the submesh's ranks.
+      auto flat = ac->flatten();
+      CHECK(flat->ndim() == 1);
+      CHECK(flat->dim_names() == std::vector<std::string>{"a_c"});
+      CHECK(flat->size() == a * c);
+      CHECK(flat->ranks() == ac_ranks);
+      CHECK(flat->get_coordinate() == std::vector<int64_t>{co[0] * c + co[2]});
+      CHECK(flat->get_local_rank(0) == flat->get_group(0)->rank());
+      CHECK(group_members(flat->get_group(0)) == ac_ranks);
+      auto bc = m->slice({"b", "c"})->flatten("bc");
+      CHECK(bc->dim_names() == std::vector<std::string>{"bc"});
+      CHECK(bc->get_coordinate() == std::vector<int64_t>{co[1] * c + co[2]});
+      std::vector<int> bc_ranks;
+      for (int64_t j = 0; j < b; ++j)
+        for (int64_t k = 0; k < c; ++k) bc_ranks.push_back(rank_at(co[0], j, k));
+      CHECK(group_members(bc->get_group(0)) == bc_ranks);
+      // A DTensor on the flattened submesh: sharded over a*c ranks, replicated along b.
+      Tensor full5 = ints({5, 3}, 17);
+      Tensor on_flat = distribute_tensor_local(full5, flat, {Shard{0}});
+      CHECK(equal(full_tensor(on_flat), full5));
+      // Redistribute on the 3-D mesh: every pair of these, against pieces cut here.
+      std::vector<Placements> cases{{Shard{0}, Shard{1}, Replicate{}}, {Shard{0}, Shard{0}, Shard{0}},
+                                    {Replicate{}, Shard{1}, Shard{0}}, {Shard{1}, Replicate{}, Shard{1}},
+                                    {Replicate{}, Replicate{}, Replicate{}}, {Shard{0}, Replicate{}, Shard{0}},
+                                    {Shard{1}, Shard{1}, Shard{0}}};
+      for (Shape shape : {Shape{5, 3}, Shape{2, 1}, Shape{0, 2}}) {
+        Tensor full = ints(shape, 19);
+        for (const auto& src : cases) {
+          Tensor x = distribute_tensor(full, m, src);
+          CHECK(equal(local_tensor(x), chunk_piece(full, *m, src)));
+          for (const auto& dst : cases) {
+            INFO(placements_str(src) << " -> " << placements_str(dst) << " on " << shape_str(shape));
+            Tensor y = redistribute_local(x, dst);
+            CHECK(equal(local_tensor(y), chunk_piece(full, *m, dst)));
+          }
+        }
+        // A round trip through Partial placements: bit for bit with max/min (values
+        // kept), to the rounding of x/k with sum and avg.
+        std::vector<Placements> trip{{Shard{0}, Shard{1}, Replicate{}},
+                                     {Partial{dist::ReduceOp::Max}, Shard{0}, Partial{dist::ReduceOp::Min}},
+                                     {Shard{1}, Partial{dist::ReduceOp::Max}, Shard{0}},
+                                     {Shard{0}, Shard{0}, Shard{0}},
+                                     {Partial{}, Replicate{}, Partial{dist::ReduceOp::Avg}},
+                                     {Shard{1}, Shard{0}, Shard{1}}};
+        Tensor x = distribute_tensor(full, m, trip[0]);
+        for (size_t s = 1; s < trip.size(); ++s) {
+          INFO("round trip step " << placements_str(trip[s]));
+          x = redistribute_local(x, trip[s]);
+          if (s < 4) CHECK(equal(full_tensor(x), full));
+          else CHECK_CLOSE(full_tensor(x), full, 1e-15, 1e-15);
+        }
+      }
+    }
+  }
+  CHECK(meshes_tested == (w == 1 ? 1 : w == 4 ? 6 : 3));  // 4 ranks: 1x1x4, 1x2x2, 1x4x1, 2x1x2, 2x2x1, 4x1x1
+}
+
 TEST_CASE("distribute_tensor -> full_tensor is the identity, bit for bit", "[dtensor][distribute]") {
   for (auto& mesh : meshes()) {
     std::vector<Placements> cases;
@@ -144,7 +281,7 @@ TEST_CASE("distribute_tensor -> full_tensor is the identity, bit for bit", "[dte
 
 TEST_CASE("every redistribute transition on 1-D meshes, uneven and empty shards", "[dtensor][redistribute]") {
   auto mesh = init_device_mesh("cpu", {world()}, {"x"});
-  for (Shape shape : {Shape{1, 1}, Shape{3, 2}, Shape{5, 17}, Shape{17, 5}, Shape{2, 3}}) {
+  for (Shape shape : {Shape{1, 1}, Shape{3, 2}, Shape{5, 17}, Shape{17, 5}, Shape{2, 3}, Shape{0, 3}, Shape{4, 0}}) {
     Tensor full = ints(shape, 11);
     for (const auto& src : all_1d()) {
       for (const auto& dst : all_1d()) {
@@ -166,13 +303,17 @@ TEST_CASE("every redistribute transition on 1-D meshes, uneven and empty shards"
 TEST_CASE("redistribute on 2-D meshes: all placement pairs", "[dtensor][redistribute]") {
   for (auto& mesh : meshes()) {
     if (mesh->ndim() != 2) continue;
-    Tensor full = ints({7, 5}, 13);
+    // {3, 2}, {1, 1}, {0, 3}: on 2x2 nested shards come out empty ((S0, S0) of 3 rows: 1, 1, 1, 0;
+    // of 1 row: 1, 0, 0, 0; of 0 rows: none anywhere), as do S1 shards of 1 or 2 columns.
+    for (Shape shape : {Shape{7, 5}, Shape{3, 2}, Shape{1, 1}, Shape{0, 3}}) {
+    Tensor full = ints(shape, 13);
     for (const auto& s0 : all_1d())
       for (const auto& s1 : all_1d())
         for (const auto& d0 : all_1d())
           for (const auto& d1 : all_1d()) {
             Placements src{s0, s1}, dst{d0, d1};
-            INFO(mesh->str() << " " << placements_str(src) << " -> " << placements_str(dst));
+            INFO(mesh->str() << " " << placements_str(src) << " -> " << placements_str(dst) << " on "
+                             << shape_str(shape));
             Tensor a = make_from_full(full, mesh, src);
             Tensor b = redistribute_local(a, dst);
             if (is_partial(d0) || is_partial(d1)) {
@@ -181,6 +322,167 @@ TEST_CASE("redistribute on 2-D meshes: all placement pairs", "[dtensor][redistri
               CHECK(equal(local_tensor(b), local_tensor(distribute_tensor_local(full, mesh, dst))));
             }
           }
+    }
+  }
+}
+
+namespace {
+const dist::ReduceOp kReduceOps[] = {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Max,
+                                     dist::ReduceOp::Min};
+
+// The reduction of per-rank contributions, computed here on one rank.
+Tensor reduce_ref(const std::vector<Tensor>& parts, dist::ReduceOp op) {
+  Tensor acc = ops::clone(parts.at(0));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    ops::BinaryOp b = op == dist::ReduceOp::Max   ? ops::BinaryOp::Maximum
+                      : op == dist::ReduceOp::Min ? ops::BinaryOp::Minimum
+                                                  : ops::BinaryOp::Add;
+    acc = ops::binary(b, acc, parts[i]);
+  }
+  if (op == dist::ReduceOp::Avg) acc = ops::binary(ops::BinaryOp::Div, acc, static_cast<double>(parts.size()));
+  return acc;
+}
+
+// Row-major coordinate of global rank `rank` on `mesh` (a mesh over the whole world).
+std::vector<int64_t> coord_of(const DeviceMesh& mesh, int64_t rank) {
+  std::vector<int64_t> c(static_cast<size_t>(mesh.ndim()));
+  for (int64_t i = mesh.ndim(); i-- > 0;) {
+    c[static_cast<size_t>(i)] = rank % mesh.size(i);
+    rank /= mesh.size(i);
+  }
+  return c;
+}
+
+// What the rank at `coord` contributes to a tensor with Partial placements: an
+// integer tensor that depends on the coordinates along the Partial mesh dims only
+// (ranks that differ along a Shard or Replicate dim hold pieces of one tensor).
+Tensor contribution(const Shape& shape, const Placements& ps, const std::vector<int64_t>& coord) {
+  uint64_t seed = 500;
+  for (size_t i = 0; i < ps.size(); ++i) seed = seed * 8 + (is_partial(ps[i]) ? static_cast<uint64_t>(coord[i]) : 0);
+  return ints(shape, seed);
+}
+
+// The value a DTensor with placements `ps` built from `contribution` holds: the
+// reduction over every combination of Partial coordinates (one op on all of them).
+Tensor partial_value(const Shape& shape, const DeviceMesh& mesh, const Placements& ps, dist::ReduceOp op) {
+  std::vector<Tensor> parts;
+  for (int64_t r = 0; r < mesh.size(); ++r) {
+    auto c = coord_of(mesh, r);
+    bool first_of_its_set = true;  // each combination once: coordinate 0 on the other dims
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (!is_partial(ps[i]) && c[i] != 0) first_of_its_set = false;
+    if (first_of_its_set) parts.push_back(contribution(shape, ps, c));
+  }
+  return reduce_ref(parts, op);
+}
+
+// This rank's DTensor for `partial_value`: its contribution cut by the Shard dims.
+Tensor make_partial(const Shape& shape, const MeshPtr& mesh, const Placements& ps) {
+  Placements no_partial = ps;
+  for (auto& p : no_partial)
+    if (is_partial(p)) p = Replicate{};
+  Tensor c = contribution(shape, ps, mesh->get_coordinate());
+  return make_dtensor(ops::clone(local_tensor(distribute_tensor_local(c, mesh, no_partial))), mesh, ps, shape);
+}
+
+// Every rank's local tensor (all of the same shape), gathered over the world.
+std::vector<Tensor> all_locals(const Tensor& local) {
+  int w = dist::world_size();
+  Shape s = local.shape();
+  s.insert(s.begin(), w);
+  Tensor out = empty(s, local.dtype());
+  dist::world()->all_gather_into_tensor(ops::reshape(out, {out.numel()}), ops::reshape(ops::contiguous(local), {local.numel()}))->wait();
+  std::vector<Tensor> v;
+  for (int r = 0; r < w; ++r) v.push_back(ops::clone(ops::select(out, 0, r)));
+  return v;
+}
+
+Placements with_op(Placements ps, dist::ReduceOp op) {
+  for (auto& p : ps)
+    if (is_partial(p)) p = Partial{op};
+  return ps;
+}
+
+// Every placement tuple over {S(0), S(1), R, P(op)} for a mesh of `ndim` dims.
+std::vector<Placements> all_tuples(int64_t ndim, dist::ReduceOp op) {
+  std::vector<Placements> out{{}};
+  for (int64_t i = 0; i < ndim; ++i) {
+    std::vector<Placements> next;
+    for (const auto& prefix : out)
+      for (const auto& p : all_1d()) {
+        Placements q = prefix;
+        q.push_back(p);
+        next.push_back(with_op(q, op));
+      }
+    out = next;
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("Partial(sum|avg|max|min) through redistribute: values from the per-rank contributions",
+          "[dtensor][redistribute][partial]") {
+  int w = world();
+  for (auto& mesh : meshes()) {
+    // 1-D, and on 2-D meshes 2x2 (both dims reduce) plus the degenerate 1xW and Wx1.
+    for (dist::ReduceOp op : kReduceOps) {
+      bool exact = op != dist::ReduceOp::Avg;  // integer sums, maxima and minima are exact
+      for (Shape shape : {Shape{5, 3}, Shape{1, 2}, Shape{0, 3}}) {
+        for (const auto& src : all_tuples(mesh->ndim(), op)) {
+          bool src_partial = std::any_of(src.begin(), src.end(), [](const Placement& p) { return is_partial(p); });
+          Tensor value = partial_value(shape, *mesh, src, op);
+          Tensor a = make_partial(shape, mesh, src);
+          for (const auto& dst : all_tuples(mesh->ndim(), op)) {
+            INFO(mesh->str() << " " << placements_str(src) << " -> " << placements_str(dst) << " on "
+                             << shape_str(shape));
+            bool dst_partial = std::any_of(dst.begin(), dst.end(), [](const Placement& p) { return is_partial(p); });
+            if (!src_partial && !dst_partial) continue;  // the tests above cover those
+            Tensor b = redistribute_local(a, dst);
+            CHECK(dtensor_spec(b).placements == dst);
+            if (!dst_partial) {
+              // Partial -> Replicate / Shard: this rank holds its piece of the reduced value.
+              Tensor expect = local_tensor(distribute_tensor_local(value, mesh, dst));
+              if (exact) CHECK(equal(local_tensor(b), expect));
+              else CHECK_CLOSE(local_tensor(b), expect, 1e-14, 1e-14);
+              continue;
+            }
+            // The partial value is kept; where the target is R/P only (same local shape on
+            // every rank) reduce the ranks' locals by hand, without redistribute.
+            bool no_shard = std::none_of(dst.begin(), dst.end(), [](const Placement& p) { return is_shard(p); });
+            if (no_shard) {
+              auto locals = all_locals(local_tensor(b));
+              std::vector<Tensor> mine;  // the ranks that share my coordinates on the non-Partial dims
+              for (int r = 0; r < w; ++r) {
+                auto c = coord_of(*mesh, r);
+                bool same = true;
+                for (size_t i = 0; i < dst.size(); ++i)
+                  if (!is_partial(dst[i]) && c[i] != mesh->get_coordinate()[i]) same = false;
+                if (same) mine.push_back(locals[static_cast<size_t>(r)]);
+              }
+              CHECK_CLOSE(reduce_ref(mine, op), value, 1e-14, 1e-14);
+            }
+            if (exact && op != dist::ReduceOp::Sum) CHECK(equal(full_tensor(b), value));
+            else CHECK_CLOSE(full_tensor(b), value, 1e-14, 1e-14);
+          }
+        }
+      }
+    }
+  }
+  // Replicate -> Partial: sum splits the value (x/k on every rank), avg/max/min keep it.
+  for (auto& mesh : meshes()) {
+    for (dist::ReduceOp op : kReduceOps) {
+      Tensor full = ints({5, 3}, 3);
+      Placements src(static_cast<size_t>(mesh->ndim()), Replicate{});
+      for (int64_t i = 0; i < mesh->ndim(); ++i) {
+        Placements dst = src;
+        dst[static_cast<size_t>(i)] = Partial{op};
+        INFO(mesh->str() << " " << placements_str(src) << " -> " << placements_str(dst));
+        Tensor b = redistribute_local(distribute_tensor_local(full, mesh, src), dst);
+        double k = static_cast<double>(mesh->size(i));
+        if (op == dist::ReduceOp::Sum) CHECK_CLOSE(local_tensor(b), ops::binary(ops::BinaryOp::Div, full, k), 1e-15, 0);
+        else CHECK(equal(local_tensor(b), full));
+      }
+    }
   }
 }
 
@@ -258,6 +560,181 @@ TEST_CASE("gradients through redistribute, from_local, to_local, full_tensor", "
         return l.item();
       },
       x0, true);
+}
+
+namespace {
+// Differentiable: this rank's local piece of a global x that every rank holds:
+// x cut along each Shard dim in mesh order; along a Partial dim, coordinate 0
+// takes 1 - (k-1)/4 of it and the others 1/4 each (the partials sum to x).
+Tensor local_piece(const Tensor& x, const MeshPtr& mesh, const Placements& ps) {
+  Tensor t = x;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    auto idx = static_cast<int64_t>(i);
+    int64_t k = mesh->size(idx), c = mesh->get_local_rank(idx);
+    if (is_shard(ps[i])) {
+      int64_t d = shard_dim(ps[i]);
+      auto [len, start] = shard_size_and_offset(t.size(d), k, c);
+      t = narrow(t, d, start, len);
+    } else if (is_partial(ps[i])) {
+      t = t * (c == 0 ? 1.0 - 0.25 * static_cast<double>(k - 1) : 0.25);
+    }
+  }
+  return t;
+}
+
+// d(local_piece(x))/dx summed over the piece: the share of the global gradient
+// that this rank's x.grad must hold (1 on the rows it holds whole or as a
+// replica, its partial weight, 0 where another rank holds the shard).
+Tensor piece_mask(const Tensor& x0, const MeshPtr& mesh, const Placements& ps) {
+  Tensor x = zeros(x0.shape(), x0.dtype());
+  x.set_requires_grad(true);
+  autograd::backward(sum(local_piece(x, mesh, ps)));
+  return ops::clone(x.grad());
+}
+
+// Central differences of the global loss (the same number on every rank, each
+// rank's x perturbed alike) against this rank's x.grad, which must be its
+// share (mask) of the global gradient: a per-rank check, no sum over ranks.
+void check_global_grad(const std::function<double(const Tensor&, bool backward)>& loss, const Tensor& x0,
+                       const Tensor& mask) {
+  Tensor x = ops::clone(x0);
+  x.set_requires_grad(true);
+  loss(x, true);
+  REQUIRE(x.grad().defined());
+  auto gv = x.grad().to_vector<double>(), mv = mask.to_vector<double>();
+  double* p = x.data<double>();
+  for (int64_t e = 0; e < x.numel(); ++e) {
+    double orig = p[e], eps = 1e-6;
+    autograd::NoGradGuard ng;
+    p[e] = orig + eps;
+    double up = loss(x, false);
+    p[e] = orig - eps;
+    double down = loss(x, false);
+    p[e] = orig;
+    auto i = static_cast<size_t>(e);
+    INFO("element " << e);
+    CHECK(gv[i] == Approx(mv[i] * (up - down) / (2 * eps)).epsilon(1e-6).margin(1e-8));
+  }
+}
+
+// Replicate -> Partial(sum): the gradient placements of a to_local whose ranks
+// compute different losses from the same value: the global gradient is the sum
+// of theirs. Shards stay shards.
+Placements partial_grads(Placements ps) {
+  for (auto& p : ps)
+    if (is_replicate(p)) p = Partial{};
+  return ps;
+}
+
+// Per-rank random weights for the per-rank losses.
+Tensor rank_weights(const Shape& s, uint64_t salt) {
+  return randn(s, 1000 + 16 * salt + static_cast<uint64_t>(dist::rank()), DType::F64);
+}
+}  // namespace
+
+TEST_CASE("gradients with per-rank upstream gradients: Shard -> Replicate backward is Partial -> Shard",
+          "[dtensor][autograd]") {
+  Tensor x0 = randn({5, 3}, 41, DType::F64);
+  for (auto& mesh : meshes()) {
+    std::vector<Placements> srcs, dsts;
+    if (mesh->ndim() == 1) {
+      srcs = {{Shard{0}}, {Shard{1}}, {Replicate{}}, {Partial{}}};
+      dsts = {{Replicate{}}, {Shard{0}}, {Shard{1}}};
+    } else {
+      srcs = {{Shard{0}, Shard{1}}, {Shard{0}, Shard{0}}, {Replicate{}, Shard{0}}, {Shard{1}, Replicate{}},
+              {Partial{}, Shard{0}}, {Shard{1}, Partial{}}, {Replicate{}, Replicate{}}, {Partial{}, Partial{}}};
+      dsts = {{Replicate{}, Replicate{}}, {Shard{0}, Replicate{}}, {Replicate{}, Shard{1}},
+              {Shard{1}, Shard{0}}, {Shard{0}, Shard{0}}};
+    }
+    for (const auto& src : srcs) {
+      Tensor mask = piece_mask(x0, mesh, src);
+      for (const auto& dst : dsts) {
+        INFO(mesh->str() << " " << placements_str(src) << " -> " << placements_str(dst));
+        // Each rank: loss_r = sum(y_r^2 * w_r) with its own random w_r over its local y_r;
+        // the global loss is their sum, so y's gradient is Partial where y is replicated.
+        Shape yshape = local_shape_and_offset(x0.shape(), *mesh, dst, mesh->get_coordinate()).first;
+        Tensor wr = rank_weights(yshape, 1);
+        check_global_grad(
+            [&](const Tensor& x, bool run_backward) {
+              Tensor dt = from_local(local_piece(x, mesh, src), mesh, src, x0.shape());
+              Tensor y = to_local(redistribute(dt, dst), partial_grads(dst));
+              Tensor l = sum(y * y * wr);
+              if (run_backward) autograd::backward(l);
+              return global_sum(l);
+            },
+            x0, mask);
+      }
+    }
+    // full_tensor with grad_placements, and the collective the backward issues:
+    // Shard(0) -> Replicate forward all-gathers, its backward reduce-scatters.
+    Placements shard_all(static_cast<size_t>(mesh->ndim()), Shard{0});
+    Placements partial_all(static_cast<size_t>(mesh->ndim()), Partial{});
+    Tensor wr = rank_weights(x0.shape(), 2);
+    check_global_grad(
+        [&](const Tensor& x, bool run_backward) {
+          Tensor y = full_tensor(from_local(local_piece(x, mesh, shard_all), mesh, shard_all, x0.shape()),
+                                 partial_all);
+          Tensor l = sum(y * y * wr);
+          if (run_backward) {
+            std::vector<dist::CollectiveStats> before;
+            for (int64_t i = 0; i < mesh->ndim(); ++i) before.push_back(mesh->get_group(i)->stats());
+            autograd::backward(l);
+            for (int64_t i = 0; i < mesh->ndim(); ++i) {
+              auto now = mesh->get_group(i)->stats();
+              auto was = before[static_cast<size_t>(i)];
+              CHECK(now.reduce_scatter - was.reduce_scatter == (mesh->size(i) > 1 ? 1 : 0));
+              CHECK(now.total() - was.total() == now.reduce_scatter - was.reduce_scatter);
+            }
+          }
+          return global_sum(l);
+        },
+        x0, piece_mask(x0, mesh, shard_all));
+  }
+}
+
+TEST_CASE("gradients through Replicate -> Partial and Partial -> Replicate / Shard", "[dtensor][autograd]") {
+  Tensor x0 = randn({5, 3}, 42, DType::F64), w = randn({5, 3}, 43, DType::F64);
+  for (auto& mesh : meshes()) {
+    Placements rep(static_cast<size_t>(mesh->ndim()), Replicate{});
+    Tensor ones_mask = ones(x0.shape(), DType::F64);  // x is replicated: every rank holds the whole gradient
+    for (dist::ReduceOp op : kReduceOps) {
+      for (int64_t i = 0; i < mesh->ndim(); ++i) {
+        Placements mid = rep, to_shard = rep;
+        mid[static_cast<size_t>(i)] = Partial{op};
+        to_shard[static_cast<size_t>(i)] = Shard{0};
+        for (const auto& dst : {rep, to_shard}) {
+          INFO(mesh->str() << " R -> " << placements_str(mid) << " -> " << placements_str(dst));
+          Shape yshape = local_shape_and_offset(x0.shape(), *mesh, dst, mesh->get_coordinate()).first;
+          Tensor wr = rank_weights(yshape, 3);
+          check_global_grad(
+              [&](const Tensor& x, bool run_backward) {
+                Tensor p = redistribute(from_local(x, mesh, rep), mid);
+                Tensor y = to_local(redistribute(p, dst), partial_grads(dst));
+                Tensor l = sum(y * y * wr);
+                if (run_backward) autograd::backward(l);
+                return global_sum(l);
+              },
+              x0, ones_mask);
+        }
+      }
+    }
+    // to_local of the Partial(sum) itself: the sum(y_r * w) of the ranks along the
+    // Partial dim add up to sum(x * w), whose gradient w is the same on every rank:
+    // grad_placements R.
+    Placements mid = rep;
+    mid.back() = Partial{};
+    INFO(mesh->str() << " to_local of R -> " << placements_str(mid));
+    check_global_grad(
+        [&](const Tensor& x, bool run_backward) {
+          Tensor y = to_local(redistribute(from_local(x, mesh, rep), mid), rep);
+          Tensor l = sum(y * w);
+          if (run_backward) autograd::backward(l);
+          Tensor t = ops::reshape(ops::clone(detach(l)), {1});
+          mesh->get_group(-1)->all_reduce(t)->wait();
+          return t.item();
+        },
+        x0, ones_mask);
+  }
 }
 
 TEST_CASE("DTensor ops: elementwise, in-place, reductions, likes", "[dtensor][ops]") {

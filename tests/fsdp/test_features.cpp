@@ -194,6 +194,43 @@ TEST_CASE("event order: implicit forward prefetch and reverse post-forward backw
   CHECK(events == explicit_forward);
   autograd::clear_tape();
   fsdp::reset_iter_state(*model);
+  // The whole backward, reshards included, then explicit backward prefetch
+  // of two blocks at once from the root.
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) {
+      fsdp::set_modules_to_backward_prefetch(*model, {model->blocks[2].get(), model->blocks[1].get()});
+      for (auto& b : model->blocks) fsdp::set_modules_to_backward_prefetch(*b, {});
+    }
+    Tensor l = nn::cross_entropy((*model)(tokens(7)), tokens(8));
+    events.clear();
+    autograd::backward(l);
+    std::vector<std::string> expected =
+        pass == 0 ? std::vector<std::string>{"unshard root PRE_BACKWARD",
+                                             "unshard transformer.h.2 PRE_BACKWARD",
+                                             "unshard transformer.h.1 PRE_BACKWARD",  // implicit prefetch by h.2
+                                             "post_backward transformer.h.2 POST_BACKWARD",
+                                             "reshard transformer.h.2 POST_BACKWARD",
+                                             "unshard transformer.h.0 PRE_BACKWARD",  // prefetched by h.1
+                                             "post_backward transformer.h.1 POST_BACKWARD",
+                                             "reshard transformer.h.1 POST_BACKWARD",
+                                             "post_backward transformer.h.0 POST_BACKWARD",
+                                             "reshard transformer.h.0 POST_BACKWARD",
+                                             "post_backward root POST_BACKWARD",
+                                             "reshard root POST_BACKWARD"}
+                  : std::vector<std::string>{"unshard root PRE_BACKWARD",
+                                             "unshard transformer.h.2 PRE_BACKWARD",  // both prefetched by the root,
+                                             "unshard transformer.h.1 PRE_BACKWARD",  // in the order given
+                                             "post_backward transformer.h.2 POST_BACKWARD",
+                                             "reshard transformer.h.2 POST_BACKWARD",
+                                             "unshard transformer.h.0 PRE_BACKWARD",  // by h.1: an empty list keeps the default
+                                             "post_backward transformer.h.1 POST_BACKWARD",
+                                             "reshard transformer.h.1 POST_BACKWARD",
+                                             "post_backward transformer.h.0 POST_BACKWARD",
+                                             "reshard transformer.h.0 POST_BACKWARD",
+                                             "post_backward root POST_BACKWARD",
+                                             "reshard root POST_BACKWARD"};
+    CHECK(events == expected);
+  }
 }
 
 TEST_CASE("gradient accumulation without sync, then one reduction", "[fsdp][accumulation]") {
@@ -614,4 +651,33 @@ TEST_CASE("runtime controls: reshard after forward/backward, unshard in backward
   CHECK_FALSE(partial.out->bias.is_distributed());
   CHECK(partial.out->bias.storage()->is_allocated());
   autograd::clear_tape();
+}
+
+TEST_CASE("CPUOffloadPolicy is accepted and, on CPU, changes nothing", "[fsdp][offload]") {
+  auto mesh = init_device_mesh("cpu", {world()}, {"dp"});
+  auto build = [&](std::shared_ptr<fsdp::OffloadPolicy> policy) {
+    auto model = std::make_shared<MLPStack>(Device::meta());
+    for (auto* b : model->blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .offload_policy = policy});
+    fsdp::fully_shard(*model, {.mesh = mesh, .offload_policy = policy});
+    model->to_empty(Device::cpu());
+    model->init_weights(9);
+    return model;
+  };
+  auto plain = build(nullptr);
+  auto offloaded = build(std::make_shared<fsdp::CPUOffloadPolicy>(/*pin=*/true));
+  optim::AdamW a(plain->parameters(), {.lr = 1e-2}), b(offloaded->parameters(), {.lr = 1e-2});
+  for (uint64_t step = 0; step < 2; ++step) {
+    Tensor x = randn({12, 15}, 20 + step), y = randn({12, 5}, 30 + step);
+    autograd::backward(mean(square((*plain)(local_rows(x)) - local_rows(y))));
+    autograd::backward(mean(square((*offloaded)(local_rows(x)) - local_rows(y))));
+    a.step();
+    b.step();
+    a.zero_grad();
+    b.zero_grad();
+  }
+  auto pa = plain->parameters(), pb = offloaded->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    CHECK(local_tensor(pb[i]).device().is_cpu());
+    CHECK(testing::equal(local_tensor(pa[i]), local_tensor(pb[i])));
+  }
 }

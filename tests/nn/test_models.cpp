@@ -36,6 +36,16 @@ Tensor naive_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
   return matmul(softmax(scores, -1), v);
 }
 
+// Mean negative log-likelihood of logits [B, T, V] against targets [B, T], via one-hot.
+Tensor naive_nll(const Tensor& logits, const Tensor& targets) {
+  int64_t n = targets.numel(), vocab = logits.size(-1);
+  Tensor logp = log_softmax(reshape(logits, {n, vocab}), -1);
+  Tensor onehot = ops::to(ops::binary(ops::BinaryOp::Eq, ops::reshape(arange(0, vocab), {1, vocab}),
+                                      ops::reshape(targets, {n, 1})),
+                          logp.dtype());
+  return neg(sum(logp * onehot)) * (1.0 / static_cast<double>(n));
+}
+
 // The GPT forward + loss from primitives, reading the model's parameters.
 Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
   const auto& c = m.config;
@@ -57,12 +67,62 @@ Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
     x = x + matmul(hid, transpose(blk.mlp->c_proj->weight, 0, 1)) + blk.mlp->c_proj->bias;
   }
   x = naive_layer_norm(x, m.ln_f->weight, m.ln_f->bias, c.norm_eps);
-  Tensor logits = matmul(x, transpose(m.lm_head->weight, 0, 1));
-  Tensor logp = log_softmax(reshape(logits, {b * t, c.vocab_size}), -1);
-  Tensor onehot = ops::to(ops::binary(ops::BinaryOp::Eq, ops::reshape(arange(0, c.vocab_size), {1, c.vocab_size}),
-                                      ops::reshape(targets, {b * t, 1})),
-                          logp.dtype());
-  return neg(sum(logp * onehot)) * (1.0 / static_cast<double>(b * t));
+  return naive_nll(matmul(x, transpose(m.lm_head->weight, 0, 1)), targets);
+}
+
+Tensor naive_rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  return x * rsqrt(mean(square(x), {-1}, true) + eps) * w;
+}
+
+// Hugging Face Llama's rotary embedding on x [B, H, T, D]: inv_freq = 1 / theta^(2i/D),
+// cos/sin of cat(freqs, freqs) [T, D], x * cos + rotate_half(x) * sin with
+// rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]).
+Tensor naive_rope(const Tensor& x, double theta) {
+  int64_t t = x.size(2), d = x.size(3), half = d / 2;
+  std::vector<double> c(static_cast<size_t>(t * d)), s(c.size());
+  for (int64_t p = 0; p < t; ++p)
+    for (int64_t j = 0; j < d; ++j) {
+      double inv_freq =
+          1.0 / std::pow(theta, static_cast<double>(2 * (j % half)) / static_cast<double>(d));
+      c[static_cast<size_t>(p * d + j)] = std::cos(static_cast<double>(p) * inv_freq);
+      s[static_cast<size_t>(p * d + j)] = std::sin(static_cast<double>(p) * inv_freq);
+    }
+  Tensor rotated = cat({neg(narrow(x, 3, half, half)), narrow(x, 3, 0, half)}, 3);
+  return x * from_vector(c, {t, d}) + rotated * from_vector(s, {t, d});
+}
+
+// Hugging Face's repeat_kv: [B, Hkv, T, D] -> [B, Hkv * rep, T, D], head h reading kv head h / rep.
+Tensor repeat_kv(const Tensor& x, int64_t rep) {
+  int64_t b = x.size(0), hkv = x.size(1), t = x.size(2), d = x.size(3);
+  return reshape(expand(unsqueeze(x, 2), {b, hkv, rep, t, d}), {b, hkv * rep, t, d});
+}
+
+// The Llama forward + loss from primitives: RMSNorm, rotary q/k, grouped-query
+// attention by repeating k/v heads, SwiGLU as silu(x) = x * sigmoid(x).
+Tensor naive_llama_loss(nn::Llama& m, const Tensor& idx, const Tensor& targets) {
+  const auto& c = m.config;
+  int64_t b = idx.size(0), t = idx.size(1), h = c.n_head, hkv = c.kv_heads(), d = c.head_dim();
+  auto lin = [](const Tensor& x, const Tensor& w) { return matmul(x, transpose(w, 0, 1)); };
+  Tensor x = embedding(m.embed_tokens->weight, idx);
+  for (auto& blk_ptr : m.blocks) {
+    auto& blk = static_cast<nn::LlamaBlock&>(*blk_ptr);
+    auto& at = *blk.self_attn;
+    Tensor a = naive_rms_norm(x, blk.input_layernorm->weight, c.norm_eps);
+    auto heads = [&](const Tensor& w, int64_t n) {
+      return transpose(reshape(lin(a, w), {b, t, n, d}), 1, 2);
+    };
+    Tensor q = naive_rope(heads(at.q_proj->weight, h), c.rope_theta);
+    Tensor k = naive_rope(heads(at.k_proj->weight, hkv), c.rope_theta);
+    Tensor v = heads(at.v_proj->weight, hkv);
+    Tensor y = naive_attention(q, repeat_kv(k, h / hkv), repeat_kv(v, h / hkv));
+    x = x + lin(reshape(transpose(y, 1, 2), {b, t, h * d}), at.o_proj->weight);
+    Tensor f = naive_rms_norm(x, blk.post_attention_layernorm->weight, c.norm_eps);
+    Tensor gate = lin(f, blk.mlp->gate_proj->weight);
+    x = x +
+        lin(gate * sigmoid(gate) * lin(f, blk.mlp->up_proj->weight), blk.mlp->down_proj->weight);
+  }
+  x = naive_rms_norm(x, m.norm->weight, c.norm_eps);
+  return naive_nll(lin(x, m.lm_head->weight), targets);
 }
 
 std::vector<std::pair<std::string, Tensor>> grads_of(nn::Module& m) {
@@ -92,6 +152,55 @@ TEST_CASE("GPT loss and gradients equal a primitive-op reference (f64)", "[nn][g
     for (size_t i = 0; i < fused.size(); ++i) {
       INFO(fused[i].first);
       CHECK(allclose(fused[i].second, naive[i].second, 1e-9, 1e-12));
+    }
+  }
+}
+
+TEST_CASE("Llama loss and gradients equal a primitive-op reference (f64)", "[nn][llama]") {
+  nn::TransformerConfig cfg;
+  cfg.vocab_size = 13;
+  cfg.block_size = 24;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 24;  // head_dim 6: three rotary frequencies
+  cfg.ffn_hidden = 20;
+  cfg.rope_theta = 50.0;       // angles that differ visibly between positions and frequencies
+  for (int64_t kv : {2, 1}) {  // 2 of 4: query head h must read kv head h / 2, not h % 2
+    cfg.n_kv_head = kv;
+    cfg.tie_embeddings = kv == 2;
+    INFO("kv heads " << kv << " tied " << cfg.tie_embeddings);
+    nn::Llama m(cfg);
+    m.to(DType::F64);
+    {
+      // Weights well away from the init (std 0.02, norms 1), so that attention is far
+      // from uniform, rotations matter, and every norm weight is used.
+      autograd::NoGradGuard ng;
+      uint64_t seed = 100;
+      for (auto& [name, p] : m.named_parameters()) {
+        Tensor r = randn(p.shape(), seed++, DType::F64);
+        ops::copy_(p, p.dim() == 1 ? ops::add(ops::mul(r, 0.3), 1.0) : ops::mul(r, 0.4));
+      }
+    }
+    // T = 17, then 5: the second call reads the first rows of the cached rotary table.
+    for (int64_t t : {17, 5}) {
+      INFO("T=" << t);
+      Tensor idx = randint({2, t}, 0, cfg.vocab_size, static_cast<uint64_t>(t)),
+             tgt = randint({2, t}, 0, cfg.vocab_size, static_cast<uint64_t>(t + 1));
+      m.zero_grad();
+      Tensor loss = nn::cross_entropy(m(idx), tgt);
+      autograd::backward(loss);
+      auto fused = grads_of(m);
+      m.zero_grad();
+      Tensor ref = naive_llama_loss(m, idx, tgt);
+      autograd::backward(ref);
+      auto naive = grads_of(m);
+      CHECK(loss.item() == Approx(ref.item()).epsilon(1e-12));
+      CHECK(std::fabs(loss.item() - std::log(13.0)) > 0.1);  // far from the uniform prediction
+      REQUIRE(fused.size() == naive.size());
+      for (size_t i = 0; i < fused.size(); ++i) {
+        INFO(fused[i].first);
+        CHECK(allclose(fused[i].second, naive[i].second, 1e-9, 1e-12));
+      }
     }
   }
 }

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "nn/models.h"
 #include "runtime/allocator.h"
 #include "tests/helpers.h"
@@ -194,4 +196,59 @@ TEST_CASE("bad input gives clear exceptions", "[nn][errors]") {
   auto cfg = tiny();
   cfg.n_head = 4;
   CHECK_THROWS_WITH(nn::GPT(cfg), Catch::Contains("n_embd 6 is not divisible by n_head 4"));
+}
+
+TEST_CASE("apply visits every module once, children before their parent", "[nn][module]") {
+  nn::GPT gpt(tiny());
+  std::vector<nn::Module*> order;
+  gpt.apply([&](nn::Module& m) { order.push_back(&m); });
+  auto mods = gpt.named_modules();
+  REQUIRE(order.size() == mods.size());
+  CHECK(order.back() == &gpt);
+  auto pos = [&](const nn::Module* m) {
+    return std::find(order.begin(), order.end(), m) - order.begin();
+  };
+  for (auto& [name, m] : mods) {
+    INFO(name);
+    CHECK(std::count(order.begin(), order.end(), m) == 1);
+    for (auto& [cname, c] : m->named_children()) CHECK(pos(c.get()) < pos(m));
+  }
+  Net net;
+  std::vector<std::string> types;
+  net.apply([&](nn::Module& m) { types.push_back(m.type_name()); });
+  CHECK(types == std::vector<std::string>{"Linear", "Linear", "Module"});
+  // A typical use: re-initialise every Linear.
+  net.apply([](nn::Module& m) {
+    if (auto* lin = dynamic_cast<nn::Linear*>(&m)) ops::fill_(lin->weight, 0.5);
+  });
+  CHECK(equal(net.fc1->weight, full({5, 3}, 0.5)));
+  CHECK(equal(net.fc2->weight, full({2, 5}, 0.5)));
+  CHECK_FALSE(equal(net.fc1->bias, full({5}, 0.5)));
+}
+
+TEST_CASE("non-persistent buffers are moved but left out of state dicts",
+          "[nn][module][state_dict]") {
+  auto make = [] {
+    auto net = std::make_shared<Net>();
+    net->fc1->register_buffer("cache", randn({3, 4}, 7), /*persistent=*/false);
+    net->register_buffer("step", full({}, 3.0), /*persistent=*/true);
+    return net;
+  };
+  auto a = make();
+  std::vector<std::string> buffers, keys;
+  for (auto& [n, t] : a->named_buffers()) buffers.push_back(n);
+  for (auto& [n, t] : a->state_dict()) keys.push_back(n);
+  CHECK(buffers == std::vector<std::string>{"scale", "step", "fc1.cache"});
+  CHECK(keys == std::vector<std::string>{"scale", "step", "fc1.weight", "fc1.bias", "fc2.weight"});
+  // Loading needs no value for it, refuses one (strict), and leaves it alone.
+  auto b = make();
+  Tensor cache_b = ops::clone(b->named_buffers().at(2).second);
+  b->load_state_dict(a->state_dict());
+  CHECK(equal(b->named_buffers().at(2).second, cache_b));
+  nn::StateDict with = a->state_dict();
+  with.emplace_back("fc1.cache", zeros({3, 4}));
+  CHECK_THROWS_WITH(b->load_state_dict(with), Catch::Contains("unexpected keys [fc1.cache]"));
+  // Moves convert it like any buffer.
+  a->to(DType::F64);
+  CHECK(a->named_buffers().at(2).second.dtype() == DType::F64);
 }

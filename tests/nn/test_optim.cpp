@@ -96,3 +96,37 @@ TEST_CASE("clip_grad_norm_ scales to the max norm and reports the norm", "[optim
   CHECK(n2 == Approx(1.0).epsilon(1e-5));
   CHECK(a.grad().to_vector<double>()[0] == Approx(0.6).epsilon(1e-5));
 }
+
+TEST_CASE("SGD without momentum: plain and with weight decay", "[optim]") {
+  // By hand: p - lr * (g + wd * p).
+  Tensor p = param({2}, 1);
+  ops::copy_(p, from_vector<double>({1.0, -2.0}, {2}));
+  optim::SGD opt({p}, {.lr = 0.1, .weight_decay = 0.2});
+  Tensor g = from_vector<double>({0.5, 0.25}, {2});
+  p.set_grad(g);
+  opt.step();
+  CHECK(p.to_vector<double>()[0] == Approx(0.93).epsilon(1e-14));    // 1 - 0.1 * (0.5 + 0.2)
+  CHECK(p.to_vector<double>()[1] == Approx(-1.985).epsilon(1e-14));  // -2 - 0.1 * (0.25 - 0.4)
+  CHECK(g.to_vector<double>() == std::vector<double>{0.5, 0.25});  // the decay does not touch .grad
+  CHECK_FALSE(opt.momentum_buffer(0).defined());
+
+  for (double wd : {0.0, 0.05}) {
+    INFO("weight decay " << wd);
+    for (int64_t n : {1, 17, 257}) {
+      Tensor a = param({n}, static_cast<uint64_t>(n)), idle = param({3}, 7);
+      Tensor idle0 = ops::clone(idle);
+      std::vector<double> ref = a.to_vector<double>();
+      optim::SGD sgd({a, idle}, {.lr = 0.03, .weight_decay = wd});
+      for (int step = 0; step < 3; ++step) {
+        Tensor grad = randn({n}, 300 + static_cast<uint64_t>(step), DType::F64);
+        a.set_grad(grad);
+        sgd.step();
+        auto gv = grad.to_vector<double>();
+        for (size_t i = 0; i < ref.size(); ++i) ref[i] -= 0.03 * (gv[i] + wd * ref[i]);
+        CHECK(allclose(a, from_vector(ref, {n}), 1e-14, 1e-15));
+      }
+      CHECK(testing::equal(idle, idle0));  // no gradient: not stepped, not decayed
+      CHECK_FALSE(sgd.momentum_buffer(0).defined());
+    }
+  }
+}

@@ -100,6 +100,11 @@ TEST_CASE("elementwise math agrees with libm", "[kernels]") {
     ops::UnaryOp op;
     double (*f)(double);
     double rtol;
+    double atol = 1e-30;    // for results that cancel to near 0 in f32 (sin, cos, gelu_tanh)
+    bool positive = false;  // domain x > 0: evaluated at |x| + 0.01
+  };
+  auto gelu_tanh = [](double v) {
+    return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
   };
   std::vector<Case> cases = {
       {ops::UnaryOp::Exp, [](double v) { return std::exp(v); }, 2e-6},
@@ -107,12 +112,33 @@ TEST_CASE("elementwise math agrees with libm", "[kernels]") {
       {ops::UnaryOp::Sigmoid, [](double v) { return 1 / (1 + std::exp(-v)); }, 2e-6},
       {ops::UnaryOp::Gelu, [](double v) { return 0.5 * v * std::erfc(-v / std::sqrt(2.0)); }, 1e-5},
       {ops::UnaryOp::Silu, [](double v) { return v / (1 + std::exp(-v)); }, 2e-6},
+      {ops::UnaryOp::GeluTanh, gelu_tanh, 1e-5, 1e-6},
+      {ops::UnaryOp::Relu, [](double v) { return v > 0 ? v : 0.0; }, 0},
+      {ops::UnaryOp::Abs, [](double v) { return std::fabs(v); }, 0},
+      {ops::UnaryOp::Neg, [](double v) { return -v; }, 0},
+      {ops::UnaryOp::Sin, [](double v) { return std::sin(v); }, 2e-7, 2e-7},
+      {ops::UnaryOp::Cos, [](double v) { return std::cos(v); }, 2e-7, 2e-7},
+      {ops::UnaryOp::Rsqrt, [](double v) { return 1 / std::sqrt(v); }, 3e-7, 1e-30, true},
+      {ops::UnaryOp::Sqrt, [](double v) { return std::sqrt(v); }, 2e-7, 1e-30, true},
+      {ops::UnaryOp::Log, [](double v) { return std::log(v); }, 2e-7, 2e-7, true},
+      {ops::UnaryOp::Square, [](double v) { return v * v; }, 2e-7},
+      {ops::UnaryOp::Reciprocal, [](double v) { return 1 / v; }, 2e-7},
+      {ops::UnaryOp::Sign, [](double v) { return static_cast<double>((v > 0) - (v < 0)); }, 0},
   };
+  Tensor xpos = ops::add(ops::unary(ops::UnaryOp::Abs, x), 0.01);
+  Tensor xposf = ops::to(xpos, DType::F32);
+  auto vpos = xpos.to_vector<double>();
   for (auto& c : cases) {
     INFO(ops::unary_name(c.op));
-    std::vector<double> ref(vx.size());
-    for (size_t i = 0; i < vx.size(); ++i) ref[i] = c.f(static_cast<double>(static_cast<float>(vx[i])));
-    CHECK_CLOSE(ops::unary(c.op, xf), from_vector(ref, {4097}), c.rtol, 1e-30);
+    const auto& in = c.positive ? vpos : vx;
+    std::vector<double> ref(in.size());
+    for (size_t i = 0; i < in.size(); ++i)
+      ref[i] = c.f(static_cast<double>(static_cast<float>(in[i])));
+    CHECK_CLOSE(ops::unary(c.op, c.positive ? xposf : xf), from_vector(ref, {4097}), c.rtol,
+                c.atol);
+    // f64: the same ops to (nearly) the last bit.
+    for (size_t i = 0; i < in.size(); ++i) ref[i] = c.f(in[i]);
+    CHECK_CLOSE(ops::unary(c.op, c.positive ? xpos : x), from_vector(ref, {4097}), 1e-13, c.atol);
   }
   // exp at the ends of the float range.
   Tensor edge = from_vector<float>({-200.f, -100.f, -87.5f, 0.f, 88.7f, 89.f, NAN}, {7});
@@ -125,4 +151,195 @@ TEST_CASE("elementwise math agrees with libm", "[kernels]") {
   CHECK(e[4] == Approx(ref(88.7f)).epsilon(1e-6));
   CHECK(std::isinf(e[5]));
   CHECK(std::isnan(e[6]));
+}
+
+TEST_CASE("pow, maximum, minimum agree with libm, with broadcasting", "[kernels]") {
+  for (int64_t n : {1, 3, 17, 257}) {
+    INFO("n=" << n);
+    Tensor base = uniform({5, n}, 0.1, 3.0, n, DType::F64);  // pow: positive bases
+    Tensor ex = ops::mul(randn({n}, n + 1, DType::F64), 2.0);
+    Tensor other = randn({5, 1}, n + 2, DType::F64);
+    auto vb = base.to_vector<double>(), ve = ex.to_vector<double>(), vo = other.to_vector<double>();
+    std::vector<double> pw(vb.size()), mx(vb.size()), mn(vb.size());
+    for (int64_t i = 0; i < 5; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        size_t e = static_cast<size_t>(i * n + j);
+        pw[e] = std::pow(vb[e], ve[static_cast<size_t>(j)]);
+        mx[e] = std::max(vb[e], vo[static_cast<size_t>(i)]);
+        mn[e] = std::min(vb[e], vo[static_cast<size_t>(i)]);
+      }
+    for (DType dt : {DType::F64, DType::F32}) {
+      INFO(dtype_name(dt));
+      double rtol = dt == DType::F64 ? 1e-14 : 1e-6;
+      Tensor b = ops::to(base, dt), e = ops::to(ex, dt), o = ops::to(other, dt);
+      if (dt == DType::F32) {  // the reference from the f32-rounded inputs
+        auto rb = b.to_vector<double>(), re = e.to_vector<double>(), ro = o.to_vector<double>();
+        for (int64_t i = 0; i < 5; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            size_t k = static_cast<size_t>(i * n + j);
+            pw[k] = std::pow(rb[k], re[static_cast<size_t>(j)]);
+            mx[k] = std::max(rb[k], ro[static_cast<size_t>(i)]);
+            mn[k] = std::min(rb[k], ro[static_cast<size_t>(i)]);
+          }
+      }
+      CHECK_CLOSE(ops::binary(BinaryOp::Pow, b, e), from_vector(pw, {5, n}), rtol, 1e-300);
+      CHECK_CLOSE(ops::binary(BinaryOp::Maximum, b, o), from_vector(mx, {5, n}), 0, 1e-300);
+      CHECK_CLOSE(ops::binary(BinaryOp::Minimum, o, b), from_vector(mn, {5, n}), 0, 1e-300);
+    }
+  }
+  // pow by a scalar; maximum and minimum propagate NaN from either side.
+  Tensor x = uniform({17}, 0.5, 2.0, 3, DType::F64);
+  auto vx = x.to_vector<double>();
+  std::vector<double> p25(17);
+  for (size_t i = 0; i < 17; ++i) p25[i] = std::pow(vx[i], 2.5);
+  CHECK_CLOSE(ops::binary(BinaryOp::Pow, x, 2.5), from_vector(p25, {17}), 1e-14, 1e-300);
+  Tensor a = from_vector<float>({NAN, 1.f, 2.f}, {3}), b = from_vector<float>({0.f, NAN, 1.f}, {3});
+  for (BinaryOp op : {BinaryOp::Maximum, BinaryOp::Minimum}) {
+    INFO(ops::binary_name(op));
+    auto v = ops::binary(op, a, b).to_vector<double>();
+    CHECK(std::isnan(v[0]));
+    CHECK(std::isnan(v[1]));
+    CHECK(v[2] == (op == BinaryOp::Maximum ? 2.0 : 1.0));
+  }
+}
+
+TEST_CASE("comparisons: values, bool output, broadcasting, NaN", "[kernels][compare]") {
+  struct Cmp {
+    BinaryOp op;
+    bool (*ref)(double, double);
+  };
+  std::vector<Cmp> cmps = {
+      {BinaryOp::Lt, [](double a, double b) { return a < b; }},
+      {BinaryOp::Le, [](double a, double b) { return a <= b; }},
+      {BinaryOp::Gt, [](double a, double b) { return a > b; }},
+      {BinaryOp::Ge, [](double a, double b) { return a >= b; }},
+      {BinaryOp::Eq, [](double a, double b) { return a == b; }},
+      {BinaryOp::Ne, [](double a, double b) { return a != b; }},
+  };
+  for (int64_t n : {1, 3, 17, 257}) {
+    // Small integers, so ties (where eq, le and ge matter) are common: [3, 1, n] vs [5, 1].
+    Tensor ai = randint({3, 1, n}, -2, 3, static_cast<uint64_t>(n)),
+           bi = randint({5, 1}, -2, 3, static_cast<uint64_t>(n + 1));
+    auto va = ai.to_vector<double>(), vb = bi.to_vector<double>();
+    for (DType dt : {DType::I64, DType::F32, DType::F64, DType::BF16}) {
+      Tensor a = ops::to(ai, dt), b = ops::to(bi, dt);
+      for (auto& c : cmps) {
+        INFO(ops::binary_name(c.op) << " " << dtype_name(dt) << " n=" << n);
+        std::vector<double> ref(static_cast<size_t>(3 * 5 * n)), ref_t(ref.size());
+        for (int64_t i = 0; i < 3; ++i)
+          for (int64_t j = 0; j < 5; ++j)
+            for (int64_t k = 0; k < n; ++k) {
+              size_t e = static_cast<size_t>((i * 5 + j) * n + k);
+              double x = va[static_cast<size_t>(i * n + k)], y = vb[static_cast<size_t>(j)];
+              ref[e] = c.ref(x, y);
+              ref_t[e] = c.ref(y, x);
+            }
+        Tensor r = ops::binary(c.op, a, b);
+        CHECK(r.dtype() == DType::Bool);
+        CHECK(r.shape() == Shape{3, 5, n});
+        CHECK(r.to_vector<double>() == ref);
+        CHECK(ops::binary(c.op, b, a).to_vector<double>() == ref_t);  // the broadcast operand first
+      }
+    }
+  }
+  // Against a scalar, on a transposed view; NaN compares false except for ne.
+  Tensor x = ops::transpose(from_vector<float>({-1.f, 0.5f, NAN, 2.f, 0.f, 1.f}, {2, 3}), 0, 1);
+  auto vx = x.to_vector<double>();
+  REQUIRE(std::isnan(vx[4]));
+  for (auto& c : cmps) {
+    INFO(ops::binary_name(c.op));
+    Tensor r = ops::binary(c.op, x, 0.5);
+    CHECK(r.dtype() == DType::Bool);
+    CHECK(r.shape() == Shape{3, 2});
+    auto v = r.to_vector<double>();
+    for (size_t i = 0; i < vx.size(); ++i) CHECK(v[i] == static_cast<double>(c.ref(vx[i], 0.5)));
+    CHECK(v[4] == (c.op == BinaryOp::Ne ? 1.0 : 0.0));
+    CHECK(v[2] == (c.op == BinaryOp::Le || c.op == BinaryOp::Ge || c.op == BinaryOp::Eq
+                       ? 1.0
+                       : 0.0));  // 0.5 vs 0.5
+  }
+  CHECK_THROWS_WITH(ops::binary(BinaryOp::Lt, randn({3, 2}, 1), randn({3}, 1)),
+                    Catch::Contains("cannot be broadcast"));
+}
+
+namespace {
+// The rotary tables as nn/transformer.cpp builds them: angle(p, i) = p * theta^(-2i / D), in
+// f64, rounded to `dtype`, [rows, D/2].
+std::pair<Tensor, Tensor> rope_tables(int64_t rows, int64_t d, double theta, DType dtype) {
+  int64_t half = d / 2;
+  std::vector<double> c(static_cast<size_t>(rows * half)), s(c.size());
+  for (int64_t p = 0; p < rows; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      double angle = static_cast<double>(p) *
+                     std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+      c[static_cast<size_t>(p * half + i)] = std::cos(angle);
+      s[static_cast<size_t>(p * half + i)] = std::sin(angle);
+    }
+  return {ops::to(from_vector(c, {rows, half}), dtype),
+          ops::to(from_vector(s, {rows, half}), dtype)};
+}
+
+// Hugging Face Llama's rotation written out in f64: inv_freq = 1 / theta^(2i/D),
+// cos/sin of cat(freqs, freqs), out = x * cos + rotate_half(x) * sin with
+// rotate_half(x) = cat(-x[D/2:], x[:D/2]). `sign` -1 rotates back.
+std::vector<double> rope_reference(const std::vector<double>& x, int64_t t, int64_t d, double theta,
+                                   double sign) {
+  int64_t half = d / 2, planes = static_cast<int64_t>(x.size()) / (t * d);
+  std::vector<double> out(x.size());
+  for (int64_t pl = 0; pl < planes; ++pl)
+    for (int64_t pos = 0; pos < t; ++pos) {
+      const double* r = &x[static_cast<size_t>((pl * t + pos) * d)];
+      double* o = &out[static_cast<size_t>((pl * t + pos) * d)];
+      for (int64_t j = 0; j < d; ++j) {
+        double inv_freq =
+            1.0 / std::pow(theta, static_cast<double>(2 * (j % half)) / static_cast<double>(d));
+        double angle = sign * static_cast<double>(pos) * inv_freq;
+        double rotated = j < half ? -r[j + half] : r[j - half];
+        o[j] = r[j] * std::cos(angle) + rotated * std::sin(angle);
+      }
+    }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("rope matches Hugging Face Llama's rotate-half rotation", "[kernels][rope]") {
+  for (int64_t t : {1, 3, 17, 257}) {
+    for (int64_t d : {2, 6, 34}) {
+      for (double theta : {10000.0, 500000.0, 7.5}) {
+        INFO("T=" << t << " D=" << d << " theta=" << theta);
+        Tensor x64 = randn({2, 3, t, d}, static_cast<uint64_t>(t * 100 + d), DType::F64);
+        for (DType dt : {DType::F64, DType::F32}) {
+          INFO(dtype_name(dt));
+          double tol = dt == DType::F64 ? 1e-12 : 2e-6;
+          Tensor x = ops::to(x64, dt);
+          auto vx = x.to_vector<double>();
+          // A table longer than T (the model caches one for its longest sequence).
+          auto [cs, sn] = rope_tables(t + 5, d, theta, dt);
+          Tensor y = ops::rope(x, cs, sn);
+          CHECK(y.dtype() == dt);
+          CHECK_CLOSE(y, from_vector(rope_reference(vx, t, d, theta, 1.0), x.shape()), tol, tol);
+          Tensor back = ops::rope(x, cs, sn, /*inverse=*/true);
+          CHECK_CLOSE(back, from_vector(rope_reference(vx, t, d, theta, -1.0), x.shape()), tol,
+                      tol);
+          CHECK_CLOSE(ops::rope(y, cs, sn, true), x, tol, tol);  // a rotation: inverse undoes it
+          // A non-contiguous input ([B, T, H, D] transposed, as the model's split_heads gives).
+          Tensor xt = ops::transpose(ops::contiguous(ops::transpose(x, 1, 2)), 1, 2);
+          CHECK(xt.is_contiguous() == (t == 1));  // size-1 dims have no layout
+          CHECK_CLOSE(ops::rope(xt, cs, sn), y, 0, 1e-300);
+        }
+      }
+    }
+  }
+  // bf16 computes in f32 and rounds once.
+  Tensor x = randn({1, 2, 17, 8}, 3);
+  auto [cs, sn] = rope_tables(17, 8, 10000.0, DType::F32);
+  Tensor xb = ops::to(x, DType::BF16);
+  Tensor yb = ops::rope(xb, cs, sn);
+  CHECK(yb.dtype() == DType::BF16);
+  CHECK_CLOSE(ops::to(yb, DType::F32),
+              from_vector(rope_reference(xb.to_vector<double>(), 17, 8, 10000.0, 1.0), x.shape()),
+              8e-3, 1e-6);
+  CHECK_THROWS_WITH(ops::rope(randn({1, 1, 4, 5}, 1), cs, sn), Catch::Contains("even last dim"));
+  CHECK_THROWS_WITH(ops::rope(randn({1, 1, 18, 8}, 1), cs, sn),
+                    Catch::Contains("must be [>= 18, 4]"));
 }

@@ -1,3 +1,6 @@
+#include <cstring>
+#include <functional>
+
 #include "runtime/allocator.h"
 #include "runtime/stream.h"
 #include "tests/helpers.h"
@@ -285,4 +288,243 @@ TEST_CASE("matmul with empty dims", "[tensor][matmul]") {
   CHECK(ops::matmul(randn({0, 8}, 1), randn({8, 5}, 2)).shape() == Shape{0, 5});
   Tensor z = ops::matmul(randn({2, 0}, 1), randn({0, 3}, 2));
   CHECK(testing::equal(z, zeros({2, 3})));
+}
+
+TEST_CASE("uniform: random slices equal the slice of the full tensor", "[tensor][random]") {
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    Tensor full_t = empty({17, 13}, dt);
+    ops::uniform_(full_t, -2.0, 3.0, {42, 7, 0, {}});
+    auto vf = full_t.to_vector<double>();
+    for (double v : vf) {
+      CHECK(v >= -2.0);
+      CHECK(v < 3.0);
+    }
+    for (int64_t world : {1, 2, 3, 4}) {
+      for (int64_t r = 0; r < world; ++r) {
+        int64_t c = (17 + world - 1) / world, start = std::min<int64_t>(17, r * c);
+        int64_t len = std::min<int64_t>(17, start + c) - start;
+        Tensor shard = empty({len, 13}, dt);
+        ops::uniform_(shard, -2.0, 3.0, {42, 7, start * 13, {}});
+        CHECK(equal(shard, ops::narrow(full_t, 0, start, len)));
+        int64_t cc = (13 + world - 1) / world, cs = std::min<int64_t>(13, r * cc);
+        int64_t cl = std::min<int64_t>(13, cs + cc) - cs;
+        Tensor cshard = empty({17, cl}, dt);
+        ops::uniform_(cshard, -2.0, 3.0, {42, 7, cs, {13, 1}});
+        CHECK(equal(cshard, ops::narrow(full_t, 1, cs, cl)));
+      }
+    }
+    // Another stream or seed gives other numbers; the same spec the same ones.
+    Tensor again = empty({17, 13}, dt), other = empty({17, 13}, dt);
+    ops::uniform_(again, -2.0, 3.0, {42, 7, 0, {}});
+    ops::uniform_(other, -2.0, 3.0, {42, 8, 0, {}});
+    CHECK(equal(again, full_t));
+    CHECK_FALSE(equal(other, full_t));
+  }
+  Tensor u = uniform({100000}, -2.0, 3.0, 11);
+  CHECK(ops::mean(u).item() == Approx(0.5).margin(0.02));
+  CHECK(ops::var(u).item() == Approx(25.0 / 12).margin(0.03));
+}
+
+// ---- in-place ops ------------------------------------------------------------------------
+
+namespace {
+// A [m, n] target laid out three ways, each inside a base tensor: the whole
+// contiguous base, a transposed view of an [n, m] base, and every other column of
+// an [m, 2n + 1] base (offset 1). The base shows what the op must leave alone.
+struct Target {
+  const char* layout;
+  Tensor base, view;
+};
+std::vector<Target> targets(int64_t m, int64_t n, DType dtype, uint64_t seed) {
+  Tensor c = ops::to(randn({m, n}, seed, DType::F64), dtype);
+  Tensor t = ops::to(randn({n, m}, seed + 1, DType::F64), dtype);
+  Tensor s = ops::to(randn({m, 2 * n + 1}, seed + 2, DType::F64), dtype);
+  return {{"contiguous", c, c},
+          {"transposed", t, ops::transpose(t, 0, 1)},
+          {"strided slice", s, ops::slice(s, 1, 1, 2 * n + 1, 2)}};
+}
+
+// The base's old values with the view's elements replaced by `expect` (row-major
+// over the 2-D view), located through the view's strides.
+std::vector<double> through_view(const Tensor& view, std::vector<double> base,
+                                 const std::vector<double>& expect) {
+  int64_t m = view.size(0), n = view.size(1);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      base[static_cast<size_t>(view.storage_offset() + i * view.strides()[0] +
+                               j * view.strides()[1])] = expect[static_cast<size_t>(i * n + j)];
+  return base;
+}
+
+// Operand `k` of a family for a [m, n] target: same shape non-contiguous, a row [n],
+// a column [m, 1], a 0-dim scalar. Magnitudes in [0.5, 2], random signs when `signed_`.
+Tensor operand(int64_t k, int64_t m, int64_t n, DType dtype, uint64_t seed, bool signed_ = true) {
+  std::vector<Shape> shapes = {{n, m}, {n}, {m, 1}, {}};
+  Shape s = shapes[static_cast<size_t>(k % 4)];
+  Tensor v = uniform(s, 0.5, 2.0, seed, DType::F64);
+  if (signed_) {  // times +-1
+    Tensor positive =
+        ops::to(ops::binary(ops::BinaryOp::Gt, randn(s, seed + 9, DType::F64), 0.0), DType::F64);
+    v = ops::mul(v, ops::add(ops::mul(positive, 2.0), -1.0));
+  }
+  v = ops::to(v, dtype);
+  return k % 4 == 0 ? ops::transpose(v, 0, 1) : v;
+}
+
+// The operand's values broadcast to [m, n], row-major.
+std::vector<double> broadcast_values(const Tensor& o, int64_t m, int64_t n) {
+  return ops::expand(o, {m, n}).to_vector<double>();
+}
+
+// f64: rounding; f32: a few ulp; bf16: computed in f32, rounded once (half an ulp is 2^-9).
+double rtol_for(DType dt) {
+  return dt == DType::F64 ? 1e-14 : dt == DType::F32 ? 2e-6 : 4e-3;
+}
+double atol_for(DType dt) {
+  return dt == DType::F64 ? 1e-14 : dt == DType::F32 ? 2e-6 : 1e-5;
+}
+}  // namespace
+
+TEST_CASE("in-place updates on contiguous and strided views against f64", "[tensor][inplace]") {
+  using Update = std::function<void(Tensor&, const Tensor&, const Tensor&)>;
+  using Ref = std::function<double(double, double, double)>;
+  struct Case {
+    const char* name;
+    Update update;
+    Ref ref;
+    bool positive_b = false;  // the second operand is a divisor
+  };
+  std::vector<Case> cases = {
+      {"add_ alpha", [](Tensor& x, const Tensor& a, const Tensor&) { ops::add_(x, a, -0.75); },
+       [](double x, double a, double) { return x - 0.75 * a; }},
+      {"add_ scalar", [](Tensor& x, const Tensor&, const Tensor&) { ops::add_(x, 1.25); },
+       [](double x, double, double) { return x + 1.25; }},
+      {"mul_", [](Tensor& x, const Tensor& a, const Tensor&) { ops::mul_(x, a); },
+       [](double x, double a, double) { return x * a; }},
+      {"mul_ scalar", [](Tensor& x, const Tensor&, const Tensor&) { ops::mul_(x, -0.375); },
+       [](double x, double, double) { return x * -0.375; }},
+      {"div_", [](Tensor& x, const Tensor& a, const Tensor&) { ops::div_(x, a); },
+       [](double x, double a, double) { return x / a; }},
+      {"lerp_", [](Tensor& x, const Tensor& a, const Tensor&) { ops::lerp_(x, a, 0.3); },
+       [](double x, double a, double) { return x + 0.3 * (a - x); }},
+      {"addcmul_",
+       [](Tensor& x, const Tensor& a, const Tensor& b) { ops::addcmul_(x, a, b, -0.4); },
+       [](double x, double a, double b) { return x - 0.4 * a * b; }},
+      {"addcdiv_", [](Tensor& x, const Tensor& a, const Tensor& b) { ops::addcdiv_(x, a, b, 0.7); },
+       [](double x, double a, double b) { return x + 0.7 * a / b; }, true},
+      {"clamp_ both", [](Tensor& x, const Tensor&, const Tensor&) { ops::clamp_(x, -0.5, 0.8); },
+       [](double x, double, double) { return std::min(std::max(x, -0.5), 0.8); }},
+      {"clamp_ min",
+       [](Tensor& x, const Tensor&, const Tensor&) { ops::clamp_(x, 0.1, std::nullopt); },
+       [](double x, double, double) { return std::max(x, 0.1); }},
+      {"clamp_ max",
+       [](Tensor& x, const Tensor&, const Tensor&) { ops::clamp_(x, std::nullopt, -0.2); },
+       [](double x, double, double) { return std::min(x, -0.2); }},
+      {"fill_", [](Tensor& x, const Tensor&, const Tensor&) { ops::fill_(x, -3.5); },
+       [](double, double, double) { return -3.5; }},
+      {"zero_", [](Tensor& x, const Tensor&, const Tensor&) { ops::zero_(x); },
+       [](double, double, double) { return 0.0; }},
+  };
+  int64_t k = 0;
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{1, 1}, {3, 17}, {257, 3}}) {
+    for (DType dt : {DType::F64, DType::F32, DType::BF16}) {
+      for (auto& c : cases) {
+        for (auto& tg : targets(m, n, dt, static_cast<uint64_t>(m * n + k))) {
+          ++k;
+          INFO(c.name << " on " << tg.layout << " [" << m << ", " << n << "] " << dtype_name(dt)
+                      << " operand kind " << k % 4);
+          Tensor a = operand(k, m, n, dt, static_cast<uint64_t>(k));
+          Tensor b = operand(k + 1, m, n, dt, static_cast<uint64_t>(k + 100), !c.positive_b);
+          auto va = broadcast_values(a, m, n), vb = broadcast_values(b, m, n);
+          auto vx = tg.view.to_vector<double>(), vbase = tg.base.to_vector<double>();
+          std::vector<double> expect(vx.size());
+          for (size_t i = 0; i < vx.size(); ++i) expect[i] = c.ref(vx[i], va[i], vb[i]);
+          std::vector<double> want = through_view(tg.view, vbase, expect);
+          c.update(tg.view, a, b);
+          CHECK(tg.view.dtype() == dt);
+          CHECK_CLOSE(tg.base, from_vector(want, tg.base.shape()), rtol_for(dt), atol_for(dt));
+        }
+      }
+      // sqrt_ on positive values.
+      for (auto& tg : targets(m, n, dt, static_cast<uint64_t>(k++))) {
+        INFO("sqrt_ on " << tg.layout << " " << dtype_name(dt));
+        Tensor ab =
+            ops::to(ops::add(ops::unary(ops::UnaryOp::Abs, ops::to(tg.base, DType::F64)), 0.1), dt);
+        Tensor view =
+            ops::as_strided(ab, tg.view.shape(), tg.view.strides(), tg.view.storage_offset());
+        auto vx = view.to_vector<double>();
+        for (double& v : vx) v = std::sqrt(v);
+        std::vector<double> want = through_view(view, ab.to_vector<double>(), vx);
+        ops::sqrt_(view);
+        CHECK_CLOSE(ab, from_vector(want, ab.shape()), rtol_for(dt), atol_for(dt));
+      }
+    }
+  }
+  // The operand may broadcast to the target, never the target grow; dtypes must match.
+  Tensor x = zeros({3});
+  CHECK_THROWS_WITH(ops::add_(x, zeros({2, 3})),
+                    Catch::Contains("does not broadcast to the target's shape"));
+  CHECK_THROWS_WITH(ops::mul_(x, zeros({3}, DType::F64)),
+                    Catch::Contains("dtype mismatch (f64 into f32)"));
+  Tensor xi = zeros({3}, DType::I64);
+  CHECK_THROWS_WITH(ops::sqrt_(xi), Catch::Contains("expected a floating-point tensor"));
+}
+
+namespace {
+// Round-to-nearest-even f32 -> bf16, returned as the f64 value it represents.
+double bf16_round(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("copy_ broadcasts and converts dtypes into strided views", "[tensor][inplace][copy]") {
+  struct Conv {
+    DType src, dst;
+    double (*ref)(double);
+  };
+  std::vector<Conv> convs = {
+      {DType::F64, DType::F64, [](double v) { return v; }},
+      {DType::F32, DType::F64, [](double v) { return v; }},
+      {DType::F64, DType::F32, [](double v) { return static_cast<double>(static_cast<float>(v)); }},
+      {DType::F64, DType::BF16, [](double v) { return bf16_round(static_cast<float>(v)); }},
+      {DType::F32, DType::BF16, [](double v) { return bf16_round(static_cast<float>(v)); }},
+      {DType::BF16, DType::F32, [](double v) { return v; }},
+      {DType::F64, DType::I64, [](double v) { return std::trunc(v); }},  // toward zero, as PyTorch
+      {DType::I64, DType::F32, [](double v) { return v; }},
+      {DType::F32, DType::Bool, [](double v) { return v != 0 ? 1.0 : 0.0; }},
+      {DType::Bool, DType::F64, [](double v) { return v; }},
+  };
+  int64_t k = 0;
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{1, 1}, {3, 17}, {257, 3}}) {
+    for (auto& cv : convs) {
+      for (auto& tg : targets(m, n, DType::F64, static_cast<uint64_t>(k))) {
+        ++k;
+        INFO(dtype_name(cv.src) << " -> " << dtype_name(cv.dst) << " on " << tg.layout << " [" << m
+                                << ", " << n << "] source kind " << k % 4);
+        Tensor base = ops::to(tg.base, cv.dst);
+        Tensor view =
+            ops::as_strided(base, tg.view.shape(), tg.view.strides(), tg.view.storage_offset());
+        // Source values with fractions and both signs (some exact zeros for bool).
+        Tensor src = ops::mul(operand(k, m, n, DType::F64, static_cast<uint64_t>(k)), 3.0);
+        if (k % 3 == 0)
+          src = ops::mul(src, ops::to(ops::binary(ops::BinaryOp::Gt, src, 0.0), DType::F64));
+        src = ops::to(src, cv.src);
+        auto vs = broadcast_values(src, m, n);
+        std::vector<double> expect(vs.size());
+        for (size_t i = 0; i < vs.size(); ++i) expect[i] = cv.ref(vs[i]);
+        std::vector<double> want = through_view(view, base.to_vector<double>(), expect);
+        ops::copy_(view, src);
+        CHECK(view.dtype() == cv.dst);
+        CHECK(base.to_vector<double>() == want);  // conversions are exact functions
+      }
+    }
+  }
+  Tensor x = zeros({2, 3});
+  CHECK_THROWS_WITH(ops::copy_(x, zeros({4})), Catch::Contains("[4]"));
 }
