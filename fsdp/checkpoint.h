@@ -82,11 +82,14 @@ CheckpointMetadata read_metadata(const std::string& dir);
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& file);
 // Reads one chunk (header, bounds and checksum checked) as a tensor of its shape.
 Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk);
+// Tensor bytes this process has read from checkpoint data files so far (a
+// resharding load reads only the chunks that overlap its shards).
+uint64_t checkpoint_bytes_read();
 
-// CRC-32C (Castagnoli; the SSE4.2 instruction where the build has it).
 // One whole tensor assembled from all its chunks (each checked).
 Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor);
 
+// CRC-32C (Castagnoli; the SSE4.2 instruction where the build has it).
 uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
 namespace detail {
 uint32_t crc32c_software(const void* data, size_t n, uint32_t crc = 0);  // the portable path

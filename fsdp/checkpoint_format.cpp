@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -222,6 +223,19 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
     TS_CHECK(covered == static_cast<uint64_t>(shape_numel(info.shape)),
              "{}: the chunks of '{}' cover {} of its {} elements", file, info.name, covered,
              shape_numel(info.shape));
+    // Disjoint boxes: with the count above, every element is stored exactly once
+    // (overlapping boxes would leave a hole that loads as stale memory).
+    for (size_t i = 0; i < info.chunks.size(); ++i) {
+      for (size_t j = i + 1; j < info.chunks.size(); ++j) {
+        const ChunkInfo& a = info.chunks[i];
+        const ChunkInfo& b = info.chunks[j];
+        bool overlap = !info.shape.empty();
+        for (size_t d = 0; d < info.shape.size() && overlap; ++d)
+          overlap = std::max(a.offsets[d], b.offsets[d]) < std::min(a.offsets[d] + a.shape[d], b.offsets[d] + b.shape[d]);
+        TS_CHECK(!overlap, "{}: chunks {} and {} of '{}' overlap (at offsets {} and {})", file, i, j, info.name,
+                 shape_str(a.offsets), shape_str(b.offsets));
+      }
+    }
     out.tensors.push_back(std::move(info));
   }
   if (md.contains("extra")) out.extra_json = md["extra"].dump();
@@ -239,6 +253,12 @@ CheckpointMetadata read_metadata(const std::string& dir) {
   ss << in.rdbuf();
   return parse_metadata(ss.str(), p.string());
 }
+
+namespace {
+std::atomic<uint64_t> g_bytes_read{0};
+}
+
+uint64_t checkpoint_bytes_read() { return g_bytes_read.load(); }
 
 Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk) {
   fs::path p = fs::path(dir) / chunk.file;
@@ -265,6 +285,7 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
     TS_CHECK(in.gcount() == static_cast<std::streamsize>(chunk.bytes),
              "{}: short read of tensor '{}'", p.string(), tensor.name);
   }
+  g_bytes_read.fetch_add(chunk.bytes, std::memory_order_relaxed);
   uint32_t crc = chunk.bytes ? crc32c(t.data_ptr(), chunk.bytes) : 0;
   TS_CHECK(crc == chunk.crc32c,
            "{}: checksum mismatch in tensor '{}' (chunk at offset {}): the file is corrupt",

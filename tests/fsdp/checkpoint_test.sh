@@ -28,13 +28,16 @@ for w in 1 2 3 4; do
   echo "W=$w -> 2x2 mesh: $out"
   [[ $out == *"mismatches 0"* ]] || fail "W=$w -> 2x2"
 done
-echo "== reshard: save on a 2x2 HSDP mesh, load on 1-D meshes"
+echo "== reshard: save on a 2x2 HSDP mesh, load on 1-D meshes and on 2x2"
 run 4 save "$work/hsdp" "$work/ref-hsdp.safetensors" 2d
 for w2 in 1 2 3 4; do
   out=$(run "$w2" verify "$(ls -d "$work/hsdp"/step-*)" "$work/ref-hsdp.safetensors")
   echo "2x2 -> W'=$w2: $out"
   [[ $out == *"mismatches 0"* ]] || fail "2x2 -> W'=$w2"
 done
+out=$(run 4 verify "$(ls -d "$work/hsdp"/step-*)" "$work/ref-hsdp.safetensors" 2d)
+echo "2x2 -> 2x2: $out"
+[[ $out == *"mismatches 0"* ]] || fail "2x2 -> 2x2"
 
 losses() { grep '^step' | awk '$2 >= 3'; }
 echo "== exact resume"

@@ -6,6 +6,7 @@
 // size, exact resume and a killed save: checkpoint_test.sh.)
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/state_dict.h"
@@ -237,7 +238,20 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
 
   auto fresh = sharded_gpt(c, 77);
   optim::AdamW fresh_opt(fresh->parameters(), {.lr = 1e-2, .weight_decay = 0.1});
+  uint64_t read_before = fsdp::checkpoint_bytes_read();
   auto md = fsdp::load_checkpoint(latest, *fresh, &fresh_opt);
+  uint64_t read = fsdp::checkpoint_bytes_read() - read_before;
+  {  // At the same world size each rank reads exactly the bytes of its own shards.
+    uint64_t mine = 0;
+    for (auto& [k, v] : fresh->state_dict()) mine += (v.is_distributed() ? local_tensor(v) : v).nbytes();
+    for (auto& [k, v] : fresh_opt.state_dict(fresh->named_parameters()))
+      mine += (v.is_distributed() ? local_tensor(v) : v).nbytes();
+    uint64_t total = 0;
+    for (auto& t : md.tensors)
+      for (auto& ch : t.chunks) total += ch.bytes;
+    CHECK(read == mine);
+    if (world() > 1) CHECK(read < total);
+  }
   CHECK(md.step == 4);
   CHECK(md.world_size == world());
   CHECK(md.extra_json == R"({"data_position":48})");
@@ -310,6 +324,18 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     REQUIRE_THROWS_WITH(load(d, *fresh),
                         Contains("rank-00000.bin: not a Tessera checkpoint data file"));
   }
+  SECTION("newer data file version") {
+    auto d = damaged("data-version", [&](const fs::path& p) {
+      rewrite(p / "rank-00000.bin", [](std::string& b) { b[8] = 9; });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("rank-00000.bin: data file version 9 (this build reads 1)"));
+  }
+  SECTION("metadata that is not a Tessera checkpoint") {
+    auto d = damaged("meta-magic", [&](const fs::path& p) {
+      std::ofstream(p / "metadata.json", std::ios::trunc) << R"({"format": "something-else", "version": 1})";
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: not a Tessera checkpoint (missing or wrong magic)"));
+  }
   SECTION("newer metadata version") {
     auto d = damaged("version", [&](const fs::path& p) {
       rewrite(p / "metadata.json",
@@ -324,6 +350,29 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
         damaged("meta-trunc", [](const fs::path& p) { fs::resize_file(p / "metadata.json", 200); });
     REQUIRE_THROWS_WITH(load(d, *fresh),
                         Contains("metadata.json: checkpoint metadata is not valid JSON"));
+  }
+  SECTION("overlapping chunk boxes (a crafted file: the count of elements is right)") {
+    auto d = damaged("overlap", [&](const fs::path& p) {
+      rewrite(p / "metadata.json", [](std::string& b) {
+        auto md = nlohmann::json::parse(b);
+        for (auto& t : md["tensors"]) {
+          if (t["name"] != "transformer.wte.weight") continue;
+          int64_t rows = t["shape"][0], cols = t["shape"][1], k = rows / 2;
+          auto chunk = t["chunks"][0];
+          auto first = chunk, second = chunk;
+          first["offsets"] = {0, 0};
+          first["shape"] = {k, cols};
+          first["bytes"] = k * cols * 4;
+          second["offsets"] = {k - 1, 0};  // rows k-1 .. rows-2: row k-1 twice, the last row never
+          second["shape"] = {rows - k, cols};
+          second["bytes"] = (rows - k) * cols * 4;
+          second["offset"] = chunk["offset"].get<int64_t>() + k * cols * 4;
+          t["chunks"] = {first, second};
+        }
+        b = md.dump(1);
+      });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
   }
   SECTION("no metadata (an interrupted save)") {
     auto d = damaged("no-meta", [](const fs::path& p) { fs::remove(p / "metadata.json"); });
