@@ -2,11 +2,12 @@
 // process). Every rank builds every rank's input from (seed, rank), so each
 // can compute the expected result itself, in f64.
 #include <chrono>
-#include <map>
-#include <tuple>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <thread>
+#include <tuple>
 
 #include "runtime/distributed.h"
 #include "tests/helpers.h"
@@ -39,7 +40,8 @@ Tensor input_for(int r, int64_t n, DType dt, uint64_t seed) {
 }
 
 // The f64 reference reduction over all ranks' inputs.
-std::vector<double> reference(ReduceOp op, int world_size, int64_t n, DType dt, uint64_t seed, double factor) {
+std::vector<double> reference(ReduceOp op, int world_size, int64_t n, DType dt, uint64_t seed,
+                              double factor) {
   std::vector<double> acc;
   for (int r = 0; r < world_size; ++r) {
     auto v = input_for(r, n, dt, seed).to_vector<double>();
@@ -50,9 +52,12 @@ std::vector<double> reference(ReduceOp op, int world_size, int64_t n, DType dt, 
       continue;
     }
     for (size_t i = 0; i < v.size(); ++i) {
-      if (op == ReduceOp::Max) acc[i] = std::max(acc[i], v[i]);
-      else if (op == ReduceOp::Min) acc[i] = std::min(acc[i], v[i]);
-      else acc[i] += v[i];
+      if (op == ReduceOp::Max)
+        acc[i] = std::max(acc[i], v[i]);
+      else if (op == ReduceOp::Min)
+        acc[i] = std::min(acc[i], v[i]);
+      else
+        acc[i] += v[i];
     }
   }
   if (op == ReduceOp::Avg)
@@ -67,92 +72,107 @@ Tensor as_dtype(const std::vector<double>& v, DType dt) {
 }
 
 const std::vector<int64_t> kSizes = {0, 1, 17, 1000003};
+const std::vector<int64_t> kSubgroupSizes = {0, 1, 17, 4099};
+
+// The world, then this rank's half of it (ranks of one parity; group ranks
+// follow world order), with the sizes to sweep on each.
+std::vector<std::pair<dist::ProcessGroupPtr, std::vector<int64_t>>> groups_to_test() {
+  auto w = world();
+  return {{w, kSizes}, {w->split(w->rank() % 2, w->rank()), kSubgroupSizes}};
+}
 const std::vector<DType> kTypes = {DType::F32, DType::BF16, DType::F16, DType::F64, DType::I64};
 
 }  // namespace
 
 TEST_CASE("all_reduce: every op, dtype and size", "[dist][all_reduce]") {
-  auto pg = world();
-  int W = pg->size(), r = pg->rank();
-  for (DType dt : kTypes) {
-    for (int64_t n : kSizes) {
-      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::PremulSum}) {
-        if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
-        INFO(dist::reduce_op_name(op) << " " << dtype_name(dt) << " n=" << n << " world " << W);
-        Tensor t = input_for(r, n, dt, 1);
-        pg->all_reduce(t, {op, 0.25})->wait();
-        CHECK(testing::equal(t, as_dtype(reference(op, W, n, dt, 1, 0.25), dt)));
+  for (auto& [pg, sizes] : groups_to_test()) {
+    int W = pg->size(), r = pg->rank();
+    for (DType dt : kTypes) {
+      for (int64_t n : sizes) {
+        for (ReduceOp op :
+             {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::PremulSum}) {
+          if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
+          INFO(dist::reduce_op_name(op) << " " << dtype_name(dt) << " n=" << n << " world " << W);
+          Tensor t = input_for(r, n, dt, 1);
+          pg->all_reduce(t, {op, 0.25})->wait();
+          CHECK(testing::equal(t, as_dtype(reference(op, W, n, dt, 1, 0.25), dt)));
+        }
       }
     }
+    // avg divides by the group size exactly once.
+    Tensor ones_t = ones({5});
+    pg->all_reduce(ones_t, {ReduceOp::Avg})->wait();
+    CHECK(testing::equal(ones_t, ones({5})));
+    CHECK_THROWS_WITH(pg->all_reduce(zeros({3}, DType::I64), {ReduceOp::Avg}),
+                      Catch::Contains("avg needs a floating-point tensor"));
   }
-  // avg divides by the group size exactly once.
-  Tensor ones_t = ones({5});
-  pg->all_reduce(ones_t, {ReduceOp::Avg})->wait();
-  CHECK(testing::equal(ones_t, ones({5})));
-  CHECK_THROWS_WITH(pg->all_reduce(zeros({3}, DType::I64), {ReduceOp::Avg}),
-                    Catch::Contains("avg needs a floating-point tensor"));
 }
 
-TEST_CASE("all_gather_into_tensor and reduce_scatter_tensor", "[dist][all_gather][reduce_scatter]") {
-  auto pg = world();
-  int W = pg->size(), r = pg->rank();
-  for (DType dt : kTypes) {
-    for (int64_t n : kSizes) {
-      INFO(dtype_name(dt) << " n=" << n << " world " << W);
-      // all_gather: output = [input_0, ..., input_{W-1}].
-      Tensor out = empty({W * n}, dt);
-      pg->all_gather_into_tensor(out, input_for(r, n, dt, 2))->wait();
-      std::vector<Tensor> parts;
-      for (int k = 0; k < W; ++k) parts.push_back(input_for(k, n, dt, 2));
-      CHECK(testing::equal(out, ops::cat(parts, 0)));
-      // In place: the input is this rank's slot of the output.
-      Tensor out2 = zeros({W * n}, dt);
-      Tensor slot = ops::narrow(out2, 0, r * n, n);
-      ops::copy_(slot, input_for(r, n, dt, 2));
-      pg->all_gather_into_tensor(out2, slot)->wait();
-      CHECK(testing::equal(out2, out));
-      // reduce_scatter: rank r gets chunk r of the sum.
-      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::PremulSum}) {
-        if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
-        INFO(dist::reduce_op_name(op));
-        Tensor in = input_for(r, W * n, dt, 3);
-        Tensor res = empty({n}, dt);
-        pg->reduce_scatter_tensor(res, in, {op, 0.5})->wait();
-        auto full = reference(op, W, W * n, dt, 3, 0.5);
-        std::vector<double> mine(full.begin() + r * n, full.begin() + (r + 1) * n);
-        CHECK(testing::equal(res, as_dtype(mine, dt)));
+TEST_CASE("all_gather_into_tensor and reduce_scatter_tensor",
+          "[dist][all_gather][reduce_scatter]") {
+  for (auto& [pg, sizes] : groups_to_test()) {
+    int W = pg->size(), r = pg->rank();
+    for (DType dt : kTypes) {
+      for (int64_t n : sizes) {
+        INFO(dtype_name(dt) << " n=" << n << " world " << W);
+        // all_gather: output = [input_0, ..., input_{W-1}].
+        Tensor out = empty({W * n}, dt);
+        pg->all_gather_into_tensor(out, input_for(r, n, dt, 2))->wait();
+        std::vector<Tensor> parts;
+        for (int k = 0; k < W; ++k) parts.push_back(input_for(k, n, dt, 2));
+        CHECK(testing::equal(out, ops::cat(parts, 0)));
+        // In place: the input is this rank's slot of the output.
+        Tensor out2 = zeros({W * n}, dt);
+        Tensor slot = ops::narrow(out2, 0, r * n, n);
+        ops::copy_(slot, input_for(r, n, dt, 2));
+        pg->all_gather_into_tensor(out2, slot)->wait();
+        CHECK(testing::equal(out2, out));
+        // reduce_scatter: rank r gets chunk r of the sum.
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::PremulSum}) {
+          if (!is_floating(dt) && (op == ReduceOp::Avg || op == ReduceOp::PremulSum)) continue;
+          INFO(dist::reduce_op_name(op));
+          Tensor in = input_for(r, W * n, dt, 3);
+          Tensor res = empty({n}, dt);
+          pg->reduce_scatter_tensor(res, in, {op, 0.5})->wait();
+          auto full = reference(op, W, W * n, dt, 3, 0.5);
+          std::vector<double> mine(full.begin() + r * n, full.begin() + (r + 1) * n);
+          CHECK(testing::equal(res, as_dtype(mine, dt)));
+        }
       }
     }
+    CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({3}), empty({2})),
+                      Catch::Contains("output has 3 elements, expected"));
+    CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({2 * W}), empty({2}, DType::F64)),
+                      Catch::Contains("input is f64 but output is f32"));
+    CHECK_THROWS_WITH(pg->all_reduce(ops::transpose(empty({2, 3}), 0, 1)),
+                      Catch::Contains("must be contiguous"));
   }
-  CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({3}), empty({2})),
-                    Catch::Contains("output has 3 elements, expected"));
-  CHECK_THROWS_WITH(pg->all_gather_into_tensor(empty({2 * W}), empty({2}, DType::F64)),
-                    Catch::Contains("input is f64 but output is f32"));
-  CHECK_THROWS_WITH(pg->all_reduce(ops::transpose(empty({2, 3}), 0, 1)), Catch::Contains("must be contiguous"));
 }
 
 TEST_CASE("broadcast, all_to_all and barrier", "[dist]") {
-  auto pg = world();
-  int W = pg->size(), r = pg->rank();
-  for (DType dt : kTypes) {
-    for (int64_t n : kSizes) {
-      INFO(dtype_name(dt) << " n=" << n);
-      for (int src = 0; src < W; ++src) {
-        Tensor t = input_for(r, n, dt, 4);
-        pg->broadcast(t, src)->wait();
-        CHECK(testing::equal(t, input_for(src, n, dt, 4)));
+  for (auto& [pg, sizes] : groups_to_test()) {
+    int W = pg->size(), r = pg->rank();
+    for (DType dt : kTypes) {
+      for (int64_t n : sizes) {
+        INFO(dtype_name(dt) << " n=" << n);
+        for (int src = 0; src < W; ++src) {
+          Tensor t = input_for(r, n, dt, 4);
+          pg->broadcast(t, src)->wait();
+          CHECK(testing::equal(t, input_for(src, n, dt, 4)));
+        }
+        // all_to_all: chunk j of rank i's input lands as chunk i of rank j's output.
+        Tensor in = input_for(r, W * n, dt, 5);
+        Tensor out = empty({W * n}, dt);
+        pg->all_to_all(out, in)->wait();
+        std::vector<Tensor> expect;
+        for (int i = 0; i < W; ++i)
+          expect.push_back(ops::narrow(input_for(i, W * n, dt, 5), 0, r * n, n));
+        CHECK(testing::equal(out, ops::cat(expect, 0)));
       }
-      // all_to_all: chunk j of rank i's input lands as chunk i of rank j's output.
-      Tensor in = input_for(r, W * n, dt, 5);
-      Tensor out = empty({W * n}, dt);
-      pg->all_to_all(out, in)->wait();
-      std::vector<Tensor> expect;
-      for (int i = 0; i < W; ++i) expect.push_back(ops::narrow(input_for(i, W * n, dt, 5), 0, r * n, n));
-      CHECK(testing::equal(out, ops::cat(expect, 0)));
     }
+    pg->barrier()->wait();
+    CHECK_THROWS_WITH(pg->broadcast(zeros({1}), W), Catch::Contains("source rank"));
   }
-  pg->barrier()->wait();
-  CHECK_THROWS_WITH(pg->broadcast(zeros({1}), W), Catch::Contains("source rank"));
 }
 
 TEST_CASE("collectives return at once and complete on wait; several in flight", "[dist][async]") {
@@ -167,7 +187,8 @@ TEST_CASE("collectives return at once and complete on wait; several in flight", 
   auto t0 = std::chrono::steady_clock::now();
   Tensor t = ones({1000});
   auto work = pg->all_reduce(t);
-  double issue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  double issue_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (r != W - 1) {
     CHECK(issue_ms < 100);
     CHECK_FALSE(work->is_completed());
@@ -188,7 +209,8 @@ TEST_CASE("collectives return at once and complete on wait; several in flight", 
     CHECK(ts[static_cast<size_t>(i)].to_vector<float>()[0] == (i + 1) * (i % 2 ? pair->size() : W));
 }
 
-TEST_CASE("a collective completes in the background while the caller computes or sleeps", "[dist][async]") {
+TEST_CASE("a collective completes in the background while the caller computes or sleeps",
+          "[dist][async]") {
   auto pg = world();
   int W = pg->size();
   if (W == 1) return;
@@ -199,7 +221,8 @@ TEST_CASE("a collective completes in the background while the caller computes or
   auto gather = pg->all_gather_into_tensor(full, part);
   Tensor x = randn({64, 64}, 1);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!gather->is_completed() && std::chrono::steady_clock::now() < deadline) x = ops::unary(ops::UnaryOp::Tanh, ops::matmul(x, x));
+  while (!gather->is_completed() && std::chrono::steady_clock::now() < deadline)
+    x = ops::unary(ops::UnaryOp::Tanh, ops::matmul(x, x));
   CHECK(gather->is_completed());
   Tensor sum = ones({1000});
   auto reduce = pg->all_reduce(sum);
@@ -243,11 +266,14 @@ TEST_CASE("subgroups: new_group and split", "[dist][groups]") {
   CHECK_THROWS_WITH(pg->new_group({0, 0}), Catch::Contains("listed twice"));
 }
 
-TEST_CASE("sequence numbers count collectives per group; world size 1 calls no MPI", "[dist][stats]") {
+TEST_CASE("sequence numbers count collectives per group; world size 1 calls no MPI",
+          "[dist][stats]") {
   auto pg = world();
   CHECK(dist::rank() == pg->rank());
   CHECK(dist::world_size() == pg->size());
   CHECK(dist::local_rank() == dist::rank());  // one node: local ranks are the world ranks
+  const char* mode = std::getenv("TESSERA_PROGRESS");
+  CHECK(dist::progress_mode() == (!dist::launched() ? "none" : mode ? mode : "thread"));
   pg->barrier()->wait();
   pg->reset_stats();
   int64_t seq = pg->sequence();
@@ -314,25 +340,31 @@ TEST_CASE("the debug mode names an op or dtype mismatch", "[dist][debug]") {
     for (auto& e : expected) CHECK_THAT(message, Catch::Contains(e));
   };
   // Rank 0 sums where the others take the max.
-  check("op-mismatch", [&](const dist::ProcessGroupPtr& g) {
-    Tensor t = ones({9});
-    g->all_reduce(t, {r == 0 ? ReduceOp::Sum : ReduceOp::Max})->wait();
-  }, {"op sum", "op max"});
+  check("op-mismatch",
+        [&](const dist::ProcessGroupPtr& g) {
+          Tensor t = ones({9});
+          g->all_reduce(t, {r == 0 ? ReduceOp::Sum : ReduceOp::Max})->wait();
+        },
+        {"op sum", "op max"});
   // Rank 0 reduces bf16, the others f32.
-  check("dtype-mismatch", [&](const dist::ProcessGroupPtr& g) {
-    Tensor t = ones({9}, r == 0 ? DType::BF16 : DType::F32);
-    g->all_reduce(t)->wait();
-  }, {"all_reduce(bf16", "all_reduce(f32"});
+  check("dtype-mismatch",
+        [&](const dist::ProcessGroupPtr& g) {
+          Tensor t = ones({9}, r == 0 ? DType::BF16 : DType::F32);
+          g->all_reduce(t)->wait();
+        },
+        {"all_reduce(bf16", "all_reduce(f32"});
   // Rank 0 all-gathers where the others all-reduce.
-  check("kind-mismatch", [&](const dist::ProcessGroupPtr& g) {
-    Tensor t = ones({4});
-    if (r == 0) {
-      Tensor out = empty({4 * g->size()});
-      g->all_gather_into_tensor(out, t)->wait();
-    } else {
-      g->all_reduce(t)->wait();
-    }
-  }, {"all_gather(", "all_reduce("});
+  check("kind-mismatch",
+        [&](const dist::ProcessGroupPtr& g) {
+          Tensor t = ones({4});
+          if (r == 0) {
+            Tensor out = empty({4 * g->size()});
+            g->all_gather_into_tensor(out, t)->wait();
+          } else {
+            g->all_reduce(t)->wait();
+          }
+        },
+        {"all_gather(", "all_reduce("});
   dist::set_debug_collectives(false);
   pg->barrier()->wait();
 }
@@ -388,4 +420,35 @@ TEST_CASE("a rank that never arrives becomes a timeout exception, not a hang", "
   // The others arrive late, so rank 0's pending collective completes in the background.
   if (r != 0) victim->all_reduce(t)->wait();
   pg->barrier()->wait();
+}
+
+TEST_CASE("a collective keeps its tensors alive until it completes", "[dist][async]") {
+  auto pg = world();
+  int W = pg->size(), r = pg->rank();
+  if (W == 1) return;
+  // The caller drops every tensor right after issuing; the work holds them.
+  std::vector<std::weak_ptr<Storage>> held;
+  std::vector<dist::WorkPtr> works;
+  // The last rank issues late, so everyone else's collectives stay in flight.
+  if (r == W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  {
+    Tensor in = input_for(r, 4099, DType::BF16, 6), out = empty({W * 4099}, DType::BF16);
+    works.push_back(pg->all_gather_into_tensor(out, in));
+    held.push_back(in.storage());
+    held.push_back(out.storage());
+    Tensor big = input_for(r, W * 4099, DType::BF16, 7), part = empty({4099}, DType::BF16);
+    works.push_back(pg->reduce_scatter_tensor(part, big, {ReduceOp::Avg}));
+    held.push_back(big.storage());
+    held.push_back(part.storage());
+    Tensor sum = input_for(r, 17, DType::F16, 8);
+    works.push_back(pg->all_reduce(sum));
+    held.push_back(sum.storage());
+  }
+  for (size_t i = 0; i < held.size() && r != W - 1; ++i) {
+    INFO("tensor " << i);
+    CHECK_FALSE(held[i].expired());
+  }
+  for (auto& w : works) w->wait();
+  works.clear();
+  for (auto& h : held) CHECK(h.expired());  // released once complete and dropped
 }
