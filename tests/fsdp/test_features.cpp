@@ -681,3 +681,83 @@ TEST_CASE("CPUOffloadPolicy is accepted and, on CPU, changes nothing", "[fsdp][o
     CHECK(testing::equal(local_tensor(pa[i]), local_tensor(pb[i])));
   }
 }
+
+namespace {
+// Two branches under one root; the loss may leave branch b out.
+class TwoBranch : public nn::Module {
+ public:
+  explicit TwoBranch(Device d = Device::cpu()) {
+    a = register_module("a", std::make_shared<MLP>(15, 7, 15, d));
+    b = register_module("b", std::make_shared<MLP>(15, 6, 15, d));
+    head = register_module("head", std::make_shared<nn::Linear>(15, 5, true, d));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor ya = (*a)(x), yb = (*b)(x);  // b always runs forward
+    return (*head)(use_b ? ya + yb : ya);
+  }
+  bool use_b = true;
+  std::shared_ptr<MLP> a, b;
+  std::shared_ptr<nn::Linear> head;
+};
+}  // namespace
+
+TEST_CASE("a group that ran forward but not backward is resharded and not reduced", "[fsdp][unreached]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  TwoBranch ref;
+  ref.init_weights(4);
+  ref.to(DType::F64);
+  TwoBranch model(Device::meta());
+  fsdp::fully_shard(*model.a, {.mesh = mesh});
+  fsdp::fully_shard(*model.b, {.mesh = mesh, .reshard_after_forward = false});  // stays unsharded until the end
+  fsdp::fully_shard(model, {.mesh = mesh});
+  model.to_empty(Device::cpu());
+  model.init_weights(4);
+  model.to(DType::F64);
+  auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
+  for (bool use_b : {false, true, false}) {
+    INFO("branch b in the loss: " << use_b);
+    ref.use_b = model.use_b = use_b;
+    Tensor x = randn({12, 15}, 40 + use_b, DType::F64), y = randn({12, 5}, 50, DType::F64);
+    autograd::backward(mean(square(ref(x) - y)));
+    reset(g);
+    autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+    CHECK(counts(g).rs == (use_b ? 3 : 2) * (w > 1));  // b's group reduces nothing when unreached
+    check_sharded_parity(model, ref, 1e-9, 1e-12);    // everything resharded; b's grads undefined
+    ref.zero_grad();
+    model.zero_grad();
+  }
+  // unshard(async) and then a forward that does not wait on the handle itself.
+  auto handle = fsdp::unshard(*model.a, true);
+  Tensor x = randn({12, 15}, 60, DType::F64);
+  CHECK_CLOSE(model(local_rows(x)), local_rows(ref(x)), 1e-12, 1e-12);
+  (void)handle;
+  autograd::clear_tape();
+  fsdp::reset_iter_state(model);
+}
+
+TEST_CASE("a group whose parameters are all frozen is gathered but never reduced", "[fsdp][frozen]") {
+  int w = world();
+  auto mesh = init_device_mesh("cpu", {w}, {"dp"});
+  MLPStack ref;
+  ref.init_weights(6);
+  ref.to(DType::F64);
+  MLPStack model(Device::meta());
+  for (auto& p : model.blocks()[1]->parameters()) p.set_requires_grad(false);
+  for (auto& p : ref.blocks()[1]->parameters()) p.set_requires_grad(false);
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
+  fsdp::fully_shard(model, {.mesh = mesh});
+  model.to_empty(Device::cpu());
+  model.init_weights(6);
+  model.to(DType::F64);
+  auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
+  Tensor x = randn({12, 15}, 61, DType::F64), y = randn({12, 5}, 62, DType::F64);
+  autograd::backward(mean(square(ref(x) - y)));
+  reset(g);
+  autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  Counts c = counts(g);
+  CHECK(c.ag == 7 * (w > 1));  // forward: 3 blocks + root; backward: the blocks again (the root keeps its own)
+  CHECK(c.rs == 3 * (w > 1));  // blocks 0 and 2 and the root: the frozen block reduces nothing
+  for (auto& p : model.blocks()[1]->parameters()) CHECK_FALSE(p.grad().defined());
+  check_sharded_parity(model, ref, 1e-9, 1e-12);
+}
