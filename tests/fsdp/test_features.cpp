@@ -263,53 +263,58 @@ TEST_CASE("gradient accumulation without sync, then one reduction", "[fsdp][accu
 }
 
 TEST_CASE("bf16 parameters with f32 reduction match a same-rounding reference", "[fsdp][mixed_precision]") {
-  auto mesh = init_device_mesh("cpu", {world()}, {"dp"});
-  fsdp::MixedPrecisionPolicy mp{.param_dtype = DType::BF16, .reduce_dtype = DType::F32};
-  MLPStack model(Device::meta());
-  for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .mp_policy = mp});
-  fsdp::fully_shard(model, {.mesh = mesh, .mp_policy = mp});
-  model.to_empty(Device::cpu());
-  model.init_weights(4);
-  // Reference: f32 master weights; each step computes with a bf16 copy, and the
-  // bf16 gradients are averaged in f32 (what FSDP's f32 reduce-scatter does).
-  MLPStack master;
-  master.init_weights(4);
-  MLPStack compute;
-  compute.to(DType::BF16);
-  optim::SGD fopt(model.parameters(), {.lr = 0.05}), ropt(master.parameters(), {.lr = 0.05});
-  for (int step = 0; step < 3; ++step) {
-    Tensor x = randn({12, 15}, 70 + step), y = randn({12, 5}, 80 + step);
-    // FSDP: inputs are cast to bf16 by cast_forward_inputs; outputs come back in bf16.
-    Tensor out = model(local_rows(x));
-    CHECK(out.dtype() == DType::BF16);
-    autograd::backward(mean(square(to(out, DType::F32) - local_rows(y))));
-    // Reference, rank by rank on the same rows, then the f32 average.
-    {
-      autograd::NoGradGuard ng;
-      compute.load_state_dict(master.state_dict());
-    }
-    std::vector<Tensor> sum_grads;
-    int w = world();
-    for (int r = 0; r < w; ++r) {
-      Tensor xr = ops::narrow(x, 0, r * 12 / w, 12 / w), yr = ops::narrow(y, 0, r * 12 / w, 12 / w);
-      Tensor o = compute(to(xr, DType::BF16));
-      autograd::backward(mean(square(to(o, DType::F32) - yr)));
-      auto params = compute.parameters();
-      for (size_t i = 0; i < params.size(); ++i) {
-        Tensor gf = ops::to(params[i].grad(), DType::F32);
-        if (r == 0) sum_grads.push_back(gf);
-        else sum_grads[i] = ops::add(sum_grads[i], gf);
+  std::vector<MeshPtr> meshes = {init_device_mesh("cpu", {world()}, {"dp"})};
+  if (world() % 2 == 0)  // HSDP: 2 replicas of world/2 shards (2x2 at 4 ranks)
+    meshes.push_back(init_device_mesh("cpu", {2, world() / 2}, {"replicate", "shard"}));
+  for (const auto& mesh : meshes) {
+    INFO("mesh " << mesh->str());
+    fsdp::MixedPrecisionPolicy mp{.param_dtype = DType::BF16, .reduce_dtype = DType::F32};
+    MLPStack model(Device::meta());
+    for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .mp_policy = mp});
+    fsdp::fully_shard(model, {.mesh = mesh, .mp_policy = mp});
+    model.to_empty(Device::cpu());
+    model.init_weights(4);
+    // Reference: f32 master weights; each step computes with a bf16 copy, and the
+    // bf16 gradients are averaged in f32 (what FSDP's f32 reduce-scatter does).
+    MLPStack master;
+    master.init_weights(4);
+    MLPStack compute;
+    compute.to(DType::BF16);
+    optim::SGD fopt(model.parameters(), {.lr = 0.05}), ropt(master.parameters(), {.lr = 0.05});
+    for (int step = 0; step < 3; ++step) {
+      Tensor x = randn({12, 15}, 70 + step), y = randn({12, 5}, 80 + step);
+      // FSDP: inputs are cast to bf16 by cast_forward_inputs; outputs come back in bf16.
+      Tensor out = model(local_rows(x));
+      CHECK(out.dtype() == DType::BF16);
+      autograd::backward(mean(square(to(out, DType::F32) - local_rows(y))));
+      // Reference, rank by rank on the same rows, then the f32 average.
+      {
+        autograd::NoGradGuard ng;
+        compute.load_state_dict(master.state_dict());
       }
-      compute.zero_grad();
+      std::vector<Tensor> sum_grads;
+      int w = world();
+      for (int r = 0; r < w; ++r) {
+        Tensor xr = ops::narrow(x, 0, r * 12 / w, 12 / w), yr = ops::narrow(y, 0, r * 12 / w, 12 / w);
+        Tensor o = compute(to(xr, DType::BF16));
+        autograd::backward(mean(square(to(o, DType::F32) - yr)));
+        auto params = compute.parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          Tensor gf = ops::to(params[i].grad(), DType::F32);
+          if (r == 0) sum_grads.push_back(gf);
+          else sum_grads[i] = ops::add(sum_grads[i], gf);
+        }
+        compute.zero_grad();
+      }
+      auto mparams = master.parameters();
+      for (size_t i = 0; i < mparams.size(); ++i) mparams[i].set_grad(ops::mul(sum_grads[i], 1.0 / w));
+      check_sharded_parity(model, master, 1e-5, 1e-6);
+      CHECK(local_tensor(model.parameters()[0].grad()).dtype() == DType::F32);  // the optimizer steps in f32
+      fopt.step();
+      ropt.step();
+      fopt.zero_grad();
+      ropt.zero_grad();
     }
-    auto mparams = master.parameters();
-    for (size_t i = 0; i < mparams.size(); ++i) mparams[i].set_grad(ops::mul(sum_grads[i], 1.0 / w));
-    check_sharded_parity(model, master, 1e-5, 1e-6);
-    CHECK(local_tensor(model.parameters()[0].grad()).dtype() == DType::F32);  // the optimizer steps in f32
-    fopt.step();
-    ropt.step();
-    fopt.zero_grad();
-    ropt.zero_grad();
   }
 }
 
