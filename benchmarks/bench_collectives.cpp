@@ -41,8 +41,9 @@ int main(int argc, char** argv) {
   MPI_Comm comm = MPI_COMM_NULL;
   raw([&] { MPI_Comm_dup(MPI_COMM_WORLD, &comm); });
   if (r == 0)
-    std::printf("ranks %d, progress %s\n%-15s %10s %12s %12s %12s %12s %7s\n", W, dist::progress_mode().c_str(),
-                "collective", "size", "tessera us", "mpi us", "busbw GB/s", "mpi busbw", "ratio");
+    std::printf("ranks %d, progress %s\n%-15s %10s %12s %12s %12s %12s %12s %7s\n", W,
+                dist::progress_mode().c_str(), "collective", "size", "tessera us", "mpi us", "algbw GB/s",
+                "busbw GB/s", "mpi busbw", "ratio");
   for (const char* kind : {"all_gather", "reduce_scatter"}) {
     for (double bytes = 4096; bytes <= max_mib * 1048576.0 + 1; bytes *= 4) {
       int64_t total = static_cast<int64_t>(bytes) / 4 / W * W;  // f32 elements of the full buffer
@@ -76,8 +77,8 @@ int main(int argc, char** argv) {
       double size = static_cast<double>(total) * 4;
       double factor = W > 1 ? static_cast<double>(W - 1) / W : 1.0;
       if (r == 0)
-        std::printf("%-15s %9.0fK %12.1f %12.1f %12.2f %12.2f %7.3f\n", kind, size / 1024, to * 1e6, td * 1e6,
-                    size / to * factor / 1e9, size / td * factor / 1e9, td / to);
+        std::printf("%-15s %9.0fK %12.1f %12.1f %12.2f %12.2f %12.2f %7.3f\n", kind, size / 1024, to * 1e6,
+                    td * 1e6, size / to / 1e9, size / to * factor / 1e9, size / td * factor / 1e9, td / to);
     }
   }
   raw([&] { MPI_Comm_free(&comm); });
