@@ -112,9 +112,20 @@ TEST_CASE("collective counts per iteration (B blocks + root)", "[fsdp][comm]") {
     reset(g);
     Tensor loss = nn::cross_entropy((*model)(tokens(1)), tokens(2));
     CHECK(counts(g).ag == B + 1);
+    std::vector<dist::ProcessGroupPtr> post;
+    std::vector<nn::Module*> managed = {model.get()};
+    for (auto& b : model->blocks) managed.push_back(b.get());
+    for (nn::Module* m : managed) {
+      auto& info = fsdp::fsdp_state(*m).param_group->post_forward_mesh_info;
+      REQUIRE(info.has_value());
+      CHECK(info->shard_group->size() == 2);
+      post.push_back(info->shard_group);
+    }
     reset(g);
+    reset(post);
     autograd::backward(loss);
-    CHECK(counts(g).ag == 0);  // not on the world group...
+    CHECK(counts(g).ag == 0);         // not on the world group...
+    CHECK(counts(post).ag == B + 1);  // ...but over each group's 2-rank subgroup
     CHECK(counts(g).rs == B + 1);
   }
   // Int edge cases as PyTorch: k = W is true, k = 1 is false, a non-divisor is an error.
@@ -234,31 +245,80 @@ TEST_CASE("event order: implicit forward prefetch and reverse post-forward backw
 }
 
 TEST_CASE("gradient accumulation without sync, then one reduction", "[fsdp][accumulation]") {
+  // PyTorch's test_gradient_accumulation matrix: 3 MLPs + root, 3 micro-batches;
+  // FSDP and HSDP (2x2); reshard_after_forward true/false/2; which modules skip
+  // the sync (all, the root only, the middle MLPs); with or without resharding
+  // after the no-sync backwards. Counts per iteration as section 4.2 of the
+  // reference, and gradients equal the reference's accumulated ones.
   int w = world();
-  for (auto& mesh : {init_device_mesh("cpu", {w}, {"dp"})}) {
-    MLPStack ref;
-    ref.init_weights(9);
-    ref.to(DType::F64);
-    MLPStack model(Device::meta());
-    for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .reshard_after_forward = true});
-    fsdp::fully_shard(model, {.mesh = mesh, .reshard_after_forward = true});
-    model.to_empty(Device::cpu());
-    model.init_weights(9);
-    model.to(DType::F64);
-    auto g = std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)};
-    const int64_t M = 3, micro = 3, e = w > 1 ? 1 : 0;
-    reset(g);
-    for (int64_t mb = 0; mb < micro; ++mb) {
-      fsdp::set_requires_gradient_sync(model, mb == micro - 1);
-      Tensor x = randn({12, 15}, 50 + static_cast<uint64_t>(mb), DType::F64);
-      Tensor y = randn({12, 5}, 60 + static_cast<uint64_t>(mb), DType::F64);
-      autograd::backward(mean(square(ref(x) - y)));
-      autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+  std::vector<MeshPtr> meshes = {init_device_mesh("cpu", {w}, {"dp"})};
+  if (w == 4) meshes.push_back(init_device_mesh("cpu", {2, 2}, {"replicate", "shard"}));
+  const int64_t M = 3, micro = 3, e = w > 1 ? 1 : 0;
+  for (const auto& mesh : meshes) {
+    bool hsdp = mesh->ndim() == 2;
+    std::vector<fsdp::ReshardAfterForward> rafs = {true, false};
+    if (mesh->size(mesh->ndim() - 1) == 4) rafs.push_back(2);
+    for (const auto& raf : rafs) {
+      for (std::string mode : {"all", "root_only", "some_mlps"}) {
+        for (bool rab : {true, false}) {
+          bool raf_false = std::holds_alternative<bool>(raf) && !std::get<bool>(raf);
+          // As PyTorch's test: keeping parameters after the no-sync backwards only
+          // with reshard_after_forward false and mode all or root_only.
+          if (!rab && (!raf_false || mode == "some_mlps")) continue;
+          INFO(mesh->str() << " reshard_after_forward "
+                           << (std::holds_alternative<int>(raf) ? 2 : std::get<bool>(raf))
+                           << " mode " << mode << " reshard_after_backward " << rab);
+          MLPStack ref;
+          ref.init_weights(9);
+          ref.to(DType::F64);
+          MLPStack model(Device::meta());
+          for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh, .reshard_after_forward = raf});
+          fsdp::fully_shard(model, {.mesh = mesh, .reshard_after_forward = raf});
+          model.to_empty(Device::cpu());
+          model.init_weights(9);
+          model.to(DType::F64);
+          // The shard groups (all-gathers, reduce-scatters) and, for HSDP, the replicate group.
+          auto shard = std::vector<dist::ProcessGroupPtr>{mesh->get_group(mesh->ndim() - 1)};
+          auto rep = hsdp ? std::vector<dist::ProcessGroupPtr>{mesh->get_group(0)} : shard;
+          // reshard_after_forward=2: the backward gathers run over each group's 2-rank subgroup.
+          std::vector<dist::ProcessGroupPtr> post;
+          std::vector<nn::Module*> managed = model.blocks();
+          managed.push_back(&model);
+          for (nn::Module* m : managed)
+            if (auto& info = fsdp::fsdp_state(*m).param_group->post_forward_mesh_info) post.push_back(info->shard_group);
+          reset(shard);
+          reset(rep);
+          reset(post);
+          for (int64_t mb = 0; mb < micro; ++mb) {
+            bool last = mb == micro - 1;
+            auto flags = [&](nn::Module& m, bool recurse) {
+              fsdp::set_requires_gradient_sync(m, last, recurse);
+              if (!rab) fsdp::set_reshard_after_backward(m, last, recurse);
+            };
+            if (mode == "all") flags(model, true);
+            else if (mode == "root_only") flags(model, false);
+            else for (size_t i = 1; i < model.blocks().size(); ++i) flags(*model.blocks()[i], false);
+            Tensor x = randn({12, 15}, 50 + static_cast<uint64_t>(mb), DType::F64);
+            Tensor y = randn({12, 5}, 60 + static_cast<uint64_t>(mb), DType::F64);
+            autograd::backward(mean(square(ref(x) - y)));
+            autograd::backward(mean(square(model(local_rows(x)) - local_rows(y))));
+          }
+          int64_t rs = M + 1;  // the last micro-batch reduces every group
+          if (mode == "root_only") rs += M * (micro - 1);           // the MLPs reduce every time
+          if (mode == "some_mlps") rs += (M - 2 + 1) * (micro - 1);  // MLP 0 and the root do
+          int64_t ag = M + 1;
+          if (!raf_false) ag *= 2 * micro;
+          else if (rab) ag *= micro;
+          else if (mode == "root_only") ag += M * (micro - 1);  // the MLPs reshard after backward
+          Counts cs = counts(shard), cr = counts(rep), cp = counts(post);
+          CHECK(cs.rs == rs * e);
+          CHECK(cs.ag + cp.ag == ag * e);
+          if (!post.empty()) CHECK(cp.ag == (M + 1) * micro);  // every backward gather is on a subgroup
+          CHECK((hsdp ? cr.ar : cs.ar) == (hsdp ? rs : 0));
+          check_sharded_parity(model, ref, 1e-9, 1e-12);
+        }
+      }
     }
-    Counts c = counts(g);
-    CHECK(c.rs == (M + 1) * e);                 // only the last micro-batch reduces
-    CHECK(c.ag == 2 * (M + 1) * micro * e);     // forward and backward, every micro-batch
-    check_sharded_parity(model, ref, 1e-9, 1e-12);
   }
 }
 
