@@ -92,4 +92,12 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
                                 ops::reshape(targets, {targets.numel()}), ignore_index);
 }
 
+Tensor mse_loss(const Tensor& input, const Tensor& target) {
+  TS_CHECK(input.shape() == target.shape(), "mse_loss: target {} does not match input {}",
+           shape_str(target.shape()), shape_str(input.shape()));
+  TS_CHECK(input.dtype() == target.dtype(), "mse_loss: target is {} but input is {}", dtype_name(target.dtype()),
+           dtype_name(input.dtype()));
+  return mean(square(input - target));
+}
+
 }  // namespace tessera::nn

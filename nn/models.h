@@ -62,5 +62,7 @@ class Llama : public LanguageModel {
 
 // Mean cross-entropy of logits [..., V] against targets [...] (i64).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// Mean squared error between input and target of the same shape and dtype.
+Tensor mse_loss(const Tensor& input, const Tensor& target);
 
 }  // namespace tessera::nn

@@ -294,3 +294,23 @@ TEST_CASE("a tiny GPT learns a repeating sequence", "[nn][gpt][train]") {
   CHECK(first > 2.0);
   CHECK(last < 0.1);
 }
+
+TEST_CASE("mse_loss: value and gradient against f64 references; shape and dtype errors", "[models][loss]") {
+  for (int64_t n : {1, 3, 17, 257}) {
+    INFO("n=" << n);
+    Tensor a = randn({n, 3}, 5, DType::F64), b = randn({n, 3}, 6, DType::F64);
+    a.set_requires_grad(true);
+    Tensor loss = nn::mse_loss(a, b);
+    auto va = a.to_vector<double>(), vb = b.to_vector<double>();
+    double expect = 0;
+    for (size_t i = 0; i < va.size(); ++i) expect += (va[i] - vb[i]) * (va[i] - vb[i]);
+    expect /= static_cast<double>(va.size());
+    CHECK(loss.item() == Approx(expect).epsilon(1e-14));
+    autograd::backward(loss);
+    auto g = a.grad().to_vector<double>();
+    for (size_t i = 0; i < g.size(); ++i)
+      CHECK(g[i] == Approx(2.0 * (va[i] - vb[i]) / static_cast<double>(va.size())).epsilon(1e-12));
+  }
+  CHECK_THROWS_WITH(nn::mse_loss(zeros({2, 3}), zeros({3, 2})), Catch::Contains("target [3, 2] does not match input [2, 3]"));
+  CHECK_THROWS_WITH(nn::mse_loss(zeros({2}), zeros({2}, DType::F64)), Catch::Contains("target is f64 but input is f32"));
+}
