@@ -516,10 +516,27 @@ TEST_CASE("Shard(1) placement via shard_placement_fn trains like Shard(0)", "[fs
   model.init_weights(6);
   model.to(DType::F64);
   CHECK(is_shard(dtensor_spec(model.weight).placements[0], 1));
-  Tensor x = randn({12, 4 * w}, 7, DType::F64);
-  autograd::backward(sum(square(ref(x))) * (1.0 / w));
-  autograd::backward(sum(square(model(local_rows(x)))));
-  check_sharded_parity(model, ref, 1e-9, 1e-12);
+  // Three AdamW steps: the optimizer works on the Shard(1) columns as on rows.
+  optim::AdamW ropt(ref.parameters(), {.lr = 1e-2, .weight_decay = 0.1}),
+      fopt(model.parameters(), {.lr = 1e-2, .weight_decay = 0.1});
+  for (uint64_t step = 0; step < 3; ++step) {
+    Tensor x = randn({12, 4 * w}, 7 + step, DType::F64);
+    autograd::backward(sum(square(ref(x))) * (1.0 / w));
+    autograd::backward(sum(square(model(local_rows(x)))));
+    check_sharded_parity(model, ref, 1e-9, 1e-12);
+    ropt.step();
+    fopt.step();
+    ropt.zero_grad();
+    fopt.zero_grad();
+  }
+  check_sharded_parity(model, ref, 1e-9, 1e-12, false);
+  // A dim that does not divide evenly is refused.
+  nn::Linear odd(4 * w + 1, 3, true, Device::meta());
+  if (w > 1)
+    CHECK_THROWS_WITH(fsdp::fully_shard(odd, {.mesh = mesh, .shard_placement_fn = [](const Tensor& p) {
+                                                return p.dim() == 2 ? std::optional<Shard>(Shard{1}) : std::nullopt;
+                                              }}),
+                      Catch::Contains("does not support uneven sharding on dim 1"));
 }
 
 TEST_CASE("HSDP: reduce-scatter every micro-batch, all-reduce only on the last", "[fsdp][hsdp]") {
