@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "runtime/check.h"
@@ -47,6 +48,8 @@ ConfigKey float_key(const std::string& name, double& v, const std::string& help)
             }
             TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects a number, got '{}'",
                      name, s);
+            TS_CHECK(std::isfinite(x), "config key '{}' expects a finite number, got '{}'", name,
+                     s);
             v = x;
           },
           [&v] { return fmt::format("{}", v); }};
@@ -109,8 +112,24 @@ ConfigKey& find_key(std::vector<ConfigKey>& keys, const std::string& name) {
     size_t d = distance(k.name, name);
     if (d < best_d) best_d = d, best = &k;
   }
-  TS_CHECK(false, "unknown config key '{}'{} (see --help for every key)", name,
-           best && best_d <= 4 ? fmt::format(" (did you mean '{}'?)", best->name) : "");
+  // Close: a typo or two, more in long names ("trainer.steps" -> "training.steps").
+  if (best && best_d <= std::max<size_t>(2, name.size() / 4))
+    TS_CHECK(false, "unknown config key '{}' (did you mean '{}'?)", name, best->name);
+  // No close match: list the keys of the section, or the sections.
+  std::string section = name.substr(0, name.find('.'));
+  std::vector<std::string> in_section, sections;
+  for (auto& k : keys) {
+    std::string sec = k.name.substr(0, k.name.find('.'));
+    if (sec == section) in_section.push_back(k.name.substr(sec.size() + 1));
+    if (std::find(sections.begin(), sections.end(), sec) == sections.end()) sections.push_back(sec);
+  }
+  if (!in_section.empty())
+    TS_CHECK(false, "unknown config key '{}' (the keys of [{}] are: {})", name, section,
+             fmt::join(in_section, ", "));
+  TS_CHECK(false,
+           "unknown config key '{}': there is no section '{}' (sections: {}; keys are "
+           "section.key, e.g. training.steps)",
+           name, section, fmt::join(sections, ", "));
 }
 
 }  // namespace
@@ -179,6 +198,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       int_key("checkpoint.keep", c.checkpoint.keep, "newest checkpoints kept (0 = all)"),
       bool_key("checkpoint.resume", c.checkpoint.resume,
                "continue from the newest complete checkpoint"),
+      string_key("checkpoint.initial_load_path", c.checkpoint.initial_load_path,
+                 "start a fresh run from these weights (.safetensors or checkpoint directory; "
+                 "resume wins)"),
       string_key("checkpoint.export_safetensors", c.checkpoint.export_safetensors,
                  "at the end, export the model to this .safetensors file (inside job.dump_folder)"),
       string_key("checkpoint.export_dtype", c.checkpoint.export_dtype, "dtype of the export",
@@ -246,8 +268,9 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
   try {
     table = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    TS_CHECK(false, "config file '{}': {} (line {}, column {})", path, std::string(e.description()),
-             e.source().begin.line, e.source().begin.column);
+    const auto& at = e.source().begin;  // line 0: the file could not be read at all
+    TS_CHECK(false, "config file '{}': {}{}", path, std::string(e.description()),
+             at.line == 0 ? "" : fmt::format(" (line {}, column {})", at.line, at.column));
   }
   auto keys = config_keys(cfg);
   for (auto& [section, node] : table) {
@@ -257,19 +280,38 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
     for (auto& [key, value] : *sec) {
       std::string name = std::string(section.str()) + "." + std::string(key.str());
       ConfigKey& k = find_key(keys, name);
+      // TOML values carry their type: it must be the key's (an integer is a fine float).
+      bool type_ok = k.type == "string"  ? value.is_string()
+                     : k.type == "int"   ? value.is_integer()
+                     : k.type == "float" ? value.is_integer() || value.is_floating_point()
+                                         : value.is_boolean();
       std::string text;
-      if (auto s = value.value<std::string>(); s && value.is_string())
-        text = *s;
+      if (value.is_string())
+        text = *value.value<std::string>();
       else if (value.is_integer())
         text = std::to_string(*value.value<int64_t>());
       else if (value.is_floating_point())
         text = fmt::format("{}", *value.value<double>());
       else if (value.is_boolean())
         text = *value.value<bool>() ? "true" : "false";
-      else
-        TS_CHECK(false, "config file '{}': key '{}' has an unsupported value type", path, name);
-      TS_CHECK(k.type != "string" || value.is_string(),
-               "config file '{}': key '{}' expects a string", path, name);
+      if (!type_ok) {
+        const char* expected = k.type == "string"  ? "a string"
+                               : k.type == "int"   ? "an integer"
+                               : k.type == "float" ? "a number"
+                                                   : "true or false";
+        const char* found = value.is_string()           ? "a string"
+                            : value.is_integer()        ? "an integer"
+                            : value.is_floating_point() ? "a floating-point number"
+                            : value.is_boolean()        ? "a boolean"
+                            : value.is_array()          ? "an array"
+                            : value.is_table()          ? "a table"
+                                                        : "a date or time";
+        std::string shown = value.is_string() ? " (\"" + text + "\")"
+                            : text.empty()    ? std::string()
+                                              : " (" + text + ")";
+        TS_CHECK(false, "config file '{}': key '{}' expects {}, got {}{}", path, name, expected,
+                 found, shown);
+      }
       k.set(text);
     }
   }
@@ -325,28 +367,104 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
   return true;
 }
 
+namespace {
+
+// The checks of validate(): each names the key, the value found and what is allowed.
+void at_least(const char* key, int64_t v, int64_t min, const char* note = "") {
+  TS_CHECK(v >= min, "{} must be >= {}{}, got {}", key, min, note, v);
+}
+void in_range(const char* key, double v, double lo, double hi, bool hi_open,
+              const char* note = "") {
+  TS_CHECK(v >= lo && (hi_open ? v < hi : v <= hi), "{} must be in [{}, {}{}{}, got {}", key, lo,
+           hi, hi_open ? ")" : "]", note, v);
+}
+void not_empty(const char* key, const std::string& v) {
+  TS_CHECK(!v.empty(), "{} must not be empty", key);
+}
+
+}  // namespace
+
 void validate(const TrainConfig& c) {
-  TS_CHECK(c.model.n_embd % c.model.n_head == 0,
-           "model.n_embd ({}) must be divisible by model.n_head ({})", c.model.n_embd,
-           c.model.n_head);
-  TS_CHECK(c.training.batch_size > 0 && c.training.seq_len > 0 && c.training.steps >= 0,
-           "training.batch_size, training.seq_len must be positive and training.steps >= 0");
-  TS_CHECK(c.training.grad_accum > 0 && c.training.batch_size % c.training.grad_accum == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({})",
-           c.training.batch_size, c.training.grad_accum);
-  TS_CHECK(c.model.vocab_size >= 256 || c.training.dataset != "fortunes",
-           "model.vocab_size ({}) must be at least 256 for byte tokens", c.model.vocab_size);
-  TS_CHECK(c.training.dataset != "text" || !c.training.text.empty(),
-           "training.dataset = text needs training.text");
-  TS_CHECK(c.training.dataset != "shards" ||
-               (!c.training.train_shard.empty() && !c.training.val_shard.empty()),
+  const auto& m = c.model;
+  const auto& t = c.training;
+  const auto& o = c.optimizer;
+  not_empty("job.name", c.job.name);
+  not_empty("job.dump_folder", c.job.dump_folder);
+
+  at_least("model.n_layer", m.n_layer, 1);
+  at_least("model.n_head", m.n_head, 1);
+  at_least("model.n_embd", m.n_embd, 1);
+  at_least("model.vocab_size", m.vocab_size, 1);
+  at_least("model.n_kv_head", m.n_kv_head, 0, " (0 = model.n_head)");
+  at_least("model.ffn_hidden", m.ffn_hidden, 0, " (0 = the default of model.arch)");
+  TS_CHECK(
+      m.n_embd % m.n_head == 0,
+      "model.n_embd ({}) must be divisible by model.n_head ({}): each head has n_embd / n_head "
+      "channels",
+      m.n_embd, m.n_head);
+  if (m.arch == "llama") {
+    int64_t kv = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
+    TS_CHECK(m.n_head % kv == 0,
+             "model.n_kv_head ({}) must divide model.n_head ({}): each key/value head serves "
+             "n_head / n_kv_head query heads",
+             m.n_kv_head, m.n_head);
+    TS_CHECK(m.n_embd / m.n_head % 2 == 0,
+             "model.arch = llama needs an even head size for rotary embeddings, but model.n_embd / "
+             "model.n_head = {} / {} = {}",
+             m.n_embd, m.n_head, m.n_embd / m.n_head);
+  } else {
+    TS_CHECK(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
+             "model.n_kv_head ({}) applies to model.arch = llama only ({} has model.n_head = {} "
+             "key/value heads): leave it 0",
+             m.n_kv_head, m.arch, m.n_head);
+  }
+  in_range("model.dropout", m.dropout, 0, 1, true);
+  TS_CHECK(m.vocab_size >= 256 || (t.dataset != "fortunes" && t.dataset != "text"),
+           "model.vocab_size ({}) must be at least 256 for byte tokens (training.dataset = {})",
+           m.vocab_size, t.dataset);
+
+  at_least("training.batch_size", t.batch_size, 1, " (sequences per step)");
+  at_least("training.seq_len", t.seq_len, 1);
+  at_least("training.steps", t.steps, 1);
+  at_least("training.grad_accum", t.grad_accum, 1);
+  TS_CHECK(t.batch_size % t.grad_accum == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({})", t.batch_size,
+           t.grad_accum);
+  TS_CHECK(t.max_norm >= 0, "training.max_norm must be >= 0 (0 = no clipping), got {}", t.max_norm);
+  TS_CHECK(t.dataset != "text" || !t.text.empty(),
+           "training.dataset = text needs training.text (a text file)");
+  TS_CHECK(t.dataset != "shards" || (!t.train_shard.empty() && !t.val_shard.empty()),
            "training.dataset = shards needs training.train_shard and training.val_shard");
-  TS_CHECK(c.optimizer.lr > 0, "optimizer.lr must be positive, got {}", c.optimizer.lr);
-  TS_CHECK(c.metrics.log_interval > 0, "metrics.log_interval must be positive");
-  TS_CHECK(c.metrics.peak_tflops > 0, "metrics.peak_tflops must be positive");
-  TS_CHECK(c.checkpoint.interval > 0, "checkpoint.interval must be positive, got {}",
-           c.checkpoint.interval);
-  TS_CHECK(c.checkpoint.keep >= 0, "checkpoint.keep must be >= 0, got {}", c.checkpoint.keep);
+  // A data key the chosen dataset ignores is a mistake, not something to drop silently.
+  TS_CHECK(t.dataset == "text" || t.text.empty(),
+           "training.text is '{}' but training.dataset is '{}': add --training.dataset text to "
+           "train on it",
+           t.text, t.dataset);
+  for (const auto& [key, value] :
+       {std::pair{"training.train_shard", &t.train_shard}, {"training.val_shard", &t.val_shard}})
+    TS_CHECK(t.dataset == "shards" || value->empty(),
+             "{} is '{}' but training.dataset is '{}': add --training.dataset shards to train on "
+             "token shards",
+             key, *value, t.dataset);
+  not_empty("training.data_dir", t.data_dir);
+  at_least("training.eval_interval", t.eval_interval, 1, " (steps between validation runs)");
+  at_least("training.eval_batches", t.eval_batches, 1);
+
+  TS_CHECK(o.lr > 0, "optimizer.lr must be > 0, got {}", o.lr);
+  in_range("optimizer.beta1", o.beta1, 0, 1, true);
+  in_range("optimizer.beta2", o.beta2, 0, 1, true);
+  TS_CHECK(o.eps > 0, "optimizer.eps must be > 0, got {}", o.eps);
+  TS_CHECK(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0, got {}", o.weight_decay);
+  // Each step scales the weights by 1 - lr * weight_decay: at 1 or more they vanish or flip sign.
+  TS_CHECK(o.lr * o.weight_decay < 1,
+           "optimizer.lr x optimizer.weight_decay must be < 1 (each step scales the weights by "
+           "1 - lr x weight_decay), got {} x {} = {}",
+           o.lr, o.weight_decay, o.lr * o.weight_decay);
+  in_range("optimizer.momentum", o.momentum, 0, 1, true);
+  at_least("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0);
+  in_range("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, 0, 1, false,
+           " (final lr / peak lr)");
+
   TS_CHECK(c.parallelism.data_parallel_replicate_degree >= 1,
            "parallelism.data_parallel_replicate_degree must be >= 1, got {}",
            c.parallelism.data_parallel_replicate_degree);
@@ -354,7 +472,29 @@ void validate(const TrainConfig& c) {
                c.parallelism.data_parallel_shard_degree >= 1,
            "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
            c.parallelism.data_parallel_shard_degree);
-  trace_steps(c);  // parses
+
+  not_empty("checkpoint.folder", c.checkpoint.folder);
+  at_least("checkpoint.interval", c.checkpoint.interval, 1);
+  at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
+
+  at_least("metrics.log_interval", c.metrics.log_interval, 1);
+  TS_CHECK(c.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0, got {}",
+           c.metrics.peak_tflops);
+
+  for (int64_t s : trace_steps(c))
+    TS_CHECK(s <= t.steps, "profiling.trace_steps names step {}, but training.steps is {}", s,
+             t.steps);
+  TS_CHECK(c.profiling.trace_steps.empty() || !c.profiling.trace_folder.empty(),
+           "profiling.trace_folder must not be empty when profiling.trace_steps is set");
+
+  at_least("sample.max_new_tokens", c.sample.max_new_tokens, 0, " (0 = no sample)");
+  TS_CHECK(c.sample.temperature >= 0, "sample.temperature must be >= 0 (0 = greedy), got {}",
+           c.sample.temperature);
+  at_least("sample.top_k", c.sample.top_k, 0, " (0 = all tokens)");
+  TS_CHECK(c.sample.max_new_tokens == 0 || !c.sample.prompt.empty(),
+           "sample.prompt must not be empty when sample.max_new_tokens is {} (set it to 0 for no "
+           "sample)",
+           c.sample.max_new_tokens);
 }
 
 void validate_for_world(const TrainConfig& c, int world_size) {

@@ -76,6 +76,9 @@ struct TrainConfig {
     int64_t interval = 200;             // steps between checkpoints (and one at the end)
     int64_t keep = 2;                   // newest complete checkpoints kept (0: all)
     bool resume = false;                // continue from the newest complete checkpoint
+    // A fresh run (step 0, new optimizer) starts from these model weights: a
+    // .safetensors file or a checkpoint directory; a checkpoint to resume wins.
+    std::string initial_load_path = "";
     std::string export_safetensors =
         "";  // at the end: write the model here (inside dump_folder unless absolute)
     std::string export_dtype = "float32";
@@ -126,7 +129,8 @@ void load_toml(TrainConfig& cfg, const std::string& path);
 // printing it when `print`: under mpirun only rank 0 prints).
 bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program,
                 bool print = true);
-// Checks cross-key consistency (e.g. n_embd divisible by n_head).
+// Checks every key's range and the keys' consistency (e.g. n_embd divisible
+// by n_head) before any work; throws naming the key, the value and what is allowed.
 void validate(const TrainConfig& cfg);
 // Checks what depends on the number of ranks (mesh degrees, batch split).
 void validate_for_world(const TrainConfig& cfg, int world_size);

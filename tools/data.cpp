@@ -51,7 +51,7 @@ std::vector<std::string> default_corpus_files() {
   std::sort(files.begin(), files.end());
   TS_CHECK(!files.empty(),
            "the default corpus is missing: no fortune files in {} (install Debian's package "
-           "'fortunes', or give a text file with --data.text)",
+           "'fortunes', or train on a text file with --training.dataset text --training.text FILE)",
            dir.string());
   return files;
 }
@@ -81,12 +81,21 @@ std::vector<uint16_t> read_shard(const std::string& path) {
   int32_t header[256];
   in.read(reinterpret_cast<char*>(header), sizeof(header));
   TS_CHECK(in.gcount() == sizeof(header),
-           "token shard '{}' is truncated: {} bytes, header needs {}", path, in.gcount(),
-           sizeof(header));
+           "token shard '{}' is truncated: {} bytes, the llm.c header alone needs {}", path,
+           in.gcount(), sizeof(header));
+  // llm.c's Llama-3 shards (dev/data/*.py with --model llama-3) hold uint32 tokens from a
+  // vocabulary of 128256; tokens here are uint16, so they are named rather than misread.
+  TS_CHECK(header[0] != kLlama3ShardMagic,
+           "token shard '{}' is in llm.c's Llama-3 format (magic {}, version {}: uint32 tokens), "
+           "which tessera does not read; it reads llm.c's GPT-2 shards (magic {}, version {}: "
+           "uint16 tokens)",
+           path, header[0], header[1], kShardMagic, kShardVersion);
   TS_CHECK(header[0] == kShardMagic,
-           "token shard '{}' has magic {} (expected {}): not an llm.c token shard", path, header[0],
-           kShardMagic);
-  TS_CHECK(header[1] == kShardVersion, "token shard '{}' has version {} (this reader supports {})",
+           "token shard '{}' has magic {}, expected {}: not an llm.c token shard (a header of 256 "
+           "int32: magic, version, token count; then uint16 tokens)",
+           path, header[0], kShardMagic);
+  TS_CHECK(header[1] == kShardVersion,
+           "token shard '{}' has version {}, expected {} (llm.c's GPT-2 shards: uint16 tokens)",
            path, header[1], kShardVersion);
   TS_CHECK(header[2] >= 0, "token shard '{}' has a negative token count {}", path, header[2]);
   std::vector<uint16_t> tokens(static_cast<size_t>(header[2]));
@@ -94,6 +103,12 @@ std::vector<uint16_t> read_shard(const std::string& path) {
   TS_CHECK(static_cast<size_t>(in.gcount()) == tokens.size() * 2,
            "token shard '{}' is truncated: header promises {} tokens, file holds {}", path,
            header[2], in.gcount() / 2);
+  // As llm.c's loader: the file is exactly the header and the tokens it promises.
+  in.peek();
+  TS_CHECK(in.eof(),
+           "token shard '{}' is longer than its header says: {} tokens ({} bytes with the header), "
+           "file has {} bytes",
+           path, header[2], sizeof(header) + tokens.size() * 2, fs::file_size(path));
   return tokens;
 }
 

@@ -14,6 +14,8 @@ namespace tessera::data {
 
 constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
+// llm.c's Llama-3 shards (magic 20240801, version 7, uint32 tokens): recognised, not read.
+constexpr int32_t kLlama3ShardMagic = 20240801;
 
 // Byte-level tokenizer: token = byte value (vocabulary 256).
 std::vector<uint16_t> encode_bytes(const std::string& text);
@@ -25,7 +27,8 @@ std::string read_text_files(const std::vector<std::string>& paths);
 std::vector<std::string> default_corpus_files();
 
 void write_shard(const std::string& path, const std::vector<uint16_t>& tokens);
-// Throws naming the file on a missing file, wrong magic/version or truncation.
+// Throws naming the file on a missing file, wrong magic/version (llm.c's Llama-3
+// format is named as such), truncation or trailing bytes.
 std::vector<uint16_t> read_shard(const std::string& path);
 
 // Prepares <dir>/<name>_train.bin and <dir>/<name>_val.bin from text files

@@ -9,9 +9,15 @@
 //   tessera-ckpt to-safetensors CHECKPOINT OUT.safetensors [--dtype bfloat16] [--with-optimizer]
 //       The model (and optionally the AdamW state) as one safetensors file,
 //       assembled tensor by tensor (memory: one tensor at a time).
-//   tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N]
+//   tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N] [model keys]
 //       A checkpoint (one rank's file) that tessera-train resumes from or
-//       loads onto any number of ranks.
+//       loads onto any number of ranks. The model is rebuilt from the
+//       configuration stored in the file (tessera-train's exports) or from the
+//       given keys (--preset NAME, --model.n_layer N, ...), so the tensors get
+//       the model's dtype (float32) and a tied weight stored once is filled in;
+//       without either, the tensors are copied with floats as float32.
+//       (To start a run from a file, tessera-train's
+//       --checkpoint.initial_load_path does the same without a checkpoint.)
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -22,7 +28,10 @@
 #include <vector>
 
 #include "fsdp/checkpoint.h"
+#include "fsdp/state_dict.h"
+#include "nn/models.h"
 #include "nn/safetensors.h"
+#include "tools/config.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -30,14 +39,33 @@ using json = nlohmann::json;
 
 namespace {
 
-int usage() {
+// --help prints to stdout and succeeds; a missing command is an error.
+int usage(FILE* out, int code) {
   std::fprintf(
-      stderr,
+      out,
       "usage: tessera-ckpt list PATH\n"
       "       tessera-ckpt to-safetensors CHECKPOINT OUT.safetensors [--dtype float32|bfloat16] "
       "[--with-optimizer]\n"
-      "       tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N]\n");
-  return 2;
+      "       tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N] [--preset NAME]\n"
+      "                    [--model.KEY VALUE ...]   (model keys for a file without a stored "
+      "model)\n"
+      "PATH and CHECKPOINT: a checkpoint directory, a folder of checkpoints (the newest) or,\n"
+      "for list, a .safetensors file.\n");
+  return code;
+}
+
+nn::TransformerConfig model_config(const tools::TrainConfig& c) {
+  nn::TransformerConfig m;
+  m.vocab_size = c.model.vocab_size;
+  m.block_size = c.training.seq_len;
+  m.n_layer = c.model.n_layer;
+  m.n_head = c.model.n_head;
+  m.n_kv_head = c.model.n_kv_head;
+  m.n_embd = c.model.n_embd;
+  m.ffn_hidden = c.model.ffn_hidden;
+  m.bias = c.model.bias;
+  m.tie_embeddings = c.model.tie_embeddings;
+  return m;
 }
 
 // A checkpoint directory from a directory or a folder of checkpoints.
@@ -142,22 +170,61 @@ int to_safetensors(const std::vector<std::string>& args) {
 int from_safetensors(const std::vector<std::string>& args) {
   TS_CHECK(args.size() >= 2, "from-safetensors needs IN.safetensors and OUT_FOLDER");
   int64_t step = 0;
+  std::vector<std::string> model_args{"tessera-ckpt from-safetensors"};
   for (size_t i = 2; i < args.size(); ++i) {
-    TS_CHECK(args[i] == "--step" && i + 1 < args.size(), "unknown option '{}' (valid: --step N)",
-             args[i]);
-    step = std::stoll(args[++i]);
+    if (args[i] == "--step" && i + 1 < args.size()) {
+      try {
+        step = std::stoll(args[++i]);
+      } catch (const std::exception&) {
+        TS_CHECK(false, "--step expects a step number, got '{}'", args[i]);
+      }
+    } else {
+      model_args.push_back(args[i]);  // --preset, --model.* (checked by the config parser)
+    }
   }
   nn::SafetensorsFile f(args[0]);
-  nn::StateDict tensors;
-  for (const auto& e : f.entries()) tensors.emplace_back(e.name, f.read(e.name));
+  auto stored = f.metadata().find("tessera_model");
   json extra = {{"step", step}, {"source", args[0]}};
   // At step 0 tessera-train can start from it (--checkpoint.resume true: fresh optimizer, data from
   // the start).
   if (step == 0) extra["data"] = {{"next_micro_batch", 0}};
-  if (auto it = f.metadata().find("tessera_model"); it != f.metadata().end())
-    extra["model"] = json::parse(it->second);
-  std::string dir = fsdp::save_checkpoint(args[1], step, tensors, extra.dump());
-  std::printf("%s -> %s: %zu tensors\n", args[0].c_str(), dir.c_str(), tensors.size());
+  std::string dir;
+  size_t count = 0;
+  if (stored != f.metadata().end() || model_args.size() > 1) {
+    // The model's own state dict: float32 weights, tied weights under both names.
+    tools::TrainConfig cfg;
+    if (stored != f.metadata().end()) tools::model_from_json(cfg, stored->second);
+    std::vector<char*> argv;
+    for (auto& a : model_args) argv.push_back(a.data());
+    if (!tools::parse_args(cfg, static_cast<int>(argv.size()), argv.data(), "tessera-ckpt"))
+      return 0;
+    tools::validate(cfg);
+    std::shared_ptr<nn::LanguageModel> model;
+    if (cfg.model.arch == "llama")
+      model = std::make_shared<nn::Llama>(model_config(cfg), Device::meta());
+    else
+      model = std::make_shared<nn::GPT>(model_config(cfg), Device::meta());
+    model->to_empty(Device::cpu());
+    fsdp::load_safetensors(*model, args[0]);  // checks keys and shapes, converts dtypes
+    extra["model"] = json::parse(tools::model_to_json(cfg));
+    dir = fsdp::save_checkpoint(args[1], step, *model, nullptr, extra.dump());
+    count = model->state_dict().size();
+  } else {
+    // No model to match: the file's tensors as they are, floats as float32
+    // (the dtype tessera-train keeps its weights in).
+    nn::StateDict tensors;
+    for (const auto& e : f.entries())
+      tensors.emplace_back(e.name,
+                           is_floating(e.dtype) ? f.read(e.name, DType::F32) : f.read(e.name));
+    std::fprintf(stderr,
+                 "tessera-ckpt: note: %s stores no model configuration: tensors copied by name, "
+                 "floats as float32 (give --preset/--model.* keys to match a model and fill in "
+                 "tied weights)\n",
+                 args[0].c_str());
+    dir = fsdp::save_checkpoint(args[1], step, tensors, extra.dump());
+    count = tensors.size();
+  }
+  std::printf("%s -> %s: %zu tensors\n", args[0].c_str(), dir.c_str(), count);
   return 0;
 }
 
@@ -165,7 +232,8 @@ int from_safetensors(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h") return usage();
+  if (args.empty()) return usage(stderr, 2);
+  if (args[0] == "--help" || args[0] == "-h") return usage(stdout, 0);
   try {
     std::string cmd = args[0];
     args.erase(args.begin());

@@ -23,11 +23,27 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int usage() {
-  std::fprintf(stderr,
-               "usage: tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...\n"
-               "       tessera-data info SHARD...\n");
-  return 2;
+const char* const kUsage =
+    "usage: tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...\n"
+    "       tessera-data info SHARD...\n"
+    "\n"
+    "  prepare  byte-level tokens of the text FILEs, concatenated; the last F (default 0.1)\n"
+    "           is validation: DIR/NAME_train.bin and DIR/NAME_val.bin (DIR: data, NAME: the\n"
+    "           first file's stem)\n"
+    "  info     header, token count, token range and the first tokens as text\n"
+    "\n"
+    "Shards are llm.c's GPT-2 format: 256 int32 (magic 20240520, version 1, token count),\n"
+    "then uint16 tokens. Train on them with tessera-train --training.dataset shards\n"
+    "--training.train_shard DIR/NAME_train.bin --training.val_shard DIR/NAME_val.bin.\n";
+
+// --help: the usage on stdout, success. A mistake: the usage on stderr, exit 2.
+int usage(bool asked) {
+  std::fputs(kUsage, asked ? stdout : stderr);
+  return asked ? 0 : 2;
+}
+
+bool is_help(const std::string& a) {
+  return a == "--help" || a == "-h";
 }
 
 int prepare(const std::vector<std::string>& args) {
@@ -97,7 +113,8 @@ int info(const std::vector<std::string>& shards) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h") return usage();
+  if (args.empty()) return usage(false);
+  if (std::any_of(args.begin(), args.end(), is_help)) return usage(true);
   try {
     std::string cmd = args[0];
     args.erase(args.begin());
@@ -105,7 +122,7 @@ int main(int argc, char** argv) {
     if (cmd == "info") return info(args);
     std::fprintf(stderr, "tessera-data: unknown command '%s' (valid: prepare, info)\n",
                  cmd.c_str());
-    return 2;
+    return usage(false);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera-data: error: %s\n", e.what());
     return 1;

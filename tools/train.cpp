@@ -7,18 +7,22 @@
 //   tessera-train --preset tiny --training.steps 20
 //   mpirun -np 4 tessera-train --config run.toml --parallelism.data_parallel_replicate_degree 2
 //   mpirun -np 2 tessera-train --checkpoint.enable true --checkpoint.resume true
+//   mpirun -np 2 tessera-train --checkpoint.initial_load_path gpt.safetensors   # fine-tune
 //
 // Every rank runs this program; rank 0 alone prints and writes metrics.
 #include <signal.h>
 
+#include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "dtensor/dtensor.h"
@@ -28,8 +32,10 @@
 #include "nn/generate.h"
 #include "nn/models.h"
 #include "nn/optim.h"
+#include "nn/safetensors.h"
 #include "runtime/allocator.h"
 #include "runtime/parallel.h"
+#include "runtime/random.h"
 #include "runtime/trace.h"
 #include "tools/config.h"
 #include "tools/data.h"
@@ -78,6 +84,71 @@ double all_reduce(double v, dist::ReduceOp op) {
   Tensor t = full({1}, v, DType::F64);
   dist::world()->all_reduce(t, {op})->wait();
   return t.item();
+}
+
+// The dropout stream of one rank: different on every rank (each draws its own
+// masks), the same on every run with the same job.seed. `step` > 0 when a
+// resumed run cannot take the saved stream (another world size).
+uint64_t dropout_seed(int64_t seed, int rank, int64_t step) {
+  return hash_name(fmt::format("dropout/{}/{}/{}", seed, rank, step));
+}
+
+// Keys whose change on resume breaks the data order or the batch, so the run
+// is no longer the saved one continued: an error unless --allow-resume-change.
+const std::vector<std::string> kExactKeys = {"job.seed", "training.batch_size", "training.seq_len",
+                                             "training.grad_accum"};
+// Keys that change the training but not what was saved: a warning. (Shape keys
+// of [model] are also caught by the load, this names them first.)
+bool affects_training(const std::string& key) {
+  for (const char* k : {"training.eval_interval", "training.eval_batches", "training.data_dir"})
+    if (key == k) return false;
+  for (const char* sec : {"model.", "training.", "optimizer.", "lr_scheduler.", "mixed_precision."})
+    if (key.rfind(sec, 0) == 0) return true;
+  return false;
+}
+
+// The configuration a checkpoint was saved with (its [section] key = value
+// TOML), key by key in the form ConfigKey::get() prints.
+std::map<std::string, std::string> saved_config(const std::string& text) {
+  std::map<std::string, std::string> out;
+  toml::table table;
+  try {
+    table = toml::parse(text);
+  } catch (const toml::parse_error&) {
+    return out;  // not ours to judge: the checks below simply find nothing
+  }
+  for (auto& [section, node] : table) {
+    const toml::table* sec = node.as_table();
+    if (sec == nullptr) continue;
+    for (auto& [key, value] : *sec) {
+      std::string name = std::string(section.str()) + "." + std::string(key.str()), v;
+      if (value.is_string())
+        v = *value.value<std::string>();
+      else if (value.is_integer())
+        v = std::to_string(*value.value<int64_t>());
+      else if (value.is_floating_point())
+        v = fmt::format("{}", *value.value<double>());
+      else if (value.is_boolean())
+        v = *value.value<bool>() ? "true" : "false";
+      else
+        continue;
+      out[name] = v;
+    }
+  }
+  return out;
+}
+
+// The [model] keys (and training.seq_len) where a stored model configuration
+// differs from this run's, e.g. "model.n_embd 64 (this run: 128)".
+std::vector<std::string> model_differences(tools::TrainConfig& cfg, const json& stored) {
+  std::vector<std::string> out;
+  if (!stored.is_object()) return out;
+  json mine = json::parse(tools::model_to_json(cfg));
+  for (auto it = stored.begin(); it != stored.end(); ++it)
+    if (it.key() != "model.dropout" && mine.contains(it.key()) && it.value() != mine[it.key()])
+      out.push_back(fmt::format("{} {} (this run: {})", it.key(), it.value().get<std::string>(),
+                                mine[it.key()].get<std::string>()));
+  return out;
 }
 
 // Train and validation tokens: rank 0 prepares the shards once (cached in
@@ -144,13 +215,16 @@ void install_stop_handlers() {
 
 class Trainer {
  public:
-  explicit Trainer(tools::TrainConfig cfg) : cfg_(std::move(cfg)), T_(cfg_.training) {}
+  Trainer(tools::TrainConfig cfg, std::vector<std::string> allow_resume_change)
+      : cfg_(std::move(cfg)), T_(cfg_.training), allowed_(std::move(allow_resume_change)) {}
   int run();
 
  private:
   void build_model();
   void build_optimizer();
-  int64_t resume();
+  int64_t resume(const std::string& dir);
+  void check_resume_config(const std::string& dir, const json& extra, int64_t step);
+  void load_initial_weights(const std::string& path);
   void save(int64_t step);
   double train_step(int64_t step);
   double evaluate();
@@ -182,7 +256,9 @@ class Trainer {
   double window_wait_start_ = 0;
   double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
   double last_val_ = NAN;
-  bool stop_requested_ = false;  // SIGINT/SIGTERM on any rank: save and stop after this step
+  bool stop_requested_ = false;       // SIGINT/SIGTERM on any rank: save and stop after this step
+  std::vector<std::string> allowed_;  // --allow-resume-change: exactness keys that may differ
+  bool rng_restored_ = false;         // resume took every rank's saved dropout stream
 
   // Runs fn outside the throughput window: its time and its waits on
   // collectives count in neither tokens/s nor exposed communication.
@@ -265,26 +341,128 @@ void Trainer::save(int64_t step) {
   say(fmt::format("checkpoint: step {} -> {} ({:.2f} s)", step, dir, seconds_since(t0)));
 }
 
-int64_t Trainer::resume() {
-  std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
-  std::string dir = fsdp::latest_checkpoint(folder);
-  if (dir.empty()) {
-    say(fmt::format("resume: no complete checkpoint in {}; starting from step 0", folder));
-    return 0;
+// Resuming continues the saved run: keys that break its data order or batch
+// (kExactKeys) must match unless allowed; other changes to the training are
+// allowed with a warning. A changed training.steps (extending a finished run)
+// keeps the warmup + cosine schedule defined over the new total.
+void Trainer::check_resume_config(const std::string& dir, const json& extra, int64_t step) {
+  auto saved = saved_config(extra.value("config", std::string()));
+  if (saved.empty() && extra.contains("data") && extra["data"].contains("seed"))
+    saved["job.seed"] = std::to_string(extra["data"]["seed"].get<int64_t>());
+  auto allowed = [&](const std::string& key) {
+    return std::find(allowed_.begin(), allowed_.end(), key) != allowed_.end();
+  };
+  std::vector<std::string> errors, error_keys, changes;
+  for (const auto& k : tools::config_keys(cfg_)) {
+    auto it = saved.find(k.name);
+    if (it == saved.end() || it->second == k.get()) continue;
+    std::string change = fmt::format("{} {} -> {}", k.name, it->second, k.get());
+    bool exact = std::find(kExactKeys.begin(), kExactKeys.end(), k.name) != kExactKeys.end();
+    if (exact && !allowed(k.name)) {
+      errors.push_back(change);
+      error_keys.push_back(k.name);
+    } else if (exact || affects_training(k.name)) {
+      changes.push_back(change);
+    }
   }
-  auto md = fsdp::load_checkpoint(dir, *model_, adamw_);
-  json extra = json::parse(md.extra_json);
+  // Without a saved configuration (tessera-ckpt's checkpoints) the data
+  // position still has to map onto this run's micro-batches.
+  if (saved.count("training.grad_accum") == 0 && !allowed("training.grad_accum") &&
+      extra["data"]["next_micro_batch"].get<int64_t>() != step * T_.grad_accum) {
+    errors.push_back(fmt::format("training.grad_accum (data position {} is not step {} x {})",
+                                 extra["data"]["next_micro_batch"].get<int64_t>(), step,
+                                 T_.grad_accum));
+    error_keys.push_back("training.grad_accum");
+  }
+  TS_CHECK(errors.empty(),
+           "{}: the checkpoint was saved with other settings, so resuming would not continue "
+           "that run: {}. Use the saved values, or pass --allow-resume-change {} to continue "
+           "anyway (the data order and batches then differ from the saved run's), or start a new "
+           "run from its weights with --checkpoint.initial_load_path",
+           dir, fmt::join(errors, "; "), fmt::join(error_keys, ","));
+  if (changes.empty()) return;
+  say(
+      fmt::format("warning: resuming with settings changed since the checkpoint (the run "
+                  "continues, not as the saved run would have): {}",
+                  fmt::join(changes, "; ")));
+  double saved_lr = extra.contains("lr_scheduler") ? extra["lr_scheduler"].value("lr", NAN) : NAN;
+  double lr = schedule_.lr_at(step);
+  if (saved.count("training.steps") && saved["training.steps"] != std::to_string(T_.steps))
+    say(fmt::format(
+        "warning: the learning-rate schedule (warmup {} steps, cosine to {:.2e}) now "
+        "spans {} steps instead of {}",
+        cfg_.lr_scheduler.warmup_steps, schedule_.min_lr, T_.steps, saved["training.steps"]));
+  if (!std::isnan(saved_lr) && std::abs(lr - saved_lr) > 1e-12 * std::abs(saved_lr))
+    say(fmt::format("warning: step {} runs at lr {:.3e}; the saved schedule had {:.3e}", step + 1,
+                    lr, saved_lr));
+}
+
+int64_t Trainer::resume(const std::string& dir) {
+  auto head = fsdp::read_metadata(dir);
+  json extra = json::parse(head.extra_json);
   TS_CHECK(extra.contains("data") && extra["data"].contains("next_micro_batch"),
            "{}: not a tessera-train checkpoint (no data position)", dir);
-  TS_CHECK(extra["data"]["next_micro_batch"].get<int64_t>() == md.step * T_.grad_accum,
-           "{}: saved with another training.grad_accum; the data position cannot be mapped", dir);
+  check_resume_config(dir, extra, head.step);
+  fsdp::CheckpointMetadata md;
+  try {
+    md = fsdp::load_checkpoint(dir, *model_, adamw_);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    bool mismatch = what.find("does not match the model") != std::string::npos ||
+                    what.find("in the checkpoint but") != std::string::npos;
+    std::vector<std::string> diff = model_differences(cfg_, extra.value("model", json()));
+    TS_CHECK(
+        !mismatch, "{}{}{}", what,
+        diff.empty() ? "" : fmt::format(" (the checkpoint's model: {})", fmt::join(diff, ", ")),
+        " -- to start a new run from these weights in another dtype or layout, use "
+        "--checkpoint.initial_load_path (a .safetensors file or checkpoint) instead of "
+        "--checkpoint.resume");
+    throw;
+  }
   for (const auto& p : extra.value("losses", json::array())) curve_.train.emplace_back(p[0], p[1]);
   for (const auto& p : extra.value("val_losses", json::array()))
     curve_.val.emplace_back(p[0], p[1]);
   if (!curve_.val.empty()) last_val_ = curve_.val.back().second;
+  // load_checkpoint restored each rank's dropout stream when the world size matches; a
+  // checkpoint tessera-ckpt made holds none of this run's.
+  rng_restored_ = md.world_size == world_ && extra.contains("config");
   say(fmt::format("resumed from {} (step {}, saved on {} rank(s), now {}{})", dir, md.step,
                   md.world_size, world_, md.world_size == world_ ? "" : ": resharded"));
   return md.step;
+}
+
+// A fresh run from given weights (TorchTitan's initial_load_path): the model
+// only, converted to the model's dtype; the optimizer and the step start anew.
+void Trainer::load_initial_weights(const std::string& path) {
+  TS_CHECK(fs::exists(path), "checkpoint.initial_load_path '{}' does not exist", path);
+  bool file = fs::is_regular_file(path);
+  std::string dir, source = path;
+  json stored;  // the model configuration saved with the weights, if any
+  try {
+    if (file) {
+      nn::SafetensorsFile f(path);
+      if (auto it = f.metadata().find("tessera_model"); it != f.metadata().end())
+        stored = json::parse(it->second, nullptr, false);
+    } else {
+      dir = fs::exists(fs::path(path) / "metadata.json") ? path : fsdp::latest_checkpoint(path);
+      TS_CHECK(!dir.empty(), "'{}' is neither a .safetensors file nor a checkpoint directory",
+               path);
+      source = dir;
+      stored = json::parse(fsdp::read_metadata(dir).extra_json).value("model", json());
+    }
+    if (file)
+      fsdp::load_safetensors(*model_, path);
+    else
+      fsdp::load_checkpoint(dir, *model_, nullptr);  // the weights only
+  } catch (const std::exception& e) {
+    std::vector<std::string> diff = model_differences(cfg_, stored);
+    TS_CHECK(false, "checkpoint.initial_load_path: {}{}", e.what(),
+             diff.empty() ? ""
+                          : fmt::format(" (the weights were saved from another model: {})",
+                                        fmt::join(diff, ", ")));
+  }
+  say(fmt::format("initial weights from {}: step 0, a fresh optimizer and learning-rate schedule",
+                  source));
 }
 
 double Trainer::train_step(int64_t step) {
@@ -404,7 +582,22 @@ int Trainer::run() {
       train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
       micro_local_, baseline_));
 
-  int64_t start = cfg_.checkpoint.resume ? resume() : 0;
+  int64_t start = 0;
+  std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
+  std::string resume_dir = cfg_.checkpoint.resume ? fsdp::latest_checkpoint(folder) : "";
+  const std::string& initial = cfg_.checkpoint.initial_load_path;
+  if (!resume_dir.empty()) {
+    start = resume(resume_dir);
+    if (!initial.empty())
+      say(fmt::format("checkpoint.initial_load_path {} not used: resuming from {} wins", initial,
+                      resume_dir));
+  } else {
+    if (cfg_.checkpoint.resume)
+      say(fmt::format("resume: no complete checkpoint in {}; starting from step 0{}", folder,
+                      initial.empty() ? "" : " with the initial weights"));
+    if (!initial.empty()) load_initial_weights(initial);
+  }
+  if (!rng_restored_) default_generator().manual_seed(dropout_seed(cfg_.job.seed, rank_, start));
   auto run_start = Clock::now();
   window_start_ = run_start;
   window_wait_start_ = dist::total_wait_seconds();
@@ -535,6 +728,37 @@ void set_threads_per_rank() {
   set_num_threads(std::max(1, cores / local));
 }
 
+// --allow-resume-change KEY[,KEY...]: tessera-train's own option (not a config
+// key: it is about one invocation, not the run), taken out of argv.
+std::vector<std::string> take_allow_resume_change(int& argc, char** argv) {
+  std::vector<std::string> keys;
+  const std::string flag = "--allow-resume-change";
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i], list;
+    if (a == flag) {
+      TS_CHECK(i + 1 < argc, "option '{}' needs a value (KEY[,KEY...])", flag);
+      list = argv[++i];
+    } else if (a.rfind(flag + "=", 0) == 0) {
+      list = a.substr(flag.size() + 1);
+    } else {
+      argv[out++] = argv[i];
+      continue;
+    }
+    for (size_t at = 0; at <= list.size();) {
+      size_t end = std::min(list.find(',', at), list.size());
+      std::string key = list.substr(at, end - at);
+      TS_CHECK(std::find(kExactKeys.begin(), kExactKeys.end(), key) != kExactKeys.end(),
+               "{}: '{}' is not a key resume insists on (valid: {}; other changes only warn)", flag,
+               key, fmt::join(kExactKeys, ", "));
+      keys.push_back(key);
+      at = end + 1;
+    }
+  }
+  argc = out;
+  return keys;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -543,13 +767,21 @@ int main(int argc, char** argv) {
   try {
     dist::init(argc, argv);
     set_threads_per_rank();
+    auto allow = take_allow_resume_change(argc, argv);
     // Every rank parses the same arguments; only rank 0 reports a mistake.
-    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
+    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) {
+      if (dist::rank() == 0)
+        std::printf(
+            "\n--allow-resume-change KEY[,KEY...]  lets --checkpoint.resume continue a checkpoint\n"
+            "  saved with another %s\n  (refused by default; other changed settings only warn)\n",
+            fmt::format("{}", fmt::join(kExactKeys, ", ")).c_str());
+      return 0;
+    }
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
     parsed = true;
     install_stop_handlers();
-    return Trainer(cfg).run();
+    return Trainer(cfg, allow).run();
   } catch (const std::exception& e) {
     if (!parsed) {
       if (dist::rank() == 0) std::fprintf(stderr, "tessera-train: error: %s\n", e.what());

@@ -1,0 +1,276 @@
+#!/usr/bin/env bash
+# tessera-train's configuration and the tools' inputs, end to end:
+#   every bad value (from the command line or a TOML file) is an error that
+#     names the key, before any data is read or any step runs;
+#   a TOML file with sections sets what the run reports (under mpirun too);
+#   --help prints the usage (tessera-train's lists the presets) on stdout and
+#     exits 0 (tessera-train, tessera-data, tessera-generate, tessera-ckpt);
+#   llm.c token shards written by an independent writer (write_llmc_shard.py)
+#     are read by tessera-data and tessera-train, and bad ones (wrong magic,
+#     wrong version, llm.c's Llama-3 format, truncated, trailing bytes) are
+#     rejected naming the file and what was expected.
+set -euo pipefail
+bin=$1      # build/tools
+work=$2
+here=$(cd "$(dirname "$0")" && pwd)
+python=${TESSERA_PYTHON:-python3}
+rm -rf "$work"
+mkdir -p "$work"
+cd "$work"
+mpi=(mpirun --oversubscribe --allow-run-as-root --bind-to none)
+fail() { echo "FAIL: $*" >&2; exit 1; }
+base=(--preset tiny --training.data_dir "$work/data" --metrics.progress off --sample.max_new_tokens 0)
+
+# expect_error WANT CMD...: CMD fails and its output contains WANT.
+expect_error() {
+  local want=$1; shift
+  local out
+  if out=$("$@" 2>&1); then fail "expected an error for: $*"; fi
+  [[ $out == *"$want"* ]] || fail "expected '$want' in the output of: $*
+$out"
+}
+# bad WANT ARGS...: tessera-train rejects the configuration (exit 2, the
+# configuration-error exit) quickly, naming the key, with no step run and no
+# data prepared.
+bad() {
+  local want=$1; shift
+  local out rc=0 start=$SECONDS
+  out=$(timeout 60 "$bin/tessera-train" "${base[@]}" --job.dump_folder "$work/bad" "$@" 2>&1) || rc=$?
+  [[ $rc == 2 ]] || fail "expected exit 2 (configuration error) for: $*; got $rc:
+$out"
+  [[ $out == *"$want"* ]] || fail "expected '$want' for: $*; got:
+$out"
+  ! grep -qE '^(step |preparing|model |data: )' <<< "$out" || fail "ran before failing: $*
+$out"
+  (( SECONDS - start < 20 )) || fail "took $((SECONDS - start)) s to reject: $*"
+}
+
+echo "== bad values on the command line"
+# Crashes before (SIGFPE, NaN) or silently accepted.
+bad "model.n_head must be >= 1, got 0" --model.n_head 0
+bad "model.n_head must be >= 1, got -4" --model.n_head -4
+bad "training.eval_interval must be >= 1" --training.eval_interval 0
+bad "training.eval_batches must be >= 1, got 0" --training.eval_batches 0
+bad "model.n_layer must be >= 1, got 0" --model.n_layer 0
+bad "model.n_embd must be >= 1, got -64" --model.n_embd -64
+bad "model.n_embd must be >= 1, got 0" --model.n_embd 0
+bad "model.vocab_size must be >= 1, got 0" --model.vocab_size 0
+bad "model.vocab_size (100) must be at least 256 for byte tokens" --model.vocab_size 100
+bad "model.ffn_hidden must be >= 0" --model.ffn_hidden -1
+bad "model.n_kv_head must be >= 0" --model.n_kv_head -1
+bad "training.seq_len must be >= 1, got 0" --training.seq_len 0
+bad "training.batch_size must be >= 1" --training.batch_size 0
+bad "training.steps must be >= 1, got 0" --training.steps 0
+bad "training.steps must be >= 1, got -5" --training.steps -5
+bad "training.grad_accum must be >= 1, got 0" --training.grad_accum 0
+bad "training.batch_size (6) must be a multiple of training.grad_accum (4)" \
+  --training.batch_size 6 --training.grad_accum 4
+bad "training.max_norm must be >= 0" --training.max_norm -1
+# Consistency between keys.
+bad "model.n_embd (100) must be divisible by model.n_head (3)" --model.n_embd 100 --model.n_head 3
+bad "model.n_kv_head (3) must divide model.n_head (8)" --preset llama-small --model.n_kv_head 3
+bad "model.n_kv_head (16) must divide model.n_head (8)" --preset llama-small --model.n_kv_head 16
+bad "needs an even head size for rotary embeddings, but model.n_embd / model.n_head = 24 / 8 = 3" \
+  --preset llama-small --model.n_embd 24
+bad "model.n_kv_head (1) applies to model.arch = llama only" --model.n_kv_head 1
+bad "model.dropout must be in [0, 1), got 1" --model.dropout 1
+bad "model.dropout must be in [0, 1), got -0.1" --model.dropout -0.1
+bad "training.dataset = text needs training.text" --training.dataset text
+bad "training.dataset = shards needs training.train_shard and training.val_shard" \
+  --training.dataset shards --training.train_shard a.bin
+bad "training.text is 'book.txt' but training.dataset is 'fortunes'" --training.text book.txt
+bad "training.train_shard is 'a.bin' but training.dataset is 'fortunes'" --training.train_shard a.bin
+bad "training.data_dir must not be empty" --training.data_dir ""
+bad "job.dump_folder must not be empty" --job.dump_folder ""
+# Sampling: rejected before training, not after it.
+bad "sample.top_k must be >= 0" --sample.top_k -1
+bad "sample.temperature must be >= 0 (0 = greedy), got -0.5" --sample.temperature -0.5
+bad "sample.max_new_tokens must be >= 0" --sample.max_new_tokens -1
+bad "sample.prompt must not be empty when sample.max_new_tokens is 5" \
+  --sample.prompt "" --sample.max_new_tokens 5
+# Optimizer and schedule.
+bad "optimizer.lr must be > 0, got 0" --optimizer.lr 0
+bad "optimizer.lr must be > 0, got -0.001" --optimizer.lr -1e-3
+bad "config key 'optimizer.lr' expects a finite number, got 'nan'" --optimizer.lr nan
+bad "config key 'optimizer.lr' expects a finite number, got 'inf'" --optimizer.lr inf
+bad "optimizer.beta1 must be in [0, 1), got 1" --optimizer.beta1 1
+bad "optimizer.beta2 must be in [0, 1), got 1.5" --optimizer.beta2 1.5
+bad "optimizer.eps must be > 0, got 0" --optimizer.eps 0
+bad "optimizer.weight_decay must be >= 0, got -0.1" --optimizer.weight_decay -0.1
+bad "optimizer.lr x optimizer.weight_decay must be < 1" --optimizer.lr 0.5 --optimizer.weight_decay 2
+bad "optimizer.momentum must be in [0, 1), got 1" --optimizer.name sgd --optimizer.momentum 1
+bad "lr_scheduler.warmup_steps must be >= 0, got -1" --lr_scheduler.warmup_steps -1
+bad "lr_scheduler.min_lr_ratio must be in [0, 1]" --lr_scheduler.min_lr_ratio 1.5
+# Checkpoints, metrics, profiling, parallelism.
+bad "checkpoint.interval must be >= 1, got 0" --checkpoint.interval 0
+bad "checkpoint.keep must be >= 0" --checkpoint.keep -1
+bad "checkpoint.folder must not be empty" --checkpoint.folder ""
+bad "metrics.log_interval must be >= 1, got 0" --metrics.log_interval 0
+bad "metrics.peak_tflops must be > 0, got 0" --metrics.peak_tflops 0
+bad "profiling.trace_steps names step 100, but training.steps is 50" --profiling.trace_steps 100
+bad "profiling.trace_steps expects step numbers >= 1" --profiling.trace_steps 0
+bad "parallelism.data_parallel_replicate_degree must be >= 1, got 0" \
+  --parallelism.data_parallel_replicate_degree 0
+bad "parallelism.data_parallel_shard_degree must be -1 or >= 1, got 0" \
+  --parallelism.data_parallel_shard_degree 0
+# Types and names.
+bad "config key 'training.steps' expects an integer, got '3.5'" --training.steps 3.5
+bad "config key 'checkpoint.enable' expects true or false, got 'yes'" --checkpoint.enable yes
+bad "unknown config key 'training.stepz' (did you mean 'training.steps'?)" --training.stepz 5
+bad "unknown config key 'training.number_of_iterations' (the keys of [training] are: batch_size, seq_len, steps," \
+  --training.number_of_iterations 5
+bad "unknown config key 'trainer.batch': there is no section 'trainer' (sections: job, model, training," \
+  --trainer.batch 5
+echo "bad values: all rejected before training, naming the key"
+
+echo "== TOML files"
+$python -c '
+import random
+random.seed(3)
+words = "the quick brown fox jumps over a lazy dog while seven wise owls watch from old oak trees".split()
+with open("book.txt", "w") as f:
+    for _ in range(600):
+        f.write(" ".join(random.choice(words) for _ in range(12)).capitalize() + ".\n")'
+cat > run.toml <<EOF
+# Sections as tessera-train --help lists them.
+[job]
+name = "toml-run"
+dump_folder = "tomlrun"
+seed = 7
+
+[model]
+arch = "llama"
+n_layer = 3
+n_head = 4
+n_kv_head = 2
+n_embd = 48
+
+[training]
+dataset = "text"
+text = "book.txt"
+data_dir = "$work/data"
+batch_size = 4
+seq_len = 32
+steps = 3
+eval_interval = 2
+eval_batches = 1
+
+[optimizer]
+lr = 0.004
+weight_decay = 0.0
+
+[lr_scheduler]
+warmup_steps = 0
+min_lr_ratio = 1.0  # a constant learning rate
+
+[metrics]
+log_interval = 1
+progress = "off"
+plot = ""
+
+[sample]
+max_new_tokens = 0
+EOF
+# The file after a preset overrides it; a key after the file overrides the file.
+"${mpi[@]}" -np 2 "$bin/tessera-train" --preset tiny --config run.toml --optimizer.lr 0.003 > toml.log
+cat toml.log
+grep -q "model llama: 3 layers, d=48" toml.log || fail "the TOML [model] section was not applied"
+grep -q "128 tokens/step (4 sequences, 2 per rank" toml.log || fail "the TOML [training] batch was not applied"
+grep -q "preparing book" toml.log || fail "the TOML training.text was not used"
+grep -q "^done: 3 steps" toml.log || fail "the TOML training.steps was not applied"
+$python -c '
+import json
+rows = [json.loads(l) for l in open("tomlrun/metrics.jsonl")]
+logged = [r for r in rows if "loss" in r]
+assert [r["step"] for r in logged] == [1, 2, 3], logged            # metrics.log_interval = 1
+assert all(r["lr"] == 0.003 for r in logged), logged               # constant lr, the CLI value
+assert all(r["ranks"] == 2 for r in logged), logged
+assert [r["step"] for r in rows if "val_loss" in r] == [2, 3], rows  # training.eval_interval = 2
+print("TOML run: steps", [r["step"] for r in logged], "lr", logged[0]["lr"])'
+
+toml_bad() {  # WANT TOML-TEXT: a file with TOML-TEXT is rejected with WANT.
+  printf '%s\n' "$2" > bad.toml
+  bad "$1" --config bad.toml
+}
+toml_bad "config file 'bad.toml': key 'training.steps' expects an integer, got a string (\"3\")" \
+  $'[training]\nsteps = "3"'
+toml_bad "key 'training.steps' expects an integer, got a floating-point number (3.5)" $'[training]\nsteps = 3.5'
+toml_bad "key 'optimizer.lr' expects a number, got a string (\"0.1\")" $'[optimizer]\nlr = "0.1"'
+toml_bad "key 'checkpoint.enable' expects true or false, got a string (\"true\")" $'[checkpoint]\nenable = "true"'
+toml_bad "key 'checkpoint.enable' expects true or false, got an integer (1)" $'[checkpoint]\nenable = 1'
+toml_bad "key 'model.arch' expects a string, got an integer (2)" $'[model]\narch = 2'
+toml_bad "key 'training.steps' expects an integer, got an array" $'[training]\nsteps = [1, 2]'
+toml_bad "model.n_head must be >= 1, got 0" $'[model]\nn_head = 0'
+toml_bad "unknown config key 'training.bogus' (the keys of [training] are: " $'[training]\nbogus = 1'
+toml_bad "unknown config key 'trainer.steps' (did you mean 'training.steps'?)" $'[trainer]\nsteps = 1'
+toml_bad "unknown config key 'schedule.warmup': there is no section 'schedule' (sections: job, model," \
+  $'[schedule]\nwarmup = 10'
+toml_bad "config file 'bad.toml': 'steps' must be a [section]" 'steps = 3'
+toml_bad "config file 'bad.toml': " $'[training]\nsteps = '
+bad "config file 'missing.toml': File could not be opened" --config missing.toml
+# An integer is a fine float.
+printf '[optimizer]\nlr = 1\nweight_decay = 0\n' > int_float.toml
+bad "optimizer.beta1 must be in [0, 1)" --config int_float.toml --optimizer.beta1 2
+echo "TOML: sections applied, bad files rejected naming the key"
+
+echo "== --help"
+out=$("$bin/tessera-train" --help 2>/dev/null) || fail "tessera-train --help exited non-zero"
+for p in default tiny llama-small gpt-medium; do
+  grep -qE "^  $p +" <<< "$out" || fail "tessera-train --help does not list the preset $p"
+done
+grep -q -- "--training.steps" <<< "$out" || fail "tessera-train --help does not list the keys"
+grep -q -- "--config FILE.toml" <<< "$out" || fail "tessera-train --help does not show --config"
+out=$("$bin/tessera-data" --help 2>/dev/null) || fail "tessera-data --help exited non-zero"
+[[ $out == *"usage: tessera-data prepare"* ]] || fail "tessera-data --help printed no usage on stdout"
+"$bin/tessera-data" info --help | grep -q "usage: tessera-data" || fail "tessera-data info --help"
+rc=0; "$bin/tessera-data" > /dev/null 2> usage.err || rc=$?
+[[ $rc == 2 ]] && grep -q "usage: tessera-data" usage.err || fail "tessera-data without a command: want usage on stderr, exit 2"
+"$bin/tessera-generate" --help | grep -q "usage: tessera-generate" || fail "tessera-generate --help"
+"$bin/tessera-ckpt" --help | grep -q "usage: tessera-ckpt" || fail "tessera-ckpt --help: want usage on stdout, exit 0"
+echo "--help: usage on stdout, exit 0"
+
+echo "== llm.c shards from an independent writer"
+shard() { $python "$here/write_llmc_shard.py" "$1" "$2" "$3"; }
+head -n 540 book.txt > train.txt
+tail -n 60 book.txt > val.txt
+shard train.bin gpt2 train.txt
+shard val.bin gpt2 val.txt
+"$bin/tessera-data" info train.bin val.bin > info.txt
+cat info.txt
+n=$(wc -c < train.txt)
+grep -q "train.bin: llm.c shard version 1, $n tokens" info.txt || fail "info: wrong token count for train.bin"
+grep -q "(byte tokens)" info.txt || fail "info: byte tokens not recognised"
+shard eot.bin gpt2-eot val.txt
+"$bin/tessera-data" info eot.bin | grep -q "token ids 10..50256 (needs a vocabulary > 256)" \
+  || fail "info: GPT-2 token ids not reported"
+"$bin/tessera-train" "${base[@]}" --training.steps 2 --training.dataset shards \
+  --training.train_shard train.bin --training.val_shard val.bin --job.dump_folder llmc > llmc.log
+grep -q "^done: 2 steps" llmc.log || fail "training on the llm.c shards did not finish: $(cat llmc.log)"
+grep -q "data: $n train tokens" llmc.log || fail "training read another token count: $(cat llmc.log)"
+expect_error "outside model.vocab_size 256" "$bin/tessera-train" "${base[@]}" --training.dataset shards \
+  --training.train_shard eot.bin --training.val_shard val.bin --job.dump_folder llmc-eot
+
+shard magic.bin bad-magic val.txt
+shard version.bin bad-version val.txt
+shard llama3.bin llama3 val.txt
+shard truncated.bin truncated val.txt
+shard short.bin short val.txt
+shard trailing.bin trailing val.txt
+expect_error "token shard 'magic.bin' has magic 20240521, expected 20240520: not an llm.c token shard" \
+  "$bin/tessera-data" info magic.bin
+expect_error "token shard 'version.bin' has version 2, expected 1" "$bin/tessera-data" info version.bin
+expect_error "token shard 'llama3.bin' is in llm.c's Llama-3 format (magic 20240801, version 7: uint32 tokens), which tessera does not read" \
+  "$bin/tessera-data" info llama3.bin
+expect_error "token shard 'truncated.bin' is truncated: header promises" "$bin/tessera-data" info truncated.bin
+expect_error "token shard 'short.bin' is truncated: 600 bytes, the llm.c header alone needs 1024" \
+  "$bin/tessera-data" info short.bin
+expect_error "token shard 'trailing.bin' is longer than its header says" "$bin/tessera-data" info trailing.bin
+for f in llama3 magic version truncated; do
+  expect_error "token shard '$f.bin'" "$bin/tessera-train" "${base[@]}" --training.dataset shards \
+    --training.train_shard $f.bin --training.val_shard val.bin --job.dump_folder "llmc-$f"
+done
+expect_error "llm.c's Llama-3 format" "${mpi[@]}" -np 2 "$bin/tessera-train" "${base[@]}" \
+  --training.dataset shards --training.train_shard train.bin --training.val_shard llama3.bin --job.dump_folder llmc-np2
+echo "llm.c shards: read by tessera-data and tessera-train; bad ones rejected naming the file"
+
+echo "config_test: all passed"
