@@ -27,7 +27,8 @@ GPT::GPT(const TransformerConfig& cfg, Device device) : LanguageModel(cfg) {
   Device build = Device::meta();
   transformer = register_module("transformer", std::make_shared<ModuleDict>());
   wte = transformer->register_module("wte", std::make_shared<Embedding>(cfg.vocab_size, cfg.n_embd, build));
-  wpe = transformer->register_module("wpe", std::make_shared<Embedding>(cfg.block_size, cfg.n_embd, build));
+  if (!cfg.rope)  // with rotary q/k there are no learned positions
+    wpe = transformer->register_module("wpe", std::make_shared<Embedding>(cfg.block_size, cfg.n_embd, build));
   drop = transformer->register_module("drop", std::make_shared<Dropout>(cfg.dropout));
   h = transformer->register_module("h", std::make_shared<ModuleList>());
   for (int64_t i = 0; i < cfg.n_layer; ++i) {
@@ -48,9 +49,9 @@ void GPT::reset_parameters(uint64_t, const std::string&) {}
 
 Tensor GPT::forward(const Tensor& idx) {
   check_tokens(idx);
-  int64_t t = idx.size(1);
-  Tensor pos = ops::to(arange(0, t), idx.dtype());
-  Tensor x = (*drop)((*wte)(idx) + (*wpe)(pos));
+  Tensor x = (*wte)(idx);
+  if (wpe) x = x + (*wpe)(ops::to(arange(0, idx.size(1)), idx.dtype()));
+  x = (*drop)(x);
   for (auto& block : blocks) x = (*block)(x);
   return (*lm_head)((*ln_f)(x));
 }

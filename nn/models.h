@@ -37,7 +37,7 @@ class GPT : public LanguageModel {
   std::string type_name() const override { return "GPT"; }
 
   std::shared_ptr<ModuleDict> transformer;
-  std::shared_ptr<Embedding> wte, wpe;
+  std::shared_ptr<Embedding> wte, wpe;  // wpe null with config.rope
   std::shared_ptr<Dropout> drop;
   std::shared_ptr<ModuleList> h;
   std::shared_ptr<LayerNorm> ln_f;

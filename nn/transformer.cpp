@@ -14,6 +14,10 @@ void TransformerConfig::validate() const {
   TS_CHECK(n_head % kv_heads() == 0, "model config: n_head {} is not a multiple of n_kv_head {}",
            n_head, kv_heads());
   TS_CHECK(dropout >= 0.0 && dropout < 1.0, "model config: dropout {} not in [0, 1)", dropout);
+  TS_CHECK(!rope || (n_embd / n_head) % 2 == 0,
+           "model config: rope needs an even head size, got n_embd {} / n_head {} = {}", n_embd, n_head,
+           n_embd / n_head);
+  TS_CHECK(!rope || rope_theta > 0, "model config: rope_theta must be positive, got {}", rope_theta);
 }
 
 Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {
@@ -54,8 +58,27 @@ Tensor SwiGLUMLP::forward(const Tensor& x) {
   return (*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x));
 }
 
+std::pair<Tensor, Tensor> RotaryTables::get(int64_t t, int64_t head_dim, double theta, DType dtype,
+                                             Device device) {
+  if (!cos_.defined() || cos_.size(0) < t || cos_.dtype() != dtype || cos_.device() != device) {
+    // angle(pos, i) = pos * theta^(-2i / head_dim), computed in f64.
+    int64_t half = head_dim / 2;
+    std::vector<double> c(static_cast<size_t>(t * half)), s(c.size());
+    for (int64_t p = 0; p < t; ++p)
+      for (int64_t i = 0; i < half; ++i) {
+        double angle = static_cast<double>(p) *
+                       std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+        c[static_cast<size_t>(p * half + i)] = std::cos(angle);
+        s[static_cast<size_t>(p * half + i)] = std::sin(angle);
+      }
+    cos_ = ops::to(from_vector(c, {t, half}), dtype);
+    sin_ = ops::to(from_vector(s, {t, half}), dtype);
+  }
+  return {cos_, sin_};
+}
+
 CausalSelfAttention::CausalSelfAttention(const TransformerConfig& cfg, Device device)
-    : n_head(cfg.n_head), n_embd(cfg.n_embd) {
+    : n_head(cfg.n_head), n_embd(cfg.n_embd), use_rope(cfg.rope), rope_theta(cfg.rope_theta) {
   c_attn = register_module("c_attn", std::make_shared<Linear>(n_embd, 3 * n_embd, cfg.bias, device));
   c_proj = register_module("c_proj", std::make_shared<Linear>(n_embd, n_embd, cfg.bias, device));
   c_proj->init_std = residual_std(cfg);
@@ -79,8 +102,13 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3 && x.size(2) == n_embd, "CausalSelfAttention: expected [B, T, {}], got {}",
            n_embd, shape_str(x.shape()));
   auto qkv = split((*c_attn)(x), n_embd, 2);
-  Tensor y = scaled_dot_product_attention(split_heads(qkv[0], n_head), split_heads(qkv[1], n_head),
-                                          split_heads(qkv[2], n_head), /*causal=*/true);
+  Tensor q = split_heads(qkv[0], n_head), k = split_heads(qkv[1], n_head);
+  if (use_rope) {
+    auto [cos, sin] = rotary_.get(x.size(1), n_embd / n_head, rope_theta, compute_dtype(x.dtype()), x.device());
+    q = rope(contiguous(q), cos, sin);
+    k = rope(contiguous(k), cos, sin);
+  }
+  Tensor y = scaled_dot_product_attention(q, k, split_heads(qkv[2], n_head), /*causal=*/true);
   return (*resid_dropout)((*c_proj)(merge_heads(y)));
 }
 
@@ -98,23 +126,9 @@ LlamaAttention::LlamaAttention(const TransformerConfig& cfg, Device device)
 
 Tensor LlamaAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3, "LlamaAttention: expected [B, T, C], got {}", shape_str(x.shape()));
-  int64_t t = x.size(1);
-  DType cd = compute_dtype(x.dtype());
-  if (!cos_.defined() || cos_.size(0) < t || cos_.dtype() != cd || cos_.device() != x.device()) {
-    // angle(pos, i) = pos * theta^(-2i / head_dim), computed in f64.
-    int64_t half = head_dim / 2;
-    std::vector<double> c(static_cast<size_t>(t * half)), s(c.size());
-    for (int64_t p = 0; p < t; ++p)
-      for (int64_t i = 0; i < half; ++i) {
-        double angle = static_cast<double>(p) * std::pow(rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-        c[static_cast<size_t>(p * half + i)] = std::cos(angle);
-        s[static_cast<size_t>(p * half + i)] = std::sin(angle);
-      }
-    cos_ = ops::to(from_vector(c, {t, half}), cd);
-    sin_ = ops::to(from_vector(s, {t, half}), cd);
-  }
-  Tensor q = rope(contiguous(split_heads((*q_proj)(x), n_head)), cos_, sin_);
-  Tensor k = rope(contiguous(split_heads((*k_proj)(x), n_kv_head)), cos_, sin_);
+  auto [cos, sin] = rotary_.get(x.size(1), head_dim, rope_theta, compute_dtype(x.dtype()), x.device());
+  Tensor q = rope(contiguous(split_heads((*q_proj)(x), n_head)), cos, sin);
+  Tensor k = rope(contiguous(split_heads((*k_proj)(x), n_kv_head)), cos, sin);
   Tensor v = split_heads((*v_proj)(x), n_kv_head);
   return (*o_proj)(merge_heads(scaled_dot_product_attention(q, k, v, /*causal=*/true)));
 }

@@ -17,7 +17,8 @@ struct TransformerConfig {
   bool bias = true;             // GPT-2 Linear/LayerNorm biases
   bool tie_embeddings = true;   // lm_head.weight is the token embedding
   double norm_eps = 1e-5;
-  double rope_theta = 10000.0;  // Llama
+  double rope_theta = 10000.0;  // Llama, and GPT with rope
+  bool rope = false;  // GPT-2: rotary q/k instead of learned positions (no transformer.wpe); Llama always
   bool activation_checkpoint = false;  // recompute each block in backward
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
@@ -44,15 +45,32 @@ class SwiGLUMLP : public Module {
   std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
 };
 
+// Rotary embedding tables: cos/sin [T, head_dim/2] of pos * theta^(-2i/head_dim),
+// computed in f64 and cached per length, dtype and device.
+class RotaryTables {
+ public:
+  // The tables for sequences of length t (a prefix of the cached ones).
+  std::pair<Tensor, Tensor> get(int64_t t, int64_t head_dim, double theta, DType dtype, Device device);
+
+ private:
+  Tensor cos_, sin_;
+};
+
 // GPT-2 attention: one fused c_attn projection to q, k, v; causal SDPA; c_proj.
+// With cfg.rope, q and k are rotated as in Llama (Hugging Face's rotate-half).
 class CausalSelfAttention : public Module {
  public:
   CausalSelfAttention(const TransformerConfig& cfg, Device device);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "CausalSelfAttention"; }
   int64_t n_head, n_embd;
+  bool use_rope;
+  double rope_theta;
   std::shared_ptr<Linear> c_attn, c_proj;
   std::shared_ptr<Dropout> resid_dropout;
+
+ private:
+  RotaryTables rotary_;
 };
 
 // Llama attention: q/k/v/o projections, rotary embedding, grouped-query attention.
@@ -66,8 +84,7 @@ class LlamaAttention : public Module {
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
 
  private:
-  // cos/sin tables [T, head_dim/2], computed in f64 on first use for a length.
-  Tensor cos_, sin_;
+  RotaryTables rotary_;
 };
 
 // x + attn(ln_1(x)), then + mlp(ln_2(x)).

@@ -150,6 +150,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("model.bias", c.model.bias, "biases in Linear and LayerNorm (gpt2)"),
       bool_key("model.tie_embeddings", c.model.tie_embeddings,
                "lm_head shares the token embedding"),
+      bool_key("model.rope", c.model.rope,
+               "rotary q/k instead of learned positions (gpt2; llama always uses rotary)"),
+      float_key("model.rope_theta", c.model.rope_theta, "rotary base"),
       int_key("training.batch_size", c.training.batch_size, "global batch in sequences"),
       int_key("training.seq_len", c.training.seq_len, "sequence length (the model's block size)"),
       int_key("training.steps", c.training.steps, "optimizer steps"),
@@ -413,12 +416,16 @@ void validate(const TrainConfig& c) {
              "model.n_head = {} / {} = {}",
              m.n_embd, m.n_head, m.n_embd / m.n_head);
   } else {
+    TS_CHECK(!m.rope || m.n_embd / m.n_head % 2 == 0,
+             "model.rope needs an even head size, but model.n_embd / model.n_head = {} / {} = {}",
+             m.n_embd, m.n_head, m.n_embd / m.n_head);
     TS_CHECK(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
              "model.n_kv_head ({}) applies to model.arch = llama only ({} has model.n_head = {} "
              "key/value heads): leave it 0",
              m.n_kv_head, m.arch, m.n_head);
   }
   in_range("model.dropout", m.dropout, 0, 1, true);
+  TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
   TS_CHECK(m.vocab_size >= 256 || (t.dataset != "fortunes" && t.dataset != "text"),
            "model.vocab_size ({}) must be at least 256 for byte tokens (training.dataset = {})",
            m.vocab_size, t.dataset);
@@ -544,6 +551,24 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
            "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep,
            shard, rep * shard, world_size);
   return {rep, shard};
+}
+
+nn::TransformerConfig transformer_config(const TrainConfig& c) {
+  nn::TransformerConfig m;
+  m.vocab_size = c.model.vocab_size;
+  m.block_size = c.training.seq_len;
+  m.n_layer = c.model.n_layer;
+  m.n_head = c.model.n_head;
+  m.n_kv_head = c.model.n_kv_head;
+  m.n_embd = c.model.n_embd;
+  m.ffn_hidden = c.model.ffn_hidden;
+  m.dropout = c.model.dropout;
+  m.bias = c.model.bias;
+  m.tie_embeddings = c.model.tie_embeddings;
+  m.rope = c.model.rope;
+  m.rope_theta = c.model.rope_theta;
+  m.activation_checkpoint = c.activation_checkpoint.mode == "full";
+  return m;
 }
 
 std::string model_to_json(TrainConfig& cfg) {

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "nn/transformer.h"
+
 namespace tessera::tools {
 
 struct TrainConfig {
@@ -30,6 +32,8 @@ struct TrainConfig {
     double dropout = 0.0;
     bool bias = true;
     bool tie_embeddings = true;
+    bool rope = false;          // gpt2: rotary q/k instead of learned positions (llama: always)
+    double rope_theta = 10000.0;
   } model;
   struct Training {
     int64_t batch_size = 16;  // global batch, in sequences
@@ -141,6 +145,8 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object
 // of strings, stored in checkpoints and exported files so tools can rebuild
 // the model; and back (unknown keys are errors).
+// The model's configuration for nn::GPT / nn::Llama (block size = seq_len).
+nn::TransformerConfig transformer_config(const TrainConfig& c);
 std::string model_to_json(TrainConfig& cfg);
 void model_from_json(TrainConfig& cfg, const std::string& json);
 // The whole configuration as TOML (what a run used).

@@ -54,19 +54,6 @@ int usage(FILE* out, int code) {
   return code;
 }
 
-nn::TransformerConfig model_config(const tools::TrainConfig& c) {
-  nn::TransformerConfig m;
-  m.vocab_size = c.model.vocab_size;
-  m.block_size = c.training.seq_len;
-  m.n_layer = c.model.n_layer;
-  m.n_head = c.model.n_head;
-  m.n_kv_head = c.model.n_kv_head;
-  m.n_embd = c.model.n_embd;
-  m.ffn_hidden = c.model.ffn_hidden;
-  m.bias = c.model.bias;
-  m.tie_embeddings = c.model.tie_embeddings;
-  return m;
-}
 
 // A checkpoint directory from a directory or a folder of checkpoints.
 std::string checkpoint_dir(const std::string& path) {
@@ -201,9 +188,9 @@ int from_safetensors(const std::vector<std::string>& args) {
     tools::validate(cfg);
     std::shared_ptr<nn::LanguageModel> model;
     if (cfg.model.arch == "llama")
-      model = std::make_shared<nn::Llama>(model_config(cfg), Device::meta());
+      model = std::make_shared<nn::Llama>(tools::transformer_config(cfg), Device::meta());
     else
-      model = std::make_shared<nn::GPT>(model_config(cfg), Device::meta());
+      model = std::make_shared<nn::GPT>(tools::transformer_config(cfg), Device::meta());
     model->to_empty(Device::cpu());
     fsdp::load_safetensors(*model, args[0]);  // checks keys and shapes, converts dtypes
     extra["model"] = json::parse(tools::model_to_json(cfg));

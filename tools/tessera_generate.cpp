@@ -29,19 +29,6 @@ using json = nlohmann::json;
 
 namespace {
 
-nn::TransformerConfig model_config(const tools::TrainConfig& c) {
-  nn::TransformerConfig m;
-  m.vocab_size = c.model.vocab_size;
-  m.block_size = c.training.seq_len;
-  m.n_layer = c.model.n_layer;
-  m.n_head = c.model.n_head;
-  m.n_kv_head = c.model.n_kv_head;
-  m.n_embd = c.model.n_embd;
-  m.ffn_hidden = c.model.ffn_hidden;
-  m.bias = c.model.bias;
-  m.tie_embeddings = c.model.tie_embeddings;
-  return m;
-}
 
 int run(int argc, char** argv) {
   // --checkpoint is ours; everything else is a tessera-train config key.
@@ -90,9 +77,9 @@ int run(int argc, char** argv) {
 
   std::shared_ptr<nn::LanguageModel> model;
   if (cfg.model.arch == "llama")
-    model = std::make_shared<nn::Llama>(model_config(cfg), Device::meta());
+    model = std::make_shared<nn::Llama>(tools::transformer_config(cfg), Device::meta());
   else
-    model = std::make_shared<nn::GPT>(model_config(cfg), Device::meta());
+    model = std::make_shared<nn::GPT>(tools::transformer_config(cfg), Device::meta());
   model->to_empty(Device::cpu());
   if (safetensors)
     fsdp::load_safetensors(*model, path);

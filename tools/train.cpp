@@ -62,21 +62,6 @@ DType dtype_of(const std::string& name) {
   return name == "bfloat16" ? DType::BF16 : DType::F32;
 }
 
-nn::TransformerConfig model_config(const tools::TrainConfig& c) {
-  nn::TransformerConfig m;
-  m.vocab_size = c.model.vocab_size;
-  m.block_size = c.training.seq_len;
-  m.n_layer = c.model.n_layer;
-  m.n_head = c.model.n_head;
-  m.n_kv_head = c.model.n_kv_head;
-  m.n_embd = c.model.n_embd;
-  m.ffn_hidden = c.model.ffn_hidden;
-  m.dropout = c.model.dropout;
-  m.bias = c.model.bias;
-  m.tie_embeddings = c.model.tie_embeddings;
-  m.activation_checkpoint = c.activation_checkpoint.mode == "full";
-  return m;
-}
 
 // Reduces scalars over all ranks.
 double all_reduce(double v, dist::ReduceOp op) {
@@ -273,7 +258,7 @@ class Trainer {
 };
 
 void Trainer::build_model() {
-  nn::TransformerConfig mcfg = model_config(cfg_);
+  nn::TransformerConfig mcfg = tools::transformer_config(cfg_);
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   mesh_ = rep > 1 ? init_device_mesh("cpu", {rep, shard}, {"dp_replicate", "dp_shard"})
                   : init_device_mesh("cpu", {shard}, {"dp_shard"});

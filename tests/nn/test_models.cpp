@@ -46,12 +46,16 @@ Tensor naive_nll(const Tensor& logits, const Tensor& targets) {
   return neg(sum(logp * onehot)) * (1.0 / static_cast<double>(n));
 }
 
-// The GPT forward + loss from primitives, reading the model's parameters.
+Tensor naive_rope(const Tensor& x, double theta);
+
+// The GPT forward + loss from primitives, reading the model's parameters
+// (rotary q/k instead of learned positions when the config says rope).
 Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
   const auto& c = m.config;
   int64_t b = idx.size(0), t = idx.size(1), h = c.n_head, d = c.n_embd / c.n_head;
   Tensor pos = arange(0, t);
-  Tensor x = embedding(m.wte->weight, idx) + embedding(m.wpe->weight, pos);
+  Tensor x = embedding(m.wte->weight, idx);
+  if (!c.rope) x = x + embedding(m.wpe->weight, pos);
   for (auto& blk_ptr : m.blocks) {
     auto& blk = static_cast<nn::GPTBlock&>(*blk_ptr);
     Tensor a = naive_layer_norm(x, blk.ln_1->weight, blk.ln_1->bias, c.norm_eps);
@@ -59,7 +63,12 @@ Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
     auto heads = [&](int64_t i) {
       return transpose(reshape(narrow(qkv, 2, i * c.n_embd, c.n_embd), {b, t, h, d}), 1, 2);
     };
-    Tensor y = naive_attention(heads(0), heads(1), heads(2));
+    Tensor q = heads(0), k = heads(1);
+    if (c.rope) {
+      q = naive_rope(q, c.rope_theta);
+      k = naive_rope(k, c.rope_theta);
+    }
+    Tensor y = naive_attention(q, k, heads(2));
     y = reshape(transpose(y, 1, 2), {b, t, c.n_embd});
     x = x + matmul(y, transpose(blk.attn->c_proj->weight, 0, 1)) + blk.attn->c_proj->bias;
     Tensor f = naive_layer_norm(x, blk.ln_2->weight, blk.ln_2->bias, c.norm_eps);
@@ -134,11 +143,17 @@ std::vector<std::pair<std::string, Tensor>> grads_of(nn::Module& m) {
 
 TEST_CASE("GPT loss and gradients equal a primitive-op reference (f64)", "[nn][gpt]") {
   auto cfg = tiny_cfg();
-  for (bool tie : {true, false}) {
+  for (auto [tie, rope] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
+    INFO("tied " << tie << " rope " << rope);
     cfg.tie_embeddings = tie;
+    cfg.rope = rope;
+    cfg.rope_theta = 37.0;  // small: every pair of dims rotates visibly over 7 positions
     nn::GPT m(cfg);
     m.to(DType::F64);
     m.init_weights(3);
+    bool has_wpe = false;
+    for (auto& [name, t] : m.state_dict()) has_wpe = has_wpe || name == "transformer.wpe.weight";
+    CHECK(has_wpe != rope);  // rope: no learned positions
     Tensor idx = randint({3, 7}, 0, cfg.vocab_size, 1), tgt = randint({3, 7}, 0, cfg.vocab_size, 2);
     Tensor loss = nn::cross_entropy(m(idx), tgt);
     autograd::backward(loss);

@@ -266,6 +266,17 @@ from_ckpt=$("$bin/tessera-generate" --checkpoint straight/checkpoint --sample.ma
 [[ -n "$from_ckpt" ]] || fail "generate from a sharded checkpoint printed nothing"
 echo "generate: deterministic, 37 tokens"
 
+echo "== a GPT with rotary positions (model.rope): no wpe, trains at 2 ranks, generates from both formats"
+"${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --training.steps 10 --model.rope true \
+  --checkpoint.enable true --checkpoint.export_safetensors model.safetensors --job.dump_folder rope > rope.log
+"$bin/tessera-ckpt" list rope/checkpoint > rope-list.txt
+grep -q "transformer.wpe" rope-list.txt && fail "a rope GPT saved learned positions"
+grep -q "transformer.h.0.attn.c_attn.weight" rope-list.txt || fail "rope checkpoint lacks the attention"
+r1=$("$bin/tessera-generate" --checkpoint rope/checkpoint --sample.max_new_tokens 12 2>/dev/null | od -An -tx1)
+r2=$("$bin/tessera-generate" --checkpoint rope/model.safetensors --sample.max_new_tokens 12 2>/dev/null | od -An -tx1)
+[[ -n "$r1" && "$r1" == "$r2" ]] || fail "rope: the checkpoint and the export generate differently"
+echo "rope: trained, saved without wpe, generates the same text from both formats"
+
 echo "== tessera-ckpt"
 "$bin/tessera-ckpt" --help > ckpt-help.txt || fail "tessera-ckpt --help exited non-zero"
 grep -q "^usage: tessera-ckpt list" ckpt-help.txt || fail "tessera-ckpt --help printed no usage on stdout"
