@@ -571,6 +571,11 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   return m;
 }
 
+std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device) {
+  if (c.model.arch == "llama") return std::make_shared<nn::Llama>(transformer_config(c), device);
+  return std::make_shared<nn::GPT>(transformer_config(c), device);
+}
+
 std::string model_to_json(TrainConfig& cfg) {
   nlohmann::ordered_json j;
   for (const auto& k : config_keys(cfg))

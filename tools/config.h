@@ -7,11 +7,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "nn/transformer.h"
+#include "nn/models.h"
 
 namespace tessera::tools {
 
@@ -147,6 +148,8 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // the model; and back (unknown keys are errors).
 // The model's configuration for nn::GPT / nn::Llama (block size = seq_len).
 nn::TransformerConfig transformer_config(const TrainConfig& c);
+// The model of c.model.arch, built on `device` (meta: no bytes until to_empty).
+std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device);
 std::string model_to_json(TrainConfig& cfg);
 void model_from_json(TrainConfig& cfg, const std::string& json);
 // The whole configuration as TOML (what a run used).

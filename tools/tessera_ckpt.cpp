@@ -186,11 +186,7 @@ int from_safetensors(const std::vector<std::string>& args) {
     if (!tools::parse_args(cfg, static_cast<int>(argv.size()), argv.data(), "tessera-ckpt"))
       return 0;
     tools::validate(cfg);
-    std::shared_ptr<nn::LanguageModel> model;
-    if (cfg.model.arch == "llama")
-      model = std::make_shared<nn::Llama>(tools::transformer_config(cfg), Device::meta());
-    else
-      model = std::make_shared<nn::GPT>(tools::transformer_config(cfg), Device::meta());
+    std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
     model->to_empty(Device::cpu());
     fsdp::load_safetensors(*model, args[0]);  // checks keys and shapes, converts dtypes
     extra["model"] = json::parse(tools::model_to_json(cfg));

@@ -75,11 +75,7 @@ int run(int argc, char** argv) {
   if (!tools::parse_args(cfg, nrest, rest.data(), "tessera-generate")) return 0;
   tools::validate(cfg);
 
-  std::shared_ptr<nn::LanguageModel> model;
-  if (cfg.model.arch == "llama")
-    model = std::make_shared<nn::Llama>(tools::transformer_config(cfg), Device::meta());
-  else
-    model = std::make_shared<nn::GPT>(tools::transformer_config(cfg), Device::meta());
+  std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
   model->to_empty(Device::cpu());
   if (safetensors)
     fsdp::load_safetensors(*model, path);

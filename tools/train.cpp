@@ -258,14 +258,10 @@ class Trainer {
 };
 
 void Trainer::build_model() {
-  nn::TransformerConfig mcfg = tools::transformer_config(cfg_);
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   mesh_ = rep > 1 ? init_device_mesh("cpu", {rep, shard}, {"dp_replicate", "dp_shard"})
                   : init_device_mesh("cpu", {shard}, {"dp_shard"});
-  if (cfg_.model.arch == "llama")
-    model_ = std::make_shared<nn::Llama>(mcfg, Device::meta());
-  else
-    model_ = std::make_shared<nn::GPT>(mcfg, Device::meta());
+  model_ = tools::make_model(cfg_, Device::meta());
   fsdp::FullyShardOptions opt{
       .mesh = mesh_,
       // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in
@@ -282,7 +278,7 @@ void Trainer::build_model() {
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
   // backward, plus 12 * layers * width * seq_len for attention scores.
   flops_per_token_ = 6.0 * static_cast<double>(model_->num_parameters()) +
-                     12.0 * static_cast<double>(mcfg.n_layer * mcfg.n_embd * T_.seq_len);
+                     12.0 * static_cast<double>(cfg_.model.n_layer * cfg_.model.n_embd * T_.seq_len);
 }
 
 void Trainer::build_optimizer() {
