@@ -204,6 +204,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("checkpoint.initial_load_path", c.checkpoint.initial_load_path,
                  "start a fresh run from these weights (.safetensors or checkpoint directory; "
                  "resume wins)"),
+      string_key("checkpoint.allow_resume_change", c.checkpoint.allow_resume_change,
+                 "keys a resume may find changed, comma-separated (job.seed, training.batch_size, "
+                 "training.seq_len, training.grad_accum; refused by default)"),
       string_key("checkpoint.export_safetensors", c.checkpoint.export_safetensors,
                  "at the end, export the model to this .safetensors file (inside job.dump_folder)"),
       string_key("checkpoint.export_dtype", c.checkpoint.export_dtype, "dtype of the export",
@@ -426,6 +429,13 @@ void validate(const TrainConfig& c) {
   }
   in_range("model.dropout", m.dropout, 0, 1, true);
   TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
+  for (const auto& key : split_list(c.checkpoint.allow_resume_change)) {
+    const auto& exact = resume_exact_keys();
+    TS_CHECK(std::find(exact.begin(), exact.end(), key) != exact.end(),
+             "checkpoint.allow_resume_change: '{}' is not a key a resume insists on (valid: {}; other "
+             "changes only warn)",
+             key, fmt::join(exact, ", "));
+  }
   TS_CHECK(m.vocab_size >= 256 || (t.dataset != "fortunes" && t.dataset != "text"),
            "model.vocab_size ({}) must be at least 256 for byte tokens (training.dataset = {})",
            m.vocab_size, t.dataset);
@@ -569,6 +579,22 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   m.rope_theta = c.model.rope_theta;
   m.activation_checkpoint = c.activation_checkpoint.mode == "full";
   return m;
+}
+
+const std::vector<std::string>& resume_exact_keys() {
+  static const std::vector<std::string> keys = {"job.seed", "training.batch_size", "training.seq_len",
+                                                "training.grad_accum"};
+  return keys;
+}
+
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= list.size();) {
+    size_t end = std::min(list.find(',', at), list.size());
+    if (end > at) out.push_back(list.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
 }
 
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device) {

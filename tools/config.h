@@ -84,6 +84,9 @@ struct TrainConfig {
     // A fresh run (step 0, new optimizer) starts from these model weights: a
     // .safetensors file or a checkpoint directory; a checkpoint to resume wins.
     std::string initial_load_path = "";
+    // Comma-separated resume_exact_keys() a resume may find changed (the run
+    // then no longer continues the saved one exactly).
+    std::string allow_resume_change = "";
     std::string export_safetensors =
         "";  // at the end: write the model here (inside dump_folder unless absolute)
     std::string export_dtype = "float32";
@@ -146,6 +149,12 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object
 // of strings, stored in checkpoints and exported files so tools can rebuild
 // the model; and back (unknown keys are errors).
+// Keys whose change makes a resumed run another run (data order, batches):
+// job.seed, training.batch_size, training.seq_len, training.grad_accum.
+const std::vector<std::string>& resume_exact_keys();
+// "a,b,,c" -> {"a", "b", "c"} (empty items dropped).
+std::vector<std::string> split_list(const std::string& list);
+
 // The model's configuration for nn::GPT / nn::Llama (block size = seq_len).
 nn::TransformerConfig transformer_config(const TrainConfig& c);
 // The model of c.model.arch, built on `device` (meta: no bytes until to_empty).

@@ -79,9 +79,9 @@ uint64_t dropout_seed(int64_t seed, int rank, int64_t step) {
 }
 
 // Keys whose change on resume breaks the data order or the batch, so the run
-// is no longer the saved one continued: an error unless --allow-resume-change.
-const std::vector<std::string> kExactKeys = {"job.seed", "training.batch_size", "training.seq_len",
-                                             "training.grad_accum"};
+// is no longer the saved one continued: an error unless
+// checkpoint.allow_resume_change lists them.
+const std::vector<std::string>& kExactKeys = tools::resume_exact_keys();
 // Keys that change the training but not what was saved: a warning. (Shape keys
 // of [model] are also caught by the load, this names them first.)
 bool affects_training(const std::string& key) {
@@ -200,8 +200,8 @@ void install_stop_handlers() {
 
 class Trainer {
  public:
-  Trainer(tools::TrainConfig cfg, std::vector<std::string> allow_resume_change)
-      : cfg_(std::move(cfg)), T_(cfg_.training), allowed_(std::move(allow_resume_change)) {}
+  explicit Trainer(tools::TrainConfig cfg)
+      : cfg_(std::move(cfg)), T_(cfg_.training), allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
 
  private:
@@ -242,7 +242,7 @@ class Trainer {
   double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
   double last_val_ = NAN;
   bool stop_requested_ = false;       // SIGINT/SIGTERM on any rank: save and stop after this step
-  std::vector<std::string> allowed_;  // --allow-resume-change: exactness keys that may differ
+  std::vector<std::string> allowed_;  // checkpoint.allow_resume_change: exactness keys that may differ
   bool rng_restored_ = false;         // resume took every rank's saved dropout stream
 
   // Runs fn outside the throughput window: its time and its waits on
@@ -357,7 +357,7 @@ void Trainer::check_resume_config(const std::string& dir, const json& extra, int
   }
   TS_CHECK(errors.empty(),
            "{}: the checkpoint was saved with other settings, so resuming would not continue "
-           "that run: {}. Use the saved values, or pass --allow-resume-change {} to continue "
+           "that run: {}. Use the saved values, or pass --checkpoint.allow_resume_change {} to continue "
            "anyway (the data order and batches then differ from the saved run's), or start a new "
            "run from its weights with --checkpoint.initial_load_path",
            dir, fmt::join(errors, "; "), fmt::join(error_keys, ","));
@@ -709,37 +709,6 @@ void set_threads_per_rank() {
   set_num_threads(std::max(1, cores / local));
 }
 
-// --allow-resume-change KEY[,KEY...]: tessera-train's own option (not a config
-// key: it is about one invocation, not the run), taken out of argv.
-std::vector<std::string> take_allow_resume_change(int& argc, char** argv) {
-  std::vector<std::string> keys;
-  const std::string flag = "--allow-resume-change";
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], list;
-    if (a == flag) {
-      TS_CHECK(i + 1 < argc, "option '{}' needs a value (KEY[,KEY...])", flag);
-      list = argv[++i];
-    } else if (a.rfind(flag + "=", 0) == 0) {
-      list = a.substr(flag.size() + 1);
-    } else {
-      argv[out++] = argv[i];
-      continue;
-    }
-    for (size_t at = 0; at <= list.size();) {
-      size_t end = std::min(list.find(',', at), list.size());
-      std::string key = list.substr(at, end - at);
-      TS_CHECK(std::find(kExactKeys.begin(), kExactKeys.end(), key) != kExactKeys.end(),
-               "{}: '{}' is not a key resume insists on (valid: {}; other changes only warn)", flag,
-               key, fmt::join(kExactKeys, ", "));
-      keys.push_back(key);
-      at = end + 1;
-    }
-  }
-  argc = out;
-  return keys;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -748,21 +717,13 @@ int main(int argc, char** argv) {
   try {
     dist::init(argc, argv);
     set_threads_per_rank();
-    auto allow = take_allow_resume_change(argc, argv);
     // Every rank parses the same arguments; only rank 0 reports a mistake.
-    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) {
-      if (dist::rank() == 0)
-        std::printf(
-            "\n--allow-resume-change KEY[,KEY...]  lets --checkpoint.resume continue a checkpoint\n"
-            "  saved with another %s\n  (refused by default; other changed settings only warn)\n",
-            fmt::format("{}", fmt::join(kExactKeys, ", ")).c_str());
-      return 0;
-    }
+    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
     parsed = true;
     install_stop_handlers();
-    return Trainer(cfg, allow).run();
+    return Trainer(cfg).run();
   } catch (const std::exception& e) {
     if (!parsed) {
       if (dist::rank() == 0) std::fprintf(stderr, "tessera-train: error: %s\n", e.what());

@@ -73,6 +73,11 @@ bad "model.n_kv_head (16) must divide model.n_head (8)" --preset llama-small --m
 bad "needs an even head size for rotary embeddings, but model.n_embd / model.n_head = 24 / 8 = 3" \
   --preset llama-small --model.n_embd 24
 bad "model.n_kv_head (1) applies to model.arch = llama only" --model.n_kv_head 1
+bad "model.rope needs an even head size, but model.n_embd / model.n_head = 12 / 4 = 3" \
+  --model.rope true --model.n_embd 12 --model.n_head 4
+bad "model.rope_theta must be > 0, got 0" --model.rope_theta 0
+bad "checkpoint.allow_resume_change: 'model.n_layer' is not a key a resume insists on (valid: job.seed" \
+  --checkpoint.allow_resume_change job.seed,model.n_layer
 bad "model.dropout must be in [0, 1), got 1" --model.dropout 1
 bad "model.dropout must be in [0, 1), got -0.1" --model.dropout -0.1
 bad "training.dataset = text needs training.text" --training.dataset text

@@ -152,13 +152,13 @@ echo "== resume checks the saved settings"
 rm -rf rb && mkdir -p rb/checkpoint && cp -r straight/checkpoint/step-00000040 rb/checkpoint/
 rb=("$bin/tessera-train" "${tiny[@]}" --model.dropout 0.1 --job.dump_folder rb --checkpoint.enable true
     --checkpoint.resume true)
-expect_error "saved with other settings, so resuming would not continue that run: job.seed 1234 -> 5; training.batch_size 8 -> 16. Use the saved values, or pass --allow-resume-change job.seed,training.batch_size" \
+expect_error "saved with other settings, so resuming would not continue that run: job.seed 1234 -> 5; training.batch_size 8 -> 16. Use the saved values, or pass --checkpoint.allow_resume_change job.seed,training.batch_size" \
   "${rb[@]}" --training.batch_size 16 --job.seed 5
 # A mismatched model is named, with the way to start from the weights instead.
 expect_error "use --checkpoint.initial_load_path" "${rb[@]}" --model.n_embd 128
 # Extending a finished run is allowed: a warning, the schedule spans the new total; an
 # allowed batch change goes through; a checkpoint to resume wins over initial_load_path.
-"${rb[@]}" --training.steps 44 --training.batch_size 16 --allow-resume-change training.batch_size \
+"${rb[@]}" --training.steps 44 --training.batch_size 16 --checkpoint.allow_resume_change training.batch_size \
   --checkpoint.initial_load_path w2/model-bf16.safetensors > rb.log
 grep -q "^warning: resuming with settings changed .*training.batch_size 8 -> 16; training.steps 40 -> 44" rb.log ||
   fail "no warning for the changed settings: $(cat rb.log)"
