@@ -264,10 +264,11 @@ std::string latest_checkpoint(const std::string& folder) {
 
 namespace {
 CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Module& model,
-                                                optim::AdamW* opt, nn::StateDict& dest);
+                                                optim::AdamW* opt, nn::StateDict& dest, bool convert);
 }
 
-CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* opt) {
+CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* opt,
+                                   bool convert_dtypes) {
   autograd::NoGradGuard no_grad;
   // The destinations (optimizer moments created) before anything can fail, so
   // that every rank takes part in the same collectives.
@@ -275,7 +276,7 @@ CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, op
   CheckpointMetadata md;
   std::string error;
   try {
-    md = load_checkpoint_on_this_rank(dir, model, opt, dest);
+    md = load_checkpoint_on_this_rank(dir, model, opt, dest, convert_dtypes);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -287,7 +288,7 @@ CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, op
 
 namespace {
 CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Module& model,
-                                                optim::AdamW* opt, nn::StateDict& dest) {
+                                                optim::AdamW* opt, nn::StateDict& dest, bool convert) {
   CheckpointMetadata md = read_metadata(dir);
   std::string md_file = (fs::path(dir) / "metadata.json").string();
   // Every model tensor must be in the checkpoint; optimizer state may be absent
@@ -307,7 +308,7 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
     TS_CHECK(info->shape == t.shape(),
              "{}: tensor '{}' is {} in the checkpoint but {} in the model", md_file, name,
              shape_str(info->shape), shape_str(t.shape()));
-    TS_CHECK(info->dtype == t.dtype(),
+    TS_CHECK(info->dtype == t.dtype() || (convert && is_floating(info->dtype) && is_floating(t.dtype())),
              "{}: tensor '{}' is {} in the checkpoint but {} in the model", md_file, name,
              dtype_name(info->dtype), dtype_name(t.dtype()));
     // This rank's box of the tensor, and the saved chunks overlapping it.

@@ -73,8 +73,10 @@ std::string save_checkpoint(const std::string& folder, int64_t step, const nn::S
 std::string latest_checkpoint(const std::string& folder);
 // Loads into the model (any mesh) and optimizer; restores this rank's RNG
 // when the world size matches. Returns the metadata (step, extra state).
+// Saved and model dtypes must agree unless convert_dtypes (weights for a new
+// run or for inference: a bf16 checkpoint into an f32 model, and back).
 CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model,
-                                   optim::AdamW* optimizer);
+                                   optim::AdamW* optimizer, bool convert_dtypes = false);
 
 // Reads and validates <dir>/metadata.json.
 CheckpointMetadata read_metadata(const std::string& dir);

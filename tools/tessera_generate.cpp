@@ -80,7 +80,7 @@ int run(int argc, char** argv) {
   if (safetensors)
     fsdp::load_safetensors(*model, path);
   else
-    fsdp::load_checkpoint(dir, *model, nullptr);
+    fsdp::load_checkpoint(dir, *model, nullptr, /*convert_dtypes=*/true);
 
   std::vector<int64_t> prompt;
   for (unsigned char ch : cfg.sample.prompt) prompt.push_back(ch);

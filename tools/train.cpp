@@ -434,7 +434,7 @@ void Trainer::load_initial_weights(const std::string& path) {
     if (file)
       fsdp::load_safetensors(*model_, path);
     else
-      fsdp::load_checkpoint(dir, *model_, nullptr);  // the weights only
+      fsdp::load_checkpoint(dir, *model_, nullptr, /*convert_dtypes=*/true);  // the weights only
   } catch (const std::exception& e) {
     std::vector<std::string> diff = model_differences(cfg_, stored);
     TS_CHECK(false, "checkpoint.initial_load_path: {}{}", e.what(),

@@ -392,11 +392,19 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     REQUIRE_THROWS_WITH(load(good, *wider), Contains("tensor 'transformer.wte.weight' is [") &&
                                                 Contains("in the checkpoint but"));
   }
-  SECTION("another dtype: dtype mismatch") {
+  SECTION("another dtype: dtype mismatch, unless converting is asked for") {
     auto f64 = sharded_gpt(c, 0);
     f64->to(DType::F64);
     REQUIRE_THROWS_WITH(load(good, *f64),
                         Contains("is f32 in the checkpoint but f64 in the model"));
+    auto bf16 = sharded_gpt(c, 0);
+    bf16->to(DType::BF16);
+    fsdp::load_checkpoint(good, *bf16, nullptr, /*convert_dtypes=*/true);
+    auto want = model->named_parameters(), got = bf16->named_parameters();
+    for (size_t i = 0; i < want.size(); ++i) {
+      INFO(want[i].first);
+      CHECK(equal(local_tensor(got[i].second), ops::to(local_tensor(want[i].second), DType::BF16)));
+    }
   }
   // Every section leaves the model usable: a good load still works afterwards.
   load(good, *fresh);
