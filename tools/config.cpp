@@ -516,9 +516,13 @@ void validate(const TrainConfig& c) {
 
 void validate_for_world(const TrainConfig& c, int world_size) {
   mesh_shape(c, world_size);
-  TS_CHECK(c.training.batch_size % (c.training.grad_accum * world_size) == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({})",
-           c.training.batch_size, c.training.grad_accum, world_size);
+  int64_t unit = c.training.grad_accum * world_size;
+  int64_t below = c.training.batch_size / unit * unit, above = below + unit;
+  TS_CHECK(c.training.batch_size % unit == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({}): "
+           "e.g. --training.batch_size {}",
+           c.training.batch_size, c.training.grad_accum, world_size,
+           below > 0 ? fmt::format("{} or {}", below, above) : fmt::format("{}", above));
   TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
            "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
 }
