@@ -130,7 +130,11 @@ Tensor detach(const Tensor& x);
 // Keeps .grad on a non-leaf tensor after backward.
 void retain_grad(const Tensor& x);
 // hook(grad) runs when x's gradient is complete; it may return a replacement
-// (or an undefined tensor to keep the gradient).
+// (or an undefined tensor to keep the gradient). On a non-leaf the hook is
+// kept by the tape node that produced x (it fires even after x is gone); if
+// that node is not on the current tape (registered during backward, or inside
+// a checkpoint recompute for an outer tensor) it is kept by x itself and fires
+// only while x lives, after the node's hooks.
 void register_hook(const Tensor& x, std::function<Tensor(const Tensor&)> hook);
 // Runs after a leaf's .grad was accumulated (optimizer-in-backward style).
 void register_post_accumulate_grad_hook(const Tensor& x, std::function<void(const Tensor&)> hook);

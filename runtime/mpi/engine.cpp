@@ -199,7 +199,14 @@ void Engine::submit(std::shared_ptr<Collective> op) {
   // collective (a 1 MiB all-gather took 2x as long). It is nudged at the first
   // op boundary kPollInterval later (progress_once), or finds the work itself
   // within kIdleWake.
-  if (thread_mode_) unnudged_ = true;
+  if (thread_mode_) {
+    unnudged_ = true;
+    if (!submitted_any_.load()) {  // once: from now on the idle thread keeps its 10 ms timer
+      std::lock_guard<std::mutex> lk(queue_mu_);
+      submitted_any_ = true;
+      cv_.notify_one();
+    }
+  }
 }
 
 void Engine::run_sync(const std::function<void()>& fn) {
@@ -216,7 +223,12 @@ void Engine::loop() {
       std::unique_lock<std::mutex> lk(queue_mu_);
       if (queue_.empty() && inflight_count_.load() == 0) {
         if (stopping_) break;
-        cv_.wait_for(lk, kIdleWake, [&] { return stopping_ || !queue_.empty() || inflight_count_.load() > 0; });
+        auto work = [&] { return stopping_ || !queue_.empty() || inflight_count_.load() > 0; };
+        if (submitted_any_.load()) {
+          cv_.wait_for(lk, kIdleWake, work);
+        } else {  // nothing ever submitted (a world of one rank): sleep until the first
+          cv_.wait(lk, [&] { return work() || submitted_any_.load(); });
+        }
         continue;
       }
       if (waiters_.load() > 0 && !stopping_) {

@@ -8,7 +8,8 @@
 //     per submission (on 2 busy cores a wake-up costs more than a 1 MiB
 //     gather): the first op boundary 50 us after a submission nudges it, a
 //     waiter leaving with work in flight wakes it, and it looks by itself
-//     every 10 ms;
+//     every 10 ms (once anything was ever submitted: a world of one rank
+//     never wakes it);
 //   - a caller blocked in Work::wait(), which pumps until its collective is
 //     done (as MPI_Wait would) instead of paying a thread hand-off; the
 //     thread stands back meanwhile;
@@ -122,6 +123,7 @@ class Engine {
   // starts pumping only kPollInterval after it.
   std::atomic<int64_t> last_caller_activity_{0};
   std::atomic<bool> unnudged_{false};  // submitted work the thread has not been told about
+  std::atomic<bool> submitted_any_{false};  // until then an idle thread sleeps without a timer
   std::thread thread_;
   bool thread_mode_ = true;
   bool started_ = false;

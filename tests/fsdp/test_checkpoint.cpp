@@ -374,6 +374,28 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     });
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
   }
+  SECTION("chunk boxes overlapping in columns only") {
+    auto d = damaged("overlap-cols", [&](const fs::path& p) {
+      rewrite(p / "metadata.json", [](std::string& b) {
+        auto md = nlohmann::json::parse(b);
+        for (auto& t : md["tensors"]) {
+          if (t["name"] != "transformer.wte.weight") continue;
+          int64_t rows = t["shape"][0], cols = t["shape"][1], k = cols / 2;
+          auto chunk = t["chunks"][0];
+          auto left = chunk, right = chunk;
+          left["offsets"] = {0, 0};
+          left["shape"] = {rows, k};
+          left["bytes"] = rows * k * 4;
+          right["offsets"] = {0, k - 1};  // column k-1 twice, the last column never
+          right["shape"] = {rows, cols - k};
+          right["bytes"] = rows * (cols - k) * 4;
+          t["chunks"] = {right, left};  // listed out of order
+        }
+        b = md.dump(1);
+      });
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
+  }
   SECTION("no metadata (an interrupted save)") {
     auto d = damaged("no-meta", [](const fs::path& p) { fs::remove(p / "metadata.json"); });
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("no checkpoint metadata"));
