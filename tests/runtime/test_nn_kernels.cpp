@@ -343,3 +343,33 @@ TEST_CASE("rope matches Hugging Face Llama's rotate-half rotation", "[kernels][r
   CHECK_THROWS_WITH(ops::rope(randn({1, 1, 18, 8}, 1), cs, sn),
                     Catch::Contains("must be [>= 18, 4]"));
 }
+
+TEST_CASE("bf16 and f16 arithmetic equals f32 arithmetic rounded once", "[dtype][kernels]") {
+  // Low-precision tensors compute in f32 and round the result to their dtype
+  // once: compare with the f32 op on the same (already rounded) inputs.
+  for (DType dt : {DType::BF16, DType::F16}) {
+    for (int64_t n : {1, 3, 17, 257}) {
+      INFO(dtype_name(dt) << " n=" << n);
+      Tensor a = ops::to(randn({n, 19}, 1), dt), b = ops::to(randn({n, 19}, 2), dt);
+      Tensor w = ops::to(randn({19, 5}, 3), dt);
+      Tensor af = ops::to(a, DType::F32), bf = ops::to(b, DType::F32), wf = ops::to(w, DType::F32);
+      auto same = [&](const Tensor& low, const Tensor& ref32) {
+        CHECK(low.dtype() == dt);
+        CHECK(testing::equal(ops::to(low, DType::F32), ops::to(ops::to(ref32, dt), DType::F32)));
+      };
+      same(ops::binary(BinaryOp::Add, a, b), ops::binary(BinaryOp::Add, af, bf));
+      same(ops::binary(BinaryOp::Mul, a, b), ops::binary(BinaryOp::Mul, af, bf));
+      same(ops::binary(BinaryOp::Div, a, b), ops::binary(BinaryOp::Div, af, bf));
+      same(ops::unary(ops::UnaryOp::Exp, a), ops::unary(ops::UnaryOp::Exp, af));
+      same(ops::softmax(a, 1), ops::softmax(af, 1));
+      // Reductions and matmul accumulate in f32: equal to the f32 result within
+      // one rounding of the output (the f32 BLAS may sum in another order).
+      Tensor mm = ops::matmul(a, w), mm32 = ops::matmul(af, wf);
+      CHECK(mm.dtype() == dt);
+      CHECK(testing::allclose(ops::to(mm, DType::F32), mm32, dt == DType::BF16 ? 8e-3 : 1e-3, 1e-3));
+      Tensor s = ops::sum(a, {1}), s32 = ops::sum(af, {1});
+      CHECK(s.dtype() == dt);
+      CHECK(testing::allclose(ops::to(s, DType::F32), s32, dt == DType::BF16 ? 8e-3 : 1e-3, 1e-3));
+    }
+  }
+}
