@@ -373,3 +373,13 @@ TEST_CASE("bf16 and f16 arithmetic equals f32 arithmetic rounded once", "[dtype]
     }
   }
 }
+
+TEST_CASE("embedding takes i32 or i64 indices alike; other index dtypes are refused", "[kernels][embedding]") {
+  Tensor weight = randn({17, 3}, 4);
+  Tensor idx64 = randint({5, 7}, 0, 17, 5);
+  Tensor idx32 = ops::to(idx64, DType::I32);
+  CHECK(testing::equal(ops::embedding(weight, idx32), ops::embedding(weight, idx64)));
+  CHECK_THROWS_WITH(ops::embedding(weight, ops::to(idx64, DType::F32)), Catch::Contains("f32"));
+  Tensor bad = ops::to(full({2}, 17.0, DType::F64), DType::I32);
+  CHECK_THROWS_WITH(ops::embedding(weight, bad), Catch::Contains("17"));
+}
