@@ -33,6 +33,14 @@ std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const Device
   return {local, offset};
 }
 
+LocalBox local_box(const Tensor& t) {
+  if (!t.is_distributed()) return {t, Shape(t.shape().size(), 0), t.shape()};
+  const DTensorSpec& spec = dtensor_spec(t);
+  auto [shape, offset] =
+      local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements, spec.mesh->get_coordinate());
+  return {spec.local, offset, shape};
+}
+
 Placements normalize_placements(const Placements& placements, const DeviceMesh& mesh, int64_t ndim,
                                 const char* op) {
   TS_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(),

@@ -28,6 +28,13 @@ inline bool is_dtensor(const Tensor& t) { return t.is_distributed(); }
 std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,
                                                const Placements& placements,
                                                const std::vector<int64_t>& coordinate);
+// This rank's piece of t: its local tensor and the box [offset, offset + shape)
+// that piece covers in the global tensor (a plain tensor is its own whole box).
+struct LocalBox {
+  Tensor local;
+  Shape offset, shape;
+};
+LocalBox local_box(const Tensor& t);
 // Checks placements against a mesh and a global shape (dims in range, one per mesh dim).
 Placements normalize_placements(const Placements& placements, const DeviceMesh& mesh, int64_t ndim,
                                 const char* op);

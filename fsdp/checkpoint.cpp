@@ -98,8 +98,6 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
   json chunks = json::array();
   DataFile file((tmp_dir / file_name).string(), rank);
   for (const auto& [name, t] : tensors) {
-    Tensor local = t;
-    Shape offsets(static_cast<size_t>(t.dim()), 0);
     bool owner = rank == 0;
     if (t.is_distributed()) {
       const DTensorSpec& spec = dtensor_spec(t);
@@ -111,13 +109,10 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
             spec.mesh->get_local_rank(static_cast<int64_t>(i)) != 0)
           owner = false;
       }
-      local = spec.local;
-      auto box = local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements,
-                                        spec.mesh->get_coordinate());
-      offsets = box.second;
     }
     if (!owner) continue;
-    Tensor c = ops::contiguous(local);
+    LocalBox box = local_box(t);
+    Tensor c = ops::contiguous(box.local);
     uint64_t bytes = c.nbytes();
     uint64_t at = file.size();
     if (bytes) file.write(c.data_ptr(), bytes);
@@ -125,7 +120,7 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
                       {"file", file_name},
                       {"offset", at},
                       {"bytes", bytes},
-                      {"offsets", shape_json(offsets)},
+                      {"offsets", shape_json(box.offset)},
                       {"shape", shape_json(c.shape())},
                       {"crc32c", bytes ? crc32c(c.data_ptr(), bytes) : 0u}});
   }
@@ -312,16 +307,7 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
              "{}: tensor '{}' is {} in the checkpoint but {} in the model", md_file, name,
              dtype_name(info->dtype), dtype_name(t.dtype()));
     // This rank's box of the tensor, and the saved chunks overlapping it.
-    Tensor local = t;
-    Shape start(t.shape().size(), 0), extent = t.shape();
-    if (t.is_distributed()) {
-      const DTensorSpec& spec = dtensor_spec(t);
-      local = spec.local;
-      auto [ls, off] = local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements,
-                                              spec.mesh->get_coordinate());
-      start = off;
-      extent = ls;
-    }
+    auto [local, start, extent] = local_box(t);
     for (const auto& ch : info->chunks) {
       Shape lo(start.size()), len(start.size());
       bool overlap = true;

@@ -146,16 +146,7 @@ void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
       if (e == nullptr) continue;
       TS_CHECK(e->shape == dst.shape(), "{}: tensor '{}' is {} in the file but {} in the model",
                path, name, shape_str(e->shape), shape_str(dst.shape()));
-      Tensor local = dst;
-      Shape start(dst.shape().size(), 0), extent = dst.shape();
-      if (dst.is_distributed()) {
-        const DTensorSpec& spec = dtensor_spec(dst);
-        local = spec.local;
-        auto [ls, off] = local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements,
-                                                spec.mesh->get_coordinate());
-        start = off;
-        extent = ls;
-      }
+      auto [local, start, extent] = local_box(dst);
       if (shape_numel(extent) == 0) continue;
       // Read this rank's rows only; narrow any other sharded dims in memory.
       Tensor src = start.empty() ? file.read(name, dst.dtype())

@@ -23,4 +23,13 @@ std::vector<Tensor> dispatch_distributed(DistCall& call) {
   return handler()(call);
 }
 
+Tensor dispatch_like(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn) {
+  DistCall call;
+  call.name = name;
+  call.cls = OpClass::Like;
+  call.inputs = {x};
+  call.local = [fn = std::move(fn)](const TensorList& l) { return TensorList{fn(l[0])}; };
+  return dispatch_distributed(call)[0];
+}
+
 }  // namespace tessera

@@ -49,5 +49,8 @@ void set_dist_handler(DistHandler handler);
 bool any_distributed(std::initializer_list<const Tensor*> tensors);
 // Hands the call to the handler; throws when no DTensor support is linked in.
 std::vector<Tensor> dispatch_distributed(DistCall& call);
+// A DTensor like x (same mesh and placements) from a per-local-tensor op
+// (OpClass::Like: zeros_like, contiguous, clone, ...).
+Tensor dispatch_like(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn);
 
 }  // namespace tessera

@@ -261,25 +261,13 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   return split(x, std::max<int64_t>(1, (n + chunks - 1) / chunks), dim);
 }
 
-namespace {
-// A new DTensor like x (same mesh and placements) from a per-local-tensor op.
-Tensor like(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn) {
-  DistCall call;
-  call.name = name;
-  call.cls = OpClass::Like;
-  call.inputs = {x};
-  call.local = [fn](const TensorList& l) { return TensorList{fn(l[0])}; };
-  return dispatch_distributed(call)[0];
-}
-}  // namespace
-
 Tensor contiguous(const Tensor& x) {
-  if (x.is_distributed()) return like("contiguous", x, [](const Tensor& l) { return contiguous(l); });
+  if (x.is_distributed()) return dispatch_like("contiguous", x, [](const Tensor& l) { return contiguous(l); });
   return x.is_contiguous() ? x : clone(x);
 }
 
 Tensor clone(const Tensor& x) {
-  if (x.is_distributed()) return like("clone", x, [](const Tensor& l) { return clone(l); });
+  if (x.is_distributed()) return dispatch_like("clone", x, [](const Tensor& l) { return clone(l); });
   Tensor out = empty(x.shape(), x.dtype(), x.device());
   if (!x.is_meta()) kernels(x.device()).copy(out, x);
   return out;
@@ -287,7 +275,7 @@ Tensor clone(const Tensor& x) {
 
 Tensor to(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
-  if (x.is_distributed()) return like("to", x, [dtype](const Tensor& l) { return to(l, dtype); });
+  if (x.is_distributed()) return dispatch_like("to", x, [dtype](const Tensor& l) { return to(l, dtype); });
   Tensor out = empty(x.shape(), dtype, x.device());
   if (!x.is_meta()) kernels(x.device()).copy(out, x);
   return out;

@@ -179,23 +179,12 @@ Tensor zeros(const Shape& shape, DType dtype, Device device) {
 Tensor ones(const Shape& shape, DType dtype, Device device) {
   return full(shape, 1.0, dtype, device);
 }
-namespace {
-Tensor like_distributed(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn) {
-  DistCall call;
-  call.name = name;
-  call.cls = OpClass::Like;
-  call.inputs = {x};
-  call.local = [fn](const TensorList& l) { return TensorList{fn(l[0])}; };
-  return dispatch_distributed(call)[0];
-}
-}  // namespace
-
 Tensor zeros_like(const Tensor& x) {
-  if (x.is_distributed()) return like_distributed("zeros_like", x, [](const Tensor& l) { return zeros_like(l); });
+  if (x.is_distributed()) return dispatch_like("zeros_like", x, [](const Tensor& l) { return zeros_like(l); });
   return zeros(x.shape(), x.dtype(), x.device());
 }
 Tensor empty_like(const Tensor& x) {
-  if (x.is_distributed()) return like_distributed("empty_like", x, [](const Tensor& l) { return empty_like(l); });
+  if (x.is_distributed()) return dispatch_like("empty_like", x, [](const Tensor& l) { return empty_like(l); });
   return empty(x.shape(), x.dtype(), x.device());
 }
 Tensor scalar_tensor(double value, DType dtype) { return full({}, value, dtype); }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include "runtime/check.h"
 
@@ -269,6 +270,37 @@ const std::vector<Preset>& presets() {
   return p;
 }
 
+namespace {
+// A TOML value as the command line would give it ("3", "0.5", "true", the
+// string itself); empty for arrays, tables and dates.
+std::string toml_text(const toml::node& value) {
+  if (value.is_string()) return *value.value<std::string>();
+  if (value.is_integer()) return std::to_string(*value.value<int64_t>());
+  if (value.is_floating_point()) return fmt::format("{}", *value.value<double>());
+  if (value.is_boolean()) return *value.value<bool>() ? "true" : "false";
+  return "";
+}
+}  // namespace
+
+std::map<std::string, std::string> toml_values(const std::string& text) {
+  std::map<std::string, std::string> out;
+  toml::table table;
+  try {
+    table = toml::parse(text);
+  } catch (const toml::parse_error&) {
+    return out;
+  }
+  for (auto& [section, node] : table) {
+    const toml::table* sec = node.as_table();
+    if (sec == nullptr) continue;
+    for (auto& [key, value] : *sec) {
+      if (!value.is_value() || value.is_date() || value.is_time() || value.is_date_time()) continue;
+      out[std::string(section.str()) + "." + std::string(key.str())] = toml_text(value);
+    }
+  }
+  return out;
+}
+
 void load_toml(TrainConfig& cfg, const std::string& path) {
   toml::table table;
   try {
@@ -291,15 +323,7 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
                      : k.type == "int"   ? value.is_integer()
                      : k.type == "float" ? value.is_integer() || value.is_floating_point()
                                          : value.is_boolean();
-      std::string text;
-      if (value.is_string())
-        text = *value.value<std::string>();
-      else if (value.is_integer())
-        text = std::to_string(*value.value<int64_t>());
-      else if (value.is_floating_point())
-        text = fmt::format("{}", *value.value<double>());
-      else if (value.is_boolean())
-        text = *value.value<bool>() ? "true" : "false";
+      std::string text = toml_text(value);
       if (!type_ok) {
         const char* expected = k.type == "string"  ? "a string"
                                : k.type == "int"   ? "an integer"

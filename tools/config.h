@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -132,6 +133,10 @@ const std::vector<Preset>& presets();
 
 // Applies a TOML file (sections and keys as above).
 void load_toml(TrainConfig& cfg, const std::string& path);
+// The "section.key" -> value pairs of a config TOML text (as to_toml writes it
+// into checkpoints), values as the command line would give them; empty if the
+// text does not parse.
+std::map<std::string, std::string> toml_values(const std::string& text);
 // Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
 // `--section.key=value`, in order. Returns false when --help was asked (after
 // printing it when `print`: under mpirun only rank 0 prints).

@@ -12,7 +12,6 @@
 // Every rank runs this program; rank 0 alone prints and writes metrics.
 #include <signal.h>
 
-#include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -22,7 +21,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <thread>
 
 #include "dtensor/dtensor.h"
@@ -90,37 +88,6 @@ bool affects_training(const std::string& key) {
   for (const char* sec : {"model.", "training.", "optimizer.", "lr_scheduler.", "mixed_precision."})
     if (key.rfind(sec, 0) == 0) return true;
   return false;
-}
-
-// The configuration a checkpoint was saved with (its [section] key = value
-// TOML), key by key in the form ConfigKey::get() prints.
-std::map<std::string, std::string> saved_config(const std::string& text) {
-  std::map<std::string, std::string> out;
-  toml::table table;
-  try {
-    table = toml::parse(text);
-  } catch (const toml::parse_error&) {
-    return out;  // not ours to judge: the checks below simply find nothing
-  }
-  for (auto& [section, node] : table) {
-    const toml::table* sec = node.as_table();
-    if (sec == nullptr) continue;
-    for (auto& [key, value] : *sec) {
-      std::string name = std::string(section.str()) + "." + std::string(key.str()), v;
-      if (value.is_string())
-        v = *value.value<std::string>();
-      else if (value.is_integer())
-        v = std::to_string(*value.value<int64_t>());
-      else if (value.is_floating_point())
-        v = fmt::format("{}", *value.value<double>());
-      else if (value.is_boolean())
-        v = *value.value<bool>() ? "true" : "false";
-      else
-        continue;
-      out[name] = v;
-    }
-  }
-  return out;
 }
 
 // The [model] keys (and training.seq_len) where a stored model configuration
@@ -327,7 +294,7 @@ void Trainer::save(int64_t step) {
 // allowed with a warning. A changed training.steps (extending a finished run)
 // keeps the warmup + cosine schedule defined over the new total.
 void Trainer::check_resume_config(const std::string& dir, const json& extra, int64_t step) {
-  auto saved = saved_config(extra.value("config", std::string()));
+  auto saved = tools::toml_values(extra.value("config", std::string()));
   if (saved.empty() && extra.contains("data") && extra["data"].contains("seed"))
     saved["job.seed"] = std::to_string(extra["data"]["seed"].get<int64_t>());
   auto allowed = [&](const std::string& key) {
