@@ -3,6 +3,8 @@
 // local shard against the matching slice of the reference.
 #pragma once
 
+#include <optional>
+
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
 #include "nn/models.h"
@@ -52,6 +54,63 @@ class MLPStack : public nn::Module {
   std::shared_ptr<nn::ModuleList> mlps;
   std::shared_ptr<nn::Linear> head;
 };
+
+// A 3-block GPT with awkward sizes (vocab 13, width 8), fully_shard on every
+// block and the root; its token batches; and counts of the collectives that
+// process groups issued (CollectiveStats) since the last reset.
+inline nn::TransformerConfig tiny_gpt() {
+  nn::TransformerConfig t;
+  t.vocab_size = 13;
+  t.block_size = 8;
+  t.n_layer = 3;
+  t.n_head = 2;
+  t.n_embd = 8;
+  return t;
+}
+
+inline std::shared_ptr<nn::GPT> sharded_gpt(const MeshPtr& mesh, fsdp::ReshardAfterForward raf, bool root_raf_too = false,
+                                            fsdp::MixedPrecisionPolicy mp = {}) {
+  auto model = nn::GPT::on_meta(tiny_gpt());
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = mesh, .reshard_after_forward = raf, .mp_policy = mp});
+  fsdp::fully_shard(*model, {.mesh = mesh, .reshard_after_forward = root_raf_too ? raf : fsdp::ReshardAfterForward{},
+                             .mp_policy = mp});
+  model->to_empty(Device::cpu());
+  model->init_weights(5);
+  return model;
+}
+
+struct Counts {
+  int64_t ag = 0, rs = 0, ar = 0;
+};
+
+inline Counts counts(const std::vector<dist::ProcessGroupPtr>& groups) {
+  Counts c;
+  for (auto& g : groups) {
+    auto s = g->stats();
+    c.ag += s.all_gather;
+    c.rs += s.reduce_scatter;
+    c.ar += s.all_reduce;
+  }
+  return c;
+}
+
+inline void reset(const std::vector<dist::ProcessGroupPtr>& groups) {
+  for (auto& g : groups) g->reset_stats();
+}
+
+inline Tensor tokens(uint64_t seed) { return randint({2, 8}, 0, 13, seed); }
+
+// fully_shard on every block of a meta-device MLPStack and then on the root,
+// with the same options; then materialised and initialised as a plain
+// MLPStack with init_weights(seed) would be (and cast to dtype if given).
+inline void shard_and_init(MLPStack& model, const fsdp::FullyShardOptions& options, uint64_t seed,
+                           std::optional<DType> dtype = std::nullopt) {
+  for (auto* b : model.blocks()) fsdp::fully_shard(*b, options);
+  fsdp::fully_shard(model, options);
+  model.to_empty(Device::cpu());
+  model.init_weights(seed);
+  if (dtype) model.to(*dtype);
+}
 
 // Every sharded parameter (and gradient, when both exist) equals the slice of the reference's.
 inline void check_sharded_parity(nn::Module& fsdp_model, nn::Module& reference, double rtol, double atol,

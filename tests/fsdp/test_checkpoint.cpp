@@ -351,49 +351,37 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     REQUIRE_THROWS_WITH(load(d, *fresh),
                         Contains("metadata.json: checkpoint metadata is not valid JSON"));
   }
-  SECTION("overlapping chunk boxes (a crafted file: the count of elements is right)") {
-    auto d = damaged("overlap", [&](const fs::path& p) {
-      rewrite(p / "metadata.json", [](std::string& b) {
+  // A crafted metadata file: wte's chunks replaced by two boxes whose element
+  // counts add up but which overlap (box = {offsets, shape}; the bytes follow).
+  auto overlapping = [&](const std::string& name, const std::vector<std::pair<Shape, Shape>>& boxes) {
+    return damaged(name, [&](const fs::path& p) {
+      rewrite(p / "metadata.json", [&](std::string& b) {
         auto md = nlohmann::json::parse(b);
         for (auto& t : md["tensors"]) {
           if (t["name"] != "transformer.wte.weight") continue;
-          int64_t rows = t["shape"][0], cols = t["shape"][1], k = rows / 2;
-          auto chunk = t["chunks"][0];
-          auto first = chunk, second = chunk;
-          first["offsets"] = {0, 0};
-          first["shape"] = {k, cols};
-          first["bytes"] = k * cols * 4;
-          second["offsets"] = {k - 1, 0};  // rows k-1 .. rows-2: row k-1 twice, the last row never
-          second["shape"] = {rows - k, cols};
-          second["bytes"] = (rows - k) * cols * 4;
-          second["offset"] = chunk["offset"].get<int64_t>() + k * cols * 4;
-          t["chunks"] = {first, second};
+          auto chunks = nlohmann::json::array();
+          for (auto& [offsets, shape] : boxes) {
+            auto c = t["chunks"][0];
+            c["offsets"] = offsets;
+            c["shape"] = shape;
+            c["bytes"] = shape_numel(shape) * 4;
+            chunks.push_back(c);
+          }
+          t["chunks"] = chunks;
         }
         b = md.dump(1);
       });
     });
+  };
+  const int64_t rows = c.vocab_size, cols = c.n_embd;
+  SECTION("overlapping chunk boxes (a crafted file: the count of elements is right)") {
+    int64_t k = rows / 2;  // rows k-1 .. rows-2: row k-1 twice, the last row never
+    auto d = overlapping("overlap", {{{0, 0}, {k, cols}}, {{k - 1, 0}, {rows - k, cols}}});
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
   }
-  SECTION("chunk boxes overlapping in columns only") {
-    auto d = damaged("overlap-cols", [&](const fs::path& p) {
-      rewrite(p / "metadata.json", [](std::string& b) {
-        auto md = nlohmann::json::parse(b);
-        for (auto& t : md["tensors"]) {
-          if (t["name"] != "transformer.wte.weight") continue;
-          int64_t rows = t["shape"][0], cols = t["shape"][1], k = cols / 2;
-          auto chunk = t["chunks"][0];
-          auto left = chunk, right = chunk;
-          left["offsets"] = {0, 0};
-          left["shape"] = {rows, k};
-          left["bytes"] = rows * k * 4;
-          right["offsets"] = {0, k - 1};  // column k-1 twice, the last column never
-          right["shape"] = {rows, cols - k};
-          right["bytes"] = rows * (cols - k) * 4;
-          t["chunks"] = {right, left};  // listed out of order
-        }
-        b = md.dump(1);
-      });
-    });
+  SECTION("chunk boxes overlapping in columns only, listed out of order") {
+    int64_t k = cols / 2;  // column k-1 twice, the last column never
+    auto d = overlapping("overlap-cols", {{{0, k - 1}, {rows, cols - k}}, {{0, 0}, {rows, k}}});
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
   }
   SECTION("no metadata (an interrupted save)") {

@@ -146,11 +146,7 @@ TEST_CASE("MLP stack parity with awkward sizes", "[fsdp][parity]") {
     ref.init_weights(3);
     ref.to(DType::F64);
     MLPStack model(Device::meta());
-    for (auto* b : model.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
-    fsdp::fully_shard(model, {.mesh = mesh});
-    model.to_empty(Device::cpu());
-    model.init_weights(3);
-    model.to(DType::F64);
+    shard_and_init(model, {.mesh = mesh}, 3, DType::F64);
     optim::AdamW ropt(ref.parameters(), {.lr = 1e-2}), fopt(model.parameters(), {.lr = 1e-2});
     for (int step = 0; step < 10; ++step) {
       Tensor x = randn({kGlobalBatch, 15}, 300 + step, DType::F64), y = randn({kGlobalBatch, 5}, 400 + step, DType::F64);
