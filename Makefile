@@ -12,7 +12,7 @@ RANKS ?= 4
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root)
 MESON_FLAGS ?= --buildtype=release
 
-.PHONY: train test deps build install bench clean
+.PHONY: train test deps build install bench clean tsan
 
 # Installs the Debian packages that are not installed yet (nothing when all are).
 deps:
@@ -40,6 +40,18 @@ train: build
 
 test: build
 	meson test -C $(BUILD) --print-errorlogs --num-processes 1
+
+# The runtime, dist and FSDP tests (1-3 ranks, the async_cpu device included)
+# under ThreadSanitizer, in build-tsan/. Uninstrumented libraries (OpenMP, MPI,
+# OpenBLAS) are suppressed in tests/tsan.supp; OMP_NUM_THREADS=1 keeps OpenMP
+# teams out of the picture. TSAN_TESTS picks other tests.
+TSAN_TESTS ?= runtime autograd dist-plain dist-np2 dtensor-np2 fsdp-plain fsdp-np2 fsdp-np3
+tsan: deps
+	@[ -f build-tsan/build.ninja ] || meson setup build-tsan --buildtype=debugoptimized \
+	  -Db_sanitize=thread -Dbenchmarks=false -Dnative=false
+	meson compile -C build-tsan
+	OMP_NUM_THREADS=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 exitcode=66" \
+	  meson test -C build-tsan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(TSAN_TESTS)
 
 bench: build
 	$(BUILD)/benchmarks/bench_step

@@ -252,7 +252,7 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
     record("max", {x}, {values}, [idx, d, keepdim, full_shape](const TensorList& g) {
       Shape iota_shape(full_shape.size(), 1);
       iota_shape[d] = full_shape[d];
-      Tensor iota = ops::reshape(arange(0, full_shape[d]), iota_shape);
+      Tensor iota = ops::reshape(arange(0, full_shape[d], 1, DType::I64, idx.device()), iota_shape);
       Tensor hit = ops::binary(BinaryOp::Eq, iota, idx);
       Tensor gk = keepdim ? g[0] : ops::unsqueeze(g[0], d);
       return TensorList{ops::where(hit, gk, zeros({}, g[0].dtype(), g[0].device()))};

@@ -126,7 +126,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
   ops::CrossEntropyResult r = ops::cross_entropy(logits, target, ignore_index);
   if (should_record({logits})) {
     Tensor lse = r.lse;
-    int64_t count = r.count;
+    Tensor count = r.count;
     record("cross_entropy", {logits}, {r.loss},
            [logits, target, lse, ignore_index, count](const TensorList& g) {
              return TensorList{

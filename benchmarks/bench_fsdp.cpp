@@ -132,7 +132,7 @@ Result run(const std::string& mode, int steps) {
   Result res;
   res.step_ms = step;
   res.tokens_per_s = static_cast<double>(global_batch * seq) / step * 1000.0;
-  res.peak_mib = max_over_ranks(static_cast<double>(memory_stats().peak_bytes)) / 1048576.0;
+  res.peak_mib = max_over_ranks(static_cast<double>(memory_stats().peak_allocated_bytes)) / 1048576.0;
   res.state_mib = max_over_ranks(static_cast<double>(state_bytes(params, opt))) / 1048576.0;
   res.exposed_pct = 100.0 * max_over_ranks(exposed / traced_ms);
   return res;

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   optim::AdamW opt(model.parameters(), {.lr = 3e-4, .weight_decay = 0.1});
   Tensor x = randint({batch, seq}, 0, 256, 1), y = randint({batch, seq}, 0, 256, 2);
   reset_peak_memory_stats();
-  int64_t base = memory_stats().current_bytes;
+  int64_t base = memory_stats().allocated_bytes;
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   double rss_setup = usage.ru_maxrss / 1024.0;  // high-water mark after building the model
@@ -59,6 +59,6 @@ int main(int argc, char** argv) {
   getrusage(RUSAGE_SELF, &usage);
   std::printf("threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
               "peak RSS %.1f MiB (+%.1f MiB over setup)\n",
-              num_threads(), per, batch * seq / per * 1000.0, (memory_stats().peak_bytes) / 1048576.0,
+              num_threads(), per, batch * seq / per * 1000.0, (memory_stats().peak_allocated_bytes) / 1048576.0,
               base / 1048576.0, usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
 }

@@ -92,8 +92,8 @@ std::string DeviceMesh::str() const {
 MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
                          const std::vector<std::string>& dim_names) {
   dist::init();
-  TS_CHECK(device_type == "cpu", "init_device_mesh: device type '{}' is not available in this build (cpu only)",
-           device_type);
+  TS_CHECK(device_type == "cpu" || device_type == "async_cpu",
+           "init_device_mesh: device type '{}' is not available in this build (cpu, async_cpu)", device_type);
   TS_CHECK(!shape.empty(), "init_device_mesh: the mesh needs at least one dim");
   for (int64_t s : shape) TS_CHECK(s > 0, "init_device_mesh: mesh shape {} has a non-positive dim", shape_str(shape));
   TS_CHECK(shape_numel(shape) == dist::world_size(),

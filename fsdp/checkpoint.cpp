@@ -112,7 +112,7 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
     }
     if (!owner) continue;
     LocalBox box = local_box(t);
-    Tensor c = ops::contiguous(box.local);
+    Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
     uint64_t bytes = c.nbytes();
     uint64_t at = file.size();
     if (bytes) file.write(c.data_ptr(), bytes);

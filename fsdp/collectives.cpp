@@ -1,36 +1,65 @@
 #include "fsdp/collectives.h"
 
+#include <atomic>
+
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
 #include "runtime/trace.h"
 
 namespace tessera::fsdp {
 
+namespace {
+std::atomic<bool> skip_copy_in_wait{false};
+}
+
+void set_skip_copy_in_wait_for_testing(bool skip) { skip_copy_in_wait = skip; }
+
+void FSDPStreams::init(Device device) {
+  if (initialized()) return;
+  all_gather_copy_in = new_stream(device);
+  all_gather = new_stream(device);
+  reduce_scatter = new_stream(device);
+  all_reduce = new_stream(device);
+}
+
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const dist::ProcessGroupPtr& group,
-                                   DType dtype) {
+                                   DType dtype, const FSDPStreams& streams, std::optional<BufferState>& previous) {
   trace::Scope span(trace::Lane::FSDP, "all-gather copy-in");
   AllGatherResult r;
   r.world = group ? group->size() : 1;
   int rank = group ? group->rank() : 0;
-  std::vector<Tensor> inputs;
-  for (FSDPParam* p : params) {
-    inputs.push_back(p->all_gather_input());
-    r.offsets.push_back(r.row);
-    r.row += inputs.back().numel();
+  Stream& copy_in = *streams.all_gather_copy_in;
+  if (previous) {  // the last forward all-gather's buffer: reusable once its copy-out ran
+    copy_in.wait_event(*previous->event);
+    previous.reset();
   }
-  // The all-gather input is this rank's row of the output: gathered in place.
-  r.output = empty({r.world * r.row}, dtype, params.front()->sharded_data.device());
-  Tensor slot = ops::narrow(r.output, 0, rank * r.row, r.row);
-  for (size_t i = 0; i < params.size(); ++i) {
-    Tensor dst = ops::narrow(slot, 0, r.offsets[i], inputs[i].numel());
-    ops::copy_(dst, inputs[i]);
+  {
+    StreamGuard on_copy_in(copy_in);
+    std::vector<Tensor> inputs;
+    for (FSDPParam* p : params) {
+      inputs.push_back(p->all_gather_input());
+      r.offsets.push_back(r.row);
+      r.row += inputs.back().numel();
+    }
+    // The all-gather input is this rank's row of the output: gathered in place.
+    r.output = empty({r.world * r.row}, dtype, params.front()->sharded_data.device());
+    Tensor slot = ops::narrow(r.output, 0, rank * r.row, r.row);
+    for (size_t i = 0; i < params.size(); ++i) {
+      Tensor dst = ops::narrow(slot, 0, r.offsets[i], inputs[i].numel());
+      ops::copy_(dst, inputs[i]);
+    }
+    if (!skip_copy_in_wait.load(std::memory_order_relaxed)) streams.all_gather->wait_stream(copy_in);
+    StreamGuard on_all_gather(*streams.all_gather);
+    if (r.world > 1) r.work = group->all_gather_into_tensor(r.output, slot);
+    r.event = streams.all_gather->record_event();
   }
-  if (r.world > 1) r.work = group->all_gather_into_tensor(r.output, slot);
   return r;
 }
 
-void foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FSDPParam*>& params) {
-  if (r.work) r.work->wait();
+BufferState foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FSDPParam*>& params) {
+  Stream& compute = current_stream(r.output.device());
+  compute.wait_event(*r.event);
+  if (r.work) r.work->wait(compute);
   trace::Scope span(trace::Lane::FSDP, "all-gather copy-out");
   autograd::NoGradGuard no_grad;
   Tensor rows = ops::view(r.output, {r.world, r.row});
@@ -52,7 +81,9 @@ void foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FSDPParam
       }
     }
   }
-  r.output = Tensor();  // the flat buffer goes as soon as it is copied out
+  BufferState done{std::move(r.output), compute.record_event()};
+  r.output = Tensor();
+  return done;
 }
 
 DivideOps divide_ops(const MeshInfo& m, std::optional<double> factor) {
@@ -76,8 +107,14 @@ DivideOps divide_ops(const MeshInfo& m, std::optional<double> factor) {
 
 ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::vector<Tensor>& grads,
                             const MeshInfo& m, DType reduce_dtype, const DivideOps& ops_in, bool all_reduce_grads,
-                            Tensor* partial_output) {
+                            Tensor* partial_output, const FSDPStreams& streams, std::optional<BufferState>& input_state) {
   trace::Scope span(trace::Lane::FSDP, "reduce-scatter copy-in");
+  Device device = params.front()->sharded_data.device();
+  Stream& compute = current_stream(device);
+  if (input_state) {  // the previous copy-in buffer: reusable once the reduce-scatter stream used it
+    compute.wait_event(*input_state->event);
+    input_state.reset();
+  }
   autograd::NoGradGuard no_grad;
   ReduceResult r;
   r.params = params;
@@ -90,10 +127,9 @@ ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::ve
     r.offsets.push_back(row);
     row += p->padded_numel;
   }
-  Device device = params.front()->sharded_data.device();
   // Row q holds rank q's zero-padded chunk of every gradient, in the reduce dtype.
-  r.input = zeros({w * row}, reduce_dtype, device);
-  Tensor rows = ops::view(r.input, {w, row});
+  Tensor input = zeros({w * row}, reduce_dtype, device);
+  Tensor rows = ops::view(input, {w, row});
   for (size_t i = 0; i < params.size(); ++i) {
     FSDPParam* p = params[i];
     const Tensor& g = grads[i];
@@ -106,55 +142,62 @@ ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::ve
       ops::copy_(dst, ops::reshape(piece, {piece.numel()}));
     }
   }
+  Stream& rs = *streams.reduce_scatter;
+  rs.wait_stream(compute);
+  StreamGuard on_reduce_scatter(rs);
   if (w > 1) {
     r.output = empty({row}, reduce_dtype, device);
-    r.reduce_scatter = m.shard_group->reduce_scatter_tensor(r.output, r.input, ops_in.reduce_scatter);
+    r.reduce_scatter = m.shard_group->reduce_scatter_tensor(r.output, input, ops_in.reduce_scatter);
   } else {
-    r.output = ops_in.post_scale == 1.0 ? r.input : ops::mul(r.input, ops_in.post_scale);
+    r.output = ops_in.post_scale == 1.0 ? input : ops::mul(input, ops_in.post_scale);
   }
+  input_state = BufferState{input, rs.record_event()};
   return r;
 }
 
-void advance_reduce(ReduceResult& r) {
+namespace {
+
+// HSDP: the reduce-scatter output (or, at shard size 1, the whole gradient)
+// is added to the partial output of earlier no-all-reduce micro-batches and
+// all-reduced across replicas, or accumulated for a later micro-batch.
+void hsdp_all_reduce(ReduceResult& r, const FSDPStreams& streams) {
+  StreamGuard on_reduce_scatter(*streams.reduce_scatter);
+  if (!r.all_reduce_grads) {  // reduce-scatter only: all-reduce on a later micro-batch
+    *r.partial_output = r.partial_output->defined() ? ops::add(*r.partial_output, r.output) : ops::clone(r.output);
+    r.done = true;
+    return;
+  }
+  if (r.partial_output && r.partial_output->defined()) {
+    r.output = ops::add(r.output, *r.partial_output);
+    *r.partial_output = Tensor();
+  }
+  streams.all_reduce->wait_stream(*streams.reduce_scatter);
+  StreamGuard on_all_reduce(*streams.all_reduce);
+  r.all_reduce = r.mesh_info.replicate_group->all_reduce(r.output, r.all_reduce_op);
+}
+
+}  // namespace
+
+void advance_reduce(ReduceResult& r, const FSDPStreams& streams) {
+  const bool replicas = r.mesh_info.hsdp() && r.mesh_info.replicate_size > 1;
   if (r.reduce_scatter) {
-    r.reduce_scatter->wait();
+    r.reduce_scatter->wait(*streams.reduce_scatter);
     r.reduce_scatter = nullptr;
-    r.input = Tensor();  // at most one reduce-scatter input lives past its collective
-    if (r.mesh_info.hsdp() && r.mesh_info.replicate_size > 1 && !r.all_reduce) {
-      if (!r.all_reduce_grads) {
-        // Reduce-scatter only: accumulate, all-reduce on a later micro-batch.
-        *r.partial_output = r.partial_output->defined() ? ops::add(*r.partial_output, r.output) : ops::clone(r.output);
-        r.done = true;
-        return;
-      }
-      if (r.partial_output && r.partial_output->defined()) {
-        ops::add_(r.output, *r.partial_output);
-        *r.partial_output = Tensor();
-      }
-      r.all_reduce = r.mesh_info.replicate_group->all_reduce(r.output, r.all_reduce_op);
-    }
-  } else if (r.mesh_info.hsdp() && r.mesh_info.replicate_size > 1 && !r.all_reduce && !r.done) {
-    // Shard size 1 with replicas: the all-reduce is the whole reduction.
-    if (!r.all_reduce_grads) {
-      *r.partial_output = r.partial_output->defined() ? ops::add(*r.partial_output, r.output) : ops::clone(r.output);
-      r.done = true;
-      return;
-    }
-    if (r.partial_output && r.partial_output->defined()) {
-      r.output = ops::add(r.output, *r.partial_output);
-      *r.partial_output = Tensor();
-    }
-    r.all_reduce = r.mesh_info.replicate_group->all_reduce(r.output, r.all_reduce_op);
+    if (replicas && !r.all_reduce) hsdp_all_reduce(r, streams);
+  } else if (replicas && !r.all_reduce && !r.done) {
+    hsdp_all_reduce(r, streams);  // shard size 1 with replicas: the all-reduce is the whole reduction
   }
 }
 
-void finish_reduce(ReduceResult& r) {
-  if (r.done) return;
-  advance_reduce(r);
-  if (r.done) return;  // accumulated for a later all-reduce
-  if (r.all_reduce) r.all_reduce->wait();
+std::shared_ptr<Event> finish_reduce(ReduceResult& r, const FSDPStreams& streams) {
+  if (r.done) return nullptr;
+  advance_reduce(r, streams);
+  if (r.done) return nullptr;  // accumulated for a later all-reduce
+  Stream& rs = *streams.reduce_scatter;
+  if (r.all_reduce) r.all_reduce->wait(rs);
   trace::Scope span(trace::Lane::FSDP, "gradient view-out");
   autograd::NoGradGuard no_grad;
+  StreamGuard on_reduce_scatter(rs);
   for (size_t i = 0; i < r.params.size(); ++i) {
     FSDPParam* p = r.params[i];
     Tensor local = ops::view(ops::narrow(r.output, 0, r.offsets[i], shape_numel(p->sharded_size)), p->sharded_size);
@@ -170,6 +213,7 @@ void finish_reduce(ReduceResult& r) {
   }
   r.output = Tensor();
   r.done = true;
+  return rs.record_event();
 }
 
 }  // namespace tessera::fsdp

@@ -20,6 +20,13 @@ void FSDPCommContext::event(const char* what, const FSDPParamGroup& g) {
   if (on_event) on_event(what, g.fqn, g.training_state);
 }
 
+TrainingStateGuard::TrainingStateGuard(FSDPParamGroup& group, TrainingState state)
+    : group_(group), saved_(group.training_state) {
+  group.training_state = state;
+}
+
+TrainingStateGuard::~TrainingStateGuard() { group_.training_state = saved_; }
+
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo info, std::string name,
                                MixedPrecisionPolicy mp)
     : fqn(std::move(name)), fsdp_params(std::move(params)), mesh_info(std::move(info)), mp_policy(mp) {}
@@ -78,15 +85,38 @@ void FSDPParamGroup::unshard(bool async_op) {
   lazy_init();
   comm_ctx->event("unshard", *this);
   trace::Scope span(trace::Lane::FSDP, "unshard");
-  all_gather_ = foreach_all_gather(params_to_gather(), gather_mesh().shard_group, param_dtype());
+  FSDPStreams& streams = comm_ctx->streams;
+  streams.init(fsdp_params.front()->sharded_data.device());
+  // Outside forward (a user's unshard, or backward reading post-forward
+  // shards made on the compute stream) the copy-in waits for compute; in
+  // forward the root pre-forward made it wait once for the optimizer step.
+  if (training_state != TrainingState::Forward) {
+    streams.all_gather_copy_in->wait_stream(current_stream(fsdp_params.front()->sharded_data.device()));
+  }
+  all_gather_ = foreach_all_gather(params_to_gather(), gather_mesh().shard_group, param_dtype(), streams,
+                                   comm_ctx->all_gather_state);
   if (!async_op) wait_for_unshard();
 }
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!all_gather_) return;
-  foreach_all_gather_copy_out(*all_gather_, params_to_gather());
+  BufferState copied = foreach_all_gather_copy_out(*all_gather_, params_to_gather());
   all_gather_.reset();
+  if (training_state == TrainingState::Forward) {
+    // Kept until the next all-gather's copy-in waits for this copy-out, so that
+    // all-gather overlaps it (PyTorch: all_gather_state); the root's post-forward drops the last.
+    comm_ctx->release_all_gather_state();
+    comm_ctx->all_gather_state = std::move(copied);
+  } else {
+    comm_ctx->streams.all_gather_copy_in->wait_event(*copied.event);
+  }
   to_unsharded();
+}
+
+void FSDPCommContext::release_all_gather_state() {
+  if (!all_gather_state) return;
+  streams.all_gather_copy_in->wait_event(*all_gather_state->event);
+  all_gather_state.reset();
 }
 
 void FSDPParamGroup::reshard() {
@@ -130,19 +160,17 @@ void FSDPParamGroup::pre_backward(bool default_prefetch) {
   post_forward_indices.pop_back();
   if (i == 0) return;
   FSDPParamGroup* target = comm_ctx->post_forward_order[i - 1];
-  TrainingState saved = target->training_state;
-  target->training_state = TrainingState::PreBackward;
+  TrainingStateGuard prefetching(*target, TrainingState::PreBackward);
   target->unshard(/*async_op=*/true);
-  target->training_state = saved;
 }
 
 void FSDPParamGroup::drain_reductions(size_t keep_in_flight) {
   auto& queue = comm_ctx->reductions;
   while (queue.size() > keep_in_flight) {
-    finish_reduce(queue.front());
+    if (auto e = finish_reduce(queue.front(), comm_ctx->streams)) comm_ctx->post_reduce_event = e;
     queue.pop_front();
   }
-  for (auto& r : queue) advance_reduce(r);  // waits the reduce-scatter, issues the HSDP all-reduce
+  for (auto& r : queue) advance_reduce(r, comm_ctx->streams);  // the reduce-scatter done, HSDP all-reduce issued
 }
 
 void FSDPParamGroup::post_backward() {
@@ -184,15 +212,28 @@ void FSDPParamGroup::post_backward() {
   // At most one reduce-scatter in flight: the previous group's completes first
   // (its HSDP all-reduce may go on).
   drain_reductions(1);
+  comm_ctx->streams.init(fsdp_params.front()->sharded_data.device());
   comm_ctx->reductions.push_back(foreach_reduce(with_grad, grads, mesh_info, reduce_dtype(),
                                                 divide_ops(mesh_info, gradient_divide_factor),
-                                                requires_all_reduce, &partial_reduce_output_));
+                                                requires_all_reduce, &partial_reduce_output_, comm_ctx->streams,
+                                                comm_ctx->reduce_scatter_state));
 }
 
 void FSDPParamGroup::finalize_backward() {
   drain_reductions(0);
+  // The optimizer (on the compute stream) reads the gradients the reduce-scatter stream wrote.
+  Stream& compute = current_stream(fsdp_params.front()->sharded_data.device());
+  if (comm_ctx->post_reduce_event) {
+    compute.wait_event(*comm_ctx->post_reduce_event);
+    comm_ctx->post_reduce_event = nullptr;
+  }
+  if (comm_ctx->reduce_scatter_state) {
+    compute.wait_event(*comm_ctx->reduce_scatter_state->event);
+    comm_ctx->reduce_scatter_state.reset();
+  }
   if (all_gather_) {  // a prefetch for a group this backward never reached
     if (all_gather_->work) all_gather_->work->wait();
+    comm_ctx->streams.all_gather_copy_in->wait_event(*all_gather_->event);
     all_gather_.reset();
   }
   post_forward_indices.clear();
@@ -202,6 +243,7 @@ void FSDPParamGroup::reset_iter_state() {
   if (all_gather_) {
     try {
       if (all_gather_->work) all_gather_->work->wait();
+      synchronize(all_gather_->output.device());  // nothing queued may still use the buffer
     } catch (const std::exception&) {
     }
     all_gather_.reset();

@@ -23,9 +23,17 @@ const char* training_state_name(TrainingState s);
 
 class FSDPParamGroup;
 
-// Shared by every group under one root (PyTorch: FSDPCommContext): orders
-// recorded in forward, reductions in flight, and an optional event log.
+// Shared by every group under one root (PyTorch: FSDPCommContext): streams,
+// the buffers other streams still read, orders recorded in forward,
+// reductions in flight, and an optional event log.
 struct FSDPCommContext {
+  FSDPStreams streams;  // created at the root's lazy init, on the mesh's device
+  // The last forward all-gather buffer, until the next copy-in waited for its copy-out.
+  std::optional<BufferState> all_gather_state;
+  // The last reduce-scatter copy-in buffer, until the compute stream waited for its use.
+  std::optional<BufferState> reduce_scatter_state;
+  // The last gradient view-out: the compute stream waits for it at the end of backward.
+  std::shared_ptr<Event> post_reduce_event;
   std::vector<FSDPParamGroup*> post_forward_order;  // this iteration, for backward prefetch
   std::vector<FSDPParamGroup*> forward_order;       // last iteration's pre-forward order (CPU forward prefetch)
   std::vector<FSDPParamGroup*> current_forward_order;
@@ -36,6 +44,23 @@ struct FSDPCommContext {
   // Called for "unshard", "reshard", "post_backward" (tests assert event orders).
   std::function<void(const std::string& event, const std::string& fqn, TrainingState state)> on_event;
   void event(const char* what, const FSDPParamGroup& g);
+  // Drops all_gather_state once the copy-in stream waited for its copy-out
+  // (the next all-gather does it; the root's post-forward for the last one).
+  void release_all_gather_state();
+};
+
+// Sets a group's training state for a scope and restores it (PyTorch:
+// FSDPParamGroup.use_training_state), e.g. to unshard another group as a prefetch.
+class TrainingStateGuard {
+ public:
+  TrainingStateGuard(FSDPParamGroup& group, TrainingState state);
+  ~TrainingStateGuard();
+  TrainingStateGuard(const TrainingStateGuard&) = delete;
+  TrainingStateGuard& operator=(const TrainingStateGuard&) = delete;
+
+ private:
+  FSDPParamGroup& group_;
+  TrainingState saved_;
 };
 
 class FSDPParamGroup {
@@ -69,7 +94,8 @@ class FSDPParamGroup {
   // Issues the group's all-gather (no-op when unsharded or already in flight).
   void unshard(bool async_op = false);
   bool unshard_pending() const { return all_gather_.has_value(); }
-  // Completes a pending all-gather: copy-out and register unsharded parameters.
+  // Completes a pending all-gather: copy-out (on the compute stream, which
+  // waits for the all-gather) and register unsharded parameters.
   void wait_for_unshard();
   // Frees unsharded parameters per the current training state (see the header comment).
   void reshard();

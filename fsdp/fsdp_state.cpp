@@ -73,6 +73,15 @@ void FSDPState::pre_forward(TensorList& args) {
     state_ctx->iter_forward_root = this;
     comm_ctx->current_forward_order.clear();
     for (FSDPState* st : state_ctx->all_states) st->forward_calls_ = 0;
+    // The copy-in reads sharded parameters the optimizer (or a load) updated
+    // on the compute stream (PyTorch: the all-gather streams wait for it here).
+    for (FSDPState* st : state_ctx->all_states) {
+      if (!st->param_group) continue;
+      Device device = st->param_group->fsdp_params.front()->sharded_data.device();
+      comm_ctx->streams.init(device);
+      comm_ctx->streams.all_gather_copy_in->wait_stream(current_stream(device));
+      break;
+    }
   }
   if (param_group && mp_policy.cast_forward_inputs && param_group->param_dtype() != param_group->fsdp_params.front()->orig_dtype)
     cast_floating(args, param_group->param_dtype());
@@ -89,20 +98,16 @@ void FSDPState::pre_forward(TensorList& args) {
   if (explicit_forward_prefetch) {
     for (FSDPState* st : forward_prefetch) {
       if (!st->param_group) continue;
-      TrainingState saved = st->param_group->training_state;
-      st->param_group->training_state = TrainingState::Forward;
+      TrainingStateGuard prefetching(*st->param_group, TrainingState::Forward);
       st->param_group->unshard(/*async_op=*/true);
-      st->param_group->training_state = saved;
     }
   } else if (param_group && comm_ctx->prefetch) {
     size_t position = comm_ctx->current_forward_order.size() - 1;
     const auto& order = comm_ctx->forward_order;
     if (position + 1 < order.size() && order[position] == param_group.get() && order[position + 1] != param_group.get()) {
       FSDPParamGroup* next = order[position + 1];
-      TrainingState saved = next->training_state;
-      next->training_state = TrainingState::Forward;
+      TrainingStateGuard prefetching(*next, TrainingState::Forward);
       next->unshard(/*async_op=*/true);
-      next->training_state = saved;
     }
   }
   forward_calls_++;
@@ -124,6 +129,7 @@ void FSDPState::post_forward(TensorList& outputs) {
   if (state_ctx->iter_forward_root == this) {
     comm_ctx->forward_order = comm_ctx->current_forward_order;
     state_ctx->iter_forward_root = nullptr;
+    comm_ctx->release_all_gather_state();
   }
   if (mp_policy.output_dtype) cast_floating(outputs, *mp_policy.output_dtype);
   training_state = TrainingState::Idle;
@@ -142,10 +148,8 @@ void FSDPState::pre_backward() {
   for (FSDPState* target : backward_prefetch) {  // in the order given, as PyTorch (the first runs first)
     FSDPParamGroup* g = target->param_group.get();
     if (!g) continue;
-    TrainingState saved = g->training_state;
-    g->training_state = TrainingState::PreBackward;
+    TrainingStateGuard prefetching(*g, TrainingState::PreBackward);
     g->unshard(/*async_op=*/true);
-    g->training_state = saved;
   }
 }
 
@@ -166,10 +170,8 @@ void FSDPState::reshard_for_io() {
   if (!param_group) return;
   param_group->wait_for_unshard();
   if (param_group->sharded_state != ShardedState::Sharded) {
-    TrainingState saved = param_group->training_state;
-    param_group->training_state = TrainingState::Idle;
+    TrainingStateGuard idle(*param_group, TrainingState::Idle);
     param_group->reshard();
-    param_group->training_state = saved;
   }
 }
 

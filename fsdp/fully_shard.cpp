@@ -93,8 +93,8 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
            module.type_name());
   TS_CHECK(module.extension == nullptr, "fully_shard: {} already carries another extension", module.type_name());
   MeshPtr mesh = options.mesh ? options.mesh : default_mesh();
-  TS_CHECK(mesh->device_type() == "cpu", "fully_shard: mesh device type '{}' is not available in this build",
-           mesh->device_type());
+  TS_CHECK(mesh->device_type() == "cpu" || mesh->device_type() == "async_cpu",
+           "fully_shard: mesh device type '{}' is not available in this build (cpu, async_cpu)", mesh->device_type());
   MeshInfo info = mesh_info_for(mesh);
 
   std::vector<std::unique_ptr<FSDPParam>> params;
@@ -164,14 +164,12 @@ void reshard(nn::Module& module) {
   FSDPState& st = fsdp_state(module);
   if (!st.param_group) return;
   st.param_group->wait_for_unshard();
-  TrainingState saved = st.param_group->training_state;
-  st.param_group->training_state = TrainingState::Idle;
+  TrainingStateGuard idle(*st.param_group, TrainingState::Idle);
   if (st.param_group->comm_ctx == nullptr) {
     st.comm_ctx = std::make_shared<FSDPCommContext>();
     st.param_group->comm_ctx = st.comm_ctx.get();
   }
   st.param_group->reshard();
-  st.param_group->training_state = saved;
 }
 
 void set_requires_gradient_sync(nn::Module& module, bool sync, bool recurse) {
@@ -235,12 +233,22 @@ void reset_iter_state(nn::Module& root) {
   if (!st.state_ctx) return;  // never ran: nothing in flight
   for (auto& r : st.comm_ctx->reductions) {
     try {
-      advance_reduce(r);
+      advance_reduce(r, st.comm_ctx->streams);
       if (r.all_reduce) r.all_reduce->wait();
     } catch (const std::exception&) {
     }
   }
   st.comm_ctx->reductions.clear();
+  // Nothing queued on the streams may still use the buffers dropped here.
+  if (st.comm_ctx->streams.initialized()) {
+    try {
+      synchronize(st.comm_ctx->streams.all_gather->device());
+    } catch (const std::exception&) {
+    }
+  }
+  st.comm_ctx->all_gather_state.reset();
+  st.comm_ctx->reduce_scatter_state.reset();
+  st.comm_ctx->post_reduce_event = nullptr;
   st.comm_ctx->post_forward_order.clear();
   st.comm_ctx->current_forward_order.clear();
   for (FSDPState* s : st.state_ctx->all_states) {

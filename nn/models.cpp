@@ -50,7 +50,7 @@ void GPT::reset_parameters(uint64_t, const std::string&) {}
 Tensor GPT::forward(const Tensor& idx) {
   check_tokens(idx);
   Tensor x = (*wte)(idx);
-  if (wpe) x = x + (*wpe)(ops::to(arange(0, idx.size(1)), idx.dtype()));
+  if (wpe) x = x + (*wpe)(arange(0, idx.size(1), 1, idx.dtype(), idx.device()));
   x = (*drop)(x);
   for (auto& block : blocks) x = (*block)(x);
   return (*lm_head)((*ln_f)(x));

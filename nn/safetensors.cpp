@@ -224,7 +224,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
             std::fwrite(text.data(), 1, text.size(), f) != text.size()))
     error = fmt::format("writing safetensors file '{}' failed (disk full?)", tmp);
   for (size_t i = 0; i < entries.size(); ++i) {
-    Tensor t = ops::contiguous(fill(i));
+    Tensor t = ops::contiguous(fill(i).to(Device::cpu()));
     if (!error.empty()) continue;
     if (t.dtype() != entries[i].dtype || t.shape() != entries[i].shape)
       error = fmt::format("write_safetensors: tensor '{}' is {} {}, the header says {} {}",

@@ -71,8 +71,8 @@ std::pair<Tensor, Tensor> RotaryTables::get(int64_t t, int64_t head_dim, double 
         c[static_cast<size_t>(p * half + i)] = std::cos(angle);
         s[static_cast<size_t>(p * half + i)] = std::sin(angle);
       }
-    cos_ = ops::to(from_vector(c, {t, half}), dtype);
-    sin_ = ops::to(from_vector(s, {t, half}), dtype);
+    cos_ = ops::to(ops::to(from_vector(c, {t, half}), dtype), device);
+    sin_ = ops::to(ops::to(from_vector(s, {t, half}), dtype), device);
   }
   return {cos_, sin_};
 }

@@ -4,55 +4,147 @@
 #include <new>
 
 #include "runtime/check.h"
+#include "runtime/stream.h"
 
 namespace tessera {
 
-MemoryStats Allocator::stats() const {
-  return {current_.load(), peak_.load(), allocs_.load(), frees_.load()};
+namespace {
+
+size_t round_up(size_t nbytes) {
+  return (nbytes + CachingAllocator::kRound - 1) / CachingAllocator::kRound * CachingAllocator::kRound;
 }
 
-void Allocator::reset_peak() { peak_.store(current_.load()); }
+void update_peaks(MemoryStats& s) {
+  s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
+  s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
+}
 
-void Allocator::record_alloc(size_t nbytes) {
-  int64_t now = current_.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
-  int64_t peak = peak_.load();
-  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+}  // namespace
+
+void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& stream) {
+  // Best fit among the blocks of this stream (and of synchronous streams,
+  // whose work is always done): stream order makes them safe at once, and
+  // pools that never trade blocks stay the same size step after step.
+  for (auto it = cached_.lower_bound(size); it != cached_.end() && it->first - size <= size / 8; ++it) {
+    Block& b = it->second;
+    if (b.stream != stream->id() && b.freed) continue;
+    Block taken = std::move(b);
+    cached_.erase(it);
+    void* p = taken.ptr;
+    taken.stream = stream->id();
+    taken.owner = stream;
+    taken.freed = nullptr;
+    live_.emplace(p, std::move(taken));
+    return p;
   }
-  allocs_.fetch_add(1);
+  return nullptr;
 }
 
-void Allocator::record_free(size_t nbytes) {
-  current_.fetch_sub(static_cast<int64_t>(nbytes));
-  frees_.fetch_add(1);
+void* CachingAllocator::allocate(size_t nbytes) {
+  if (nbytes == 0) return nullptr;
+  const size_t size = round_up(nbytes);
+  std::shared_ptr<Stream> stream = current_stream(device_).shared_from_this();
+  std::lock_guard<std::mutex> lock(mu_);
+  void* p = take_cached(size, stream);
+  if (p == nullptr) {
+    p = system_allocate(size);
+    if (p == nullptr) {  // give the whole cache back (waiting for its streams) and try once more
+      release_cached(/*wait=*/true);
+      p = system_allocate(size);
+    }
+    TS_CHECK(p != nullptr,
+             "out of memory on {} allocating {} bytes ({} bytes allocated in tensors, {} reserved "
+             "by the allocator)",
+             device_.str(), nbytes, stats_.allocated_bytes, stats_.reserved_bytes);
+    live_.emplace(p, Block{p, size, 0, stream->id(), stream, nullptr});
+    stats_.reserved_bytes += static_cast<int64_t>(size);
+    stats_.num_system_allocs++;
+  }
+  Block& b = live_.at(p);
+  b.requested = nbytes;
+  stats_.allocated_bytes += static_cast<int64_t>(nbytes);
+  stats_.num_allocs++;
+  update_peaks(stats_);
+  return p;
+}
+
+void CachingAllocator::deallocate(void* ptr) {
+  if (ptr == nullptr) return;
+  Block b;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(ptr);
+    TS_ASSERT(it != live_.end());
+    b = std::move(it->second);
+    live_.erase(it);
+    stats_.allocated_bytes -= static_cast<int64_t>(b.requested);
+    stats_.num_frees++;
+  }
+  // Other streams may take the block once the work queued on its stream so far
+  // is done; on a synchronous stream that is now.
+  if (auto owner = b.owner.lock(); owner && !owner->synchronous()) {
+    b.freed = make_event(device_);
+    b.freed->record(*owner);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  cached_.emplace(b.size, std::move(b));
+}
+
+MemoryStats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_allocated_bytes = stats_.allocated_bytes;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
+void CachingAllocator::release_cached(bool wait) {
+  for (auto it = cached_.begin(); it != cached_.end();) {
+    Block& b = it->second;
+    if (b.freed && !b.freed->query()) {
+      if (!wait) {
+        ++it;
+        continue;
+      }
+      b.freed->synchronize();
+    }
+    system_free(b.ptr);
+    stats_.reserved_bytes -= static_cast<int64_t>(b.size);
+    stats_.num_system_frees++;
+    it = cached_.erase(it);
+  }
+}
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  release_cached(/*wait=*/false);
 }
 
 namespace {
 
-// 64-byte aligned host memory (one cache line, one AVX-512 vector).
-class CpuAllocator final : public Allocator {
+// 64-byte aligned host memory (one cache line, one AVX-512 vector); also the
+// memory of the asynchronous CPU test device.
+class HostAllocator final : public CachingAllocator {
  public:
-  void* allocate(size_t nbytes) override {
-    if (nbytes == 0) return nullptr;
-    size_t rounded = (nbytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded);
-    TS_CHECK(p != nullptr, "out of host memory allocating {} bytes ({} bytes live)", nbytes,
-             stats().current_bytes);
-    record_alloc(nbytes);
-    return p;
-  }
-  void deallocate(void* ptr, size_t nbytes) override {
-    if (ptr == nullptr) return;
-    std::free(ptr);
-    record_free(nbytes);
-  }
+  using CachingAllocator::CachingAllocator;
+
+ protected:
+  void* system_allocate(size_t nbytes) override { return std::aligned_alloc(64, nbytes); }
+  void system_free(void* ptr) override { std::free(ptr); }
 };
 
 }  // namespace
 
 Allocator& allocator_for(Device device) {
-  static CpuAllocator cpu;
-  TS_CHECK(device.is_cpu(), "no allocator for device {} in this build (CPU-only)", device.str());
-  return cpu;
+  // Never destroyed: tensors in static objects are freed after main returns.
+  static auto* cpu = new HostAllocator(Device::cpu());
+  static auto* async_cpu = new HostAllocator(Device::async_cpu());
+  if (device.is_cpu()) return *cpu;
+  if (device.type == DeviceType::AsyncCPU) return *async_cpu;
+  TS_CHECK(false, "no allocator for device {} in this build (CPU-only)", device.str());
 }
 
 MemoryStats memory_stats(Device device) {
@@ -64,11 +156,16 @@ void reset_peak_memory_stats(Device device) {
   if (!device.is_meta()) allocator_for(device).reset_peak();
 }
 
+void empty_cache(Device device) {
+  if (!device.is_meta()) allocator_for(device).empty_cache();
+}
+
 std::string Device::str() const {
   switch (type) {
     case DeviceType::CPU: return "cpu";
     case DeviceType::Meta: return "meta";
     case DeviceType::CUDA: return "cuda:" + std::to_string(index);
+    case DeviceType::AsyncCPU: return "async_cpu";
   }
   return "?";
 }
@@ -76,6 +173,7 @@ std::string Device::str() const {
 Device Device::parse(const std::string& name) {
   if (name == "cpu") return cpu();
   if (name == "meta") return meta();
+  if (name == "async_cpu") return async_cpu();
   if (name == "cuda") return cuda(0);
   if (name.rfind("cuda:", 0) == 0) {
     try {
@@ -83,7 +181,7 @@ Device Device::parse(const std::string& name) {
     } catch (const std::exception&) {
     }
   }
-  TS_CHECK(false, "unknown device '{}' (expected cpu, meta, cuda or cuda:N)", name);
+  TS_CHECK(false, "unknown device '{}' (expected cpu, meta, cuda, cuda:N or async_cpu)", name);
 }
 
 }  // namespace tessera

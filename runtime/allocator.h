@@ -1,38 +1,93 @@
-// Every allocation goes through a per-device allocator that counts current and
-// peak bytes, so memory claims are measured, not guessed.
+// Every allocation goes through one caching allocator per device, so memory
+// claims are measured, not guessed, and FSDP's per-layer unshard/reshard
+// reuses blocks instead of reaching malloc (or cudaMalloc) every layer.
+//
+// Blocks know the stream they were allocated on (the device's current stream
+// at the time). A freed block goes back to that stream's cache, as in
+// PyTorch's CUDA caching allocator:
+//   - the same stream takes it again at once: its later work is queued after
+//     every use of the old tensor, so stream order protects the bytes;
+//   - other streams never take it (no record_stream); empty_cache() returns it
+//     to the system once an event recorded on its stream at the free has
+//     completed, and an allocation that finds no memory does so after waiting.
+// Blocks of synchronous streams (the CPU's) are shared by all: their work is
+// done when they are freed. Freeing is deterministic and never syncs the host.
+// A tensor that a second stream reads must be kept alive by its user (a
+// reference held until the allocating stream has waited for the reader's
+// event): FSDP's buffers are (see fsdp/collectives.h).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 
 #include "runtime/device.h"
 
 namespace tessera {
 
+class Event;
+class Stream;
+
 struct MemoryStats {
-  int64_t current_bytes = 0;  // live bytes now
-  int64_t peak_bytes = 0;     // max of current_bytes since start or reset_peak_memory_stats
-  int64_t num_allocs = 0;
+  int64_t allocated_bytes = 0;       // in live storage now (what a tensor asked for)
+  int64_t peak_allocated_bytes = 0;  // max since start or reset_peak_memory_stats
+  int64_t reserved_bytes = 0;        // held from the system: allocated + cached
+  int64_t peak_reserved_bytes = 0;
+  int64_t num_allocs = 0;  // storage allocations served (from the cache or not)
   int64_t num_frees = 0;
+  int64_t num_system_allocs = 0;  // malloc / cudaMalloc calls: flat after warm-up
+  int64_t num_system_frees = 0;
 };
 
-// The backend contract: CUDA will add a caching allocator with the same interface.
 class Allocator {
  public:
   virtual ~Allocator() = default;
-  virtual void* allocate(size_t nbytes) = 0;
-  virtual void deallocate(void* ptr, size_t nbytes) = 0;
+  virtual void* allocate(size_t nbytes) = 0;  // on the device's current stream
+  virtual void deallocate(void* ptr) = 0;
+  virtual MemoryStats stats() const = 0;
+  virtual void reset_peak() = 0;
+  // Returns every cached block whose last use is complete to the system.
+  virtual void empty_cache() = 0;
+};
 
-  MemoryStats stats() const;
-  void reset_peak();
+// The caching logic shared by every device; a backend supplies the system calls.
+class CachingAllocator : public Allocator {
+ public:
+  explicit CachingAllocator(Device device) : device_(device) {}
+  void* allocate(size_t nbytes) override;
+  void deallocate(void* ptr) override;
+  MemoryStats stats() const override;
+  void reset_peak() override;
+  void empty_cache() override;
+
+  // Sizes are rounded up to this, and a cached block is taken for a request up
+  // to 1/8 smaller than itself (no splitting: FSDP asks for the same sizes every step).
+  static constexpr size_t kRound = 512;
 
  protected:
-  void record_alloc(size_t nbytes);
-  void record_free(size_t nbytes);
+  virtual void* system_allocate(size_t nbytes) = 0;  // nullptr when out of memory
+  virtual void system_free(void* ptr) = 0;
 
  private:
-  std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0}, frees_{0};
+  struct Block {
+    void* ptr = nullptr;
+    size_t size = 0;       // rounded, as reserved
+    size_t requested = 0;  // as asked for (allocated_bytes)
+    uint64_t stream = 0;   // id of the stream it was allocated on
+    std::weak_ptr<Stream> owner;  // that stream (gone: its work is done)
+    std::shared_ptr<Event> freed;  // recorded on that stream at the free (null: synchronous stream)
+  };
+  void* take_cached(size_t size, const std::shared_ptr<Stream>& stream);  // with mu_ held
+  void release_cached(bool wait);                   // with mu_ held
+
+  Device device_;
+  mutable std::mutex mu_;
+  std::unordered_map<void*, Block> live_;
+  std::multimap<size_t, Block> cached_;  // by size
+  MemoryStats stats_;
 };
 
 // The allocator for a device; throws for devices this build has no allocator for.
@@ -40,5 +95,7 @@ Allocator& allocator_for(Device device);
 
 MemoryStats memory_stats(Device device = Device::cpu());
 void reset_peak_memory_stats(Device device = Device::cpu());
+// Gives cached, unused blocks back to the system (PyTorch: torch.cuda.empty_cache).
+void empty_cache(Device device = Device::cpu());
 
 }  // namespace tessera

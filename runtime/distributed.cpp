@@ -1,5 +1,7 @@
 #include "runtime/distributed.h"
 
+#include "runtime/kernels.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -73,6 +75,9 @@ void init() {
     TS_CHECK(m == "thread" || m == "poll", "TESSERA_PROGRESS must be 'thread' or 'poll', got '{}'", m);
     auto& engine = detail::Engine::get();
     engine.start(m == "thread");
+    // Op boundaries: poll mode drives in-flight collectives there; thread mode
+    // nudges the progress thread there (runtime/mpi/engine.h).
+    set_op_boundary_hook([] { detail::Engine::get().progress_once(); });
     engine.run_sync([&] {
       TS_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &w.rank));
       TS_MPI(MPI_Comm_size(MPI_COMM_WORLD, &w.size));

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/stream.h"
 #include "runtime/tensor.h"
 
 namespace tessera::dist {
@@ -47,11 +48,15 @@ struct CollectiveStats {
   int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + all_to_all + barrier; }
 };
 
-class Work {
+class Work : public std::enable_shared_from_this<Work> {
  public:
   virtual ~Work() = default;
-  // Blocks until the collective completes; throws on timeout, desync or MPI error.
+  // Blocks the host until the collective completes; throws on timeout, desync or MPI error.
   virtual void wait() = 0;
+  // Makes `stream` wait for the collective without blocking the host (on a
+  // synchronous stream, the CPU's, that is wait()). Work queued on `stream`
+  // after this call sees the collective's output.
+  virtual void wait(Stream& stream) { if (stream.synchronous()) wait(); }
   virtual bool is_completed() = 0;
 };
 using WorkPtr = std::shared_ptr<Work>;

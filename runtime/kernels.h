@@ -1,8 +1,11 @@
 // The kernel table: one entry per (op, device). The ops in runtime/ops.h check
 // shapes, allocate outputs and pick the table for their tensors' device; a
-// backend fills one table. Float kernels see f32 or f64 only (bf16/f16 are
-// converted around them by the ops layer); the 2-D kernels expect contiguous
-// row-major inputs unless a comment says otherwise.
+// backend fills one table. Every kernel is enqueued on its device's current
+// stream (runtime/stream.h): on the CPU it runs before the call returns, on
+// another device later, so a kernel never returns a value to the host (the one
+// exception, sum_squares, synchronizes). Float kernels see f32 or f64 only
+// (bf16/f16 are converted around them by the ops layer); the 2-D kernels
+// expect contiguous row-major inputs unless a comment says otherwise.
 #pragma once
 
 #include <vector>
@@ -24,6 +27,11 @@ enum class ReduceOp { Sum, Max, Min };
 struct KernelTable {
   // Same shape, any strides, any dtypes (converting).
   void (*copy)(const Tensor& dst, const Tensor& src);
+  // Between this device and host memory: the Device::cpu() side (src of
+  // copy_from_host, dst of copy_to_host) is kept alive until the copy ran. The
+  // caller synchronizes the stream before the host reads a copy_to_host result.
+  void (*copy_from_host)(const Tensor& dst, const Tensor& src);
+  void (*copy_to_host)(const Tensor& dst, const Tensor& src);
   void (*fill)(const Tensor& dst, double value);
   // out and x share a float dtype; out contiguous.
   void (*unary)(ops::UnaryOp op, const Tensor& out, const Tensor& x);
@@ -58,7 +66,8 @@ struct KernelTable {
   void (*embedding_backward)(const Tensor& gw, const Tensor& grad, const Tensor& indices);
   void (*cross_entropy)(const Tensor& losses, const Tensor& lse, const Tensor& logits,
                         const Tensor& target, int64_t ignore_index);
-  void (*cross_entropy_backward)(const Tensor& glogits, double scale, const Tensor& logits,
+  // scale: a 0-dim f64 tensor (d loss / d mean, over the counted targets).
+  void (*cross_entropy_backward)(const Tensor& glogits, const Tensor& scale, const Tensor& logits,
                                  const Tensor& target, const Tensor& lse, int64_t ignore_index);
   void (*attention)(const ops::AttentionResult& r, const Tensor& q, const Tensor& k,
                     const Tensor& v, bool causal, double scale);
@@ -74,9 +83,17 @@ struct KernelTable {
 
 // The table for a device; throws for a device this build has no kernels for.
 const KernelTable& kernels(Device device);
+// What ops call: an op boundary (runs the hook below), then kernels(device).
+const KernelTable& dispatch(Device device);
+// Runs at every op boundary. dist registers MPI progress here in poll mode
+// (TESSERA_PROGRESS=poll); nothing runs otherwise.
+void set_op_boundary_hook(void (*hook)());
 
 namespace cpu {
 extern const KernelTable kTable;
+}
+namespace async_cpu {
+extern const KernelTable kTable;  // the CPU kernels, queued on async_cpu streams
 }
 
 }  // namespace tessera

@@ -35,6 +35,11 @@ std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>
 Tensor contiguous(const Tensor& x);  // x itself when already contiguous
 Tensor clone(const Tensor& x);
 Tensor to(const Tensor& x, DType dtype);  // x itself when already that dtype
+// A copy on another device (x itself when already there). Host -> device is
+// queued on the device's current stream; device -> host then waits for that
+// stream (a host sync) unless non_blocking, after which the host must
+// synchronize before reading.
+Tensor to(const Tensor& x, Device device, bool non_blocking = false);
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim = 0);
 // Broadcast shape of two shapes; throws naming `op` when they do not broadcast.
@@ -69,7 +74,8 @@ inline Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);  // cond: bool
 
 // ---- in-place (what an optimizer needs); return the mutated tensor ---------
-Tensor& copy_(Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype
+Tensor& copy_(Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype; any devices
+Tensor& copy_(Tensor& dst, const Tensor& src, bool non_blocking);
 Tensor& fill_(Tensor& x, double value);
 Tensor& zero_(Tensor& x);
 Tensor& add_(Tensor& x, const Tensor& other, double alpha = 1.0);  // x += alpha * other
@@ -138,13 +144,13 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
 struct CrossEntropyResult {
   Tensor loss;
   Tensor lse;
-  int64_t count;  // targets that were not ignored
+  Tensor count;  // targets that were not ignored: a 0-dim f64 tensor on the logits' device
 };
 CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target,
                                  int64_t ignore_index = -100);
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
-                              int64_t count);
+                              const Tensor& count);
 
 // Causal (or full) scaled-dot-product attention, q [B, H, T, D], k/v [B, Hkv, S, D]
 // (Hkv divides H: grouped-query attention). Memory-efficient: online softmax

@@ -6,6 +6,7 @@
 #include "runtime/dtensor_hook.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
+#include "runtime/stream.h"
 
 namespace tessera::ops {
 
@@ -61,7 +62,7 @@ Tensor& update_inplace(Tensor& x, const char* op, F&& f) {
   }
   Tensor tmp = to(x, DType::F32);
   f(tmp);
-  kernels(x.device()).copy(x, tmp);
+  dispatch(x.device()).copy(x, tmp);
   return x;
 }
 
@@ -75,7 +76,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   Tensor xc = upcast(x);
   Tensor out = empty(x.shape(), xc.dtype(), x.device());
-  kernels(x.device()).unary(op, out, xc);
+  dispatch(x.device()).unary(op, out, xc);
   return to(out, x.dtype());
 }
 
@@ -88,7 +89,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
            unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   Tensor gx = empty(x.shape(), compute_dtype(x.dtype()), x.device());
-  kernels(x.device()).unary_backward(op, gx, upcast(grad), upcast(x),
+  dispatch(x.device()).unary_backward(op, gx, upcast(grad), upcast(x),
                                      y.defined() ? upcast(y) : Tensor());
   return to(gx, x.dtype());
 }
@@ -112,7 +113,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   if (a.is_meta()) return empty(shape, out_dtype, a.device());
   Tensor ac = upcast(a), bc = upcast(b);
   Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ac.dtype(), a.device());
-  kernels(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
+  dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
   return to(out, out_dtype);
 }
 
@@ -144,7 +145,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
                                  "where");
   Tensor out = empty(shape, a.dtype(), a.device());
   if (out.is_meta()) return out;
-  kernels(a.device()).where(out, expand(cond, shape), expand(a, shape), expand(b, shape));
+  dispatch(a.device()).where(out, expand(cond, shape), expand(a, shape), expand(b, shape));
   return out;
 }
 
@@ -158,12 +159,31 @@ Tensor& copy_(Tensor& dst, const Tensor& src) {
     });
     return dst;
   }
+  return copy_(dst, src, /*non_blocking=*/false);
+}
+
+Tensor& copy_(Tensor& dst, const Tensor& src, bool non_blocking) {
   if (dst.is_meta()) return dst;
   TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
            dst.device().str());
-  check_same_device(dst, src, "copy_");
+  TS_CHECK(!dst.is_distributed() && !src.is_distributed(),
+           "copy_: a copy between devices takes local tensors, got a DTensor (use to_local())");
   Tensor s = expand(src, dst.shape());
-  kernels(dst.device()).copy(dst, s);
+  const Device to = dst.device(), from = src.device();
+  if (to == from) {
+    dispatch(to).copy(dst, s);
+  } else if (from.is_host_visible() && to.is_host_visible()) {
+    dispatch(Device::cpu()).copy(dst, s);
+  } else if (from.is_host_visible()) {  // host -> device, queued on the device's stream
+    dispatch(to).copy_from_host(dst, s);
+  } else if (to.is_host_visible()) {  // device -> host: the host reads dst next, so wait
+    dispatch(from).copy_to_host(dst, s);
+    if (!non_blocking) current_stream(from).synchronize();
+  } else {  // device -> device: through the host
+    Tensor staged = empty(dst.shape(), src.dtype(), Device::cpu());
+    copy_(staged, s, false);
+    dispatch(to).copy_from_host(dst, staged);
+  }
   return dst;
 }
 
@@ -175,7 +195,7 @@ Tensor& fill_(Tensor& x, double value) {
     });
     return x;
   }
-  if (!x.is_meta()) kernels(x.device()).fill(x, value);
+  if (!x.is_meta()) dispatch(x.device()).fill(x, value);
   return x;
 }
 
@@ -203,7 +223,7 @@ Tensor& add_(Tensor& x, const Tensor& other, double alpha) {
   }
   Tensor o = operand(x, other, "add_");
   return update_inplace(x, "add_", [&](const Tensor& t) {
-    kernels(t.device()).pointwise(PointwiseOp::AddScaled, t, o, {}, alpha);
+    dispatch(t.device()).pointwise(PointwiseOp::AddScaled, t, o, {}, alpha);
   });
 }
 
@@ -221,7 +241,7 @@ Tensor& mul_(Tensor& x, const Tensor& other) {
   }
   Tensor o = operand(x, other, "mul_");
   return update_inplace(x, "mul_", [&](const Tensor& t) {
-    kernels(t.device()).binary(BinaryOp::Mul, t, t, o);
+    dispatch(t.device()).binary(BinaryOp::Mul, t, t, o);
   });
 }
 
@@ -239,7 +259,7 @@ Tensor& div_(Tensor& x, const Tensor& other) {
   }
   Tensor o = operand(x, other, "div_");
   return update_inplace(x, "div_", [&](const Tensor& t) {
-    kernels(t.device()).binary(BinaryOp::Div, t, t, o);
+    dispatch(t.device()).binary(BinaryOp::Div, t, t, o);
   });
 }
 
@@ -253,7 +273,7 @@ Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
   }
   Tensor oa = operand(x, a, "addcmul_"), ob = operand(x, b, "addcmul_");
   return update_inplace(x, "addcmul_", [&](const Tensor& t) {
-    kernels(t.device()).pointwise(PointwiseOp::Addcmul, t, oa, ob, value);
+    dispatch(t.device()).pointwise(PointwiseOp::Addcmul, t, oa, ob, value);
   });
 }
 
@@ -267,7 +287,7 @@ Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
   }
   Tensor oa = operand(x, a, "addcdiv_"), ob = operand(x, b, "addcdiv_");
   return update_inplace(x, "addcdiv_", [&](const Tensor& t) {
-    kernels(t.device()).pointwise(PointwiseOp::Addcdiv, t, oa, ob, value);
+    dispatch(t.device()).pointwise(PointwiseOp::Addcdiv, t, oa, ob, value);
   });
 }
 
@@ -281,7 +301,7 @@ Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
   }
   Tensor o = operand(x, end, "lerp_");
   return update_inplace(x, "lerp_", [&](const Tensor& t) {
-    kernels(t.device()).pointwise(PointwiseOp::Lerp, t, o, {}, weight);
+    dispatch(t.device()).pointwise(PointwiseOp::Lerp, t, o, {}, weight);
   });
 }
 
@@ -294,7 +314,7 @@ Tensor& sqrt_(Tensor& x) {
     return x;
   }
   return update_inplace(x, "sqrt_", [&](const Tensor& t) {
-    kernels(t.device()).unary(UnaryOp::Sqrt, t, t);
+    dispatch(t.device()).unary(UnaryOp::Sqrt, t, t);
   });
 }
 
@@ -308,7 +328,7 @@ Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max) 
   }
   double lo = min.value_or(-std::numeric_limits<double>::infinity());
   double hi = max.value_or(std::numeric_limits<double>::infinity());
-  return update_inplace(x, "clamp_", [&](const Tensor& t) { kernels(t.device()).clamp(t, lo, hi); });
+  return update_inplace(x, "clamp_", [&](const Tensor& t) { dispatch(t.device()).clamp(t, lo, hi); });
 }
 
 // ---- reductions ---------------------------------------------------------------
@@ -366,7 +386,7 @@ Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dim
     for (int64_t d : dims) n *= x.shape()[d];
     outer = x.numel() / n;
   }
-  kernels(x.device()).reduce(op, out, contiguous(src), outer, n, inner);
+  dispatch(x.device()).reduce(op, out, contiguous(src), outer, n, inner);
   return out;
 }
 
@@ -431,7 +451,7 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   Shape rows_shape(moved.shape().begin(), moved.shape().end() - 1);
   Tensor values = empty(rows_shape, moved.dtype(), x.device());
   Tensor indices = empty(rows_shape, DType::I64, x.device());
-  kernels(x.device()).argmax_rows(values, indices, moved);
+  dispatch(x.device()).argmax_rows(values, indices, moved);
   // The rows are in "dim moved last" order: move it back before reshaping.
   if (x.dim() > 0 && dim != x.dim() - 1) {
     values = contiguous(transpose(unsqueeze(values, -1), dim, -1));
@@ -453,7 +473,7 @@ double sum_squares(const Tensor& x) {
            "sum_squares of a DTensor would be this rank's part only; use nn::grad_norm / "
            "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
   if (x.numel() == 0) return 0.0;
-  return kernels(x.device()).sum_squares(contiguous(upcast(x)));
+  return dispatch(x.device()).sum_squares(contiguous(upcast(x)));
 }
 
 }  // namespace tessera::ops

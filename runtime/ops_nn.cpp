@@ -47,12 +47,12 @@ void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, d
   TS_ASSERT(out.is_contiguous());
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (beta == 0.0) kernels(out.device()).fill(out, 0.0);
-    else if (beta != 1.0) kernels(out.device()).binary_scalar(BinaryOp::Mul, out, out, beta, false);
+    if (beta == 0.0) dispatch(out.device()).fill(out, 0.0);
+    else if (beta != 1.0) dispatch(out.device()).binary_scalar(BinaryOp::Mul, out, out, beta, false);
     return;
   }
   BlasOperand pa = blas_operand(a), pb = blas_operand(b);
-  kernels(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, pa.t.data_ptr(),
+  dispatch(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, pa.t.data_ptr(),
                              pa.ld, pb.t.data_ptr(), pb.ld, beta, out.data_ptr(), n);
 }
 
@@ -126,7 +126,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   if (x.is_meta()) return empty(out_shape, x.dtype(), x.device());
   Tensor x2 = reshape(upcast(x), {leading_numel(x.shape()), w.size(1)});
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
-  if (b.defined()) kernels(x.device()).copy(out, expand(upcast(b), out.shape()));
+  if (b.defined()) dispatch(x.device()).copy(out, expand(upcast(b), out.shape()));
   gemm2d(out, x2, transpose(upcast(w), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
   return to(reshape(out, out_shape), x.dtype());
 }
@@ -142,7 +142,7 @@ void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool
   bool direct = out.is_contiguous() && (out.dtype() == DType::F32 || out.dtype() == DType::F64);
   Tensor target = direct ? out : contiguous(upcast(out));
   gemm2d(target, upcast(a), upcast(b), alpha, accumulate ? 1.0 : 0.0);
-  if (!direct) kernels(out.device()).copy(out, target);
+  if (!direct) dispatch(out.device()).copy(out, target);
 }
 
 // ---- softmax ----------------------------------------------------------------
@@ -163,13 +163,13 @@ Tensor along_last(const Tensor& x, int64_t dim, F&& f) {
 Tensor softmax(const Tensor& x, int64_t dim) {
   check_float(x, "softmax", "input");
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { kernels(x.device()).softmax(o, m, false); });
+  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, false); });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
   check_float(x, "log_softmax", "input");
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { kernels(x.device()).softmax(o, m, true); });
+  return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, true); });
 }
 
 namespace {
@@ -178,7 +178,7 @@ Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, b
   dim = wrap_dim(dim, y.dim(), "softmax_backward");
   Tensor g = y.dim() == 0 ? reshape(grad, {1}) : contiguous(upcast(transpose(grad, dim, -1)));
   return along_last(y, dim, [&](const Tensor& o, const Tensor& ym) {
-    kernels(y.device()).softmax_backward(o, g, ym, log);
+    dispatch(y.device()).softmax_backward(o, g, ym, log);
   });
 }
 }  // namespace
@@ -217,7 +217,7 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
   Tensor xc = contiguous(upcast(x));
   NormResult r{empty(x.shape(), cd, x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
                empty(rows, cd, x.device())};
-  kernels(x.device()).layer_norm(r, xc, w.defined() ? contiguous(upcast(w)) : Tensor(),
+  dispatch(x.device()).layer_norm(r, xc, w.defined() ? contiguous(upcast(w)) : Tensor(),
                                  b.defined() ? contiguous(upcast(b)) : Tensor(), eps, rms);
   r.y = to(r.y, x.dtype());
   return r;
@@ -233,7 +233,7 @@ NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, cons
               need_wb && w.defined() ? empty({c}, cd, x.device()) : Tensor(),
               need_wb && has_bias ? empty({c}, cd, x.device()) : Tensor()};
   if (x.is_meta()) return g;
-  kernels(x.device()).layer_norm_backward(g, contiguous(upcast(dy)), contiguous(upcast(x)),
+  dispatch(x.device()).layer_norm_backward(g, contiguous(upcast(dy)), contiguous(upcast(x)),
                                           w.defined() ? contiguous(upcast(w)) : Tensor(), mean,
                                           rstd, rms);
   g.dx = to(g.dx, x.dtype());
@@ -274,7 +274,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   shape.push_back(weight.size(1));
   Tensor out = empty(shape, weight.dtype(), weight.device());
   if (out.is_meta()) return out;
-  kernels(weight.device()).embedding(out, contiguous(weight), contiguous(indices));
+  dispatch(weight.device()).embedding(out, contiguous(weight), contiguous(indices));
   return out;
 }
 
@@ -282,7 +282,7 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   int64_t d = grad.size(-1);
   Tensor gw = zeros({num_weights, d}, compute_dtype(grad.dtype()), grad.device());
   if (gw.is_meta()) return to(gw, grad.dtype());
-  kernels(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {leading_numel(grad.shape()), d}),
+  dispatch(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {leading_numel(grad.shape()), d}),
                                             contiguous(indices));
   return to(gw, grad.dtype());
 }
@@ -299,24 +299,24 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
   DType cd = compute_dtype(logits.dtype());
   int64_t n = logits.size(0);
   if (logits.is_meta())
-    return {empty({}, logits.dtype(), logits.device()), empty({n}, cd, logits.device()), 0};
+    return {empty({}, logits.dtype(), logits.device()), empty({n}, cd, logits.device()),
+            empty({}, DType::F64, logits.device())};
   Tensor t = contiguous(to(target, DType::I64));
   Tensor losses = empty({n}, cd, logits.device()), lse = empty({n}, cd, logits.device());
-  kernels(logits.device()).cross_entropy(losses, lse, contiguous(upcast(logits)), t, ignore_index);
-  int64_t count = 0;
-  const int64_t* pt = t.data<int64_t>();
-  for (int64_t i = 0; i < n; ++i) count += pt[i] != ignore_index;
+  dispatch(logits.device()).cross_entropy(losses, lse, contiguous(upcast(logits)), t, ignore_index);
+  // The mean over counted targets stays on the device: no host sync per step.
+  Tensor count = sum(binary(BinaryOp::Ne, t, static_cast<double>(ignore_index)), {}, false, DType::F64);
   Tensor total = sum(losses, {}, false, DType::F64);
-  double loss = count > 0 ? total.item() / static_cast<double>(count) : 0.0;
-  return {full({}, loss, logits.dtype(), logits.device()), lse, count};
+  Tensor loss = div(total, binary(BinaryOp::Maximum, count, 1.0));  // 0 when every target is ignored
+  return {to(loss, logits.dtype()), lse, count};
 }
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                              const Tensor& lse, int64_t ignore_index, int64_t count) {
+                              const Tensor& lse, int64_t ignore_index, const Tensor& count) {
   Tensor g = empty(logits.shape(), compute_dtype(logits.dtype()), logits.device());
   if (g.is_meta()) return to(g, logits.dtype());
-  double scale = count > 0 ? grad_loss.item() / static_cast<double>(count) : 0.0;
-  kernels(logits.device()).cross_entropy_backward(g, scale, contiguous(upcast(logits)),
+  Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
+  dispatch(logits.device()).cross_entropy_backward(g, scale, contiguous(upcast(logits)),
                                                   contiguous(to(target, DType::I64)), lse,
                                                   ignore_index);
   return to(g, logits.dtype());
@@ -350,7 +350,7 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
   if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, cd, q.device())};
   AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, cd, q.device())};
-  kernels(q.device()).attention(r, contiguous(upcast(q)), contiguous(upcast(k)),
+  dispatch(q.device()).attention(r, contiguous(upcast(q)), contiguous(upcast(k)),
                                 contiguous(upcast(v)), causal, scale);
   r.out = to(r.out, q.dtype());
   return r;
@@ -364,7 +364,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
                    empty(v.shape(), cd, q.device())};
   if (q.is_meta()) return g;
-  kernels(q.device()).attention_backward(g, contiguous(upcast(dout)), contiguous(upcast(q)),
+  dispatch(q.device()).attention_backward(g, contiguous(upcast(dout)), contiguous(upcast(q)),
                                          contiguous(upcast(k)), contiguous(upcast(v)),
                                          contiguous(upcast(out)), contiguous(lse), causal, scale);
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
@@ -400,7 +400,7 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   DType cd = compute_dtype(x.dtype());
   Tensor out = empty(x.shape(), cd, x.device());
-  kernels(x.device()).rope(out, contiguous(upcast(x)), contiguous(to(narrow(cos, 0, 0, t), cd)),
+  dispatch(x.device()).rope(out, contiguous(upcast(x)), contiguous(to(narrow(cos, 0, 0, t), cd)),
                            contiguous(to(narrow(sin, 0, 0, t), cd)), inverse);
   return to(out, x.dtype());
 }

@@ -269,7 +269,7 @@ Tensor contiguous(const Tensor& x) {
 Tensor clone(const Tensor& x) {
   if (x.is_distributed()) return dispatch_like("clone", x, [](const Tensor& l) { return clone(l); });
   Tensor out = empty(x.shape(), x.dtype(), x.device());
-  if (!x.is_meta()) kernels(x.device()).copy(out, x);
+  if (!x.is_meta()) dispatch(x.device()).copy(out, x);
   return out;
 }
 
@@ -277,7 +277,17 @@ Tensor to(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   if (x.is_distributed()) return dispatch_like("to", x, [dtype](const Tensor& l) { return to(l, dtype); });
   Tensor out = empty(x.shape(), dtype, x.device());
-  if (!x.is_meta()) kernels(x.device()).copy(out, x);
+  if (!x.is_meta()) dispatch(x.device()).copy(out, x);
+  return out;
+}
+
+Tensor to(const Tensor& x, Device device, bool non_blocking) {
+  if (x.device() == device) return x;
+  if (x.is_distributed())
+    return dispatch_like("to", x, [device, non_blocking](const Tensor& l) { return to(l, device, non_blocking); });
+  TS_CHECK(!x.is_meta(), "to: a meta tensor has no values to copy to {} (use empty() there)", device.str());
+  Tensor out = empty(x.shape(), x.dtype(), device);
+  copy_(out, x, non_blocking);
   return out;
 }
 
@@ -306,7 +316,7 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
   int64_t start = 0;
   for (const Tensor& t : xs) {
     Tensor dst = narrow(out, dim, start, t.shape()[dim]);
-    kernels(out.device()).copy(dst, t);
+    dispatch(out.device()).copy(dst, t);
     start += t.shape()[dim];
   }
   return out;

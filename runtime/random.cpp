@@ -143,7 +143,7 @@ void uniform_(Tensor& x, double low, double high, const RandomSpec& spec) {
     return random_distributed("uniform_", x, spec,
                               [=](Tensor& l, const RandomSpec& s) { uniform_(l, low, high, s); });
   random_into(x, "uniform_",
-              [&](const Tensor& t) { kernels(t.device()).uniform(t, low, high, spec); });
+              [&](const Tensor& t) { dispatch(t.device()).uniform(t, low, high, spec); });
 }
 
 void normal_(Tensor& x, double mean, double std, const RandomSpec& spec) {
@@ -151,7 +151,7 @@ void normal_(Tensor& x, double mean, double std, const RandomSpec& spec) {
     return random_distributed("normal_", x, spec,
                               [=](Tensor& l, const RandomSpec& s) { normal_(l, mean, std, s); });
   random_into(x, "normal_",
-              [&](const Tensor& t) { kernels(t.device()).normal(t, mean, std, spec); });
+              [&](const Tensor& t) { dispatch(t.device()).normal(t, mean, std, spec); });
 }
 
 Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
@@ -187,55 +187,55 @@ Tensor empty_like(const Tensor& x) {
   if (x.is_distributed()) return dispatch_like("empty_like", x, [](const Tensor& l) { return empty_like(l); });
   return empty(x.shape(), x.dtype(), x.device());
 }
-Tensor scalar_tensor(double value, DType dtype) { return full({}, value, dtype); }
+Tensor scalar_tensor(double value, DType dtype, Device device) { return full({}, value, dtype, device); }
 
-Tensor arange(int64_t start, int64_t end, int64_t step, DType dtype) {
+Tensor arange(int64_t start, int64_t end, int64_t step, DType dtype, Device device) {
   TS_CHECK(step != 0, "arange: step must be nonzero");
   int64_t n = std::max<int64_t>(0, (end - start + step - (step > 0 ? 1 : -1)) / step);
   std::vector<double> values(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = static_cast<double>(start + i * step);
-  return ops::to(from_vector(values, {n}), dtype);
+  return ops::to(ops::to(from_vector(values, {n}), dtype), device);
 }
 
 template <class T>
-Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device) {
   TS_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape),
            "from_vector: {} values cannot fill shape {} ({} elements)", values.size(),
            shape_str(shape), shape_numel(shape));
   Tensor t = empty(shape, DTypeOf<T>::value);
   if (!values.empty()) std::memcpy(t.data_ptr(), values.data(), values.size() * sizeof(T));
-  return t;
+  return ops::to(t, device);
 }
-template Tensor from_vector<float>(const std::vector<float>&, const Shape&);
-template Tensor from_vector<double>(const std::vector<double>&, const Shape&);
-template Tensor from_vector<int32_t>(const std::vector<int32_t>&, const Shape&);
-template Tensor from_vector<int64_t>(const std::vector<int64_t>&, const Shape&);
+template Tensor from_vector<float>(const std::vector<float>&, const Shape&, Device);
+template Tensor from_vector<double>(const std::vector<double>&, const Shape&, Device);
+template Tensor from_vector<int32_t>(const std::vector<int32_t>&, const Shape&, Device);
+template Tensor from_vector<int64_t>(const std::vector<int64_t>&, const Shape&, Device);
 
-Tensor uniform(const Shape& shape, double low, double high, uint64_t seed, DType dtype) {
-  Tensor t = empty(shape, dtype);
+Tensor uniform(const Shape& shape, double low, double high, uint64_t seed, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
   ops::uniform_(t, low, high, {seed, 0, 0, {}});
   return t;
 }
-Tensor normal(const Shape& shape, double mean, double std, uint64_t seed, DType dtype) {
-  Tensor t = empty(shape, dtype);
+Tensor normal(const Shape& shape, double mean, double std, uint64_t seed, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
   ops::normal_(t, mean, std, {seed, 0, 0, {}});
   return t;
 }
-Tensor rand(const Shape& shape, uint64_t seed, DType dtype) {
-  return uniform(shape, 0.0, 1.0, seed, dtype);
+Tensor rand(const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  return uniform(shape, 0.0, 1.0, seed, dtype, device);
 }
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype) {
-  return normal(shape, 0.0, 1.0, seed, dtype);
+Tensor randn(const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  return normal(shape, 0.0, 1.0, seed, dtype, device);
 }
 
-Tensor randint(const Shape& shape, int64_t low, int64_t high, uint64_t seed) {
+Tensor randint(const Shape& shape, int64_t low, int64_t high, uint64_t seed, Device device) {
   TS_CHECK(high > low, "randint: empty range [{}, {})", low, high);
   Tensor u = uniform(shape, 0.0, 1.0, seed, DType::F64);
   std::vector<double> v = u.to_vector<double>();
   std::vector<int64_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i)
     out[i] = low + std::min<int64_t>(high - low - 1, static_cast<int64_t>(v[i] * static_cast<double>(high - low)));
-  return from_vector(out, shape);
+  return from_vector(out, shape, device);
 }
 
 }  // namespace tessera

@@ -63,18 +63,21 @@ Tensor full(const Shape& shape, double value, DType dtype = DType::F32,
             Device device = Device::cpu());
 Tensor zeros_like(const Tensor& x);
 Tensor empty_like(const Tensor& x);
-Tensor arange(int64_t start, int64_t end, int64_t step = 1, DType dtype = DType::I64);
-Tensor scalar_tensor(double value, DType dtype = DType::F32);
-// Copies `values` into a new tensor of `shape` (numel must match) and dtype of T.
+Tensor arange(int64_t start, int64_t end, int64_t step = 1, DType dtype = DType::I64,
+              Device device = Device::cpu());
+Tensor scalar_tensor(double value, DType dtype = DType::F32, Device device = Device::cpu());
+// Copies `values` into a new tensor of `shape` (numel must match) and dtype of T
+// (through the host: on another device, one copy queued on its current stream).
 template <class T>
-Tensor from_vector(const std::vector<T>& values, const Shape& shape);
-Tensor rand(const Shape& shape, uint64_t seed, DType dtype = DType::F32);
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::F32);
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device = Device::cpu());
+Tensor rand(const Shape& shape, uint64_t seed, DType dtype = DType::F32, Device device = Device::cpu());
+Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::F32, Device device = Device::cpu());
 Tensor uniform(const Shape& shape, double low, double high, uint64_t seed,
-               DType dtype = DType::F32);
+               DType dtype = DType::F32, Device device = Device::cpu());
 Tensor normal(const Shape& shape, double mean, double std, uint64_t seed,
-              DType dtype = DType::F32);
+              DType dtype = DType::F32, Device device = Device::cpu());
 // Random integers in [low, high) (i64), for token data in tests.
-Tensor randint(const Shape& shape, int64_t low, int64_t high, uint64_t seed);
+Tensor randint(const Shape& shape, int64_t low, int64_t high, uint64_t seed,
+               Device device = Device::cpu());
 
 }  // namespace tessera

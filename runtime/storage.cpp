@@ -11,10 +11,18 @@ Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device
   }
 }
 
+std::shared_ptr<Storage> Storage::borrow(void* data, size_t nbytes, Device device) {
+  auto s = std::make_shared<Storage>(0, Device::meta());
+  s->data_ = data;
+  s->nbytes_ = nbytes;
+  s->device_ = device;
+  return s;
+}
+
 Storage::~Storage() { release(); }
 
 void Storage::release() {
-  if (allocator_ != nullptr && data_ != nullptr) allocator_->deallocate(data_, nbytes_);
+  if (allocator_ != nullptr && data_ != nullptr) allocator_->deallocate(data_);
   data_ = nullptr;
 }
 

@@ -18,6 +18,9 @@ class Storage {
  public:
   // Allocates nbytes on device (no bytes for meta).
   Storage(size_t nbytes, Device device);
+  // Views bytes owned by someone else, without freeing them (the asynchronous
+  // CPU device hands its kernels such host views of its memory).
+  static std::shared_ptr<Storage> borrow(void* data, size_t nbytes, Device device);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -40,7 +43,7 @@ class Storage {
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
-  Allocator* allocator_ = nullptr;  // null for meta
+  Allocator* allocator_ = nullptr;  // null for meta and borrowed bytes
 };
 
 }  // namespace tessera

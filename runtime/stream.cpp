@@ -1,15 +1,26 @@
 #include "runtime/stream.h"
 
+#include <atomic>
+#include <cstdlib>
+
+#include "runtime/async_cpu.h"
 #include "runtime/check.h"
 
 namespace tessera {
 
 namespace {
 
+std::atomic<uint64_t> next_stream_id{1};
+std::atomic<int64_t> host_syncs{0};
+
+// The host is the stream: work runs when it is enqueued.
 class CpuStream final : public Stream {
  public:
   Device device() const override { return Device::cpu(); }
-  void synchronize() override {}  // ops ran to completion when they returned
+  bool synchronous() const override { return true; }
+  void enqueue(const char*, std::function<void()> fn) override { fn(); }
+  void synchronize() override {}
+  bool query() override { return true; }
 };
 
 class CpuEvent final : public Event {
@@ -17,29 +28,91 @@ class CpuEvent final : public Event {
   void record(Stream& stream) override {
     TS_CHECK(stream.device().is_cpu(), "a CPU event cannot be recorded on a {} stream",
              stream.device().str());
-    recorded_ = true;
   }
   bool query() const override { return true; }  // never pending: the host is the stream
   void synchronize() override {}
   void wait(Stream& stream) override {
     TS_CHECK(stream.device().is_cpu(), "a {} stream cannot wait on a CPU event", stream.device().str());
   }
-
- private:
-  bool recorded_ = false;
 };
+
+void check_streams(Device device, const char* what) {
+  TS_CHECK(device.is_cpu() || device.type == DeviceType::AsyncCPU,
+           "{}: no streams for device {} in this build (CPU-only)", what, device.str());
+}
 
 }  // namespace
 
-Stream& current_stream(Device device) {
-  static CpuStream cpu;
-  TS_CHECK(device.is_cpu(), "no streams for device {} in this build (CPU-only)", device.str());
-  return cpu;
+Stream::Stream() : id_(next_stream_id.fetch_add(1)) {}
+
+std::shared_ptr<Event> Stream::record_event() {
+  auto e = make_event(device());
+  e->record(*this);
+  return e;
 }
 
-std::unique_ptr<Event> make_event(Device device) {
-  TS_CHECK(device.is_cpu(), "no events for device {} in this build (CPU-only)", device.str());
-  return std::make_unique<CpuEvent>();
+void Stream::wait_event(Event& event) { event.wait(*this); }
+
+void Stream::wait_stream(Stream& other) {
+  if (&other == this || other.synchronous()) return;
+  other.record_event()->wait(*this);
 }
+
+namespace detail {
+
+Stream*& current_stream_slot(Device device) {
+  thread_local Stream* slots[4] = {nullptr, nullptr, nullptr, nullptr};
+  return slots[static_cast<int>(device.type)];
+}
+
+void count_host_sync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace detail
+
+Stream& default_stream(Device device) {
+  check_streams(device, "default_stream");
+  if (device.is_cpu()) {
+    static auto* cpu = new std::shared_ptr<Stream>(std::make_shared<CpuStream>());  // never destroyed
+    return **cpu;
+  }
+  return async_cpu::default_stream();
+}
+
+Stream& current_stream(Device device) {
+  Stream* s = detail::current_stream_slot(device);
+  return s != nullptr ? *s : default_stream(device);
+}
+
+StreamPtr new_stream(Device device) {
+  check_streams(device, "new_stream");
+  if (device.is_cpu()) return std::make_shared<CpuStream>();
+  return async_cpu::new_stream();
+}
+
+std::shared_ptr<Event> make_event(Device device) {
+  check_streams(device, "make_event");
+  if (device.is_cpu()) return std::make_shared<CpuEvent>();
+  return async_cpu::make_event();
+}
+
+StreamGuard::StreamGuard(Stream& stream)
+    : device_(stream.device()), previous_(detail::current_stream_slot(device_)) {
+  detail::current_stream_slot(device_) = &stream;
+}
+
+StreamGuard::~StreamGuard() { detail::current_stream_slot(device_) = previous_; }
+
+void synchronize(Device device) {
+  if (device.type == DeviceType::AsyncCPU) async_cpu::synchronize_all();
+}
+
+int64_t host_sync_count() { return host_syncs.load(std::memory_order_relaxed); }
+
+void set_async_delays(int max_us) {
+  TS_CHECK(max_us >= 0, "set_async_delays: expected a delay >= 0 microseconds, got {}", max_us);
+  async_cpu::set_delays(max_us);
+}
+
+int async_delays() { return async_cpu::delays(); }
 
 }  // namespace tessera

@@ -90,12 +90,14 @@ void* Tensor::data_ptr() const {
 double Tensor::item() const {
   TS_CHECK(numel() == 1, "item: expected a tensor with one element, got shape {}",
            shape_str(shape()));
-  return ops::to(ops::contiguous(*this), DType::F64).data<double>()[0];
+  return ops::to(ops::to(*this, Device::cpu()), DType::F64).data<double>()[0];
 }
+
+Tensor Tensor::to(Device device, bool non_blocking) const { return ops::to(*this, device, non_blocking); }
 
 template <class T>
 std::vector<T> Tensor::to_vector() const {
-  Tensor c = ops::contiguous(ops::to(*this, DTypeOf<T>::value));
+  Tensor c = ops::contiguous(ops::to(ops::to(*this, Device::cpu()), DTypeOf<T>::value));
   const T* p = c.numel() > 0 ? c.data<T>() : nullptr;
   return std::vector<T>(p, p + c.numel());
 }

@@ -85,18 +85,26 @@ class Tensor {
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype()); }
   const std::shared_ptr<Storage>& storage() const { return checked().storage; }
 
-  // Raw element pointer (at the tensor's offset). Throws for meta tensors,
-  // DTensors and released storage.
+  // Raw element pointer (at the tensor's offset), on any device: the host may
+  // dereference it only where device().is_host_visible() (data<T>() checks).
+  // Throws for meta tensors, DTensors and released storage.
   void* data_ptr() const;
+  // Typed host pointer; refuses a tensor whose bytes the host cannot read.
   template <class T>
   T* data() const {
     TS_CHECK(DTypeOf<T>::value == dtype(), "data<{}>() called on a {} tensor",
              dtype_name(DTypeOf<T>::value), dtype_name(dtype()));
+    TS_CHECK(is_meta() || device().is_host_visible(),
+             "data<{}>(): tensor {} is on {}, whose memory the host cannot read; copy it first "
+             "(t.to(Device::cpu()))",
+             dtype_name(dtype()), shape_str(shape()), device().str());
     return static_cast<T*>(data_ptr());
   }
-  // The value of a one-element tensor, converted to double.
+  // A copy on `device` (this tensor when already there); see ops::to.
+  Tensor to(Device device, bool non_blocking = false) const;
+  // The value of a one-element tensor, converted to double (a host sync off the CPU).
   double item() const;
-  // Copies the elements, in row-major order, converted to T.
+  // Copies the elements, in row-major order, converted to T (a host sync off the CPU).
   template <class T>
   std::vector<T> to_vector() const;
 

@@ -452,7 +452,7 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   double waited = dist::total_wait_seconds() - window_wait_start_ - excluded_wait_s_;
   // Every rank takes part: peak memory and exposed communication are maxima over ranks.
   double peak_mib =
-      all_reduce(static_cast<double>(memory_stats().peak_bytes) / 1048576.0, dist::ReduceOp::Max);
+      all_reduce(static_cast<double>(memory_stats().peak_allocated_bytes) / 1048576.0, dist::ReduceOp::Max);
   double exposed = all_reduce(100.0 * waited / window, dist::ReduceOp::Max);
   double tok_s = static_cast<double>(window_tokens_) / window;
   double mfu = 100.0 * tok_s * flops_per_token_ / (cfg_.metrics.peak_tflops * 1e12);

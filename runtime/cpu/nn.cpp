@@ -244,9 +244,10 @@ void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits
   });
 }
 
-void cross_entropy_backward(const Tensor& glogits, double scale, const Tensor& logits,
+void cross_entropy_backward(const Tensor& glogits, const Tensor& scale_tensor, const Tensor& logits,
                             const Tensor& target, const Tensor& lse, int64_t ignore_index) {
   int64_t rows = logits.size(0), c = logits.size(1);
+  const double scale = scale_tensor.data<double>()[0];
   const int64_t* pt = target.data<int64_t>();
   dispatch_float(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
     using T = decltype(tag);

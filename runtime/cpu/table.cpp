@@ -1,44 +1,13 @@
 // The CPU backend's kernel table.
-#include "runtime/distributed.h"
-#include "runtime/kernels.h"
+#include "runtime/cpu/kernels_cpu.h"
 
 namespace tessera {
 namespace cpu {
 
-void copy(const Tensor&, const Tensor&);
-void fill(const Tensor&, double);
-void unary(ops::UnaryOp, const Tensor&, const Tensor&);
-void unary_backward(ops::UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-void binary(ops::BinaryOp, const Tensor&, const Tensor&, const Tensor&);
-void binary_scalar(ops::BinaryOp, const Tensor&, const Tensor&, double, bool);
-void where(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-void pointwise(PointwiseOp, const Tensor&, const Tensor&, const Tensor&, double);
-void clamp(const Tensor&, double, double);
-void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
-void argmax_rows(const Tensor&, const Tensor&, const Tensor&);
-double sum_squares(const Tensor&);
-void gemm(DType, bool, bool, int64_t, int64_t, int64_t, double, const void*, int64_t,
-          const void*, int64_t, double, void*, int64_t);
-void softmax(const Tensor&, const Tensor&, bool);
-void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool);
-void layer_norm(const ops::NormResult&, const Tensor&, const Tensor&, const Tensor&, double, bool);
-void layer_norm_backward(const ops::NormGrads&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, bool);
-void embedding(const Tensor&, const Tensor&, const Tensor&);
-void embedding_backward(const Tensor&, const Tensor&, const Tensor&);
-void cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
-void cross_entropy_backward(const Tensor&, double, const Tensor&, const Tensor&, const Tensor&,
-                            int64_t);
-void attention(const ops::AttentionResult&, const Tensor&, const Tensor&, const Tensor&, bool,
-               double);
-void attention_backward(const ops::AttentionGrads&, const Tensor&, const Tensor&, const Tensor&,
-                        const Tensor&, const Tensor&, const Tensor&, bool, double);
-void rope(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
-void uniform(const Tensor&, double, double, const RandomSpec&);
-void normal(const Tensor&, double, double, const RandomSpec&);
-
 const KernelTable kTable = {
     .copy = copy,
+    .copy_from_host = copy,
+    .copy_to_host = copy,
     .fill = fill,
     .unary = unary,
     .unary_backward = unary_backward,
@@ -68,10 +37,21 @@ const KernelTable kTable = {
 
 }  // namespace cpu
 
+namespace {
+void (*op_boundary_hook)() = nullptr;
+}
+
 const KernelTable& kernels(Device device) {
-  dist::progress();  // op boundary: in poll mode, in-flight collectives advance here
-  TS_CHECK(device.is_cpu(), "no kernels for device {} in this build (CPU-only)", device.str());
-  return cpu::kTable;
+  if (device.is_cpu()) return cpu::kTable;
+  if (device.type == DeviceType::AsyncCPU) return async_cpu::kTable;
+  TS_CHECK(false, "no kernels for device {} in this build (CPU-only)", device.str());
+}
+
+void set_op_boundary_hook(void (*hook)()) { op_boundary_hook = hook; }
+
+const KernelTable& dispatch(Device device) {
+  if (op_boundary_hook != nullptr) op_boundary_hook();
+  return kernels(device);
 }
 
 }  // namespace tessera

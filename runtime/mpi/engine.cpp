@@ -48,7 +48,12 @@ void complete(Collective& op, Collective::Stage stage, std::string error = "") {
                   trace::now_us());
   op.stage = stage;
   op.error = std::move(error);
+  // Every buffer goes before the waiter can see `done`: memory is released at
+  // the same point of the program on every run (the lambdas hold buffers too).
   op.keep_alive.clear();
+  op.start = nullptr;
+  op.finish = nullptr;
+  op.ready = nullptr;
   op.done.store(true, std::memory_order_release);
 }
 }  // namespace
@@ -104,6 +109,20 @@ void Collective::wait() {
     }
   }
   if (!error.empty()) throw Error(error);
+}
+
+void Collective::wait(Stream& stream) {
+  if (stream.synchronous()) return wait();
+  // The stream's thread waits (and pumps MPI, as a host waiter would); the
+  // host goes on. An error surfaces at the stream's next synchronize.
+  auto self = std::static_pointer_cast<Collective>(shared_from_this());
+  stream.enqueue(kind.c_str(), [self] {
+    if (!self->done.load(std::memory_order_acquire) &&
+        !Engine::get().wait_for(*self, Clock::now() + timeout()))
+      throw Error(fmt::format("{} did not complete within {:.1f} s", self->describe(),
+                              std::chrono::duration<double>(timeout()).count()));
+    if (!self->error.empty()) throw Error(self->error);
+  });
 }
 
 bool Collective::is_completed() {
@@ -388,6 +407,7 @@ bool Engine::test(const std::shared_ptr<Collective>& op) {
     }
     if (op->stage == Collective::Stage::Queued) {
       if (op->seq != g.started_seq) return false;  // an earlier collective of this group goes first
+      if (op->ready && !op->ready->query()) return false;  // its inputs are still being produced
       op->start(op->requests);
       g.started_seq++;
       op->stage = Collective::Stage::Running;

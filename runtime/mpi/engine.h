@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "runtime/distributed.h"
+#include "runtime/stream.h"
 
 namespace tessera::dist::detail {
 
@@ -49,6 +50,7 @@ struct Collective : public Work {
   int64_t seq = 0;
   std::vector<int64_t> descriptor;  // what every rank must agree on (debug mode)
   std::vector<Tensor> keep_alive;
+  std::shared_ptr<Event> ready;  // asynchronous devices: MPI starts once this completed
   std::function<void(std::vector<MPI_Request>&)> start;  // posts the nonblocking MPI calls
   std::function<void()> finish;                          // after completion (sums, casts)
 
@@ -62,6 +64,7 @@ struct Collective : public Work {
   double issued_us = -1;  // for the trace: issue to completion on the collective's lane
 
   void wait() override;
+  void wait(Stream& stream) override;
   bool is_completed() override;
   std::string describe() const;  // "all_reduce (seq 17) on group 'world' [ranks 0, 1, 2, 3]"
 };

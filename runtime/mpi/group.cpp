@@ -9,6 +9,7 @@
 #include "runtime/mpi/engine.h"
 #include "runtime/mpi/group.h"
 #include "runtime/ops.h"
+#include "runtime/stream.h"
 
 namespace tessera::dist::detail {
 
@@ -26,7 +27,8 @@ class DoneWork final : public Work {
 void check_tensor(const Tensor& t, const char* op, const char* what) {
   TS_CHECK(t.defined(), "{}: {} is undefined", op, what);
   TS_CHECK(!t.is_distributed(), "{}: {} is a DTensor; pass its local tensor", op, what);
-  TS_CHECK(t.device().is_cpu(), "{}: {} is on {}; MPI process groups move CPU tensors", op, what,
+  TS_CHECK(t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU,
+           "{}: {} is on {}; MPI process groups move host-memory tensors (cpu, async_cpu)", op, what,
            t.device().str());
   TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,
            shape_str(t.shape()), shape_str(t.strides()));
@@ -52,21 +54,23 @@ MPI_Op mpi_op(ReduceOp op, DType dt) {
   }
 }
 
-// Serial loops for the engine side (no OpenMP team from the communication thread).
+// Serial loops for the engine side (no OpenMP team from the communication
+// thread). They run once the collective's inputs are ready, so they may touch
+// async_cpu memory directly: MPI moves host memory, whatever the device says.
 void divide_serial(const Tensor& t, double d) {
   int64_t n = t.numel();
   if (t.dtype() == DType::F32) {
-    float* p = t.data<float>();
+    auto* p = static_cast<float*>(t.data_ptr());
     float inv = static_cast<float>(d);
     for (int64_t i = 0; i < n; ++i) p[i] /= inv;
   } else if (t.dtype() == DType::F64) {
-    double* p = t.data<double>();
+    auto* p = static_cast<double*>(t.data_ptr());
     for (int64_t i = 0; i < n; ++i) p[i] /= d;
   }
 }
 
 void narrow_serial(const Tensor& dst, const Tensor& src_f32) {
-  const float* s = src_f32.data<float>();
+  const auto* s = static_cast<const float*>(src_f32.data_ptr());
   int64_t n = dst.numel();
   if (dst.dtype() == DType::BF16) {
     auto* d = static_cast<BFloat16*>(dst.data_ptr());
@@ -166,6 +170,13 @@ void MpiGroup::count(int64_t kind) {
 }
 
 WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
+  // Tensors of an asynchronous device: MPI may touch them only once the work
+  // queued on the current stream so far (their producers) has run.
+  for (const Tensor& t : c->keep_alive)
+    if (!t.device().is_host_visible()) {
+      c->ready = current_stream(t.device()).record_event();
+      break;
+    }
   Engine::get().submit(c);
   return c;
 }
@@ -184,7 +195,10 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
   char* slot = output.numel() ? static_cast<char*>(output.data_ptr()) + bytes * static_cast<size_t>(rank()) : nullptr;
   bool in_place = n > 0 && input.data_ptr() == slot;
   if (size() == 1) {
-    if (!in_place && n > 0) std::memcpy(slot, input.data_ptr(), bytes);
+    if (!in_place && n > 0) {  // queued like any copy (the device may be asynchronous)
+      Tensor dst = ops::view(output, {n});
+      ops::copy_(dst, ops::reshape(input, {n}));
+    }
     return std::make_shared<DoneWork>();
   }
   auto c = make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
@@ -323,8 +337,10 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
            size());
   count(kAllToAll);
   if (size() == 1) {
-    if (!input.is_same(output) && input.numel() > 0 && input.data_ptr() != output.data_ptr())
-      std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
+    if (!input.is_same(output) && input.numel() > 0 && input.data_ptr() != output.data_ptr()) {
+      Tensor dst = output;
+      ops::copy_(dst, ops::reshape(input, output.shape()));
+    }
     return std::make_shared<DoneWork>();
   }
   auto c = make(kAllToAll, "all_to_all", input.dtype(), input.numel(), output.numel(), ReduceOp::Sum, -1,
@@ -332,13 +348,15 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   c->keep_alive = {input, output};
   int64_t n = input.numel() / size();
   size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
-  if (n > 0)  // this rank's own chunk stays local
-    std::memcpy(static_cast<char*>(output.data_ptr()) + chunk * static_cast<size_t>(rank()),
-                static_cast<const char*>(input.data_ptr()) + chunk * static_cast<size_t>(rank()), chunk);
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
               n ? static_cast<const char*>(input.data_ptr()) : nullptr, chunk,
               n ? static_cast<char*>(output.data_ptr()) : nullptr};
-  c->start = [ex](std::vector<MPI_Request>& reqs) { ex.post(reqs); };
+  c->start = [ex](std::vector<MPI_Request>& reqs) {
+    ex.post(reqs);
+    if (ex.count > 0)  // this rank's own chunk stays local
+      std::memcpy(ex.recv + ex.bytes * static_cast<size_t>(ex.rank),
+                  ex.send + ex.send_stride * static_cast<size_t>(ex.rank), ex.bytes);
+  };
   return submit(c);
 }
 

@@ -144,7 +144,7 @@ TEST_CASE("init_weights depends only on seed and FQN; meta models materialise", 
   CHECK(meta->wte->weight.is_meta());
   MemoryStats before = memory_stats();
   auto meta2 = nn::GPT::on_meta(cfg);
-  CHECK(memory_stats().current_bytes == before.current_bytes);  // no bytes on meta
+  CHECK(memory_stats().allocated_bytes == before.allocated_bytes);  // no bytes on meta
   meta->to_empty(Device::cpu());
   CHECK(meta->lm_head->weight.is_same(meta->wte->weight));  // tie kept through to_empty
   meta->init_weights(7);

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# This tree against another commit (default: HEAD~1) on the CPU step
+# benchmarks, side by side: bench_step (one process) and bench_fsdp (2 ranks,
+# the "fsdp" row) of the two builds alternate ROUNDS times in one run and the
+# medians are compared. Only the ratio is meaningful on these noisy machines;
+# above 1 means this tree is faster.
+#   benchmarks/compare_commits.sh [base-commit] [build-dir] [rounds]
+# The base is built (release) in a git worktree under /tmp.
+set -eu
+base=${1:-HEAD~1}
+build=${2:-build}
+rounds=${3:-5}
+root=$(cd "$(dirname "$0")/.." && pwd)
+sha=$(git -C "$root" rev-parse --short "$base")
+wt=/tmp/tessera-base-$sha
+if [ ! -x "$wt/build/benchmarks/bench_fsdp" ]; then
+  echo "building $base ($sha) in $wt"
+  rm -rf "$wt"
+  git -C "$root" worktree prune
+  git -C "$root" worktree add --detach "$wt" "$sha" >/dev/null
+  (cd "$wt" && meson setup build --buildtype=release -Dtests=false >/dev/null && meson compile -C build >/dev/null)
+fi
+mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none"
+step_ms() { sed -nE 's/.*step ([0-9.]+) ms.*/\1/p' | head -1; }
+fsdp_ms() { awk '$1 == "fsdp" {print $2}'; }
+ours_step=(); base_step=(); ours_fsdp=(); base_fsdp=()
+for r in $(seq "$rounds"); do
+  ours_step+=("$("$root/$build/benchmarks/bench_step" 10 | step_ms)")
+  base_step+=("$("$wt/build/benchmarks/bench_step" 10 | step_ms)")
+  ours_fsdp+=("$(OMP_NUM_THREADS=1 $mpi -np 2 -x OMP_NUM_THREADS "$root/$build/benchmarks/bench_fsdp" 8 | fsdp_ms)")
+  base_fsdp+=("$(OMP_NUM_THREADS=1 $mpi -np 2 -x OMP_NUM_THREADS "$wt/build/benchmarks/bench_fsdp" 8 | fsdp_ms)")
+  echo "round $r: bench_step ${ours_step[-1]} vs ${base_step[-1]} ms, bench_fsdp (2 ranks) ${ours_fsdp[-1]} vs ${base_fsdp[-1]} ms"
+done
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+report() {
+  awk -v n="$1" -v a="$2" -v b="$3" -v s="$sha" \
+    'BEGIN { printf "%-22s this tree %7.1f ms, %s %7.1f ms -> ratio %.3f (base / this)\n", n, a, s, b, b / a }'
+}
+report "bench_step (1 rank)" "$(median "${ours_step[@]}")" "$(median "${base_step[@]}")"
+report "bench_fsdp (2 ranks)" "$(median "${ours_fsdp[@]}")" "$(median "${base_fsdp[@]}")"

@@ -1,0 +1,320 @@
+// The asynchronous CPU test device: the CPU's kernels, queued on streams that
+// each run on a worker thread. Its memory is host memory, but nothing outside
+// the kernels may touch it (Device::is_host_visible is false), so it behaves as
+// a GPU would: work runs after the call returns, streams overlap, and only
+// events and waits order them. Random delays (set_async_delays) widen every
+// race, so a missing wait shows up as a wrong number.
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "runtime/async_cpu.h"
+#include "runtime/cpu/kernels_cpu.h"
+
+namespace tessera::async_cpu {
+
+namespace {
+
+std::atomic<int> delay_us{[] {
+  const char* v = std::getenv("TESSERA_ASYNC_DELAYS");
+  return v ? std::max(0, std::atoi(v)) : 0;
+}()};
+
+class AsyncStream final : public Stream {
+ public:
+  AsyncStream() : rng_(static_cast<uint32_t>(id())) { thread_ = std::thread([this] { loop(); }); }
+
+  ~AsyncStream() override {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return completed_ == enqueued_; });  // drain
+      stop_ = true;
+    }
+    work_cv_.notify_one();
+    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();  // last reference dropped by its own work
+    else thread_.join();
+  }
+
+  Device device() const override { return Device::async_cpu(); }
+  bool synchronous() const override { return false; }
+
+  void enqueue(const char* what, std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.push_back({what, std::move(fn)});
+      ++enqueued_;
+    }
+    work_cv_.notify_one();
+  }
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    uint64_t target = enqueued_;
+    detail::count_host_sync();  // counted whether or not it had to wait: counts stay deterministic
+    done_cv_.wait(lk, [&] { return completed_ >= target; });
+    if (!error_.empty()) {
+      std::string e = std::move(error_);
+      error_.clear();
+      lk.unlock();
+      detail::throw_error(e);
+    }
+  }
+
+  bool query() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return completed_ == enqueued_;
+  }
+
+  // The position an event recorded now stands for, and waiting for one.
+  uint64_t position() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return enqueued_;
+  }
+  bool reached(uint64_t position) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return completed_ >= position;
+  }
+  void wait_until(uint64_t position) {
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return completed_ >= position; });
+  }
+
+ private:
+  struct Task {
+    const char* what;
+    std::function<void()> fn;
+  };
+
+  void loop() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        work_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (int d = delay_us.load(std::memory_order_relaxed); d > 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, d)(rng_)));
+      std::string error;
+      try {
+        task.fn();
+      } catch (const std::exception& e) {
+        error = fmt::format("{} (raised by the asynchronous kernel '{}' on async_cpu stream {})", e.what(),
+                            task.what, id());
+      }
+      task.fn = nullptr;  // release what the work held before it counts as done
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!error.empty() && error_.empty()) error_ = std::move(error);
+        ++completed_;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Task> queue_;
+  uint64_t enqueued_ = 0, completed_ = 0;
+  bool stop_ = false;
+  std::string error_;  // the first deferred error since the last synchronize
+  std::minstd_rand rng_;
+  std::thread thread_;
+};
+
+class AsyncEvent final : public Event {
+ public:
+  void record(Stream& stream) override {
+    auto* s = dynamic_cast<AsyncStream*>(&stream);
+    TS_CHECK(s != nullptr, "an async_cpu event cannot be recorded on a {} stream", stream.device().str());
+    std::lock_guard<std::mutex> lk(mu_);
+    stream_ = std::static_pointer_cast<AsyncStream>(s->shared_from_this());
+    position_ = s->position();
+  }
+  bool query() const override {
+    auto [s, pos] = point();
+    return s == nullptr || s->reached(pos);
+  }
+  void synchronize() override {
+    auto [s, pos] = point();
+    detail::count_host_sync();
+    if (s != nullptr) s->wait_until(pos);
+  }
+  void wait(Stream& stream) override {
+    TS_CHECK(!stream.synchronous() && stream.device().type == DeviceType::AsyncCPU,
+             "a {} stream cannot wait on an async_cpu event", stream.device().str());
+    auto [s, pos] = point();
+    if (s == nullptr || s.get() == &stream) return;  // stream order already implies it
+    std::weak_ptr<AsyncStream> weak = s;
+    stream.enqueue("wait_event", [weak, pos] {
+      if (auto src = weak.lock()) src->wait_until(pos);  // a stream that is gone has drained
+    });
+  }
+
+ private:
+  std::pair<std::shared_ptr<AsyncStream>, uint64_t> point() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return {stream_.lock(), position_};
+  }
+  mutable std::mutex mu_;
+  std::weak_ptr<AsyncStream> stream_;  // unset: never recorded (complete)
+  uint64_t position_ = 0;
+};
+
+std::mutex& registry_mu() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::vector<std::weak_ptr<AsyncStream>>& registry() {
+  static auto* streams = new std::vector<std::weak_ptr<AsyncStream>>;
+  return *streams;
+}
+
+std::shared_ptr<AsyncStream> make_stream() {
+  auto s = std::make_shared<AsyncStream>();
+  std::lock_guard<std::mutex> lk(registry_mu());
+  auto& r = registry();
+  std::erase_if(r, [](const auto& w) { return w.expired(); });
+  r.push_back(s);
+  return s;
+}
+
+// A host (Device::cpu) view of an async_cpu tensor's bytes that does not own
+// them: queued work does not keep memory alive, exactly as on a GPU.
+Tensor borrow(const Tensor& t) {
+  if (!t.defined()) return t;
+  t.data_ptr();  // the same errors as any access: meta, DTensor, released storage
+  auto bytes = Storage::borrow(t.storage()->data(), t.storage()->nbytes(), Device::cpu());
+  return make_tensor(std::move(bytes), t.shape(), t.strides(), t.storage_offset(), t.dtype());
+}
+ops::NormResult borrow(const ops::NormResult& r) { return {borrow(r.y), borrow(r.mean), borrow(r.rstd)}; }
+ops::NormGrads borrow(const ops::NormGrads& g) { return {borrow(g.dx), borrow(g.dweight), borrow(g.dbias)}; }
+ops::AttentionResult borrow(const ops::AttentionResult& r) { return {borrow(r.out), borrow(r.lse)}; }
+ops::AttentionGrads borrow(const ops::AttentionGrads& g) { return {borrow(g.dq), borrow(g.dk), borrow(g.dv)}; }
+template <class T>
+T borrow(const T& value) {
+  return value;
+}
+
+// Queued<cpu::f, name>::run has f's signature and queues f on the current stream.
+template <auto Fn, const char* Name>
+struct Queued;
+template <class... A, void (*Fn)(A...), const char* Name>
+struct Queued<Fn, Name> {
+  static void run(A... a) {
+    current_stream(Device::async_cpu())
+        .enqueue(Name, [args = std::make_tuple(borrow(a)...)] { std::apply(Fn, args); });
+  }
+};
+
+// Copies with the host: the host tensor is owned by the work (kept alive).
+void copy_from_host(const Tensor& dst, const Tensor& src) {
+  current_stream(Device::async_cpu()).enqueue("copy_from_host", [d = borrow(dst), src] { cpu::copy(d, src); });
+}
+void copy_to_host(const Tensor& dst, const Tensor& src) {
+  current_stream(Device::async_cpu()).enqueue("copy_to_host", [dst, s = borrow(src)] { cpu::copy(dst, s); });
+}
+
+// The one kernel with a host result: queued, then waited for.
+double sum_squares(const Tensor& x) {
+  auto result = std::make_shared<double>(0.0);
+  Stream& s = current_stream(Device::async_cpu());
+  s.enqueue("sum_squares", [result, v = borrow(x)] { *result = cpu::sum_squares(v); });
+  s.synchronize();
+  return *result;
+}
+
+#define TS_QUEUED(name)                    \
+  constexpr char name##_name[] = #name;    \
+  constexpr auto name##_queued = &Queued<cpu::name, name##_name>::run;
+TS_QUEUED(copy)
+TS_QUEUED(fill)
+TS_QUEUED(unary)
+TS_QUEUED(unary_backward)
+TS_QUEUED(binary)
+TS_QUEUED(binary_scalar)
+TS_QUEUED(where)
+TS_QUEUED(pointwise)
+TS_QUEUED(clamp)
+TS_QUEUED(reduce)
+TS_QUEUED(argmax_rows)
+TS_QUEUED(gemm)
+TS_QUEUED(softmax)
+TS_QUEUED(softmax_backward)
+TS_QUEUED(layer_norm)
+TS_QUEUED(layer_norm_backward)
+TS_QUEUED(embedding)
+TS_QUEUED(embedding_backward)
+TS_QUEUED(cross_entropy)
+TS_QUEUED(cross_entropy_backward)
+TS_QUEUED(attention)
+TS_QUEUED(attention_backward)
+TS_QUEUED(rope)
+TS_QUEUED(uniform)
+TS_QUEUED(normal)
+#undef TS_QUEUED
+
+}  // namespace
+
+const KernelTable kTable = {
+    .copy = copy_queued,
+    .copy_from_host = copy_from_host,
+    .copy_to_host = copy_to_host,
+    .fill = fill_queued,
+    .unary = unary_queued,
+    .unary_backward = unary_backward_queued,
+    .binary = binary_queued,
+    .binary_scalar = binary_scalar_queued,
+    .where = where_queued,
+    .pointwise = pointwise_queued,
+    .clamp = clamp_queued,
+    .reduce = reduce_queued,
+    .argmax_rows = argmax_rows_queued,
+    .sum_squares = sum_squares,
+    .gemm = gemm_queued,
+    .softmax = softmax_queued,
+    .softmax_backward = softmax_backward_queued,
+    .layer_norm = layer_norm_queued,
+    .layer_norm_backward = layer_norm_backward_queued,
+    .embedding = embedding_queued,
+    .embedding_backward = embedding_backward_queued,
+    .cross_entropy = cross_entropy_queued,
+    .cross_entropy_backward = cross_entropy_backward_queued,
+    .attention = attention_queued,
+    .attention_backward = attention_backward_queued,
+    .rope = rope_queued,
+    .uniform = uniform_queued,
+    .normal = normal_queued,
+};
+
+Stream& default_stream() {
+  // Never destroyed: tensors in static objects may queue work after main returns.
+  static auto* stream = new std::shared_ptr<AsyncStream>(make_stream());
+  return **stream;
+}
+
+StreamPtr new_stream() { return make_stream(); }
+
+std::shared_ptr<Event> make_event() { return std::make_shared<AsyncEvent>(); }
+
+void synchronize_all() {
+  std::vector<std::shared_ptr<AsyncStream>> live;
+  {
+    std::lock_guard<std::mutex> lk(registry_mu());
+    for (auto& w : registry())
+      if (auto s = w.lock()) live.push_back(std::move(s));
+  }
+  for (auto& s : live) s->synchronize();
+}
+
+void set_delays(int max_us) { delay_us.store(max_us); }
+int delays() { return delay_us.load(); }
+
+}  // namespace tessera::async_cpu

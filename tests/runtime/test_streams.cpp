@@ -1,0 +1,237 @@
+// The device contract on the asynchronous CPU test device: every op queued on
+// worker-thread streams equals the synchronous CPU bit for bit (with random
+// delays on), copies between devices, host-visibility, streams, events,
+// deferred kernel errors, host-sync counts and the stream-aware caching
+// allocator.
+#include <thread>
+
+#include "../helpers.h"
+#include "autograd/functions.h"
+#include "autograd/tape.h"
+#include "runtime/allocator.h"
+#include "runtime/stream.h"
+
+using namespace tessera;
+
+namespace {
+
+const Device kAsync = Device::async_cpu();
+
+// Turns random kernel delays on for a scope.
+struct Delays {
+  int saved = async_delays();
+  explicit Delays(int us) { set_async_delays(us); }
+  ~Delays() { set_async_delays(saved); }
+};
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  auto va = a.to_vector<double>(), vb = b.to_vector<double>();
+  for (size_t i = 0; i < va.size(); ++i)
+    if (!(va[i] == vb[i] || (std::isnan(va[i]) && std::isnan(vb[i])))) return false;
+  return true;
+}
+
+// One forward and backward of a small attention + MLP block with every kind of
+// kernel, on `device`; returns the loss and every gradient.
+std::vector<Tensor> block_step(Device device, DType dtype) {
+  const int64_t B = 2, T = 17, H = 3, D = 8, C = H * D, V = 29;
+  auto param = [&](Shape shape, uint64_t seed) {
+    Tensor p = ops::to(ops::mul(randn(shape, seed, DType::F32, device), 0.2), dtype);
+    p.set_requires_grad(true);
+    return p;
+  };
+  Tensor wte = param({V, C}, 1), wq = param({C, C}, 2), wk = param({C, C}, 3), wv = param({C, C}, 4);
+  Tensor ln_w = param({C}, 5), ln_b = param({C}, 6), w1 = param({2 * C + 3, C}, 7), w2 = param({V, 2 * C + 3}, 8);
+  Tensor idx = randint({B, T}, 0, V, 9, device);
+  Tensor target = randint({B * T}, 0, V, 10, device);
+  Tensor x = embedding(wte, idx);
+  Tensor h = layer_norm(x, ln_w, ln_b, 1e-5);
+  auto heads = [&](const Tensor& w) { return transpose(reshape(linear(h, w), {B, T, H, D}), 1, 2); };
+  Tensor a = scaled_dot_product_attention(heads(wq), heads(wk), heads(wv), /*causal=*/true);
+  x = add(x, reshape(transpose(a, 1, 2), {B, T, C}));
+  Tensor y = linear(gelu(linear(x, w1)), w2);
+  Tensor loss = add(cross_entropy(reshape(y, {B * T, V}), target), mul(sum(square(softmax(y, -1))), 1e-3));
+  autograd::backward(loss);
+  std::vector<Tensor> out{loss};
+  for (const Tensor& p : {wte, wq, wk, wv, ln_w, ln_b, w1, w2}) out.push_back(p.grad());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("async_cpu: a forward and backward equals the synchronous CPU bit for bit", "[stream][async]") {
+  Delays delays(30);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    auto cpu = block_step(Device::cpu(), dtype);
+    auto dev = block_step(kAsync, dtype);
+    REQUIRE(cpu.size() == dev.size());
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      INFO("output " << i << " in " << dtype_name(dtype));
+      CHECK(dev[i].device() == kAsync);
+      CHECK(bitwise_equal(dev[i].to(Device::cpu()), cpu[i]));
+    }
+  }
+}
+
+TEST_CASE("async_cpu: the host cannot read its bytes without a copy", "[stream][async]") {
+  Tensor x = randn({3, 5}, 4, DType::F32, kAsync);
+  CHECK_FALSE(kAsync.is_host_visible());
+  CHECK_THROWS_WITH(x.data<float>(), Catch::Contains("on async_cpu, whose memory the host cannot read") &&
+                                         Catch::Contains("to(Device::cpu())"));
+  Tensor h = x.to(Device::cpu());
+  CHECK(h.device().is_cpu());
+  CHECK(testing::equal(h, randn({3, 5}, 4)));
+  CHECK(ops::select(ops::select(x, 0, 2), 0, 4).item() == h.to_vector<float>()[14]);
+  CHECK(Device::parse("async_cpu") == kAsync);
+}
+
+TEST_CASE("copies between devices keep strides, dtypes and broadcasting", "[stream][async]") {
+  Delays delays(20);
+  Tensor src = randn({7, 9}, 11);
+  Tensor t = ops::transpose(src, 0, 1);  // strided source
+  Tensor on_dev = empty({9, 7}, DType::BF16, kAsync);
+  ops::copy_(on_dev, t);  // host -> device, converting
+  Tensor back = empty({9, 7}, DType::F64);
+  ops::copy_(back, on_dev);  // device -> host, converting, waits
+  CHECK(testing::equal(back, ops::to(ops::to(t, DType::BF16), DType::F64)));
+  Tensor row = from_vector(std::vector<float>{1, 2, 3}, {3});
+  Tensor dst = empty({4, 3}, DType::F32, kAsync);
+  ops::copy_(dst, row);  // broadcast across devices
+  CHECK(dst.to(Device::cpu()).to_vector<float>() == std::vector<float>{1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3});
+  CHECK_THROWS_WITH(ops::add(dst, zeros({4, 3})), Catch::Contains("different devices (async_cpu and cpu)"));
+}
+
+TEST_CASE("a stream that reads another's output without waiting reads the wrong bytes", "[stream][async]") {
+  Delays delays(200);
+  StreamPtr producer = new_stream(kAsync), consumer = new_stream(kAsync);
+  auto run = [&](bool wait) {
+    Tensor x = zeros({1 << 12}, DType::F32, kAsync);
+    Tensor y;
+    {
+      StreamGuard g(*producer);
+      producer->wait_stream(default_stream(kAsync));  // x was zeroed there
+      for (int i = 0; i < 8; ++i) ops::add_(x, 1.0);
+    }
+    {
+      StreamGuard g(*consumer);
+      if (wait) consumer->wait_stream(*producer);
+      y = ops::mul(x, 2.0);
+    }
+    synchronize(kAsync);
+    return y.to(Device::cpu()).to_vector<float>()[0];
+  };
+  for (int i = 0; i < 5; ++i) CHECK(run(true) == 16.0f);
+  int wrong = 0;
+  for (int i = 0; i < 5; ++i) wrong += run(false) != 16.0f;
+  CHECK(wrong > 0);  // the race is real: the async device catches a missing wait
+}
+
+TEST_CASE("events order streams without blocking the host", "[stream][async]") {
+  Delays delays(500);
+  StreamPtr s = new_stream(kAsync);
+  Tensor x = zeros({64}, DType::F32, kAsync);
+  std::shared_ptr<Event> e;
+  {
+    StreamGuard g(*s);
+    CHECK(&current_stream(kAsync) == s.get());
+    s->wait_stream(default_stream(kAsync));  // x was zeroed there (without this wait: 19.5, seen)
+    for (int i = 0; i < 20; ++i) ops::add_(x, 1.0);
+    e = s->record_event();
+  }
+  CHECK(&current_stream(kAsync) == &default_stream(kAsync));  // the guard restored it
+  CHECK_FALSE(e->query());  // 20 kernels of up to 0.5 ms each cannot be done yet
+  current_stream(kAsync).wait_event(*e);
+  Tensor y = ops::add(x, 0.5);
+  CHECK(y.to(Device::cpu()).to_vector<float>()[63] == 20.5f);
+  CHECK(e->query());
+  auto cpu_event = make_event(Device::cpu());
+  CHECK_THROWS_WITH(cpu_event->record(*s), Catch::Contains("cannot be recorded on a async_cpu stream"));
+}
+
+TEST_CASE("kernel errors on a stream are raised at the next sync, naming the kernel", "[stream][async]") {
+  Tensor weight = randn({5, 3}, 1, DType::F32, kAsync);
+  Tensor bad = from_vector(std::vector<int64_t>{0, 7, 2}, {3}, kAsync);
+  Tensor out;
+  REQUIRE_NOTHROW(out = ops::embedding(weight, bad));  // queued: nothing has run yet
+  CHECK_THROWS_WITH(out.to(Device::cpu()), Catch::Contains("embedding") && Catch::Contains("7"));
+  // The error is reported once; the stream keeps working.
+  CHECK(ops::add(weight, 1.0).to(Device::cpu()).numel() == 15);
+}
+
+TEST_CASE("host syncs are counted: none while queuing, one per read", "[stream][async]") {
+  Tensor a = randn({33, 17}, 1, DType::F32, kAsync), b = randn({17, 5}, 2, DType::F32, kAsync);
+  int64_t before = host_sync_count();
+  Tensor c = ops::matmul(a, b);
+  Tensor l = ops::cross_entropy(c, from_vector(std::vector<int64_t>(33, 3), {33}, kAsync)).loss;
+  for (int i = 0; i < 10; ++i) c = ops::add(ops::mul(c, 0.5), l);
+  CHECK(host_sync_count() == before);
+  double v = l.item();
+  CHECK(std::isfinite(v));
+  CHECK(host_sync_count() == before + 1);
+  // The same on the CPU: a host read there needs no sync.
+  int64_t cpu_before = host_sync_count();
+  (void)randn({4}, 1).to_vector<float>();
+  CHECK(host_sync_count() == cpu_before);
+}
+
+TEST_CASE("caching allocator: reuse without the system, stats, empty_cache", "[memory][stream]") {
+  for (Device device : {Device::cpu(), kAsync}) {
+    INFO(device.str());
+    synchronize(device);
+    empty_cache(device);
+    MemoryStats s0 = memory_stats(device);
+    { Tensor a = empty({1000}, DType::F32, device), b = empty({333}, DType::F64, device); }
+    MemoryStats s1 = memory_stats(device);
+    CHECK(s1.allocated_bytes == s0.allocated_bytes);
+    CHECK(s1.reserved_bytes >= s0.reserved_bytes + 4000 + 2664);
+    CHECK(s1.num_system_allocs == s0.num_system_allocs + 2);
+    for (int i = 0; i < 50; ++i) {  // the same sizes again: served from the cache
+      Tensor a = empty({1000}, DType::F32, device), b = empty({333}, DType::F64, device);
+      CHECK(memory_stats(device).allocated_bytes == s0.allocated_bytes + 4000 + 2664);
+    }
+    MemoryStats s2 = memory_stats(device);
+    CHECK(s2.num_system_allocs == s1.num_system_allocs);
+    CHECK(s2.num_allocs == s1.num_allocs + 100);
+    CHECK(s2.peak_allocated_bytes >= s0.allocated_bytes + 6664);
+    CHECK(s2.peak_reserved_bytes >= s2.reserved_bytes);
+    synchronize(device);
+    empty_cache(device);
+    CHECK(memory_stats(device).reserved_bytes <= s0.reserved_bytes);
+    CHECK(memory_stats(device).num_system_frees >= s2.num_system_frees + 2);
+  }
+  CHECK_THROWS_WITH(empty({int64_t(1) << 58}, DType::F32),
+                    Catch::Contains("out of memory on cpu") && Catch::Contains("reserved"));
+}
+
+TEST_CASE("a block freed on one stream is reused by that stream only", "[memory][stream][async]") {
+  Delays delays(2000);
+  StreamPtr s1 = new_stream(kAsync), s2 = new_stream(kAsync);
+  synchronize(kAsync);
+  empty_cache(kAsync);
+  void* freed_ptr;
+  {
+    StreamGuard g(*s1);
+    Tensor x = empty({2048}, DType::F32, kAsync);
+    for (int i = 0; i < 10; ++i) ops::fill_(x, 1.0);  // ~10 ms of queued work on s1
+    freed_ptr = x.data_ptr();
+  }  // freed on the host while s1 still uses it
+  {
+    StreamGuard g(*s1);  // the same stream takes it back at once: stream order protects it
+    Tensor again = empty({2048}, DType::F32, kAsync);
+    CHECK(again.data_ptr() == freed_ptr);
+    for (int i = 0; i < 10; ++i) ops::fill_(again, 2.0);
+  }
+  {
+    StreamGuard g(*s2);  // another stream does not
+    Tensor other = empty({2048}, DType::F32, kAsync);
+    CHECK(other.data_ptr() != freed_ptr);
+  }
+  // empty_cache keeps a block whose stream still uses it, and frees it once done.
+  int64_t reserved = memory_stats(kAsync).reserved_bytes;
+  empty_cache(kAsync);
+  CHECK(memory_stats(kAsync).reserved_bytes >= reserved - 8192);  // s2's block went, s1's stayed
+  s1->synchronize();
+  empty_cache(kAsync);
+  CHECK(memory_stats(kAsync).reserved_bytes <= reserved - 16384);
+}
