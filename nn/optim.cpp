@@ -202,17 +202,25 @@ double WarmupCosine::lr_at(int64_t step) const {
 
 namespace tessera::nn {
 
-double grad_norm(const TensorList& params) {
+Tensor grad_norm(const TensorList& params) {
   TS_PROFILE("grad_norm");
-  double total = 0.0;
-  // Sharded gradients: each rank sums the squares of its shard (divided by how
-  // many ranks hold a replica of it), then one all-reduce per mesh adds them up.
-  std::vector<std::pair<MeshPtr, double>> per_mesh;
+  // Plain gradients are summed here. Sharded ones: each rank sums the squares
+  // of its shards (divided by how many ranks hold a replica of them), then one
+  // all-reduce per mesh adds the ranks up. Everything stays on the device:
+  // one sum-of-squares kernel per group of tensors, no host sync.
+  struct MeshPart {
+    MeshPtr mesh;
+    std::vector<std::pair<double, TensorList>> by_replicas;  // divisor -> local shards
+  };
+  TensorList plain;
+  std::vector<MeshPart> meshes;
+  std::optional<Device> device;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
     if (!g.is_distributed()) {
-      total += ops::sum_squares(g);
+      plain.push_back(g);
+      device = g.device();
       continue;
     }
     const DTensorSpec* spec = &dtensor_spec(g);
@@ -229,29 +237,47 @@ double grad_norm(const TensorList& params) {
     double replicas = 1;
     for (size_t i = 0; i < spec->placements.size(); ++i)
       if (is_replicate(spec->placements[i])) replicas *= static_cast<double>(spec->mesh->size(static_cast<int64_t>(i)));
-    double part = ops::sum_squares(spec->local) / replicas;
-    auto it = std::find_if(per_mesh.begin(), per_mesh.end(), [&](const auto& e) { return *e.first == *spec->mesh; });
-    if (it == per_mesh.end()) per_mesh.emplace_back(spec->mesh, part);
-    else it->second += part;
+    device = spec->local.device();
+    auto m = std::find_if(meshes.begin(), meshes.end(), [&](const MeshPart& e) { return *e.mesh == *spec->mesh; });
+    if (m == meshes.end()) m = meshes.insert(meshes.end(), MeshPart{spec->mesh, {}});
+    auto r = std::find_if(m->by_replicas.begin(), m->by_replicas.end(), [&](const auto& e) { return e.first == replicas; });
+    if (r == m->by_replicas.end()) r = m->by_replicas.insert(m->by_replicas.end(), {replicas, {}});
+    r->second.push_back(spec->local);
   }
-  for (auto& [mesh, part] : per_mesh) {
-    Tensor t = full({1}, part, DType::F64);
-    mesh->flat_group()->all_reduce(t)->wait();
-    total += t.item();
+  if (!device) return zeros({}, DType::F64);
+  Tensor total = ops::sum_squares(plain, *device);
+  for (auto& [mesh, groups] : meshes) {
+    Tensor part = zeros({}, DType::F64, *device);
+    for (auto& [replicas, locals] : groups) {
+      Tensor s = ops::sum_squares(locals, *device);
+      part = ops::add(part, replicas == 1 ? s : ops::binary(ops::BinaryOp::Div, s, replicas));
+    }
+    Tensor flat = ops::reshape(part, {1});
+    mesh->flat_group()->all_reduce(flat)->wait(current_stream(*device));
+    total = ops::add(total, ops::reshape(flat, {}));
   }
-  return std::sqrt(total);
+  return ops::sqrt(total);
 }
 
-double clip_grad_norm_(const TensorList& params, double max_norm) {
+Tensor clip_grad_norm_(const TensorList& params, double max_norm) {
   TS_PROFILE("clip_grad_norm_");
-  double norm = grad_norm(params);
-  double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    autograd::NoGradGuard no_grad;
-    for (const Tensor& p : params) {
-      Tensor g = p.grad();
-      if (g.defined()) ops::mul_(g, coef);
-    }
+  Tensor norm = grad_norm(params);
+  // coef = min(1, max_norm / (norm + 1e-6)), computed where the norm is.
+  Tensor coef = ops::binary(ops::BinaryOp::Minimum,
+                            ops::binary(ops::BinaryOp::Div, max_norm, ops::add(norm, 1e-6)), 1.0);
+  autograd::NoGradGuard no_grad;
+  const bool host = norm.device().is_host_visible();
+  // On the host the value is free to read, and a coefficient of 1 skips a pass
+  // over the gradients; elsewhere reading it would sync, so every gradient is
+  // scaled (by exactly 1 when under the limit: the same bits).
+  const double c = host ? coef.item() : 0.0;
+  if (host && c >= 1.0) return norm;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor local = g.is_distributed() ? dtensor_spec(g).local : g;
+    if (host) ops::mul_(local, c);
+    else ops::mul_(local, ops::to(coef, local.dtype()));
   }
   return norm;
 }

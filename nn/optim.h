@@ -108,9 +108,11 @@ struct WarmupCosine {
 
 namespace tessera::nn {
 // Scales gradients so their global L2 norm is at most max_norm; returns the
-// norm before clipping. Sharded (DTensor) gradients take one all-reduce of the
-// squared norm.
-double clip_grad_norm_(const TensorList& params, double max_norm);
-// The global L2 norm of the gradients (no clipping).
-double grad_norm(const TensorList& params);
+// norm before clipping as a 0-dim f64 tensor on the gradients' device (read
+// it with .item() where a host sync is welcome, e.g. a log step). Sharded
+// (DTensor) gradients take one all-reduce of the squared norm per mesh; one
+// sum-of-squares kernel per group of tensors; no host sync off the CPU.
+Tensor clip_grad_norm_(const TensorList& params, double max_norm);
+// The global L2 norm of the gradients (no clipping), as above.
+Tensor grad_norm(const TensorList& params);
 }  // namespace tessera::nn

@@ -24,8 +24,15 @@ void update_peaks(MemoryStats& s) {
 void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& stream) {
   // Best fit among the blocks of this stream (and of synchronous streams,
   // whose work is always done): stream order makes them safe at once, and
-  // pools that never trade blocks stay the same size step after step.
-  for (auto it = cached_.lower_bound(size); it != cached_.end() && it->first - size <= size / 8; ++it) {
+  // pools that never trade blocks stay the same size step after step. Among
+  // equal sizes the most recently freed first: its bytes are likely still in cache.
+  for (auto size_it = cached_.lower_bound(size); size_it != cached_.end() && size_it->first - size <= size / 8;
+       size_it = cached_.upper_bound(size_it->first)) {
+    auto [first, last] = cached_.equal_range(size_it->first);
+    auto it = last;
+    do {
+      --it;
+    } while (it != first && it->second.stream != stream->id() && it->second.freed);
     Block& b = it->second;
     if (b.stream != stream->id() && b.freed) continue;
     Block taken = std::move(b);

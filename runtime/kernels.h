@@ -2,10 +2,11 @@
 // shapes, allocate outputs and pick the table for their tensors' device; a
 // backend fills one table. Every kernel is enqueued on its device's current
 // stream (runtime/stream.h): on the CPU it runs before the call returns, on
-// another device later, so a kernel never returns a value to the host (the one
-// exception, sum_squares, synchronizes). Float kernels see f32 or f64 only
-// (bf16/f16 are converted around them by the ops layer); the 2-D kernels
-// expect contiguous row-major inputs unless a comment says otherwise.
+// another device later, so a kernel never returns a value to the host. Float
+// kernels see the dtypes their
+// table's compute_dtype maps inputs to (the CPU: f32 or f64; the ops layer
+// converts around them); the 2-D kernels expect contiguous row-major inputs
+// unless a comment says otherwise.
 #pragma once
 
 #include <vector>
@@ -25,6 +26,9 @@ enum class PointwiseOp {
 enum class ReduceOp { Sum, Max, Min };
 
 struct KernelTable {
+  // The dtype the float kernels compute in for tensors of `dtype` (which
+  // dtypes this backend takes natively): the CPU widens bf16/f16 to f32.
+  DType (*compute_dtype)(DType dtype);
   // Same shape, any strides, any dtypes (converting).
   void (*copy)(const Tensor& dst, const Tensor& src);
   // Between this device and host memory: the Device::cpu() side (src of
@@ -50,7 +54,9 @@ struct KernelTable {
                  int64_t inner);
   // x contiguous [rows, n] -> values [rows], i64 indices [rows] (first maximum).
   void (*argmax_rows)(const Tensor& values, const Tensor& indices, const Tensor& x);
-  double (*sum_squares)(const Tensor& x);  // x contiguous float
+  // out (one f64 element) = the sum of every x's squared elements (each x
+  // contiguous, f32 or f64): one pass over many tensors, e.g. all gradients.
+  void (*sum_squares)(const Tensor& out, const std::vector<Tensor>& xs);
   // C = alpha * op(A) op(B) + beta * C; row-major, f32 or f64 pointers.
   void (*gemm)(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                double alpha, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,

@@ -31,6 +31,11 @@ std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
 std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
                                      int64_t dim = 0);
 
+// The dtype a float op on `device` computes in for inputs of `dtype`: the
+// kernel table's choice (the CPU widens bf16/f16 to f32 around its kernels
+// and rounds once at the end; a backend with native bf16 kernels keeps it).
+DType compute_dtype(Device device, DType dtype);
+
 // ---- copies -----------------------------------------------------------------
 Tensor contiguous(const Tensor& x);  // x itself when already contiguous
 Tensor clone(const Tensor& x);
@@ -99,8 +104,10 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t corre
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor max(const Tensor& x);  // over all elements
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
-// Sum of squares over all elements, in f64 (norms, gradient clipping).
-double sum_squares(const Tensor& x);
+// Sum of squares over all elements of every tensor, in f64 (norms, gradient
+// clipping): a 0-dim f64 tensor on `device`, one kernel for the whole list.
+Tensor sum_squares(const std::vector<Tensor>& xs, Device device);
+double sum_squares(const Tensor& x);  // the same for one tensor, read on the host
 
 // ---- linear algebra (OpenBLAS on CPU) ----------------------------------------
 // 1-D/2-D/N-D like torch.matmul, batch dims broadcast. Transposed 2-D views are

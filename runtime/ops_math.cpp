@@ -23,6 +23,12 @@ const char* binary_name(BinaryOp op) {
   return names[static_cast<int>(op)];
 }
 
+DType compute_dtype(Device device, DType dtype) {
+  if (!is_floating(dtype)) return dtype;
+  if (device.is_meta()) return tessera::compute_dtype(dtype);  // as the CPU would
+  return kernels(device).compute_dtype(dtype);
+}
+
 namespace {
 
 // Hands a DTensor op to the dtensor layer (runtime/dtensor_hook.h).
@@ -49,18 +55,19 @@ void check_floating(const Tensor& x, const char* op) {
 }
 
 // bf16/f16 inputs are computed in f32: returns x converted to its compute dtype.
-Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.dtype())); }
+Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.device(), x.dtype())); }
 
 // Runs an in-place update `f(target)` on x; bf16/f16 go through an f32 copy.
 template <class F>
 Tensor& update_inplace(Tensor& x, const char* op, F&& f) {
   check_floating(x, op);
   if (x.is_meta()) return x;
-  if (x.dtype() == DType::F32 || x.dtype() == DType::F64) {
+  const DType cd = compute_dtype(x.device(), x.dtype());
+  if (cd == x.dtype()) {
     f(x);
     return x;
   }
-  Tensor tmp = to(x, DType::F32);
+  Tensor tmp = to(x, cd);
   f(tmp);
   dispatch(x.device()).copy(x, tmp);
   return x;
@@ -88,7 +95,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
   TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
            unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  Tensor gx = empty(x.shape(), compute_dtype(x.dtype()), x.device());
+  Tensor gx = empty(x.shape(), compute_dtype(x.device(), x.dtype()), x.device());
   dispatch(x.device()).unary_backward(op, gx, upcast(grad), upcast(x),
                                      y.defined() ? upcast(y) : Tensor());
   return to(gx, x.dtype());
@@ -407,7 +414,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
     return dispatch_distributed(call)[0];
   }
   auto dims = reduce_dims(x, dims_in, "sum");
-  DType acc = is_floating(x.dtype()) ? compute_dtype(x.dtype()) : DType::I64;
+  DType acc = is_floating(x.dtype()) ? compute_dtype(x.device(), x.dtype()) : DType::I64;
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
   Shape shape = reduced_shape(x, dims, keepdim);
   if (x.is_meta()) return empty(shape, result, x.device());
@@ -425,7 +432,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
   auto dims = reduce_dims(x, dims_in, "mean");
   int64_t n = 1;
   for (int64_t d : dims) n *= x.shape()[d];
-  Tensor s = sum(x, dims, keepdim, compute_dtype(x.dtype()));
+  Tensor s = sum(x, dims, keepdim, compute_dtype(x.device(), x.dtype()));
   return to(mul(s, 1.0 / static_cast<double>(n)), x.dtype());
 }
 
@@ -467,13 +474,22 @@ Tensor max(const Tensor& x) {
 
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return max(x, dim, keepdim).second; }
 
-double sum_squares(const Tensor& x) {
-  check_floating(x, "sum_squares");
-  TS_CHECK(!x.is_distributed(),
-           "sum_squares of a DTensor would be this rank's part only; use nn::grad_norm / "
-           "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
-  if (x.numel() == 0) return 0.0;
-  return dispatch(x.device()).sum_squares(contiguous(upcast(x)));
+Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
+  std::vector<Tensor> inputs;
+  for (const Tensor& x : xs) {
+    check_floating(x, "sum_squares");
+    TS_CHECK(!x.is_distributed(),
+             "sum_squares of a DTensor would be this rank's part only; use nn::grad_norm / "
+             "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
+    TS_CHECK(x.device() == device, "sum_squares: a tensor on {} among tensors on {}", x.device().str(),
+             device.str());
+    if (x.numel() > 0) inputs.push_back(contiguous(upcast(x)));
+  }
+  Tensor out = zeros({}, DType::F64, device);
+  if (!inputs.empty() && !device.is_meta()) dispatch(device).sum_squares(out, inputs);
+  return out;
 }
+
+double sum_squares(const Tensor& x) { return sum_squares(std::vector<Tensor>{x}, x.device()).item(); }
 
 }  // namespace tessera::ops

@@ -10,7 +10,7 @@ namespace tessera::ops {
 
 namespace {
 
-Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.dtype())); }
+Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.device(), x.dtype())); }
 
 void check_float(const Tensor& x, const char* op, const char* what) {
   TS_CHECK(is_floating(x.dtype()), "{}: {} must be floating-point, got {}", op, what,
@@ -210,7 +210,7 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
   const char* op = rms ? "rms_norm" : "layer_norm";
   check_norm_args(x, w, b, op);
   Shape rows(x.shape().begin(), x.shape().end() - 1);
-  DType cd = compute_dtype(x.dtype());
+  DType cd = compute_dtype(x.device(), x.dtype());
   if (x.is_meta())
     return {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
             empty(rows, cd, x.device())};
@@ -227,7 +227,7 @@ NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, cons
                         const Tensor& rstd, bool need_wb, bool has_bias, bool rms) {
   TS_CHECK(dy.shape() == x.shape(), "{}_backward: grad shape {} vs input {}",
            rms ? "rms_norm" : "layer_norm", shape_str(dy.shape()), shape_str(x.shape()));
-  DType cd = compute_dtype(x.dtype());
+  DType cd = compute_dtype(x.device(), x.dtype());
   int64_t c = x.size(-1);
   NormGrads g{empty(x.shape(), cd, x.device()),
               need_wb && w.defined() ? empty({c}, cd, x.device()) : Tensor(),
@@ -280,7 +280,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
   int64_t d = grad.size(-1);
-  Tensor gw = zeros({num_weights, d}, compute_dtype(grad.dtype()), grad.device());
+  Tensor gw = zeros({num_weights, d}, compute_dtype(grad.device(), grad.dtype()), grad.device());
   if (gw.is_meta()) return to(gw, grad.dtype());
   dispatch(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {leading_numel(grad.shape()), d}),
                                             contiguous(indices));
@@ -296,7 +296,7 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
   TS_CHECK(target.dim() == 1 && target.size(0) == logits.size(0),
            "cross_entropy: targets {} do not match logits {} (expected [{}])",
            shape_str(target.shape()), shape_str(logits.shape()), logits.size(0));
-  DType cd = compute_dtype(logits.dtype());
+  DType cd = compute_dtype(logits.device(), logits.dtype());
   int64_t n = logits.size(0);
   if (logits.is_meta())
     return {empty({}, logits.dtype(), logits.device()), empty({n}, cd, logits.device()),
@@ -313,7 +313,7 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               const Tensor& lse, int64_t ignore_index, const Tensor& count) {
-  Tensor g = empty(logits.shape(), compute_dtype(logits.dtype()), logits.device());
+  Tensor g = empty(logits.shape(), compute_dtype(logits.device(), logits.dtype()), logits.device());
   if (g.is_meta()) return to(g, logits.dtype());
   Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
   dispatch(logits.device()).cross_entropy_backward(g, scale, contiguous(upcast(logits)),
@@ -346,7 +346,7 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                           double scale) {
   check_attention(q, k, v);
-  DType cd = compute_dtype(q.dtype());
+  DType cd = compute_dtype(q.device(), q.dtype());
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
   if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, cd, q.device())};
   AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, cd, q.device())};
@@ -360,7 +360,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   bool causal, double scale) {
   check_attention(q, k, v);
-  DType cd = compute_dtype(q.dtype());
+  DType cd = compute_dtype(q.device(), q.dtype());
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
                    empty(v.shape(), cd, q.device())};
   if (q.is_meta()) return g;
@@ -398,7 +398,7 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   TS_CHECK(cos.dim() == 2 && cos.size(0) >= t && cos.size(1) == half && sin.shape() == cos.shape(),
            "rope: cos/sin {} must be [>= {}, {}]", shape_str(cos.shape()), t, half);
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  DType cd = compute_dtype(x.dtype());
+  DType cd = compute_dtype(x.device(), x.dtype());
   Tensor out = empty(x.shape(), cd, x.device());
   dispatch(x.device()).rope(out, contiguous(upcast(x)), contiguous(to(narrow(cos, 0, 0, t), cd)),
                            contiguous(to(narrow(sin, 0, 0, t), cd)), inverse);

@@ -22,6 +22,9 @@ struct TrainConfig {
     std::string name = "gpt-fortunes";
     std::string dump_folder = "out";  // metrics, samples, plots
     int64_t seed = 1234;
+    // Where tensors live: cpu, or async_cpu (the CPU's kernels on worker-thread
+    // streams: the run then syncs with the host only at log steps).
+    std::string device = "cpu";
   } job;
   struct Model {
     std::string arch = "gpt2";  // gpt2 | llama

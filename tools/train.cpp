@@ -61,11 +61,11 @@ DType dtype_of(const std::string& name) {
 }
 
 
-// Reduces scalars over all ranks.
-double all_reduce(double v, dist::ReduceOp op) {
+// Reduces a host scalar over all ranks (of `group`, default the world).
+double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nullptr) {
   if (dist::world_size() == 1) return v;
   Tensor t = full({1}, v, DType::F64);
-  dist::world()->all_reduce(t, {op})->wait();
+  (group ? group : dist::world())->all_reduce(t, {op})->wait();
   return t.item();
 }
 
@@ -178,7 +178,10 @@ class Trainer {
   void check_resume_config(const std::string& dir, const json& extra, int64_t step);
   void load_initial_weights(const std::string& path);
   void save(int64_t step);
-  double train_step(int64_t step);
+  Tensor train_step(int64_t step);
+  // Reads the losses of the steps since the last read (one host sync) into
+  // the curve; throws if any is not finite. Returns the newest.
+  double read_losses();
   double evaluate();
   void log_line(int64_t step, double loss, double lr, double gnorm);
   void finish(double total_s);
@@ -191,6 +194,8 @@ class Trainer {
   const tools::TrainConfig::Training& T_;
   int rank_ = dist::rank(), world_ = dist::world_size();
   MeshPtr mesh_;
+  Device device_ = Device::cpu();  // job.device
+  dist::ProcessGroupPtr control_group_;  // host-only agreements (stop requests) beside the device's collectives
   std::shared_ptr<nn::LanguageModel> model_;
   std::unique_ptr<optim::Optimizer> opt_;
   optim::AdamW* adamw_ = nullptr;
@@ -209,6 +214,9 @@ class Trainer {
   double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
   double last_val_ = NAN;
   bool stop_requested_ = false;       // SIGINT/SIGTERM on any rank: save and stop after this step
+  std::vector<std::pair<int64_t, Tensor>> pending_losses_;  // (step, loss on the device), not read yet
+  double last_loss_ = NAN;
+  int64_t window_syncs_ = 0;  // host syncs made by the steps between two log steps (0 expected)
   std::vector<std::string> allowed_;  // checkpoint.allow_resume_change: exactness keys that may differ
   bool rng_restored_ = false;         // resume took every rank's saved dropout stream
 
@@ -226,8 +234,9 @@ class Trainer {
 
 void Trainer::build_model() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
-  mesh_ = rep > 1 ? init_device_mesh("cpu", {rep, shard}, {"dp_replicate", "dp_shard"})
-                  : init_device_mesh("cpu", {shard}, {"dp_shard"});
+  mesh_ = rep > 1 ? init_device_mesh(cfg_.job.device, {rep, shard}, {"dp_replicate", "dp_shard"})
+                  : init_device_mesh(cfg_.job.device, {shard}, {"dp_shard"});
+  device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
   fsdp::FullyShardOptions opt{
       .mesh = mesh_,
@@ -240,7 +249,7 @@ void Trainer::build_model() {
                     .reduce_dtype = dtype_of(cfg_.mixed_precision.reduce_dtype)}};
   for (auto& block : model_->blocks) fsdp::fully_shard(*block, opt);
   fsdp::fully_shard(*model_, opt);
-  model_->to_empty(Device::cpu());
+  model_->to_empty(device_);
   model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
   // backward, plus 12 * layers * width * seq_len for attention scores.
@@ -413,24 +422,43 @@ void Trainer::load_initial_weights(const std::string& path) {
                   source));
 }
 
-double Trainer::train_step(int64_t step) {
+// One optimizer step's forward and backward passes. The loss, averaged over
+// micro-batches and ranks, stays on the device (read at log steps); whether
+// any rank was asked to stop travels in a host all-reduce of its own, so a
+// step makes no host sync.
+Tensor Trainer::train_step(int64_t step) {
   opt_->set_lr(schedule_.lr_at(step));
-  double loss_sum = 0;
+  Tensor loss_sum = zeros({}, DType::F64, device_);
   for (int64_t m = 0; m < T_.grad_accum; ++m) {
     // Gradients are reduced once, after the last micro-batch.
     fsdp::set_requires_gradient_sync(*model_, m + 1 == T_.grad_accum);
     auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, rank_, world_);
-    Tensor loss = nn::cross_entropy((*model_)(x), y);
-    loss_sum += loss.item();
+    Tensor loss = nn::cross_entropy((*model_)(x.to(device_)), y.to(device_));
+    loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
     autograd::backward(loss * (1.0 / static_cast<double>(T_.grad_accum)));
   }
-  // The loss averaged over ranks, and whether any rank was asked to stop (one all-reduce).
-  double local[2] = {loss_sum / static_cast<double>(T_.grad_accum), stop_signal() != 0 ? 1.0 : 0.0};
-  Tensor both = from_vector<double>({local[0], local[1]}, {2});
-  if (world_ > 1) dist::world()->all_reduce(both, {dist::ReduceOp::Sum})->wait();
-  auto v = both.to_vector<double>();
-  stop_requested_ = v[1] > 0;
-  return v[0] / world_;
+  Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
+  if (world_ > 1) dist::world()->all_reduce(mean, {dist::ReduceOp::Sum})->wait(current_stream(device_));
+  // On a group of its own: on the world group it would queue behind the loss
+  // all-reduce, which starts only when the device has computed the loss.
+  if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
+  stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
+  return ops::binary(ops::BinaryOp::Div, mean, static_cast<double>(world_));
+}
+
+double Trainer::read_losses() {
+  if (pending_losses_.empty()) return last_loss_;
+  TensorList values;
+  for (auto& [step, loss] : pending_losses_) values.push_back(loss);
+  std::vector<double> host = ops::cat(values).to_vector<double>();  // the one host sync
+  for (size_t i = 0; i < host.size(); ++i) {
+    int64_t step = pending_losses_[i].first;
+    TS_CHECK(std::isfinite(host[i]), "training diverged at step {}: loss is {}", step, host[i]);
+    curve_.train.emplace_back(step, host[i]);
+  }
+  pending_losses_.clear();
+  last_loss_ = host.back();
+  return last_loss_;
 }
 
 double Trainer::evaluate() {
@@ -439,8 +467,8 @@ double Trainer::evaluate() {
   double total = 0;
   for (int64_t i = 0; i < T_.eval_batches; ++i) {
     auto [x, y] = val_->eval_batch(i, micro_global_);  // the same windows at any world size
-    Tensor lx = ops::contiguous(ops::narrow(x, 0, rank_ * micro_local_, micro_local_));
-    Tensor ly = ops::contiguous(ops::narrow(y, 0, rank_ * micro_local_, micro_local_));
+    Tensor lx = ops::contiguous(ops::narrow(x, 0, rank_ * micro_local_, micro_local_)).to(device_);
+    Tensor ly = ops::contiguous(ops::narrow(y, 0, rank_ * micro_local_, micro_local_)).to(device_);
     total += nn::cross_entropy((*model_)(lx), ly).item();
   }
   model_->train();
@@ -452,8 +480,10 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   double waited = dist::total_wait_seconds() - window_wait_start_ - excluded_wait_s_;
   // Every rank takes part: peak memory and exposed communication are maxima over ranks.
   double peak_mib =
-      all_reduce(static_cast<double>(memory_stats().peak_allocated_bytes) / 1048576.0, dist::ReduceOp::Max);
+      all_reduce(static_cast<double>(memory_stats(device_).peak_allocated_bytes) / 1048576.0, dist::ReduceOp::Max);
   double exposed = all_reduce(100.0 * waited / window, dist::ReduceOp::Max);
+  double syncs = all_reduce(static_cast<double>(window_syncs_), dist::ReduceOp::Max);
+  window_syncs_ = 0;
   double tok_s = static_cast<double>(window_tokens_) / window;
   double mfu = 100.0 * tok_s * flops_per_token_ / (cfg_.metrics.peak_tflops * 1e12);
   if (rank_ == 0) {
@@ -472,6 +502,7 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
         {"mfu_pct", mfu},
         {"peak_mem_mib_max_rank", peak_mib},
         {"exposed_comm_pct_max_rank", exposed},
+        {"host_syncs_between_logs_max_rank", syncs},
         {"ranks",
          world_}}.dump());
   }
@@ -553,11 +584,18 @@ int Trainer::run() {
     maybe_die(step);
     bool tracing = std::find(trace_steps.begin(), trace_steps.end(), step + 1) != trace_steps.end();
     if (tracing) trace::enable(true);
-    double loss = train_step(step);
-    double gnorm = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
-                                   : nn::grad_norm(model_->parameters());
+    int64_t syncs_before = host_sync_count();
+    pending_losses_.emplace_back(step + 1, train_step(step));
+    Tensor gnorm_t = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
+                                     : nn::grad_norm(model_->parameters());
     opt_->step();
     opt_->zero_grad();
+    bool last = step + 1 == T_.steps;
+    bool log_step = (step + 1) % M.log_interval == 0 || last || step == start;
+    // Off the host the losses are read at log steps only (one sync); on the
+    // CPU reading is free, so the progress bar and the divergence check see every step.
+    double loss = log_step || device_.is_host_visible() ? read_losses() : last_loss_;
+    if (!log_step) window_syncs_ += host_sync_count() - syncs_before;
     if (tracing) {
       trace::enable(false);
       auto spans = trace::take();
@@ -572,17 +610,14 @@ int Trainer::run() {
           step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
           s.exposed_us / 1e3));
     }
-    TS_CHECK(std::isfinite(loss), "training diverged at step {}: loss is {}", step + 1, loss);
-    curve_.train.emplace_back(step + 1, loss);
     window_tokens_ += T_.batch_size * T_.seq_len;
-    bool last = step + 1 == T_.steps;
     if ((step + 1) % T_.eval_interval == 0 || last) {
       outside_window([&] { last_val_ = evaluate(); });
       curve_.val.emplace_back(step + 1, last_val_);
       if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
     }
-    if ((step + 1) % M.log_interval == 0 || last || step == start) {
-      log_line(step + 1, loss, schedule_.lr_at(step), gnorm);
+    if (log_step) {
+      log_line(step + 1, loss, schedule_.lr_at(step), gnorm_t.item());  // read at log steps only
     } else if (rank_ == 0) {
       double elapsed = seconds_since(run_start);
       double done = static_cast<double>(step + 1 - start);
@@ -594,6 +629,7 @@ int Trainer::run() {
     if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_))
       outside_window([&] { save(step + 1); });
     if (stop_requested_) {
+      read_losses();
       progress_->finish();
       say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
                       cfg_.checkpoint.enable

@@ -43,9 +43,15 @@ class AsyncStream final : public Stream {
   Device device() const override { return Device::async_cpu(); }
   bool synchronous() const override { return false; }
 
+  // As a GPU's launch queue, a stream holds a bounded number of kernels: the
+  // host blocks when it runs that far ahead (and memory held by queued work stays bounded).
+  static constexpr size_t kMaxQueued = 1024;
+
   void enqueue(const char* what, std::function<void()> fn) override {
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(mu_);
+      if (queue_.size() >= kMaxQueued && std::this_thread::get_id() != thread_.get_id())
+        done_cv_.wait(lk, [&] { return queue_.size() < kMaxQueued; });
       queue_.push_back({what, std::move(fn)});
       ++enqueued_;
     }
@@ -198,6 +204,12 @@ ops::NormResult borrow(const ops::NormResult& r) { return {borrow(r.y), borrow(r
 ops::NormGrads borrow(const ops::NormGrads& g) { return {borrow(g.dx), borrow(g.dweight), borrow(g.dbias)}; }
 ops::AttentionResult borrow(const ops::AttentionResult& r) { return {borrow(r.out), borrow(r.lse)}; }
 ops::AttentionGrads borrow(const ops::AttentionGrads& g) { return {borrow(g.dq), borrow(g.dk), borrow(g.dv)}; }
+std::vector<Tensor> borrow(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(borrow(t));
+  return out;
+}
 template <class T>
 T borrow(const T& value) {
   return value;
@@ -222,15 +234,6 @@ void copy_to_host(const Tensor& dst, const Tensor& src) {
   current_stream(Device::async_cpu()).enqueue("copy_to_host", [dst, s = borrow(src)] { cpu::copy(dst, s); });
 }
 
-// The one kernel with a host result: queued, then waited for.
-double sum_squares(const Tensor& x) {
-  auto result = std::make_shared<double>(0.0);
-  Stream& s = current_stream(Device::async_cpu());
-  s.enqueue("sum_squares", [result, v = borrow(x)] { *result = cpu::sum_squares(v); });
-  s.synchronize();
-  return *result;
-}
-
 #define TS_QUEUED(name)                    \
   constexpr char name##_name[] = #name;    \
   constexpr auto name##_queued = &Queued<cpu::name, name##_name>::run;
@@ -245,6 +248,7 @@ TS_QUEUED(pointwise)
 TS_QUEUED(clamp)
 TS_QUEUED(reduce)
 TS_QUEUED(argmax_rows)
+TS_QUEUED(sum_squares)
 TS_QUEUED(gemm)
 TS_QUEUED(softmax)
 TS_QUEUED(softmax_backward)
@@ -264,6 +268,7 @@ TS_QUEUED(normal)
 }  // namespace
 
 const KernelTable kTable = {
+    .compute_dtype = static_cast<DType (*)(DType)>(&tessera::compute_dtype),  // as the CPU
     .copy = copy_queued,
     .copy_from_host = copy_from_host,
     .copy_to_host = copy_to_host,
@@ -277,7 +282,7 @@ const KernelTable kTable = {
     .clamp = clamp_queued,
     .reduce = reduce_queued,
     .argmax_rows = argmax_rows_queued,
-    .sum_squares = sum_squares,
+    .sum_squares = sum_squares_queued,
     .gemm = gemm_queued,
     .softmax = softmax_queued,
     .softmax_backward = softmax_backward_queued,

@@ -17,7 +17,7 @@ void pointwise(PointwiseOp, const Tensor&, const Tensor&, const Tensor&, double)
 void clamp(const Tensor&, double, double);
 void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
 void argmax_rows(const Tensor&, const Tensor&, const Tensor&);
-double sum_squares(const Tensor&);
+void sum_squares(const Tensor&, const std::vector<Tensor>&);
 void gemm(DType, bool, bool, int64_t, int64_t, int64_t, double, const void*, int64_t,
           const void*, int64_t, double, void*, int64_t);
 void softmax(const Tensor&, const Tensor&, bool);

@@ -133,7 +133,8 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
   }
 }
 
-double sum_squares(const Tensor& x) {
+namespace {
+double sum_squares_one(const Tensor& x) {
   double total = 0;
   dispatch_float(x.dtype(), "sum_squares", [&](auto tag) {
     using T = decltype(tag);
@@ -153,6 +154,13 @@ double sum_squares(const Tensor& x) {
     for (double v : partial) total += v;
   });
   return total;
+}
+}  // namespace
+
+void sum_squares(const Tensor& out, const std::vector<Tensor>& xs) {
+  double total = 0;
+  for (const Tensor& x : xs) total += sum_squares_one(x);
+  out.data<double>()[0] = total;
 }
 
 }  // namespace tessera::cpu

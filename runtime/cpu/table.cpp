@@ -5,6 +5,7 @@ namespace tessera {
 namespace cpu {
 
 const KernelTable kTable = {
+    .compute_dtype = static_cast<DType (*)(DType)>(&tessera::compute_dtype),  // bf16/f16 -> f32
     .copy = copy,
     .copy_from_host = copy,
     .copy_to_host = copy,

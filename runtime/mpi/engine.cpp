@@ -117,8 +117,7 @@ void Collective::wait(Stream& stream) {
   // host goes on. An error surfaces at the stream's next synchronize.
   auto self = std::static_pointer_cast<Collective>(shared_from_this());
   stream.enqueue(kind.c_str(), [self] {
-    if (!self->done.load(std::memory_order_acquire) &&
-        !Engine::get().wait_for(*self, Clock::now() + timeout()))
+    if (!Engine::get().wait_for_on_stream(*self, Clock::now() + timeout()))
       throw Error(fmt::format("{} did not complete within {:.1f} s", self->describe(),
                               std::chrono::duration<double>(timeout()).count()));
     if (!self->error.empty()) throw Error(self->error);
@@ -326,6 +325,21 @@ bool Engine::wait_for(Collective& op, Clock::time_point deadline) {
   if (!work_left) unnudged_ = false;
   if (--waiters_ == 0 && thread_mode_ && work_left) cv_.notify_one();
   return ok;
+}
+
+bool Engine::wait_for_on_stream(Collective& op, Clock::time_point deadline) {
+  // Never blocks on mpi_mu_: its holder may be the host in run_sync, waiting
+  // for a collective that this stream's later work makes ready.
+  while (!op.done.load(std::memory_order_acquire)) {
+    {
+      std::unique_lock<std::recursive_mutex> lk(mpi_mu_, std::try_to_lock);
+      if (lk.owns_lock()) pump();
+    }
+    if (op.done.load(std::memory_order_acquire)) break;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(kBackoff);
+  }
+  return true;
 }
 
 bool Engine::pump() {

@@ -104,6 +104,9 @@ class Engine {
   void progress_once();
   // Pumps until op completes or the deadline passes (false then).
   bool wait_for(Collective& op, std::chrono::steady_clock::time_point deadline);
+  // The same from a stream's worker thread (Work::wait(Stream&)): pumps only
+  // when MPI is free, so it never blocks behind a host in run_sync.
+  bool wait_for_on_stream(Collective& op, std::chrono::steady_clock::time_point deadline);
 
   std::atomic<bool> poll_active{false};
 

@@ -89,10 +89,10 @@ TEST_CASE("clip_grad_norm_ scales to the max norm and reports the norm", "[optim
   Tensor a = param({3}, 5), b = param({4}, 6);
   a.set_grad(from_vector<double>({3, 0, 0}, {3}));
   b.set_grad(from_vector<double>({0, 4, 0, 0}, {4}));
-  double n = nn::clip_grad_norm_({a, b}, 1.0);
+  double n = nn::clip_grad_norm_({a, b}, 1.0).item();
   CHECK(n == Approx(5.0));
-  CHECK(nn::grad_norm({a, b}) == Approx(1.0).epsilon(1e-5));
-  double n2 = nn::clip_grad_norm_({a, b}, 10.0);  // below the max: unchanged
+  CHECK(nn::grad_norm({a, b}).item() == Approx(1.0).epsilon(1e-5));
+  double n2 = nn::clip_grad_norm_({a, b}, 10.0).item();  // below the max: unchanged
   CHECK(n2 == Approx(1.0).epsilon(1e-5));
   CHECK(a.grad().to_vector<double>()[0] == Approx(0.6).epsilon(1e-5));
 }

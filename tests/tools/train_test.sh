@@ -94,7 +94,7 @@ python3 -c '
 import json
 rows = [json.loads(l) for l in open("w4/metrics.jsonl")]
 keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu_pct",
-        "peak_mem_mib_max_rank", "exposed_comm_pct_max_rank"}
+        "peak_mem_mib_max_rank", "exposed_comm_pct_max_rank", "host_syncs_between_logs_max_rank"}
 logged = [r for r in rows if "loss" in r]
 assert logged and all(keys <= set(r) for r in logged), logged[0]
 assert any("val_loss" in r for r in rows) and "summary" in rows[-1], rows[-1]
@@ -119,6 +119,21 @@ print("metrics and trace OK: rank 0 has %d all-gather and %d reduce-scatter span
 if command -v gnuplot >/dev/null; then
   [[ $(head -c 4 w4/loss.png | od -An -c | tr -d ' ') == '211PNG' ]] || fail "loss.png is not a PNG"
 fi
+
+echo "== job.device async_cpu: the CPU's losses bit for bit, no host sync between log steps"
+# Kernels on worker-thread streams with random delays; FSDP's collectives wait on streams.
+TESSERA_ASYNC_DELAYS=20 train 2 --job.dump_folder a2 --job.device async_cpu > a2.log
+losses a2 > a2.losses
+cmp w2.losses a2.losses || fail "async_cpu and cpu should give bitwise equal losses"
+python3 -c '
+import json
+rows = [json.loads(l) for l in open("a2/metrics.jsonl")]
+logged = [r for r in rows if "loss" in r]
+assert len(logged) >= 4, logged
+syncs = [r["host_syncs_between_logs_max_rank"] for r in logged]
+assert all(s == 0 for s in syncs), syncs
+print("async_cpu: %d log lines, host syncs between log steps: %s" % (len(logged), syncs))'
+expect_error "has no choice 'cuda7'" "$bin/tessera-train" "${tiny[@]}" --job.device cuda7
 
 train 2 --job.dump_folder llama --preset llama-small --training.steps 6 --mixed_precision.param_dtype bfloat16 \
   --activation_checkpoint.mode full --parallelism.reshard_after_forward false > llama.log
