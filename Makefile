@@ -50,7 +50,7 @@ tsan: deps
 	@[ -f build-tsan/build.ninja ] || meson setup build-tsan --buildtype=debugoptimized \
 	  -Db_sanitize=thread -Dbenchmarks=false -Dnative=false
 	meson compile -C build-tsan
-	OMP_NUM_THREADS=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 exitcode=66" \
+	OMP_NUM_THREADS=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 exitcode=66 allocator_may_return_null=1" \
 	  meson test -C build-tsan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(TSAN_TESTS)
 
 bench: build

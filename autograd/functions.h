@@ -107,8 +107,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
 
 // ---- in-place (refuse tensors that autograd is tracking) ----------------------------------
-Tensor& copy_(Tensor& dst, const Tensor& src);
-Tensor& fill_(Tensor& x, double value);
-Tensor& zero_(Tensor& x);
+const Tensor& copy_(const Tensor& dst, const Tensor& src);
+const Tensor& fill_(const Tensor& x, double value);
+const Tensor& zero_(const Tensor& x);
 
 }  // namespace tessera

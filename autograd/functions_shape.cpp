@@ -204,19 +204,19 @@ void check_inplace(const Tensor& x, const char* op) {
 }
 }  // namespace
 
-Tensor& copy_(Tensor& dst, const Tensor& src) {
+const Tensor& copy_(const Tensor& dst, const Tensor& src) {
   TS_PROFILE("copy_");
   check_inplace(dst, "copy_");
   return ops::copy_(dst, src);
 }
 
-Tensor& fill_(Tensor& x, double value) {
+const Tensor& fill_(const Tensor& x, double value) {
   TS_PROFILE("fill_");
   check_inplace(x, "fill_");
   return ops::fill_(x, value);
 }
 
-Tensor& zero_(Tensor& x) {
+const Tensor& zero_(const Tensor& x) {
   TS_PROFILE("zero_");
   check_inplace(x, "zero_");
   return ops::zero_(x);

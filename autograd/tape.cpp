@@ -132,57 +132,181 @@ size_t tape_size() { return current_tape().size(); }
 
 void backward(const Tensor& root, const Tensor& grad) { backward(TensorList{root}, {grad}); }
 
+namespace {
+
+// One walk of the tape from the end to the start: the pending gradients of
+// non-leaf tensors (by id) and of leaves, and the node after which each
+// leaf's gradient is complete (its first use on the tape).
+class BackwardPass {
+ public:
+  explicit BackwardPass(std::vector<std::unique_ptr<Node>> nodes) : nodes_(std::move(nodes)) {
+    flush_at_.resize(nodes_.size());
+    std::unordered_map<uint64_t, size_t> first_use;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      for (const auto& in : nodes_[i]->inputs)
+        if (in.leaf) first_use.emplace(in.id, i);  // ascending: keeps the first use
+      for (uint64_t id : nodes_[i]->output_ids) produced_.insert(id);
+    }
+    for (auto& [id, i] : first_use) flush_at_[i].push_back(id);
+  }
+
+  // The roots' gradients (ones for one-element roots given none).
+  void seed(const TensorList& roots, const TensorList& grads_in) {
+    for (size_t r = 0; r < roots.size(); ++r) {
+      const Tensor& root = roots[r];
+      TS_CHECK(root.defined() && root.requires_grad(),
+               "backward: tensor {} does not require grad and has no recorded history", r);
+      Tensor g = grads_in[r];
+      if (!g.defined()) {
+        TS_CHECK(root.numel() == 1,
+                 "backward: a gradient can be created implicitly only for one-element outputs, "
+                 "got shape {}; pass grad",
+                 shape_str(root.shape()));
+        g = full(root.shape(), 1.0, root.dtype(), root.device());
+      }
+      TS_CHECK(g.shape() == root.shape(), "backward: gradient shape {} does not match output {}",
+               shape_str(g.shape()), shape_str(root.shape()));
+      TS_CHECK(root.is_leaf() || produced_.count(root.impl()->id) > 0,
+               "backward: the graph that produced this tensor is not on the tape (already used by "
+               "an earlier backward(), cleared, or recorded on another thread)");
+      if (root.is_leaf()) {
+        auto& p = leaves_[root.impl()->id];
+        p.impl = root.impl_ptr();
+        accumulate(p.grad, g);
+      } else {
+        accumulate(grads_[root.impl()->id], g);
+      }
+    }
+  }
+
+  void run() {
+    for (size_t i = nodes_.size(); i-- > 0;) {
+      Node& node = *nodes_[i];
+      if (node.is_marker()) {
+        run_marker(node);
+      } else {
+        TensorList grad_outputs = take_output_grads(node);
+        if (!grad_outputs.empty()) run_node(node, grad_outputs);
+        for (uint64_t id : flush_at_[i]) flush_leaf(id);
+      }
+      nodes_[i].reset();  // free what this op saved as soon as it is done
+    }
+    while (!leaves_.empty()) flush_leaf(leaves_.begin()->first);  // roots that are leaves
+  }
+
+ private:
+  struct PendingLeaf {
+    std::shared_ptr<TensorImpl> impl;
+    Tensor grad;
+  };
+
+  // A marker fires when it watches nothing or a watched tensor got a gradient.
+  void run_marker(Node& node) {
+    bool fire = node.watch_ids.empty();
+    for (uint64_t id : node.watch_ids) fire = fire || grads_.count(id) > 0;
+    if (!fire) return;
+    profiler::Scope scope(node.name.c_str());
+    node.marker();
+  }
+
+  // The gradients of the node's outputs (empty when none reached it; zeros
+  // for the outputs that got none), after their hooks and retain_grad.
+  TensorList take_output_grads(Node& node) {
+    TensorList grad_outputs(node.output_ids.size());
+    bool any = false;
+    for (size_t k = 0; k < node.output_ids.size(); ++k) {
+      auto it = grads_.find(node.output_ids[k]);
+      if (it == grads_.end()) continue;
+      grad_outputs[k] = std::move(it->second);
+      grads_.erase(it);
+      any = true;
+    }
+    if (!any) return {};
+    for (size_t k = 0; k < grad_outputs.size(); ++k) {
+      if (!grad_outputs[k].defined()) {
+        grad_outputs[k] = zeros(node.output_shapes[k], node.output_dtypes[k], node.output_devices[k]);
+        continue;
+      }
+      if (k < node.output_hooks.size()) {
+        for (auto& hook : node.output_hooks[k]) {
+          Tensor r = hook(grad_outputs[k]);
+          if (r.defined()) grad_outputs[k] = r;
+        }
+      }
+      // Hooks registered off the tape, and retain_grad, of the (non-leaf) output if it is still alive.
+      if (auto out = node.outputs[k].lock(); out && out->autograd) {
+        for (auto& hook : out->autograd->hooks) {
+          Tensor r = hook(grad_outputs[k]);
+          if (r.defined()) grad_outputs[k] = r;
+        }
+        if (out->autograd->retains_grad) {
+          Tensor slot = out->autograd->grad ? Tensor(out->autograd->grad) : Tensor();
+          slot = slot.defined() ? ops::add(slot, grad_outputs[k]) : ops::clone(grad_outputs[k]);
+          out->autograd->grad = slot.impl_ptr();
+        }
+      }
+    }
+    return grad_outputs;
+  }
+
+  // The node's backward, and its input gradients routed to tensors and leaves.
+  void run_node(Node& node, const TensorList& grad_outputs) {
+    TensorList input_grads;
+    {
+      profiler::Scope scope(node.backward_name.c_str());
+      input_grads = node.backward(grad_outputs);
+    }
+    TS_CHECK(input_grads.size() == node.inputs.size(), "backward of '{}' returned {} gradients for {} inputs",
+             node.name, input_grads.size(), node.inputs.size());
+    for (size_t j = 0; j < node.inputs.size(); ++j) {
+      const Node::Input& in = node.inputs[j];
+      if (!in.needs_grad || !input_grads[j].defined()) continue;
+      if (in.leaf) {
+        auto& p = leaves_[in.id];
+        p.impl = in.leaf;
+        accumulate(p.grad, input_grads[j]);
+      } else {
+        accumulate(grads_[in.id], input_grads[j]);
+      }
+    }
+  }
+
+  // A leaf's gradient is complete: accumulate it into .grad (and run its hooks).
+  void flush_leaf(uint64_t id) {
+    auto it = leaves_.find(id);
+    if (it == leaves_.end()) return;
+    PendingLeaf p = std::move(it->second);
+    leaves_.erase(it);
+    if (p.grad.defined()) accumulate_into_leaf(p.impl, std::move(p.grad));
+  }
+
+  std::vector<std::unique_ptr<Node>> nodes_;
+  std::unordered_map<uint64_t, Tensor> grads_;  // pending gradients of non-leaf tensors
+  std::unordered_map<uint64_t, PendingLeaf> leaves_;
+  std::vector<std::vector<uint64_t>> flush_at_;
+  std::unordered_set<uint64_t> produced_;
+};
+
+// Callbacks may queue further callbacks; run until none are left.
+void run_final_callbacks(ThreadState& st) {
+  for (size_t k = 0; k < st.callbacks.size(); ++k) {
+    auto cb = std::move(st.callbacks[k]);
+    cb();
+  }
+  st.callbacks.clear();
+}
+
+}  // namespace
+
 void backward(const TensorList& roots, const TensorList& grads_in) {
   TS_CHECK(roots.size() == grads_in.size(), "backward: {} roots but {} gradients", roots.size(),
            grads_in.size());
   ThreadState& st = state();
   // Take the graph: ops recorded from here on go to a fresh tape.
-  std::vector<std::unique_ptr<Node>> nodes = std::move(current_tape().nodes());
+  BackwardPass pass(std::move(current_tape().nodes()));
   current_tape().clear();
-
-  std::unordered_map<uint64_t, Tensor> grads;  // pending gradients of non-leaf tensors
-  struct PendingLeaf {
-    std::shared_ptr<TensorImpl> impl;
-    Tensor grad;
-  };
-  std::unordered_map<uint64_t, PendingLeaf> leaves;
-  // A leaf's gradient is complete after its first (lowest-index) use on the tape.
-  std::unordered_map<uint64_t, size_t> last_use;
-  std::vector<std::vector<uint64_t>> flush_at(nodes.size());
-  std::unordered_set<uint64_t> produced;
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    for (const auto& in : nodes[i]->inputs)
-      if (in.leaf) last_use.emplace(in.id, i);  // ascending: keeps the first use
-    for (uint64_t id : nodes[i]->output_ids) produced.insert(id);
-  }
-  for (auto& [id, i] : last_use) flush_at[i].push_back(id);
-
   NoGradGuard no_grad;
-  for (size_t r = 0; r < roots.size(); ++r) {
-    const Tensor& root = roots[r];
-    TS_CHECK(root.defined() && root.requires_grad(),
-             "backward: tensor {} does not require grad and has no recorded history", r);
-    Tensor g = grads_in[r];
-    if (!g.defined()) {
-      TS_CHECK(root.numel() == 1,
-               "backward: a gradient can be created implicitly only for one-element outputs, "
-               "got shape {}; pass grad",
-               shape_str(root.shape()));
-      g = full(root.shape(), 1.0, root.dtype(), root.device());
-    }
-    TS_CHECK(g.shape() == root.shape(), "backward: gradient shape {} does not match output {}",
-             shape_str(g.shape()), shape_str(root.shape()));
-    TS_CHECK(root.is_leaf() || produced.count(root.impl()->id) > 0,
-             "backward: the graph that produced this tensor is not on the tape (already used by "
-             "an earlier backward(), cleared, or recorded on another thread)");
-    if (root.is_leaf()) {
-      auto& p = leaves[root.impl()->id];
-      p.impl = root.impl_ptr();
-      accumulate(p.grad, g);
-    } else {
-      accumulate(grads[root.impl()->id], g);
-    }
-  }
+  pass.seed(roots, grads_in);
 
   st.backward_depth++;
   if (st.backward_depth == 1) st.callbacks.clear();
@@ -190,95 +314,8 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
     ThreadState& s;
     ~DepthGuard() { s.backward_depth--; }
   } depth_guard{st};
-
-  auto flush_leaf = [&](uint64_t id) {
-    auto it = leaves.find(id);
-    if (it == leaves.end()) return;
-    PendingLeaf p = std::move(it->second);
-    leaves.erase(it);
-    if (p.grad.defined()) accumulate_into_leaf(p.impl, std::move(p.grad));
-  };
-
-  for (size_t i = nodes.size(); i-- > 0;) {
-    Node& node = *nodes[i];
-    if (node.is_marker()) {
-      bool fire = node.watch_ids.empty();
-      for (uint64_t id : node.watch_ids) fire = fire || grads.count(id) > 0;
-      if (fire) {
-        profiler::Scope scope(node.name.c_str());
-        node.marker();
-      }
-      nodes[i].reset();
-      continue;
-    }
-    TensorList grad_outputs(node.output_ids.size());
-    bool any = false;
-    for (size_t k = 0; k < node.output_ids.size(); ++k) {
-      auto it = grads.find(node.output_ids[k]);
-      if (it == grads.end()) continue;
-      grad_outputs[k] = std::move(it->second);
-      grads.erase(it);
-      any = true;
-    }
-    if (any) {
-      for (size_t k = 0; k < grad_outputs.size(); ++k) {
-        if (!grad_outputs[k].defined()) {
-          grad_outputs[k] =
-              zeros(node.output_shapes[k], node.output_dtypes[k], node.output_devices[k]);
-          continue;
-        }
-        if (k < node.output_hooks.size()) {
-          for (auto& hook : node.output_hooks[k]) {
-            Tensor r = hook(grad_outputs[k]);
-            if (r.defined()) grad_outputs[k] = r;
-          }
-        }
-        // Hooks registered off the tape, and retain_grad, of the (non-leaf) output if it is still alive.
-        if (auto out = node.outputs[k].lock(); out && out->autograd) {
-          for (auto& hook : out->autograd->hooks) {
-            Tensor r = hook(grad_outputs[k]);
-            if (r.defined()) grad_outputs[k] = r;
-          }
-          if (out->autograd->retains_grad) {
-            Tensor slot = out->autograd->grad ? Tensor(out->autograd->grad) : Tensor();
-            slot = slot.defined() ? ops::add(slot, grad_outputs[k]) : ops::clone(grad_outputs[k]);
-            out->autograd->grad = slot.impl_ptr();
-          }
-        }
-      }
-      TensorList input_grads;
-      {
-        profiler::Scope scope(node.backward_name.c_str());
-        input_grads = node.backward(grad_outputs);
-      }
-      TS_CHECK(input_grads.size() == node.inputs.size(),
-               "backward of '{}' returned {} gradients for {} inputs", node.name,
-               input_grads.size(), node.inputs.size());
-      for (size_t j = 0; j < node.inputs.size(); ++j) {
-        const Node::Input& in = node.inputs[j];
-        if (!in.needs_grad || !input_grads[j].defined()) continue;
-        if (in.leaf) {
-          auto& p = leaves[in.id];
-          p.impl = in.leaf;
-          accumulate(p.grad, input_grads[j]);
-        } else {
-          accumulate(grads[in.id], input_grads[j]);
-        }
-      }
-    }
-    for (uint64_t id : flush_at[i]) flush_leaf(id);
-    nodes[i].reset();  // free what this op saved as soon as it is done
-  }
-  while (!leaves.empty()) flush_leaf(leaves.begin()->first);  // roots that are leaves
-
-  if (st.backward_depth == 1) {
-    // Callbacks may queue further callbacks; run until none are left.
-    for (size_t k = 0; k < st.callbacks.size(); ++k) {
-      auto cb = std::move(st.callbacks[k]);
-      cb();
-    }
-    st.callbacks.clear();
-  }
+  pass.run();
+  if (st.backward_depth == 1) run_final_callbacks(st);
 }
 
 Tensor detach(const Tensor& x) {

@@ -140,6 +140,114 @@ Shape read_shape(const json& j, const std::string& file, const std::string& what
 }
 }  // namespace
 
+namespace {
+
+// One entry of a tensor's "chunks": a plain file name, a byte range after the
+// data file's header, a CRC, and a box inside the tensor that the bytes fill.
+ChunkInfo parse_chunk(const json& c, const TensorInfo& info, const std::string& file) {
+  TS_CHECK(c.is_object() && c.contains("file") && c["file"].is_string(),
+           "{}: a chunk of '{}' names no file", file, info.name);
+  ChunkInfo ch;
+  ch.file = c["file"].get<std::string>();
+  TS_CHECK(!ch.file.empty() && ch.file.find('/') == std::string::npos &&
+               ch.file.find("..") == std::string::npos,
+           "{}: chunk file '{}' of '{}' must be a plain file name in the checkpoint directory",
+           file, ch.file, info.name);
+  TS_CHECK(c.contains("offset") && c["offset"].is_number_unsigned() && c.contains("bytes") &&
+               c["bytes"].is_number_unsigned() && c.contains("crc32c") &&
+               c["crc32c"].is_number_unsigned(),
+           "{}: a chunk of '{}' lacks offset, bytes or crc32c", file, info.name);
+  ch.offset = c["offset"].get<uint64_t>();
+  ch.bytes = c["bytes"].get<uint64_t>();
+  TS_CHECK(c["crc32c"].get<uint64_t>() <= 0xffffffffull, "{}: bad crc32c for '{}'", file,
+           info.name);
+  ch.crc32c = c["crc32c"].get<uint32_t>();
+  TS_CHECK(c.contains("offsets") && c.contains("shape"), "{}: a chunk of '{}' has no box", file,
+           info.name);
+  ch.offsets = read_shape(c["offsets"], file, "chunk offsets of '" + info.name + "'");
+  ch.shape = read_shape(c["shape"], file, "chunk shape of '" + info.name + "'");
+  TS_CHECK(ch.offsets.size() == info.shape.size() && ch.shape.size() == info.shape.size(),
+           "{}: a chunk of '{}' has rank {} but the tensor has rank {}", file, info.name,
+           ch.shape.size(), info.shape.size());
+  uint64_t n = 1;
+  for (size_t d = 0; d < info.shape.size(); ++d) {
+    TS_CHECK(ch.offsets[d] + ch.shape[d] <= info.shape[d],
+             "{}: a chunk of '{}' lies outside the tensor {}", file, info.name,
+             shape_str(info.shape));
+    n *= static_cast<uint64_t>(ch.shape[d]);
+  }
+  TS_CHECK(n * dtype_size(info.dtype) == ch.bytes,
+           "{}: a chunk of '{}' holds {} bytes but its shape needs {}", file, info.name,
+           ch.bytes, n * dtype_size(info.dtype));
+  TS_CHECK(ch.offset >= kDataHeaderBytes, "{}: a chunk of '{}' overlaps the data file header",
+           file, info.name);
+  return ch;
+}
+
+// Disjoint boxes: with the element count checked by the caller, every element
+// is stored exactly once (overlapping boxes would leave a hole that loads as
+// stale memory). A sweep along dim 0 compares only chunks whose dim-0 ranges
+// meet: O(C log C) for row-sharded layouts, however many ranks wrote it.
+void check_disjoint(const TensorInfo& info, const std::string& file) {
+  if (!info.shape.empty()) {
+    std::vector<size_t> order;
+    for (size_t i = 0; i < info.chunks.size(); ++i)
+      if (shape_numel(info.chunks[i].shape) > 0) order.push_back(i);
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return info.chunks[a].offsets[0] < info.chunks[b].offsets[0]; });
+    for (size_t x = 0; x < order.size(); ++x) {
+      const ChunkInfo& a = info.chunks[order[x]];
+      for (size_t y = x + 1; y < order.size(); ++y) {
+        const ChunkInfo& b = info.chunks[order[y]];
+        if (b.offsets[0] >= a.offsets[0] + a.shape[0]) break;  // sorted: no later chunk meets a
+        bool overlap = true;
+        for (size_t d = 1; d < info.shape.size() && overlap; ++d)
+          overlap = std::max(a.offsets[d], b.offsets[d]) <
+                    std::min(a.offsets[d] + a.shape[d], b.offsets[d] + b.shape[d]);
+        size_t i = std::min(order[x], order[y]), j = std::max(order[x], order[y]);
+        TS_CHECK(!overlap, "{}: chunks {} and {} of '{}' overlap (at offsets {} and {})", file, i,
+                 j, info.name, shape_str(info.chunks[i].offsets), shape_str(info.chunks[j].offsets));
+      }
+    }
+  }
+}
+
+// One entry of "tensors": name, dtype, shape, placements and chunks that
+// cover every element exactly once.
+TensorInfo parse_tensor(const json& t, const std::string& file) {
+  TS_CHECK(t.is_object() && t.contains("name") && t["name"].is_string(),
+           "{}: a tensor entry has no name", file);
+  TensorInfo info;
+  info.name = t["name"].get<std::string>();
+  TS_CHECK(t.contains("dtype") && t["dtype"].is_string(), "{}: tensor '{}' has no dtype", file,
+           info.name);
+  try {
+    info.dtype = dtype_from_name(t["dtype"].get<std::string>());
+  } catch (const Error& e) {
+    TS_CHECK(false, "{}: tensor '{}': {}", file, info.name, e.what());
+  }
+  TS_CHECK(t.contains("shape"), "{}: tensor '{}' has no shape", file, info.name);
+  info.shape = read_shape(t["shape"], file, "shape of '" + info.name + "'");
+  if (t.contains("placements") && t["placements"].is_string())
+    info.placements = t["placements"].get<std::string>();
+  TS_CHECK(t.contains("chunks") && t["chunks"].is_array(), "{}: tensor '{}' has no chunks", file,
+           info.name);
+  uint64_t covered = 0;
+  for (const auto& c : t["chunks"]) {
+    ChunkInfo ch = parse_chunk(c, info, file);
+    uint64_t n = ch.bytes / dtype_size(info.dtype);  // elements (parse_chunk checked bytes against the box)
+    covered += n;
+    info.chunks.push_back(ch);
+  }
+  TS_CHECK(covered == static_cast<uint64_t>(shape_numel(info.shape)),
+           "{}: the chunks of '{}' cover {} of its {} elements", file, info.name, covered,
+           shape_numel(info.shape));
+  check_disjoint(info, file);
+  return info;
+}
+
+}  // namespace
+
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& file) {
   json md;
   try {
@@ -162,95 +270,7 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
            "{}: world_size missing or invalid", file);
   out.world_size = md["world_size"].get<int>();
   TS_CHECK(md.contains("tensors") && md["tensors"].is_array(), "{}: tensors missing", file);
-  for (const auto& t : md["tensors"]) {
-    TS_CHECK(t.is_object() && t.contains("name") && t["name"].is_string(),
-             "{}: a tensor entry has no name", file);
-    TensorInfo info;
-    info.name = t["name"].get<std::string>();
-    TS_CHECK(t.contains("dtype") && t["dtype"].is_string(), "{}: tensor '{}' has no dtype", file,
-             info.name);
-    try {
-      info.dtype = dtype_from_name(t["dtype"].get<std::string>());
-    } catch (const Error& e) {
-      TS_CHECK(false, "{}: tensor '{}': {}", file, info.name, e.what());
-    }
-    TS_CHECK(t.contains("shape"), "{}: tensor '{}' has no shape", file, info.name);
-    info.shape = read_shape(t["shape"], file, "shape of '" + info.name + "'");
-    if (t.contains("placements") && t["placements"].is_string())
-      info.placements = t["placements"].get<std::string>();
-    TS_CHECK(t.contains("chunks") && t["chunks"].is_array(), "{}: tensor '{}' has no chunks", file,
-             info.name);
-    uint64_t covered = 0;
-    for (const auto& c : t["chunks"]) {
-      TS_CHECK(c.is_object() && c.contains("file") && c["file"].is_string(),
-               "{}: a chunk of '{}' names no file", file, info.name);
-      ChunkInfo ch;
-      ch.file = c["file"].get<std::string>();
-      TS_CHECK(!ch.file.empty() && ch.file.find('/') == std::string::npos &&
-                   ch.file.find("..") == std::string::npos,
-               "{}: chunk file '{}' of '{}' must be a plain file name in the checkpoint directory",
-               file, ch.file, info.name);
-      TS_CHECK(c.contains("offset") && c["offset"].is_number_unsigned() && c.contains("bytes") &&
-                   c["bytes"].is_number_unsigned() && c.contains("crc32c") &&
-                   c["crc32c"].is_number_unsigned(),
-               "{}: a chunk of '{}' lacks offset, bytes or crc32c", file, info.name);
-      ch.offset = c["offset"].get<uint64_t>();
-      ch.bytes = c["bytes"].get<uint64_t>();
-      TS_CHECK(c["crc32c"].get<uint64_t>() <= 0xffffffffull, "{}: bad crc32c for '{}'", file,
-               info.name);
-      ch.crc32c = c["crc32c"].get<uint32_t>();
-      TS_CHECK(c.contains("offsets") && c.contains("shape"), "{}: a chunk of '{}' has no box", file,
-               info.name);
-      ch.offsets = read_shape(c["offsets"], file, "chunk offsets of '" + info.name + "'");
-      ch.shape = read_shape(c["shape"], file, "chunk shape of '" + info.name + "'");
-      TS_CHECK(ch.offsets.size() == info.shape.size() && ch.shape.size() == info.shape.size(),
-               "{}: a chunk of '{}' has rank {} but the tensor has rank {}", file, info.name,
-               ch.shape.size(), info.shape.size());
-      uint64_t n = 1;
-      for (size_t d = 0; d < info.shape.size(); ++d) {
-        TS_CHECK(ch.offsets[d] + ch.shape[d] <= info.shape[d],
-                 "{}: a chunk of '{}' lies outside the tensor {}", file, info.name,
-                 shape_str(info.shape));
-        n *= static_cast<uint64_t>(ch.shape[d]);
-      }
-      TS_CHECK(n * dtype_size(info.dtype) == ch.bytes,
-               "{}: a chunk of '{}' holds {} bytes but its shape needs {}", file, info.name,
-               ch.bytes, n * dtype_size(info.dtype));
-      TS_CHECK(ch.offset >= kDataHeaderBytes, "{}: a chunk of '{}' overlaps the data file header",
-               file, info.name);
-      covered += n;
-      info.chunks.push_back(ch);
-    }
-    TS_CHECK(covered == static_cast<uint64_t>(shape_numel(info.shape)),
-             "{}: the chunks of '{}' cover {} of its {} elements", file, info.name, covered,
-             shape_numel(info.shape));
-    // Disjoint boxes: with the count above, every element is stored exactly once
-    // (overlapping boxes would leave a hole that loads as stale memory). A sweep
-    // along dim 0 compares only chunks whose dim-0 ranges meet: O(C log C) for
-    // row-sharded layouts, however many ranks wrote the checkpoint.
-    if (!info.shape.empty()) {
-      std::vector<size_t> order;
-      for (size_t i = 0; i < info.chunks.size(); ++i)
-        if (shape_numel(info.chunks[i].shape) > 0) order.push_back(i);
-      std::sort(order.begin(), order.end(),
-                [&](size_t a, size_t b) { return info.chunks[a].offsets[0] < info.chunks[b].offsets[0]; });
-      for (size_t x = 0; x < order.size(); ++x) {
-        const ChunkInfo& a = info.chunks[order[x]];
-        for (size_t y = x + 1; y < order.size(); ++y) {
-          const ChunkInfo& b = info.chunks[order[y]];
-          if (b.offsets[0] >= a.offsets[0] + a.shape[0]) break;  // sorted: no later chunk meets a
-          bool overlap = true;
-          for (size_t d = 1; d < info.shape.size() && overlap; ++d)
-            overlap = std::max(a.offsets[d], b.offsets[d]) <
-                      std::min(a.offsets[d] + a.shape[d], b.offsets[d] + b.shape[d]);
-          size_t i = std::min(order[x], order[y]), j = std::max(order[x], order[y]);
-          TS_CHECK(!overlap, "{}: chunks {} and {} of '{}' overlap (at offsets {} and {})", file, i,
-                   j, info.name, shape_str(info.chunks[i].offsets), shape_str(info.chunks[j].offsets));
-        }
-      }
-    }
-    out.tensors.push_back(std::move(info));
-  }
+  for (const auto& t : md["tensors"]) out.tensors.push_back(parse_tensor(t, file));
   if (md.contains("extra")) out.extra_json = md["extra"].dump();
   if (md.contains("rank_state") && md["rank_state"].is_array())
     for (const auto& r : md["rank_state"]) out.rank_state.push_back(r.dump());

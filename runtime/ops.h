@@ -79,20 +79,20 @@ inline Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);  // cond: bool
 
 // ---- in-place (what an optimizer needs); return the mutated tensor ---------
-Tensor& copy_(Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype; any devices
-Tensor& copy_(Tensor& dst, const Tensor& src, bool non_blocking);
-Tensor& fill_(Tensor& x, double value);
-Tensor& zero_(Tensor& x);
-Tensor& add_(Tensor& x, const Tensor& other, double alpha = 1.0);  // x += alpha * other
-Tensor& add_(Tensor& x, double value);
-Tensor& mul_(Tensor& x, const Tensor& other);
-Tensor& mul_(Tensor& x, double value);
-Tensor& div_(Tensor& x, const Tensor& other);
-Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
-Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
-Tensor& lerp_(Tensor& x, const Tensor& end, double weight);  // x += weight * (end - x)
-Tensor& sqrt_(Tensor& x);
-Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max);
+const Tensor& copy_(const Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype; any devices
+const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking);
+const Tensor& fill_(const Tensor& x, double value);
+const Tensor& zero_(const Tensor& x);
+const Tensor& add_(const Tensor& x, const Tensor& other, double alpha = 1.0);  // x += alpha * other
+const Tensor& add_(const Tensor& x, double value);
+const Tensor& mul_(const Tensor& x, const Tensor& other);
+const Tensor& mul_(const Tensor& x, double value);
+const Tensor& div_(const Tensor& x, const Tensor& other);
+const Tensor& addcmul_(const Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
+const Tensor& addcdiv_(const Tensor& x, const Tensor& a, const Tensor& b, double value = 1.0);
+const Tensor& lerp_(const Tensor& x, const Tensor& end, double weight);  // x += weight * (end - x)
+const Tensor& sqrt_(const Tensor& x);
+const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<double> max);
 
 // ---- reductions (dims empty = all dims) --------------------------------------
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false,

@@ -59,7 +59,7 @@ Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.device(), x.dtype(
 
 // Runs an in-place update `f(target)` on x; bf16/f16 go through an f32 copy.
 template <class F>
-Tensor& update_inplace(Tensor& x, const char* op, F&& f) {
+const Tensor& update_inplace(const Tensor& x, const char* op, F&& f) {
   check_floating(x, op);
   if (x.is_meta()) return x;
   const DType cd = compute_dtype(x.device(), x.dtype());
@@ -158,7 +158,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 
 // ---- in-place ---------------------------------------------------------------
 
-Tensor& copy_(Tensor& dst, const Tensor& src) {
+const Tensor& copy_(const Tensor& dst, const Tensor& src) {
   if (any_distributed({&dst, &src})) {
     route("copy_", OpClass::InPlace, {dst, src}, [](const TensorList& l) {
       Tensor t = l[0];
@@ -169,7 +169,7 @@ Tensor& copy_(Tensor& dst, const Tensor& src) {
   return copy_(dst, src, /*non_blocking=*/false);
 }
 
-Tensor& copy_(Tensor& dst, const Tensor& src, bool non_blocking) {
+const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
   if (dst.is_meta()) return dst;
   TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
            dst.device().str());
@@ -194,7 +194,7 @@ Tensor& copy_(Tensor& dst, const Tensor& src, bool non_blocking) {
   return dst;
 }
 
-Tensor& fill_(Tensor& x, double value) {
+const Tensor& fill_(const Tensor& x, double value) {
   if (x.is_distributed()) {
     route("fill_", OpClass::InPlace, {x}, [value](const TensorList& l) {
       Tensor t = l[0];
@@ -206,7 +206,7 @@ Tensor& fill_(Tensor& x, double value) {
   return x;
 }
 
-Tensor& zero_(Tensor& x) { return fill_(x, 0.0); }
+const Tensor& zero_(const Tensor& x) { return fill_(x, 0.0); }
 
 namespace {
 Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
@@ -220,7 +220,7 @@ Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
 }
 }  // namespace
 
-Tensor& add_(Tensor& x, const Tensor& other, double alpha) {
+const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
   if (any_distributed({&x, &other})) {
     route("add_", OpClass::InPlace, {x, other}, [alpha](const TensorList& l) {
       Tensor t = l[0];
@@ -234,11 +234,11 @@ Tensor& add_(Tensor& x, const Tensor& other, double alpha) {
   });
 }
 
-Tensor& add_(Tensor& x, double value) {
+const Tensor& add_(const Tensor& x, double value) {
   return add_(x, full({}, value, x.dtype(), x.device()), 1.0);
 }
 
-Tensor& mul_(Tensor& x, const Tensor& other) {
+const Tensor& mul_(const Tensor& x, const Tensor& other) {
   if (any_distributed({&x, &other})) {
     route("mul_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
       Tensor t = l[0];
@@ -252,11 +252,11 @@ Tensor& mul_(Tensor& x, const Tensor& other) {
   });
 }
 
-Tensor& mul_(Tensor& x, double value) {
+const Tensor& mul_(const Tensor& x, double value) {
   return mul_(x, full({}, value, x.dtype(), x.device()));
 }
 
-Tensor& div_(Tensor& x, const Tensor& other) {
+const Tensor& div_(const Tensor& x, const Tensor& other) {
   if (any_distributed({&x, &other})) {
     route("div_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
       Tensor t = l[0];
@@ -270,7 +270,7 @@ Tensor& div_(Tensor& x, const Tensor& other) {
   });
 }
 
-Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+const Tensor& addcmul_(const Tensor& x, const Tensor& a, const Tensor& b, double value) {
   if (any_distributed({&x, &a, &b})) {
     route("addcmul_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
       Tensor t = l[0];
@@ -284,7 +284,7 @@ Tensor& addcmul_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
   });
 }
 
-Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
+const Tensor& addcdiv_(const Tensor& x, const Tensor& a, const Tensor& b, double value) {
   if (any_distributed({&x, &a, &b})) {
     route("addcdiv_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
       Tensor t = l[0];
@@ -298,7 +298,7 @@ Tensor& addcdiv_(Tensor& x, const Tensor& a, const Tensor& b, double value) {
   });
 }
 
-Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
+const Tensor& lerp_(const Tensor& x, const Tensor& end, double weight) {
   if (any_distributed({&x, &end})) {
     route("lerp_", OpClass::InPlace, {x, end}, [weight](const TensorList& l) {
       Tensor t = l[0];
@@ -312,7 +312,7 @@ Tensor& lerp_(Tensor& x, const Tensor& end, double weight) {
   });
 }
 
-Tensor& sqrt_(Tensor& x) {
+const Tensor& sqrt_(const Tensor& x) {
   if (any_distributed({&x})) {
     route("sqrt_", OpClass::InPlace, {x}, [](const TensorList& l) {
       Tensor t = l[0];
@@ -325,7 +325,7 @@ Tensor& sqrt_(Tensor& x) {
   });
 }
 
-Tensor& clamp_(Tensor& x, std::optional<double> min, std::optional<double> max) {
+const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<double> max) {
   if (any_distributed({&x})) {
     route("clamp_", OpClass::InPlace, {x}, [min, max](const TensorList& l) {
       Tensor t = l[0];

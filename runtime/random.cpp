@@ -110,15 +110,16 @@ namespace {
 // Runs a random fill on a contiguous float buffer, converting for bf16/f16 and
 // copying back into non-contiguous targets.
 template <class F>
-void random_into(Tensor& x, const char* what, F&& fill) {
+void random_into(const Tensor& x, const char* what, F&& fill) {
   TS_CHECK(is_floating(x.dtype()), "{}: expected a floating-point tensor, got {}", what,
            dtype_name(x.dtype()));
   if (x.is_meta()) return;
-  if (x.is_contiguous() && (x.dtype() == DType::F32 || x.dtype() == DType::F64)) {
+  const DType cd = compute_dtype(x.device(), x.dtype());
+  if (x.is_contiguous() && cd == x.dtype()) {
     fill(x);
     return;
   }
-  Tensor tmp = empty(x.shape(), compute_dtype(x.dtype()), x.device());
+  Tensor tmp = empty(x.shape(), cd, x.device());
   fill(tmp);
   copy_(x, tmp);
 }
@@ -126,7 +127,7 @@ void random_into(Tensor& x, const char* what, F&& fill) {
 
 namespace {
 // A DTensor draws, for each local element, the counter of its position in the full tensor.
-void random_distributed(const char* name, Tensor& x, const RandomSpec& spec,
+void random_distributed(const char* name, const Tensor& x, const RandomSpec& spec,
                         std::function<void(Tensor&, const RandomSpec&)> fill) {
   DistCall call;
   call.name = name;
@@ -138,7 +139,7 @@ void random_distributed(const char* name, Tensor& x, const RandomSpec& spec,
 }
 }  // namespace
 
-void uniform_(Tensor& x, double low, double high, const RandomSpec& spec) {
+void uniform_(const Tensor& x, double low, double high, const RandomSpec& spec) {
   if (x.is_distributed())
     return random_distributed("uniform_", x, spec,
                               [=](Tensor& l, const RandomSpec& s) { uniform_(l, low, high, s); });
@@ -146,7 +147,7 @@ void uniform_(Tensor& x, double low, double high, const RandomSpec& spec) {
               [&](const Tensor& t) { dispatch(t.device()).uniform(t, low, high, spec); });
 }
 
-void normal_(Tensor& x, double mean, double std, const RandomSpec& spec) {
+void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec) {
   if (x.is_distributed())
     return random_distributed("normal_", x, spec,
                               [=](Tensor& l, const RandomSpec& s) { normal_(l, mean, std, s); });

@@ -49,8 +49,8 @@ void manual_seed(uint64_t seed);
 uint64_t hash_name(const std::string& name);
 
 namespace ops {
-void uniform_(Tensor& x, double low, double high, const RandomSpec& spec);
-void normal_(Tensor& x, double mean, double std, const RandomSpec& spec);
+void uniform_(const Tensor& x, double low, double high, const RandomSpec& spec);
+void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec);
 // Multiplier for inverted dropout: 0 with probability p, else 1/(1-p).
 Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
                     Device device);

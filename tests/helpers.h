@@ -12,6 +12,15 @@
 
 namespace tessera::testing {
 
+// Built with ThreadSanitizer (make tsan)? Tests that race on purpose, to show
+// that the asynchronous device catches a missing wait, step aside there.
+constexpr bool kThreadSanitizer =
+#if defined(__SANITIZE_THREAD__)
+    true;
+#else
+    false;
+#endif
+
 // Largest |a - b| / (atol + rtol * |b|) over all elements; <= 1 means close.
 inline double close_ratio(const Tensor& a, const Tensor& b, double rtol, double atol) {
   REQUIRE(a.shape() == b.shape());

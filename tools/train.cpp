@@ -133,17 +133,19 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
 }
 
 // Test hook: TESSERA_TEST_KILL="rank:step" kills that rank (SIGKILL) when it
-// reaches that step, to check that the other ranks end with an error.
-void maybe_die(int64_t step) {
+// reaches that step, to check that the other ranks end with an error. Read
+// once; the training loop only calls the hook when the variable is set.
+std::function<void(int64_t)> kill_hook() {
   const char* spec = std::getenv("TESSERA_TEST_KILL");
-  if (spec == nullptr) return;
   int rank = -1;
   long long at = -1;
-  if (std::sscanf(spec, "%d:%lld", &rank, &at) == 2 && rank == dist::rank() && at == step) {
+  if (spec == nullptr || std::sscanf(spec, "%d:%lld", &rank, &at) != 2 || rank != dist::rank()) return {};
+  return [rank, at](int64_t step) {
+    if (step != at) return;
     std::fprintf(stderr, "rank %d: killing itself at step %lld (TESSERA_TEST_KILL)\n", rank, at);
     std::fflush(stderr);
     ::raise(SIGKILL);
-  }
+  };
 }
 
 // SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption notice) ask for a
@@ -178,6 +180,13 @@ class Trainer {
   void check_resume_config(const std::string& dir, const json& extra, int64_t step);
   void load_initial_weights(const std::string& path);
   void save(int64_t step);
+  void open_outputs();
+  void prepare_data();
+  void report_setup();
+  int64_t restore_or_start();  // resume, initial weights or step 0; returns the first step
+  void run_step(int64_t step, int64_t start, Clock::time_point run_start);
+  void write_trace(int64_t step);
+  int stop_early(int64_t step);  // after a SIGINT/SIGTERM: the exit code
   Tensor train_step(int64_t step);
   // Reads the losses of the steps since the last read (one host sync) into
   // the curve; throws if any is not finite. Returns the newest.
@@ -217,6 +226,7 @@ class Trainer {
   std::vector<std::pair<int64_t, Tensor>> pending_losses_;  // (step, loss on the device), not read yet
   double last_loss_ = NAN;
   int64_t window_syncs_ = 0;  // host syncs made by the steps between two log steps (0 expected)
+  std::vector<int64_t> trace_steps_;  // profiling.trace_steps
   std::vector<std::string> allowed_;  // checkpoint.allow_resume_change: exactness keys that may differ
   bool rng_restored_ = false;         // resume took every rank's saved dropout stream
 
@@ -512,7 +522,7 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   excluded_s_ = excluded_wait_s_ = 0;
 }
 
-int Trainer::run() {
+void Trainer::open_outputs() {
   const auto& M = cfg_.metrics;
   progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off",
                                                 dist::launched());
@@ -529,10 +539,11 @@ int Trainer::run() {
              "or choose another --checkpoint.folder or --job.dump_folder",
              folder, fs::path(existing).filename().string());
   }
+}
+
+void Trainer::prepare_data() {
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / world_;
-  auto trace_steps = tools::trace_steps(cfg_);
-
   auto [train_tokens, val_tokens] = load_data(cfg_);
   for (const auto* toks : {&train_tokens, &val_tokens})
     for (uint16_t t : *toks)
@@ -544,9 +555,9 @@ int Trainer::run() {
   val_ = std::make_unique<data::Loader>(std::move(val_tokens), T_.seq_len,
                                         static_cast<uint64_t>(cfg_.job.seed));
   curve_.baseline = baseline_;
+}
 
-  build_model();
-  build_optimizer();
+void Trainer::report_setup() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   say(fmt::format(
       "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
@@ -560,7 +571,9 @@ int Trainer::run() {
       "per micro-batch) | unigram baseline {:.4f}",
       train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
       micro_local_, baseline_));
+}
 
+int64_t Trainer::restore_or_start() {
   int64_t start = 0;
   std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
   std::string resume_dir = cfg_.checkpoint.resume ? fsdp::latest_checkpoint(folder) : "";
@@ -577,66 +590,84 @@ int Trainer::run() {
     if (!initial.empty()) load_initial_weights(initial);
   }
   if (!rng_restored_) default_generator().manual_seed(dropout_seed(cfg_.job.seed, rank_, start));
+  return start;
+}
+
+void Trainer::write_trace(int64_t step) {
+  trace::enable(false);
+  auto spans = trace::take();
+  std::string path =
+      out_path(cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
+  if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
+  outside_window([&] { trace::write_chrome_trace(path, spans); });
+  auto s = trace::summarize(spans);
+  say(fmt::format(
+      "trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
+      "all-gather {:.1f} ms, reduce-scatter {:.1f} ms, exposed {:.1f} ms",
+      step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
+      s.exposed_us / 1e3));
+}
+
+void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start) {
+  const auto& M = cfg_.metrics;
+  bool tracing = std::find(trace_steps_.begin(), trace_steps_.end(), step + 1) != trace_steps_.end();
+  if (tracing) trace::enable(true);
+  int64_t syncs_before = host_sync_count();
+  pending_losses_.emplace_back(step + 1, train_step(step));
+  Tensor gnorm = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
+                                 : nn::grad_norm(model_->parameters());
+  opt_->step();
+  opt_->zero_grad();
+  bool last = step + 1 == T_.steps;
+  bool log_step = (step + 1) % M.log_interval == 0 || last || step == start;
+  // Off the host the losses are read at log steps only (one sync); on the
+  // CPU reading is free, so the progress bar and the divergence check see every step.
+  double loss = log_step || device_.is_host_visible() ? read_losses() : last_loss_;
+  if (!log_step) window_syncs_ += host_sync_count() - syncs_before;
+  if (tracing) write_trace(step);
+  window_tokens_ += T_.batch_size * T_.seq_len;
+  if ((step + 1) % T_.eval_interval == 0 || last) {
+    outside_window([&] { last_val_ = evaluate(); });
+    curve_.val.emplace_back(step + 1, last_val_);
+    if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
+  }
+  if (log_step) {
+    log_line(step + 1, loss, schedule_.lr_at(step), gnorm.item());  // read at log steps only
+  } else if (rank_ == 0) {
+    double elapsed = seconds_since(run_start);
+    double done = static_cast<double>(step + 1 - start);
+    progress_->update(step + 1, loss, done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
+                      elapsed / done * static_cast<double>(T_.steps - step - 1));
+  }
+  bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
+  if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_)) outside_window([&] { save(step + 1); });
+}
+
+int Trainer::stop_early(int64_t step) {
+  read_losses();
+  progress_->finish();
+  say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
+                  cfg_.checkpoint.enable ? "checkpoint saved; continue with --checkpoint.resume true"
+                                         : "nothing saved (checkpoint.enable is false)"));
+  return 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM);
+}
+
+int Trainer::run() {
+  open_outputs();
+  prepare_data();
+  build_model();
+  build_optimizer();
+  report_setup();
+  trace_steps_ = tools::trace_steps(cfg_);
+  int64_t start = restore_or_start();
   auto run_start = Clock::now();
   window_start_ = run_start;
   window_wait_start_ = dist::total_wait_seconds();
+  std::function<void(int64_t)> test_hook = kill_hook();  // unset outside tests
   for (int64_t step = start; step < T_.steps; ++step) {
-    maybe_die(step);
-    bool tracing = std::find(trace_steps.begin(), trace_steps.end(), step + 1) != trace_steps.end();
-    if (tracing) trace::enable(true);
-    int64_t syncs_before = host_sync_count();
-    pending_losses_.emplace_back(step + 1, train_step(step));
-    Tensor gnorm_t = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
-                                     : nn::grad_norm(model_->parameters());
-    opt_->step();
-    opt_->zero_grad();
-    bool last = step + 1 == T_.steps;
-    bool log_step = (step + 1) % M.log_interval == 0 || last || step == start;
-    // Off the host the losses are read at log steps only (one sync); on the
-    // CPU reading is free, so the progress bar and the divergence check see every step.
-    double loss = log_step || device_.is_host_visible() ? read_losses() : last_loss_;
-    if (!log_step) window_syncs_ += host_sync_count() - syncs_before;
-    if (tracing) {
-      trace::enable(false);
-      auto spans = trace::take();
-      std::string path = out_path(
-          cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
-      if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
-      outside_window([&] { trace::write_chrome_trace(path, spans); });
-      auto s = trace::summarize(spans);
-      say(fmt::format(
-          "trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
-          "all-gather {:.1f} ms, reduce-scatter {:.1f} ms, exposed {:.1f} ms",
-          step + 1, path, s.compute_us / 1e3, s.all_gather_us / 1e3, s.reduce_scatter_us / 1e3,
-          s.exposed_us / 1e3));
-    }
-    window_tokens_ += T_.batch_size * T_.seq_len;
-    if ((step + 1) % T_.eval_interval == 0 || last) {
-      outside_window([&] { last_val_ = evaluate(); });
-      curve_.val.emplace_back(step + 1, last_val_);
-      if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
-    }
-    if (log_step) {
-      log_line(step + 1, loss, schedule_.lr_at(step), gnorm_t.item());  // read at log steps only
-    } else if (rank_ == 0) {
-      double elapsed = seconds_since(run_start);
-      double done = static_cast<double>(step + 1 - start);
-      progress_->update(step + 1, loss,
-                        done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
-                        elapsed / done * static_cast<double>(T_.steps - step - 1));
-    }
-    bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
-    if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_))
-      outside_window([&] { save(step + 1); });
-    if (stop_requested_) {
-      read_losses();
-      progress_->finish();
-      say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
-                      cfg_.checkpoint.enable
-                          ? "checkpoint saved; continue with --checkpoint.resume true"
-                          : "nothing saved (checkpoint.enable is false)"));
-      return 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM);
-    }
+    if (test_hook) test_hook(step);
+    run_step(step, start, run_start);
+    if (stop_requested_) return stop_early(step);
   }
   finish(seconds_since(run_start));
   return 0;

