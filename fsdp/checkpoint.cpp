@@ -115,14 +115,14 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
     Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
     uint64_t bytes = c.nbytes();
     uint64_t at = file.size();
-    if (bytes) file.write(c.data_ptr(), bytes);
+    if (bytes) file.write(c.host_data_ptr(), bytes);
     chunks.push_back({{"tensor", name},
                       {"file", file_name},
                       {"offset", at},
                       {"bytes", bytes},
                       {"offsets", shape_json(box.offset)},
                       {"shape", shape_json(c.shape())},
-                      {"crc32c", bytes ? crc32c(c.data_ptr(), bytes) : 0u}});
+                      {"crc32c", bytes ? crc32c(c.host_data_ptr(), bytes) : 0u}});
   }
   file.finish();
   return chunks;

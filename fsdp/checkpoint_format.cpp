@@ -314,12 +314,12 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
   Tensor t = empty(chunk.shape, tensor.dtype);
   if (chunk.bytes) {
     in.seekg(static_cast<std::streamoff>(chunk.offset));
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(chunk.bytes));
+    in.read(static_cast<char*>(t.host_data_ptr()), static_cast<std::streamsize>(chunk.bytes));
     TS_CHECK(in.gcount() == static_cast<std::streamsize>(chunk.bytes),
              "{}: short read of tensor '{}'", p.string(), tensor.name);
   }
   g_bytes_read.fetch_add(chunk.bytes, std::memory_order_relaxed);
-  uint32_t crc = chunk.bytes ? crc32c(t.data_ptr(), chunk.bytes) : 0;
+  uint32_t crc = chunk.bytes ? crc32c(t.host_data_ptr(), chunk.bytes) : 0;
   TS_CHECK(crc == chunk.crc32c,
            "{}: checksum mismatch in tensor '{}' (chunk at offset {}): the file is corrupt",
            p.string(), tensor.name, chunk.offset);

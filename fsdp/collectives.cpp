@@ -151,9 +151,11 @@ ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::ve
   } else {
     r.output = ops_in.post_scale == 1.0 ? input : ops::mul(input, ops_in.post_scale);
   }
-  // Kept until the compute stream waited for the reduce-scatter stream's use
-  // (on synchronous streams that use is over; MPI holds what it still sends).
-  if (!rs.synchronous()) input_state = BufferState{input, rs.record_event()};
+  // Kept until the compute stream waited for the reduce-scatter stream's use,
+  // unless that use is already over (always, on synchronous streams); MPI
+  // holds what it still sends.
+  BufferState used{input, rs.record_event()};
+  if (used.in_use()) input_state = std::move(used);
   return r;
 }
 

@@ -29,6 +29,8 @@ struct FSDPStreams {
 struct BufferState {
   Tensor buffer;
   std::shared_ptr<Event> event;
+  // False once the reader's work has run: then nothing needs to hold the buffer.
+  bool in_use() const { return event && !event->query(); }
 };
 
 // Test-only: the all-gather stream skips its wait for the copy-in stream, so

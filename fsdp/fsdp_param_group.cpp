@@ -102,12 +102,9 @@ void FSDPParamGroup::wait_for_unshard() {
   if (!all_gather_) return;
   BufferState copied = foreach_all_gather_copy_out(*all_gather_, params_to_gather());
   all_gather_.reset();
-  // On synchronous streams (the CPU) the copy-out is done: the buffer goes now.
-  if (current_stream(copied.buffer.device()).synchronous()) {
-    to_unsharded();
-    return;
-  }
-  if (training_state == TrainingState::Forward) {
+  if (!copied.in_use()) {
+    // The copy-out has run (always, on the CPU's synchronous streams): the buffer goes now.
+  } else if (training_state == TrainingState::Forward) {
     // Kept until the next all-gather's copy-in waits for this copy-out, so that
     // all-gather overlaps it (PyTorch: all_gather_state); the root's post-forward drops the last.
     comm_ctx->release_all_gather_state();

@@ -186,7 +186,7 @@ Tensor SafetensorsFile::read_rows(const std::string& name, int64_t begin, int64_
                     static_cast<off_t>(data_start_ + e->begin +
                                        row_bytes * static_cast<uint64_t>(begin)),
                     SEEK_SET) == 0 &&
-                 std::fread(t.data_ptr(), 1, n, file_) == n,
+                 std::fread(t.host_data_ptr(), 1, n, file_) == n,
              "{}: cannot read tensor '{}' ({} bytes; truncated file?)", path_, name, n);
   }
   return dtype && *dtype != t.dtype() ? ops::to(t, *dtype) : t;
@@ -230,7 +230,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
       error = fmt::format("write_safetensors: tensor '{}' is {} {}, the header says {} {}",
                           entries[i].name, dtype_name(t.dtype()), shape_str(t.shape()),
                           dtype_name(entries[i].dtype), shape_str(entries[i].shape));
-    else if (t.numel() > 0 && std::fwrite(t.data_ptr(), 1, t.nbytes(), f) != t.nbytes())
+    else if (t.numel() > 0 && std::fwrite(t.host_data_ptr(), 1, t.nbytes(), f) != t.nbytes())
       error = fmt::format("writing safetensors file '{}' failed (disk full?)", tmp);
   }
   if (f && std::fclose(f) != 0 && error.empty())

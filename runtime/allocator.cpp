@@ -1,6 +1,8 @@
 #include "runtime/allocator.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <new>
 
 #include "runtime/check.h"
@@ -26,17 +28,16 @@ void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& 
   // whose work is always done): stream order makes them safe at once, and
   // pools that never trade blocks stay the same size step after step. Among
   // equal sizes the most recently freed first: its bytes are likely still in cache.
+  auto usable = [&](const Block& b) { return b.stream == stream->id() || b.freed == nullptr; };
   for (auto size_it = cached_.lower_bound(size); size_it != cached_.end() && size_it->first - size <= size / 8;
        size_it = cached_.upper_bound(size_it->first)) {
-    auto [first, last] = cached_.equal_range(size_it->first);
-    auto it = last;
-    do {
-      --it;
-    } while (it != first && it->second.stream != stream->id() && it->second.freed);
-    Block& b = it->second;
-    if (b.stream != stream->id() && b.freed) continue;
-    Block taken = std::move(b);
-    cached_.erase(it);
+    auto [first, last] = cached_.equal_range(size_it->first);  // newest last
+    auto it = std::find_if(std::make_reverse_iterator(last), std::make_reverse_iterator(first),
+                           [&](const auto& entry) { return usable(entry.second); });
+    if (it == std::make_reverse_iterator(first)) continue;
+    auto found = std::prev(it.base());
+    Block taken = std::move(found->second);
+    cached_.erase(found);
     void* p = taken.ptr;
     taken.stream = stream->id();
     taken.owner = stream;
@@ -67,8 +68,7 @@ void* CachingAllocator::allocate(size_t nbytes) {
     stats_.reserved_bytes += static_cast<int64_t>(size);
     stats_.num_system_allocs++;
   }
-  Block& b = live_.at(p);
-  b.requested = nbytes;
+  live_.at(p).requested = nbytes;
   stats_.allocated_bytes += static_cast<int64_t>(nbytes);
   stats_.num_allocs++;
   update_peaks(stats_);

@@ -79,8 +79,9 @@ inline Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);  // cond: bool
 
 // ---- in-place (what an optimizer needs); return the mutated tensor ---------
-const Tensor& copy_(const Tensor& dst, const Tensor& src);  // broadcasts src; converts dtype; any devices
-const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking);
+// Broadcasts src, converts dtype, any two devices (a copy to the host waits
+// for the source stream unless non_blocking).
+const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking = false);
 const Tensor& fill_(const Tensor& x, double value);
 const Tensor& zero_(const Tensor& x);
 const Tensor& add_(const Tensor& x, const Tensor& other, double alpha = 1.0);  // x += alpha * other

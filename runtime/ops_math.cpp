@@ -158,29 +158,20 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 
 // ---- in-place ---------------------------------------------------------------
 
-const Tensor& copy_(const Tensor& dst, const Tensor& src) {
+const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
   if (any_distributed({&dst, &src})) {
-    route("copy_", OpClass::InPlace, {dst, src}, [](const TensorList& l) {
-      Tensor t = l[0];
-      return TensorList{copy_(t, l[1])};
+    route("copy_", OpClass::InPlace, {dst, src}, [non_blocking](const TensorList& l) {
+      return TensorList{copy_(l[0], l[1], non_blocking)};
     });
     return dst;
   }
-  return copy_(dst, src, /*non_blocking=*/false);
-}
-
-const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
   if (dst.is_meta()) return dst;
   TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
            dst.device().str());
-  TS_CHECK(!dst.is_distributed() && !src.is_distributed(),
-           "copy_: a copy between devices takes local tensors, got a DTensor (use to_local())");
   Tensor s = expand(src, dst.shape());
   const Device to = dst.device(), from = src.device();
   if (to == from) {
     dispatch(to).copy(dst, s);
-  } else if (from.is_host_visible() && to.is_host_visible()) {
-    dispatch(Device::cpu()).copy(dst, s);
   } else if (from.is_host_visible()) {  // host -> device, queued on the device's stream
     dispatch(to).copy_from_host(dst, s);
   } else if (to.is_host_visible()) {  // device -> host: the host reads dst next, so wait

@@ -87,6 +87,13 @@ void* Tensor::data_ptr() const {
   return static_cast<char*>(t.storage->data()) + t.offset * dtype_size(t.dtype);
 }
 
+void* Tensor::host_data_ptr() const {
+  TS_CHECK(is_meta() || device().is_host_visible(),
+           "tensor {} ({}) is on {}, whose memory the host cannot read; copy it first (t.to(Device::cpu()))",
+           shape_str(shape()), dtype_name(dtype()), device().str());
+  return data_ptr();
+}
+
 double Tensor::item() const {
   TS_CHECK(numel() == 1, "item: expected a tensor with one element, got shape {}",
            shape_str(shape()));

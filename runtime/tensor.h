@@ -89,16 +89,15 @@ class Tensor {
   // dereference it only where device().is_host_visible() (data<T>() checks).
   // Throws for meta tensors, DTensors and released storage.
   void* data_ptr() const;
+  // data_ptr() for code that reads or writes the bytes on the host (file I/O,
+  // checksums): refuses a tensor whose memory the host cannot read.
+  void* host_data_ptr() const;
   // Typed host pointer; refuses a tensor whose bytes the host cannot read.
   template <class T>
   T* data() const {
     TS_CHECK(DTypeOf<T>::value == dtype(), "data<{}>() called on a {} tensor",
              dtype_name(DTypeOf<T>::value), dtype_name(dtype()));
-    TS_CHECK(is_meta() || device().is_host_visible(),
-             "data<{}>(): tensor {} is on {}, whose memory the host cannot read; copy it first "
-             "(t.to(Device::cpu()))",
-             dtype_name(dtype()), shape_str(shape()), device().str());
-    return static_cast<T*>(data_ptr());
+    return static_cast<T*>(host_data_ptr());
   }
   // A copy on `device` (this tensor when already there); see ops::to.
   Tensor to(Device device, bool non_blocking = false) const;
