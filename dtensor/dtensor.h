@@ -22,7 +22,6 @@ struct DTensorSpec final : DistSpec {
 
 // The spec of a DTensor (throws for plain tensors).
 const DTensorSpec& dtensor_spec(const Tensor& t);
-inline bool is_dtensor(const Tensor& t) { return t.is_distributed(); }
 
 // Local shape and global offset (per tensor dim) of the shard at `coordinate`.
 std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,

@@ -50,7 +50,6 @@ struct TensorInfo {
 };
 
 struct CheckpointMetadata {
-  int version = 1;
   int64_t step = 0;
   int world_size = 1;
   std::vector<TensorInfo> tensors;

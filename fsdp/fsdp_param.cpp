@@ -146,9 +146,4 @@ void FSDPParam::reset_sharded_param() {
   register_all(sharded_param);
 }
 
-Tensor FSDPParam::unsharded_grad() const {
-  if (unsharded_accumulated_grad.defined()) return unsharded_accumulated_grad;
-  return unsharded_param.defined() ? unsharded_param.grad() : Tensor();
-}
-
 }  // namespace tessera::fsdp

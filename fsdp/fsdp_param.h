@@ -80,8 +80,6 @@ class FSDPParam {
   // After the module's tensors were replaced (to_empty, to(dtype), load with
   // assign): re-reads the registered DTensor and re-pads it.
   void reset_sharded_param();
-  // The gradient of the unsharded parameter (accumulated one preferred), or undefined.
-  Tensor unsharded_grad() const;
 
  private:
   void register_all(const Tensor& value);

@@ -84,7 +84,6 @@ class FSDPParamGroup {
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
   bool unshard_in_backward = true;
-  bool is_last_backward = true;
   std::optional<double> gradient_divide_factor;
 
   // Lazy init at the root's first forward: dtypes, meta check, re-padding.
@@ -93,7 +92,6 @@ class FSDPParamGroup {
 
   // Issues the group's all-gather (no-op when unsharded or already in flight).
   void unshard(bool async_op = false);
-  bool unshard_pending() const { return all_gather_.has_value(); }
   // Completes a pending all-gather: copy-out (on the compute stream, which
   // waits for the all-gather) and register unsharded parameters.
   void wait_for_unshard();

@@ -72,7 +72,6 @@ void FSDPState::pre_forward(TensorList& args) {
   if (state_ctx->iter_forward_root == nullptr) {  // the first state of this forward pass
     state_ctx->iter_forward_root = this;
     comm_ctx->current_forward_order.clear();
-    for (FSDPState* st : state_ctx->all_states) st->forward_calls_ = 0;
     // The copy-in reads sharded parameters the optimizer (or a load) updated
     // on the compute stream (PyTorch: the all-gather streams wait for it here).
     for (FSDPState* st : state_ctx->all_states) {
@@ -110,7 +109,6 @@ void FSDPState::pre_forward(TensorList& args) {
       next->unshard(/*async_op=*/true);
     }
   }
-  forward_calls_++;
 }
 
 void FSDPState::post_forward(TensorList& outputs) {

@@ -63,7 +63,6 @@ class FSDPState final : public nn::ModuleExtension {
 
  private:
   void reshard_for_io();
-  size_t forward_calls_ = 0;  // this iteration, for the implicit forward prefetch
 };
 
 // The FSDP state attached by fully_shard, or null.

@@ -104,7 +104,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   auto qkv = split((*c_attn)(x), n_embd, 2);
   Tensor q = split_heads(qkv[0], n_head), k = split_heads(qkv[1], n_head);
   if (use_rope) {
-    auto [cos, sin] = rotary_.get(x.size(1), n_embd / n_head, rope_theta, ops::compute_dtype(x.device(), x.dtype()),
+    auto [cos, sin] = rotary_.get(x.size(1), n_embd / n_head, rope_theta,
+                                  ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
                                   x.device());
     q = rope(contiguous(q), cos, sin);
     k = rope(contiguous(k), cos, sin);
@@ -127,7 +128,9 @@ LlamaAttention::LlamaAttention(const TransformerConfig& cfg, Device device)
 
 Tensor LlamaAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3, "LlamaAttention: expected [B, T, C], got {}", shape_str(x.shape()));
-  auto [cos, sin] = rotary_.get(x.size(1), head_dim, rope_theta, ops::compute_dtype(x.device(), x.dtype()), x.device());
+  auto [cos, sin] = rotary_.get(x.size(1), head_dim, rope_theta,
+                                ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
+                                x.device());
   Tensor q = rope(contiguous(split_heads((*q_proj)(x), n_head)), cos, sin);
   Tensor k = rope(contiguous(split_heads((*k_proj)(x), n_kv_head)), cos, sin);
   Tensor v = split_heads((*v_proj)(x), n_kv_head);

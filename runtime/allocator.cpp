@@ -6,6 +6,7 @@
 #include <new>
 
 #include "runtime/check.h"
+#include "runtime/cuda_backend.h"
 #include "runtime/stream.h"
 
 namespace tessera {
@@ -151,7 +152,8 @@ Allocator& allocator_for(Device device) {
   static auto* async_cpu = new HostAllocator(Device::async_cpu());
   if (device.is_cpu()) return *cpu;
   if (device.type == DeviceType::AsyncCPU) return *async_cpu;
-  TS_CHECK(false, "no allocator for device {} in this build (CPU-only)", device.str());
+  if (device.is_cuda()) return cuda::allocator(device.index);
+  TS_CHECK(false, "no allocator for device {}", device.str());
 }
 
 MemoryStats memory_stats(Device device) {

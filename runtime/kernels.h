@@ -3,32 +3,25 @@
 // backend fills one table. Every kernel is enqueued on its device's current
 // stream (runtime/stream.h): on the CPU it runs before the call returns, on
 // another device later, so a kernel never returns a value to the host. Float
-// kernels see the dtypes their
-// table's compute_dtype maps inputs to (the CPU: f32 or f64; the ops layer
-// converts around them); the 2-D kernels expect contiguous row-major inputs
-// unless a comment says otherwise.
+// kernels see the dtypes their table's compute_dtype maps inputs to, per
+// kernel family (the CPU: f32 or f64 everywhere; the ops layer converts around
+// the kernels, so a native bf16 family gets bf16); the 2-D kernels expect
+// contiguous row-major inputs unless a comment says otherwise.
 #pragma once
 
 #include <vector>
 
+#include "runtime/kernel_kinds.h"
 #include "runtime/ops.h"
 #include "runtime/random.h"
 
 namespace tessera {
 
-enum class PointwiseOp {
-  AddScaled,  // x += s * a
-  Addcmul,    // x += s * a * b
-  Addcdiv,    // x += s * a / b
-  Lerp,       // x += s * (a - x)
-};
-
-enum class ReduceOp { Sum, Max, Min };
-
 struct KernelTable {
-  // The dtype the float kernels compute in for tensors of `dtype` (which
-  // dtypes this backend takes natively): the CPU widens bf16/f16 to f32.
-  DType (*compute_dtype)(DType dtype);
+  // The dtype the float kernels of `family` compute in for tensors of `dtype`
+  // (which dtypes this backend takes natively, op family by op family): the
+  // CPU widens bf16/f16 to f32 for all of them.
+  DType (*compute_dtype)(KernelFamily family, DType dtype);
   // Same shape, any strides, any dtypes (converting).
   void (*copy)(const Tensor& dst, const Tensor& src);
   // Between this device and host memory: the Device::cpu() side (src of
@@ -57,7 +50,8 @@ struct KernelTable {
   // out (one f64 element) = the sum of every x's squared elements (each x
   // contiguous, f32 or f64): one pass over many tensors, e.g. all gradients.
   void (*sum_squares)(const Tensor& out, const std::vector<Tensor>& xs);
-  // C = alpha * op(A) op(B) + beta * C; row-major, f32 or f64 pointers.
+  // C = alpha * op(A) op(B) + beta * C; row-major; A, B and C in `dtype`, a
+  // compute dtype of KernelFamily::Matmul.
   void (*gemm)(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                double alpha, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,
                void* c, int64_t ldc);
@@ -91,6 +85,10 @@ struct KernelTable {
 const KernelTable& kernels(Device device);
 // What ops call: an op boundary (runs the hook below), then kernels(device).
 const KernelTable& dispatch(Device device);
+// Installs `table` for devices of `type` in place of the built-in one (nullptr
+// restores it) and returns what was installed: lets a test check what the ops
+// layer hands a backend with other native dtypes. Not thread-safe.
+const KernelTable* replace_kernels_for_testing(DeviceType type, const KernelTable* table);
 // Runs at every op boundary. dist registers MPI progress here in poll mode
 // (TESSERA_PROGRESS=poll); nothing runs otherwise.
 void set_op_boundary_hook(void (*hook)());

@@ -6,6 +6,7 @@
 #include <optional>
 #include <utility>
 
+#include "runtime/op_kinds.h"
 #include "runtime/tensor.h"
 
 namespace tessera::ops {
@@ -31,10 +32,12 @@ std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
 std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
                                      int64_t dim = 0);
 
-// The dtype a float op on `device` computes in for inputs of `dtype`: the
-// kernel table's choice (the CPU widens bf16/f16 to f32 around its kernels
-// and rounds once at the end; a backend with native bf16 kernels keeps it).
-DType compute_dtype(Device device, DType dtype);
+
+// The dtype the kernels of `family` on `device` compute in for inputs of
+// `dtype`: the kernel table's choice (the CPU widens bf16/f16 to f32 around
+// every family and rounds once at the end; a backend with native bf16 kernels
+// keeps bf16 for the families it has them for).
+DType compute_dtype(Device device, KernelFamily family, DType dtype);
 
 // ---- copies -----------------------------------------------------------------
 Tensor contiguous(const Tensor& x);  // x itself when already contiguous
@@ -53,16 +56,11 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
 Tensor sum_to(const Tensor& grad, const Shape& shape);
 
 // ---- elementwise ------------------------------------------------------------
-enum class UnaryOp {
-  Neg, Exp, Log, Sqrt, Rsqrt, Abs, Tanh, Sigmoid, Relu, Gelu, GeluTanh, Silu, Sin, Cos,
-  Square, Reciprocal, Sign
-};
 const char* unary_name(UnaryOp op);
 Tensor unary(UnaryOp op, const Tensor& x);
 // d(op)/dx times grad, given the input x and (for ops that prefer it) the output y.
 Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y);
 
-enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
 const char* binary_name(BinaryOp op);
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);  // broadcasting; same dtype
 Tensor binary(BinaryOp op, const Tensor& a, double b);

@@ -23,10 +23,11 @@ const char* binary_name(BinaryOp op) {
   return names[static_cast<int>(op)];
 }
 
-DType compute_dtype(Device device, DType dtype) {
+
+DType compute_dtype(Device device, KernelFamily family, DType dtype) {
   if (!is_floating(dtype)) return dtype;
   if (device.is_meta()) return tessera::compute_dtype(dtype);  // as the CPU would
-  return kernels(device).compute_dtype(dtype);
+  return kernels(device).compute_dtype(family, dtype);
 }
 
 namespace {
@@ -54,15 +55,20 @@ void check_floating(const Tensor& x, const char* op) {
            dtype_name(x.dtype()));
 }
 
-// bf16/f16 inputs are computed in f32: returns x converted to its compute dtype.
-Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.device(), x.dtype())); }
+// x converted to the dtype `family`'s kernels compute in (bf16/f16 -> f32 on the CPU).
+Tensor upcast(const Tensor& x, KernelFamily family) {
+  return to(x, compute_dtype(x.device(), family, x.dtype()));
+}
+constexpr KernelFamily kElementwise = KernelFamily::Elementwise;
+constexpr KernelFamily kReduction = KernelFamily::Reduction;
 
-// Runs an in-place update `f(target)` on x; bf16/f16 go through an f32 copy.
+// Runs an in-place update `f(target)` on x; a dtype the elementwise kernels do
+// not take natively goes through a copy in their compute dtype.
 template <class F>
 const Tensor& update_inplace(const Tensor& x, const char* op, F&& f) {
   check_floating(x, op);
   if (x.is_meta()) return x;
-  const DType cd = compute_dtype(x.device(), x.dtype());
+  const DType cd = compute_dtype(x.device(), kElementwise, x.dtype());
   if (cd == x.dtype()) {
     f(x);
     return x;
@@ -81,7 +87,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
                  [op](const TensorList& l) { return TensorList{unary(op, l[0])}; })[0];
   check_floating(x, unary_name(op));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  Tensor xc = upcast(x);
+  Tensor xc = upcast(x, kElementwise);
   Tensor out = empty(x.shape(), xc.dtype(), x.device());
   dispatch(x.device()).unary(op, out, xc);
   return to(out, x.dtype());
@@ -95,9 +101,9 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
   TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
            unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  Tensor gx = empty(x.shape(), compute_dtype(x.device(), x.dtype()), x.device());
-  dispatch(x.device()).unary_backward(op, gx, upcast(grad), upcast(x),
-                                     y.defined() ? upcast(y) : Tensor());
+  Tensor gx = empty(x.shape(), compute_dtype(x.device(), kElementwise, x.dtype()), x.device());
+  dispatch(x.device()).unary_backward(op, gx, upcast(grad, kElementwise), upcast(x, kElementwise),
+                                     y.defined() ? upcast(y, kElementwise) : Tensor());
   return to(gx, x.dtype());
 }
 
@@ -118,7 +124,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   DType out_dtype = is_comparison(op) ? DType::Bool : a.dtype();
   if (a.is_meta()) return empty(shape, out_dtype, a.device());
-  Tensor ac = upcast(a), bc = upcast(b);
+  Tensor ac = upcast(a, kElementwise), bc = upcast(b, kElementwise);
   Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ac.dtype(), a.device());
   dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
   return to(out, out_dtype);
@@ -207,7 +213,7 @@ Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
   Shape b = broadcast_shapes(x.shape(), other.shape(), op);
   TS_CHECK(b == x.shape(), "{}: operand shape {} does not broadcast to the target's shape {}", op,
            shape_str(other.shape()), shape_str(x.shape()));
-  return expand(upcast(other), x.shape());
+  return expand(upcast(other, kElementwise), x.shape());
 }
 }  // namespace
 
@@ -405,7 +411,8 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
     return dispatch_distributed(call)[0];
   }
   auto dims = reduce_dims(x, dims_in, "sum");
-  DType acc = is_floating(x.dtype()) ? compute_dtype(x.device(), x.dtype()) : DType::I64;
+  DType acc =
+      is_floating(x.dtype()) ? compute_dtype(x.device(), kReduction, x.dtype()) : DType::I64;
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
   Shape shape = reduced_shape(x, dims, keepdim);
   if (x.is_meta()) return empty(shape, result, x.device());
@@ -423,7 +430,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
   auto dims = reduce_dims(x, dims_in, "mean");
   int64_t n = 1;
   for (int64_t d : dims) n *= x.shape()[d];
-  Tensor s = sum(x, dims, keepdim, compute_dtype(x.device(), x.dtype()));
+  Tensor s = sum(x, dims, keepdim, compute_dtype(x.device(), kReduction, x.dtype()));
   return to(mul(s, 1.0 / static_cast<double>(n)), x.dtype());
 }
 
@@ -432,7 +439,7 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correct
   auto dims = reduce_dims(x, dims_in, "var");
   int64_t n = 1;
   for (int64_t d : dims) n *= x.shape()[d];
-  Tensor xc = upcast(x);
+  Tensor xc = upcast(x, kReduction);
   Tensor centered = sub(xc, mean(xc, dims, true));
   Tensor ss = sum(mul(centered, centered), dims, keepdim);
   double denom = static_cast<double>(std::max<int64_t>(n - correction, 0));
@@ -445,7 +452,8 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   if (x.is_meta())
     return {empty(shape, x.dtype(), x.device()), empty(shape, DType::I64, x.device())};
   TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
-  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1)));
+  Tensor moved =
+      x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1), kReduction));
   Shape rows_shape(moved.shape().begin(), moved.shape().end() - 1);
   Tensor values = empty(rows_shape, moved.dtype(), x.device());
   Tensor indices = empty(rows_shape, DType::I64, x.device());
@@ -474,7 +482,7 @@ Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
              "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
     TS_CHECK(x.device() == device, "sum_squares: a tensor on {} among tensors on {}", x.device().str(),
              device.str());
-    if (x.numel() > 0) inputs.push_back(contiguous(upcast(x)));
+    if (x.numel() > 0) inputs.push_back(contiguous(upcast(x, kReduction)));
   }
   Tensor out = zeros({}, DType::F64, device);
   if (!inputs.empty() && !device.is_meta()) dispatch(device).sum_squares(out, inputs);

@@ -10,7 +10,23 @@ namespace tessera::ops {
 
 namespace {
 
-Tensor upcast(const Tensor& x) { return to(x, compute_dtype(x.device(), x.dtype())); }
+// x converted to the dtype `family`'s kernels compute in (bf16/f16 -> f32 on the CPU).
+Tensor upcast(const Tensor& x, KernelFamily family) {
+  return to(x, compute_dtype(x.device(), family, x.dtype()));
+}
+// Row statistics (norm mean/rstd, log-sum-exp, per-row losses) are kept in f32
+// (f64 for f64) even where a backend computes bf16/f16 natively.
+DType stats_dtype(DType compute) { return compute == DType::F64 ? DType::F64 : DType::F32; }
+
+// x contiguous, in the dtype `family`'s kernels compute in.
+Tensor kernel_input(const Tensor& x, KernelFamily family) { return contiguous(upcast(x, family)); }
+constexpr KernelFamily kMatmul = KernelFamily::Matmul;
+constexpr KernelFamily kSoftmax = KernelFamily::Softmax;
+constexpr KernelFamily kNorm = KernelFamily::Norm;
+constexpr KernelFamily kEmbedding = KernelFamily::Embedding;
+constexpr KernelFamily kCrossEntropy = KernelFamily::CrossEntropy;
+constexpr KernelFamily kAttention = KernelFamily::Attention;
+constexpr KernelFamily kRope = KernelFamily::Rope;
 
 void check_float(const Tensor& x, const char* op, const char* what) {
   TS_CHECK(is_floating(x.dtype()), "{}: {} must be floating-point, got {}", op, what,
@@ -87,7 +103,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   if (b_in.dim() > 1) final_shape.push_back(n);
   if (a.is_meta()) return empty(final_shape, a_in.dtype(), a.device());
 
-  Tensor ac = upcast(a), bc = upcast(b);
+  Tensor ac = upcast(a, kMatmul), bc = upcast(b, kMatmul);
   Tensor out = empty(out_shape, ac.dtype(), a.device());
   int64_t nb = shape_numel(batch);
   Shape ea = batch, eb = batch;
@@ -124,10 +140,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   Shape out_shape = x.shape();
   out_shape.back() = w.size(0);
   if (x.is_meta()) return empty(out_shape, x.dtype(), x.device());
-  Tensor x2 = reshape(upcast(x), {leading_numel(x.shape()), w.size(1)});
+  Tensor x2 = reshape(upcast(x, kMatmul), {leading_numel(x.shape()), w.size(1)});
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
-  if (b.defined()) dispatch(x.device()).copy(out, expand(upcast(b), out.shape()));
-  gemm2d(out, x2, transpose(upcast(w), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
+  if (b.defined()) dispatch(x.device()).copy(out, expand(upcast(b, kMatmul), out.shape()));
+  gemm2d(out, x2, transpose(upcast(w, kMatmul), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
   return to(reshape(out, out_shape), x.dtype());
 }
 
@@ -139,9 +155,10 @@ void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool
   check_pair(a, b, "gemm_into");
   check_pair(out, a, "gemm_into");
   if (out.is_meta()) return;
-  bool direct = out.is_contiguous() && (out.dtype() == DType::F32 || out.dtype() == DType::F64);
-  Tensor target = direct ? out : contiguous(upcast(out));
-  gemm2d(target, upcast(a), upcast(b), alpha, accumulate ? 1.0 : 0.0);
+  bool direct =
+      out.is_contiguous() && compute_dtype(out.device(), kMatmul, out.dtype()) == out.dtype();
+  Tensor target = direct ? out : kernel_input(out, kMatmul);
+  gemm2d(target, upcast(a, kMatmul), upcast(b, kMatmul), alpha, accumulate ? 1.0 : 0.0);
   if (!direct) dispatch(out.device()).copy(out, target);
 }
 
@@ -152,7 +169,7 @@ namespace {
 template <class F>
 Tensor along_last(const Tensor& x, int64_t dim, F&& f) {
   dim = wrap_dim(dim, x.dim(), "softmax");
-  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1)));
+  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : kernel_input(transpose(x, dim, -1), kSoftmax);
   Tensor out = empty(moved.shape(), moved.dtype(), x.device());
   f(out, moved);
   if (x.dim() == 0) return to(reshape(out, {}), x.dtype());
@@ -176,7 +193,7 @@ namespace {
 Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, bool log) {
   if (y.is_meta()) return empty(y.shape(), y.dtype(), y.device());
   dim = wrap_dim(dim, y.dim(), "softmax_backward");
-  Tensor g = y.dim() == 0 ? reshape(grad, {1}) : contiguous(upcast(transpose(grad, dim, -1)));
+  Tensor g = y.dim() == 0 ? reshape(grad, {1}) : kernel_input(transpose(grad, dim, -1), kSoftmax);
   return along_last(y, dim, [&](const Tensor& o, const Tensor& ym) {
     dispatch(y.device()).softmax_backward(o, g, ym, log);
   });
@@ -210,15 +227,15 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
   const char* op = rms ? "rms_norm" : "layer_norm";
   check_norm_args(x, w, b, op);
   Shape rows(x.shape().begin(), x.shape().end() - 1);
-  DType cd = compute_dtype(x.device(), x.dtype());
+  DType cd = compute_dtype(x.device(), kNorm, x.dtype()), sd = stats_dtype(cd);
   if (x.is_meta())
-    return {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
-            empty(rows, cd, x.device())};
-  Tensor xc = contiguous(upcast(x));
-  NormResult r{empty(x.shape(), cd, x.device()), rms ? Tensor() : empty(rows, cd, x.device()),
-               empty(rows, cd, x.device())};
-  dispatch(x.device()).layer_norm(r, xc, w.defined() ? contiguous(upcast(w)) : Tensor(),
-                                 b.defined() ? contiguous(upcast(b)) : Tensor(), eps, rms);
+    return {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, sd, x.device()),
+            empty(rows, sd, x.device())};
+  Tensor xc = kernel_input(x, kNorm);
+  NormResult r{empty(x.shape(), cd, x.device()), rms ? Tensor() : empty(rows, sd, x.device()),
+               empty(rows, sd, x.device())};
+  dispatch(x.device()).layer_norm(r, xc, w.defined() ? kernel_input(w, kNorm) : Tensor(),
+                                 b.defined() ? kernel_input(b, kNorm) : Tensor(), eps, rms);
   r.y = to(r.y, x.dtype());
   return r;
 }
@@ -227,14 +244,14 @@ NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, cons
                         const Tensor& rstd, bool need_wb, bool has_bias, bool rms) {
   TS_CHECK(dy.shape() == x.shape(), "{}_backward: grad shape {} vs input {}",
            rms ? "rms_norm" : "layer_norm", shape_str(dy.shape()), shape_str(x.shape()));
-  DType cd = compute_dtype(x.device(), x.dtype());
+  DType cd = compute_dtype(x.device(), kNorm, x.dtype());
   int64_t c = x.size(-1);
   NormGrads g{empty(x.shape(), cd, x.device()),
               need_wb && w.defined() ? empty({c}, cd, x.device()) : Tensor(),
               need_wb && has_bias ? empty({c}, cd, x.device()) : Tensor()};
   if (x.is_meta()) return g;
-  dispatch(x.device()).layer_norm_backward(g, contiguous(upcast(dy)), contiguous(upcast(x)),
-                                          w.defined() ? contiguous(upcast(w)) : Tensor(), mean,
+  dispatch(x.device()).layer_norm_backward(g, kernel_input(dy, kNorm), kernel_input(x, kNorm),
+                                          w.defined() ? kernel_input(w, kNorm) : Tensor(), mean,
                                           rstd, rms);
   g.dx = to(g.dx, x.dtype());
   if (g.dweight.defined()) g.dweight = to(g.dweight, w.dtype());
@@ -280,10 +297,11 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
   int64_t d = grad.size(-1);
-  Tensor gw = zeros({num_weights, d}, compute_dtype(grad.device(), grad.dtype()), grad.device());
+  DType cd = compute_dtype(grad.device(), kEmbedding, grad.dtype());
+  Tensor gw = zeros({num_weights, d}, cd, grad.device());
   if (gw.is_meta()) return to(gw, grad.dtype());
-  dispatch(grad.device()).embedding_backward(gw, reshape(contiguous(upcast(grad)), {leading_numel(grad.shape()), d}),
-                                            contiguous(indices));
+  Tensor rows = reshape(kernel_input(grad, kEmbedding), {leading_numel(grad.shape()), d});
+  dispatch(grad.device()).embedding_backward(gw, rows, contiguous(indices));
   return to(gw, grad.dtype());
 }
 
@@ -296,14 +314,16 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
   TS_CHECK(target.dim() == 1 && target.size(0) == logits.size(0),
            "cross_entropy: targets {} do not match logits {} (expected [{}])",
            shape_str(target.shape()), shape_str(logits.shape()), logits.size(0));
-  DType cd = compute_dtype(logits.device(), logits.dtype());
+  DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   int64_t n = logits.size(0);
   if (logits.is_meta())
-    return {empty({}, logits.dtype(), logits.device()), empty({n}, cd, logits.device()),
+    return {empty({}, logits.dtype(), logits.device()), empty({n}, stats_dtype(cd), logits.device()),
             empty({}, DType::F64, logits.device())};
   Tensor t = contiguous(to(target, DType::I64));
-  Tensor losses = empty({n}, cd, logits.device()), lse = empty({n}, cd, logits.device());
-  dispatch(logits.device()).cross_entropy(losses, lse, contiguous(upcast(logits)), t, ignore_index);
+  Tensor losses = empty({n}, stats_dtype(cd), logits.device());
+  Tensor lse = empty({n}, stats_dtype(cd), logits.device());
+  dispatch(logits.device())
+      .cross_entropy(losses, lse, kernel_input(logits, kCrossEntropy), t, ignore_index);
   // The mean over counted targets stays on the device: no host sync per step.
   Tensor count = sum(binary(BinaryOp::Ne, t, static_cast<double>(ignore_index)), {}, false, DType::F64);
   Tensor total = sum(losses, {}, false, DType::F64);
@@ -313,10 +333,11 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               const Tensor& lse, int64_t ignore_index, const Tensor& count) {
-  Tensor g = empty(logits.shape(), compute_dtype(logits.device(), logits.dtype()), logits.device());
+  DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
+  Tensor g = empty(logits.shape(), cd, logits.device());
   if (g.is_meta()) return to(g, logits.dtype());
   Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
-  dispatch(logits.device()).cross_entropy_backward(g, scale, contiguous(upcast(logits)),
+  dispatch(logits.device()).cross_entropy_backward(g, scale, kernel_input(logits, kCrossEntropy),
                                                   contiguous(to(target, DType::I64)), lse,
                                                   ignore_index);
   return to(g, logits.dtype());
@@ -346,12 +367,13 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                           double scale) {
   check_attention(q, k, v);
-  DType cd = compute_dtype(q.device(), q.dtype());
+  DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
-  if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, cd, q.device())};
-  AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, cd, q.device())};
-  dispatch(q.device()).attention(r, contiguous(upcast(q)), contiguous(upcast(k)),
-                                contiguous(upcast(v)), causal, scale);
+  DType sd = stats_dtype(cd);
+  if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, sd, q.device())};
+  AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, sd, q.device())};
+  dispatch(q.device()).attention(r, kernel_input(q, kAttention), kernel_input(k, kAttention),
+                                kernel_input(v, kAttention), causal, scale);
   r.out = to(r.out, q.dtype());
   return r;
 }
@@ -360,13 +382,13 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   bool causal, double scale) {
   check_attention(q, k, v);
-  DType cd = compute_dtype(q.device(), q.dtype());
+  DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
                    empty(v.shape(), cd, q.device())};
   if (q.is_meta()) return g;
-  dispatch(q.device()).attention_backward(g, contiguous(upcast(dout)), contiguous(upcast(q)),
-                                         contiguous(upcast(k)), contiguous(upcast(v)),
-                                         contiguous(upcast(out)), contiguous(lse), causal, scale);
+  dispatch(q.device()).attention_backward(
+      g, kernel_input(dout, kAttention), kernel_input(q, kAttention), kernel_input(k, kAttention),
+      kernel_input(v, kAttention), kernel_input(out, kAttention), contiguous(lse), causal, scale);
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
 }
 
@@ -398,9 +420,9 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   TS_CHECK(cos.dim() == 2 && cos.size(0) >= t && cos.size(1) == half && sin.shape() == cos.shape(),
            "rope: cos/sin {} must be [>= {}, {}]", shape_str(cos.shape()), t, half);
   if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
-  DType cd = compute_dtype(x.device(), x.dtype());
+  DType cd = compute_dtype(x.device(), kRope, x.dtype());
   Tensor out = empty(x.shape(), cd, x.device());
-  dispatch(x.device()).rope(out, contiguous(upcast(x)), contiguous(to(narrow(cos, 0, 0, t), cd)),
+  dispatch(x.device()).rope(out, kernel_input(x, kRope), contiguous(to(narrow(cos, 0, 0, t), cd)),
                            contiguous(to(narrow(sin, 0, 0, t), cd)), inverse);
   return to(out, x.dtype());
 }

@@ -5,22 +5,14 @@
 #include "runtime/cpu/dispatch.h"
 #include "runtime/dtensor_hook.h"
 #include "runtime/kernels.h"
+#include "runtime/math.h"
 #include "runtime/ops.h"
 #include "runtime/parallel.h"
 
 namespace tessera {
 
 std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, std::array<uint32_t, 2> key) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-  for (int round = 0; round < 10; ++round) {
-    uint64_t p0 = static_cast<uint64_t>(kM0) * c[0];
-    uint64_t p1 = static_cast<uint64_t>(kM1) * c[2];
-    c = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ key[0], static_cast<uint32_t>(p1),
-         static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ key[1], static_cast<uint32_t>(p0)};
-    key[0] += kW0;
-    key[1] += kW1;
-  }
+  math::philox4x32(c.data(), key[0], key[1]);
   return c;
 }
 
@@ -49,16 +41,6 @@ uint64_t hash_name(const std::string& name) {
 namespace cpu {
 
 namespace {
-// Two uniforms in [0, 1) with 53 random bits each, from one Philox block.
-inline void draw(const RandomSpec& spec, uint64_t counter, double& u0, double& u1) {
-  auto r = philox4x32({static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32),
-                       static_cast<uint32_t>(spec.stream), static_cast<uint32_t>(spec.stream >> 32)},
-                      {static_cast<uint32_t>(spec.seed), static_cast<uint32_t>(spec.seed >> 32)});
-  constexpr double k53 = 1.0 / 9007199254740992.0;
-  u0 = static_cast<double>((static_cast<uint64_t>(r[0] >> 5) << 26) | (r[1] >> 6)) * k53;
-  u1 = static_cast<double>((static_cast<uint64_t>(r[2] >> 5) << 26) | (r[3] >> 6)) * k53;
-}
-
 // Fills x (contiguous) with f(u0, u1) per element, counters from the spec's index map.
 template <class F>
 void fill_random(const Tensor& x, const RandomSpec& spec, F&& f) {
@@ -83,7 +65,7 @@ void fill_random(const Tensor& x, const RandomSpec& spec, F&& f) {
           }
         }
         double u0, u1;
-        draw(spec, static_cast<uint64_t>(counter), u0, u1);
+        math::draw_uniforms(spec.seed, spec.stream, static_cast<uint64_t>(counter), u0, u1);
         p[i] = static_cast<T>(f(u0, u1));
       }
     });
@@ -92,14 +74,11 @@ void fill_random(const Tensor& x, const RandomSpec& spec, F&& f) {
 }  // namespace
 
 void uniform(const Tensor& x, double low, double high, const RandomSpec& spec) {
-  fill_random(x, spec, [=](double u0, double) { return low + (high - low) * u0; });
+  fill_random(x, spec, [=](double u0, double) { return math::uniform_value(u0, low, high); });
 }
 
 void normal(const Tensor& x, double mean, double std, const RandomSpec& spec) {
-  fill_random(x, spec, [=](double u0, double u1) {
-    double radius = std::sqrt(-2.0 * std::log(1.0 - u0));  // 1 - u0 is in (0, 1]
-    return mean + std * radius * std::cos(6.283185307179586 * u1);
-  });
+  fill_random(x, spec, [=](double u0, double u1) { return math::normal_value(u0, u1, mean, std); });
 }
 
 }  // namespace cpu
@@ -114,7 +93,7 @@ void random_into(const Tensor& x, const char* what, F&& fill) {
   TS_CHECK(is_floating(x.dtype()), "{}: expected a floating-point tensor, got {}", what,
            dtype_name(x.dtype()));
   if (x.is_meta()) return;
-  const DType cd = compute_dtype(x.device(), x.dtype());
+  const DType cd = compute_dtype(x.device(), KernelFamily::Random, x.dtype());
   if (x.is_contiguous() && cd == x.dtype()) {
     fill(x);
     return;

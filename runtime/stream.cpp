@@ -5,6 +5,7 @@
 
 #include "runtime/async_cpu.h"
 #include "runtime/check.h"
+#include "runtime/cuda_backend.h"
 
 namespace tessera {
 
@@ -37,8 +38,7 @@ class CpuEvent final : public Event {
 };
 
 void check_streams(Device device, const char* what) {
-  TS_CHECK(device.is_cpu() || device.type == DeviceType::AsyncCPU,
-           "{}: no streams for device {} in this build (CPU-only)", what, device.str());
+  TS_CHECK(!device.is_meta(), "{}: a meta device has no streams", what);
 }
 
 }  // namespace
@@ -75,6 +75,7 @@ Stream& default_stream(Device device) {
     static auto* cpu = new std::shared_ptr<Stream>(std::make_shared<CpuStream>());  // never destroyed
     return **cpu;
   }
+  if (device.is_cuda()) return cuda::default_stream(device.index);
   return async_cpu::default_stream();
 }
 
@@ -86,12 +87,14 @@ Stream& current_stream(Device device) {
 StreamPtr new_stream(Device device) {
   check_streams(device, "new_stream");
   if (device.is_cpu()) return std::make_shared<CpuStream>();
+  if (device.is_cuda()) return cuda::new_stream(device.index);
   return async_cpu::new_stream();
 }
 
 std::shared_ptr<Event> make_event(Device device) {
   check_streams(device, "make_event");
   if (device.is_cpu()) return std::make_shared<CpuEvent>();
+  if (device.is_cuda()) return cuda::make_event(device.index);
   return async_cpu::make_event();
 }
 
@@ -104,6 +107,7 @@ StreamGuard::~StreamGuard() { detail::current_stream_slot(device_) = previous_; 
 
 void synchronize(Device device) {
   if (device.type == DeviceType::AsyncCPU) async_cpu::synchronize_all();
+  if (device.is_cuda()) cuda::synchronize(device.index);
 }
 
 int64_t host_sync_count() { return host_syncs.load(std::memory_order_relaxed); }

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -25,18 +26,66 @@ std::atomic<int> delay_us{[] {
   return v ? std::max(0, std::atoi(v)) : 0;
 }()};
 
+// What a stream and its worker thread share. The thread owns a reference, so
+// a stream whose own queued work drops its last reference (its destructor then
+// runs on the worker) is torn down without the worker touching freed memory.
+struct WorkQueue {
+  struct Task {
+    const char* what;
+    std::function<void()> fn;
+  };
+  std::mutex mu;
+  std::condition_variable work_cv, done_cv;
+  std::deque<Task> tasks;
+  uint64_t enqueued = 0, completed = 0;
+  bool stop = false;
+  std::string error;  // the first deferred error since the last synchronize
+};
+
+// Runs `q`'s tasks in order until the stream is gone and the queue is empty.
+void run_worker(const std::shared_ptr<WorkQueue>& q, uint64_t stream_id) {
+  std::minstd_rand rng(static_cast<uint32_t>(stream_id));
+  for (;;) {
+    WorkQueue::Task task;
+    {
+      std::unique_lock<std::mutex> lk(q->mu);
+      q->work_cv.wait(lk, [&] { return q->stop || !q->tasks.empty(); });
+      if (q->tasks.empty()) return;
+      task = std::move(q->tasks.front());
+      q->tasks.pop_front();
+    }
+    if (int d = delay_us.load(std::memory_order_relaxed); d > 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, d)(rng)));
+    std::string error;
+    try {
+      task.fn();
+    } catch (const std::exception& e) {
+      error = fmt::format("{} (raised by the asynchronous kernel '{}' on async_cpu stream {})", e.what(),
+                          task.what, stream_id);
+    }
+    task.fn = nullptr;  // release what the work held (perhaps this stream) before it counts as done
+    {
+      std::lock_guard<std::mutex> lk(q->mu);
+      if (!error.empty() && q->error.empty()) q->error = std::move(error);
+      ++q->completed;
+    }
+    q->done_cv.notify_all();
+  }
+}
+
 class AsyncStream final : public Stream {
  public:
-  AsyncStream() : rng_(static_cast<uint32_t>(id())) { thread_ = std::thread([this] { loop(); }); }
+  AsyncStream() : thread_([q = q_, id = id()] { run_worker(q, id); }) {}
 
+  // Lets the queued work finish: joins the worker, or (when the last reference
+  // went inside this stream's own work) leaves it to finish the queue alone.
   ~AsyncStream() override {
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      done_cv_.wait(lk, [&] { return completed_ == enqueued_; });  // drain
-      stop_ = true;
+      std::lock_guard<std::mutex> lk(q_->mu);
+      q_->stop = true;
     }
-    work_cv_.notify_one();
-    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();  // last reference dropped by its own work
+    q_->work_cv.notify_one();
+    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
     else thread_.join();
   }
 
@@ -49,89 +98,49 @@ class AsyncStream final : public Stream {
 
   void enqueue(const char* what, std::function<void()> fn) override {
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      if (queue_.size() >= kMaxQueued && std::this_thread::get_id() != thread_.get_id())
-        done_cv_.wait(lk, [&] { return queue_.size() < kMaxQueued; });
-      queue_.push_back({what, std::move(fn)});
-      ++enqueued_;
+      std::unique_lock<std::mutex> lk(q_->mu);
+      if (q_->tasks.size() >= kMaxQueued && std::this_thread::get_id() != thread_.get_id())
+        q_->done_cv.wait(lk, [&] { return q_->tasks.size() < kMaxQueued; });
+      q_->tasks.push_back({what, std::move(fn)});
+      ++q_->enqueued;
     }
-    work_cv_.notify_one();
+    q_->work_cv.notify_one();
   }
 
   void synchronize() override {
-    std::unique_lock<std::mutex> lk(mu_);
-    uint64_t target = enqueued_;
+    std::unique_lock<std::mutex> lk(q_->mu);
+    uint64_t target = q_->enqueued;
     detail::count_host_sync();  // counted whether or not it had to wait: counts stay deterministic
-    done_cv_.wait(lk, [&] { return completed_ >= target; });
-    if (!error_.empty()) {
-      std::string e = std::move(error_);
-      error_.clear();
+    q_->done_cv.wait(lk, [&] { return q_->completed >= target; });
+    if (!q_->error.empty()) {
+      std::string e = std::move(q_->error);
+      q_->error.clear();
       lk.unlock();
       detail::throw_error(e);
     }
   }
 
   bool query() override {
-    std::lock_guard<std::mutex> lk(mu_);
-    return completed_ == enqueued_;
+    std::lock_guard<std::mutex> lk(q_->mu);
+    return q_->completed == q_->enqueued;
   }
 
   // The position an event recorded now stands for, and waiting for one.
   uint64_t position() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return enqueued_;
+    std::lock_guard<std::mutex> lk(q_->mu);
+    return q_->enqueued;
   }
   bool reached(uint64_t position) {
-    std::lock_guard<std::mutex> lk(mu_);
-    return completed_ >= position;
+    std::lock_guard<std::mutex> lk(q_->mu);
+    return q_->completed >= position;
   }
   void wait_until(uint64_t position) {
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return completed_ >= position; });
+    std::unique_lock<std::mutex> lk(q_->mu);
+    q_->done_cv.wait(lk, [&] { return q_->completed >= position; });
   }
 
  private:
-  struct Task {
-    const char* what;
-    std::function<void()> fn;
-  };
-
-  void loop() {
-    for (;;) {
-      Task task;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        work_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (int d = delay_us.load(std::memory_order_relaxed); d > 0)
-        std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, d)(rng_)));
-      std::string error;
-      try {
-        task.fn();
-      } catch (const std::exception& e) {
-        error = fmt::format("{} (raised by the asynchronous kernel '{}' on async_cpu stream {})", e.what(),
-                            task.what, id());
-      }
-      task.fn = nullptr;  // release what the work held before it counts as done
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!error.empty() && error_.empty()) error_ = std::move(error);
-        ++completed_;
-      }
-      done_cv_.notify_all();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::deque<Task> queue_;
-  uint64_t enqueued_ = 0, completed_ = 0;
-  bool stop_ = false;
-  std::string error_;  // the first deferred error since the last synchronize
-  std::minstd_rand rng_;
+  std::shared_ptr<WorkQueue> q_ = std::make_shared<WorkQueue>();
   std::thread thread_;
 };
 
@@ -268,7 +277,7 @@ TS_QUEUED(normal)
 }  // namespace
 
 const KernelTable kTable = {
-    .compute_dtype = static_cast<DType (*)(DType)>(&tessera::compute_dtype),  // as the CPU
+    .compute_dtype = cpu::compute_dtype,  // as the CPU
     .copy = copy_queued,
     .copy_from_host = copy_from_host,
     .copy_to_host = copy_to_host,

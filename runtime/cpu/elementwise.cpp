@@ -58,66 +58,8 @@ void fill(const Tensor& dst, double value) {
   });
 }
 
-template <class T>
-TS_INLINE T apply_unary(UnaryOp op, T x) {
-  switch (op) {
-    case UnaryOp::Neg: return -x;
-    case UnaryOp::Exp: return fast_exp(x);
-    case UnaryOp::Log: return std::log(x);
-    case UnaryOp::Sqrt: return std::sqrt(x);
-    case UnaryOp::Rsqrt: return T(1) / std::sqrt(x);
-    case UnaryOp::Abs: return std::fabs(x);
-    case UnaryOp::Tanh: return fast_tanh(x);
-    case UnaryOp::Sigmoid: return fast_sigmoid(x);
-    case UnaryOp::Relu: return std::max(x, T(0));
-    case UnaryOp::Gelu: return x * normal_cdf(x);
-    case UnaryOp::GeluTanh: {
-      T inner = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
-      return T(0.5) * x * (T(1) + fast_tanh(inner));
-    }
-    case UnaryOp::Silu: return x * fast_sigmoid(x);
-    case UnaryOp::Sin: return std::sin(x);
-    case UnaryOp::Cos: return std::cos(x);
-    case UnaryOp::Square: return x * x;
-    case UnaryOp::Reciprocal: return T(1) / x;
-    case UnaryOp::Sign: return T((x > T(0)) - (x < T(0)));
-  }
-  return x;
-}
-
-// Gradient of op at x (y = op(x)), times g.
-template <class T>
-TS_INLINE T apply_unary_backward(UnaryOp op, T g, T x, T y) {
-  switch (op) {
-    case UnaryOp::Neg: return -g;
-    case UnaryOp::Exp: return g * y;
-    case UnaryOp::Log: return g / x;
-    case UnaryOp::Sqrt: return g / (T(2) * y);
-    case UnaryOp::Rsqrt: return T(-0.5) * g * y * y * y;
-    case UnaryOp::Abs: return x > T(0) ? g : (x < T(0) ? -g : T(0));
-    case UnaryOp::Tanh: return g * (T(1) - y * y);
-    case UnaryOp::Sigmoid: return g * y * (T(1) - y);
-    case UnaryOp::Relu: return x > T(0) ? g : T(0);
-    case UnaryOp::Gelu: return g * (normal_cdf(x) + x * normal_pdf(x));
-    case UnaryOp::GeluTanh: {
-      const T k = T(0.79788456080286535588);
-      T x2 = x * x;
-      T t = fast_tanh(k * (x + T(0.044715) * x2 * x));
-      T dinner = k * (T(1) + T(3) * T(0.044715) * x2);
-      return g * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner);
-    }
-    case UnaryOp::Silu: {
-      T s = fast_sigmoid(x);
-      return g * (s + x * s * (T(1) - s));
-    }
-    case UnaryOp::Sin: return g * std::cos(x);
-    case UnaryOp::Cos: return -g * std::sin(x);
-    case UnaryOp::Square: return T(2) * g * x;
-    case UnaryOp::Reciprocal: return -g * y * y;
-    case UnaryOp::Sign: return T(0);
-  }
-  return g;
-}
+using math::apply_unary;
+using math::apply_unary_backward;
 
 // The switch is hoisted out of the loop by instantiating one loop per op.
 template <class T, UnaryOp Op>
@@ -194,38 +136,9 @@ void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor
   });
 }
 
-template <class T>
-inline T apply_binary(BinaryOp op, T a, T b) {
-  if constexpr (std::is_same_v<T, bool>) {  // the ops layer allows only max/min on bool
-    return op == BinaryOp::Maximum ? (a || b) : (a && b);
-  } else {
-    switch (op) {
-      case BinaryOp::Add: return a + b;
-      case BinaryOp::Sub: return a - b;
-      case BinaryOp::Mul: return a * b;
-      case BinaryOp::Div: return a / b;
-      case BinaryOp::Pow: return static_cast<T>(std::pow(a, b));
-      case BinaryOp::Maximum: return (a != a || a > b) ? a : b;
-      case BinaryOp::Minimum: return (a != a || a < b) ? a : b;
-      default: return T(0);
-    }
-  }
-}
-
-template <class T>
-inline bool apply_compare(BinaryOp op, T a, T b) {
-  switch (op) {
-    case BinaryOp::Eq: return a == b;
-    case BinaryOp::Ne: return a != b;
-    case BinaryOp::Lt: return a < b;
-    case BinaryOp::Le: return a <= b;
-    case BinaryOp::Gt: return a > b;
-    case BinaryOp::Ge: return a >= b;
-    default: return false;
-  }
-}
-
-inline bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq; }
+using math::apply_binary;
+using math::apply_compare;
+using math::is_compare;
 
 template <class T, BinaryOp Op>
 void binary_inner(char* o, const char* a, const char* b, int64_t so, int64_t sa, int64_t sb,
@@ -307,12 +220,7 @@ void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor&
 template <class T, PointwiseOp Op>
 void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n, T c) {
   constexpr int64_t e = sizeof(T);
-  auto step = [c](T& x, T a, T b) {
-    if constexpr (Op == PointwiseOp::AddScaled) x += c * a;
-    else if constexpr (Op == PointwiseOp::Addcmul) x += c * a * b;
-    else if constexpr (Op == PointwiseOp::Addcdiv) x += c * a / b;
-    else x += c * (a - x);
-  };
+  auto step = [c](T& x, T a, T b) { math::apply_pointwise<Op>(x, a, b, c); };
   if (s[0] == e && s[1] == e && (s[2] == e || Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp)) {
     T* x = reinterpret_cast<T*>(p[0]);
     const T* a = reinterpret_cast<const T*>(p[1]);

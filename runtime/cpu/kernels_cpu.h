@@ -6,6 +6,7 @@
 
 namespace tessera::cpu {
 
+DType compute_dtype(KernelFamily family, DType dtype);
 void copy(const Tensor&, const Tensor&);
 void fill(const Tensor&, double);
 void unary(ops::UnaryOp, const Tensor&, const Tensor&);

@@ -1,11 +1,17 @@
 // The CPU backend's kernel table.
+#include <utility>
+
 #include "runtime/cpu/kernels_cpu.h"
+#include "runtime/cuda_backend.h"
 
 namespace tessera {
 namespace cpu {
 
+// Every family computes bf16/f16 in f32 (and f64 in f64).
+DType compute_dtype(KernelFamily, DType dtype) { return tessera::compute_dtype(dtype); }
+
 const KernelTable kTable = {
-    .compute_dtype = static_cast<DType (*)(DType)>(&tessera::compute_dtype),  // bf16/f16 -> f32
+    .compute_dtype = compute_dtype,
     .copy = copy,
     .copy_from_host = copy,
     .copy_to_host = copy,
@@ -40,12 +46,20 @@ const KernelTable kTable = {
 
 namespace {
 void (*op_boundary_hook)() = nullptr;
+// Tables a test installed, by DeviceType.
+const KernelTable* replaced[4] = {};
+}  // namespace
+
+const KernelTable* replace_kernels_for_testing(DeviceType type, const KernelTable* table) {
+  return std::exchange(replaced[static_cast<int>(type)], table);
 }
 
 const KernelTable& kernels(Device device) {
+  if (const KernelTable* t = replaced[static_cast<int>(device.type)]) return *t;
   if (device.is_cpu()) return cpu::kTable;
   if (device.type == DeviceType::AsyncCPU) return async_cpu::kTable;
-  TS_CHECK(false, "no kernels for device {} in this build (CPU-only)", device.str());
+  if (device.is_cuda()) return cuda::kernel_table();
+  TS_CHECK(false, "no kernels for device {}", device.str());
 }
 
 void set_op_boundary_hook(void (*hook)()) { op_boundary_hook = hook; }

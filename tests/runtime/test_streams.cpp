@@ -3,12 +3,15 @@
 // delays on), copies between devices, host-visibility, streams, events,
 // deferred kernel errors, host-sync counts and the stream-aware caching
 // allocator.
+#include <fmt/format.h>
+
 #include <thread>
 
 #include "../helpers.h"
 #include "autograd/functions.h"
 #include "autograd/tape.h"
 #include "runtime/allocator.h"
+#include "runtime/kernels.h"
 #include "runtime/stream.h"
 
 using namespace tessera;
@@ -238,4 +241,147 @@ TEST_CASE("a block freed on one stream is reused by that stream only", "[memory]
   s1->synchronize();
   empty_cache(kAsync);
   CHECK(memory_stats(kAsync).reserved_bytes <= reserved - 16384);
+}
+
+namespace {
+
+// A backend whose elementwise and softmax kernels take bf16 natively (the
+// async_cpu kernels, fed through f32 copies made inside the "kernel"), every
+// other family computing in f32. Records the dtype each kernel received.
+std::vector<std::string> received;
+
+const KernelTable& base() { return async_cpu::kTable; }
+
+DType native_bf16_compute_dtype(KernelFamily family, DType dtype) {
+  if (dtype == DType::BF16 && (family == KernelFamily::Elementwise || family == KernelFamily::Softmax))
+    return DType::BF16;
+  return base().compute_dtype(family, dtype);
+}
+
+void note(const char* kernel, DType dtype) {
+  received.push_back(fmt::format("{}:{}", kernel, dtype_name(dtype)));
+}
+
+Tensor f32(const Tensor& x) { return x.defined() ? ops::to(x, DType::F32) : x; }
+
+void native_unary(ops::UnaryOp op, const Tensor& out, const Tensor& x) {
+  note("unary", x.dtype());
+  Tensor o = empty(out.shape(), DType::F32, out.device());
+  base().unary(op, o, f32(x));
+  base().copy(out, o);
+}
+
+void native_binary(ops::BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  note("binary", a.dtype());
+  Tensor o = out.dtype() == DType::Bool ? out : empty(out.shape(), DType::F32, out.device());
+  base().binary(op, o, f32(a), f32(b));
+  if (o.dtype() != DType::Bool) base().copy(out, o);
+}
+
+void native_pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b, double s) {
+  note("pointwise", x.dtype());
+  Tensor xf = f32(x);
+  base().pointwise(op, xf, f32(a), f32(b), s);
+  base().copy(x, xf);
+}
+
+void native_softmax(const Tensor& out, const Tensor& x, bool log) {
+  note("softmax", x.dtype());
+  Tensor o = empty(out.shape(), DType::F32, out.device());
+  base().softmax(o, f32(x), log);
+  base().copy(out, o);
+}
+
+void recorded_gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
+                   const void* a, int64_t lda, const void* b, int64_t ldb, double beta, void* c,
+                   int64_t ldc) {
+  note("gemm", dtype);
+  base().gemm(dtype, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void recorded_layer_norm(const ops::NormResult& r, const Tensor& x, const Tensor& w,
+                         const Tensor& b, double eps, bool rms) {
+  note("layer_norm", x.dtype());
+  base().layer_norm(r, x, w, b, eps, rms);
+}
+
+// Installs the table above for async_cpu for a scope.
+struct NativeBf16Backend {
+  KernelTable table = base();
+  const KernelTable* saved;
+  NativeBf16Backend() {
+    table.compute_dtype = native_bf16_compute_dtype;
+    table.unary = native_unary;
+    table.binary = native_binary;
+    table.pointwise = native_pointwise;
+    table.softmax = native_softmax;
+    table.gemm = recorded_gemm;
+    table.layer_norm = recorded_layer_norm;
+    saved = replace_kernels_for_testing(DeviceType::AsyncCPU, &table);
+    received.clear();
+  }
+  ~NativeBf16Backend() { replace_kernels_for_testing(DeviceType::AsyncCPU, saved); }
+};
+
+}  // namespace
+
+TEST_CASE("the ops layer hands each kernel family the dtype its table declares", "[stream][dtype]") {
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, DType::F16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::F64) == DType::F64);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::I64) == DType::I64);
+
+  // Odd sizes; bf16 inputs on the CPU (which widens every family) and on a
+  // backend that takes bf16 natively for elementwise and softmax kernels.
+  auto inputs = [](Device d) {
+    return std::pair{ops::to(randn({7, 13}, 21, DType::F32, d), DType::BF16),
+                     ops::to(randn({13, 5}, 22, DType::F32, d), DType::BF16)};
+  };
+  auto [ca, cb] = inputs(Device::cpu());
+  Tensor c_exp = exp(ca), c_sum = add(ca, ca), c_mm = matmul(ca, cb), c_sm = softmax(ca, -1);
+  Tensor c_ln = layer_norm(ca, Tensor(), Tensor(), 1e-5), c_acc = ops::clone(ca);
+  ops::add_(c_acc, ca, 0.5);
+
+  NativeBf16Backend backend;
+  auto [a, b] = inputs(kAsync);
+  received.clear();
+  Tensor d_exp = exp(a);
+  CHECK(received == std::vector<std::string>{"unary:bf16"});  // no f32 copy around the kernel
+  received.clear();
+  Tensor d_sum = add(a, a);
+  CHECK(received == std::vector<std::string>{"binary:bf16"});
+  received.clear();
+  Tensor d_mm = matmul(a, b);
+  CHECK(received == std::vector<std::string>{"gemm:f32"});  // matmul is not native: widened
+  received.clear();
+  Tensor d_sm = softmax(a, -1);
+  CHECK(received == std::vector<std::string>{"softmax:bf16"});
+  received.clear();
+  Tensor d_ln = layer_norm(a, Tensor(), Tensor(), 1e-5);
+  CHECK(received == std::vector<std::string>{"layer_norm:f32"});
+  received.clear();
+  Tensor d_acc = ops::clone(a);
+  ops::add_(d_acc, a, 0.5);  // in place on the bf16 tensor itself
+  CHECK(received == std::vector<std::string>{"pointwise:bf16"});
+
+  // Results keep the input dtype, and (as these kernels compute in f32
+  // registers and round once) equal the CPU's bit for bit.
+  for (auto [dev, cpu] : std::vector<std::pair<Tensor, Tensor>>{
+           {d_exp, c_exp}, {d_sum, c_sum}, {d_mm, c_mm}, {d_sm, c_sm}, {d_ln, c_ln}, {d_acc, c_acc}}) {
+    CHECK(dev.dtype() == DType::BF16);
+    CHECK(bitwise_equal(dev.to(Device::cpu()), cpu));
+  }
+}
+
+TEST_CASE("a stream whose own queued work drops its last reference finishes its queue", "[stream][async]") {
+  Delays delays(200);
+  std::atomic<int> ran{0};
+  {
+    StreamPtr s = new_stream(kAsync);
+    Stream& raw = *s;
+    raw.enqueue("hold the stream", [keep = s, &ran] { ran += 1; });
+    for (int i = 0; i < 5; ++i) raw.enqueue("after", [&ran] { ran += 1; });
+  }  // the first task now holds the last reference: the stream dies on its own worker
+  for (int i = 0; i < 1000 && ran.load() < 6; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(ran.load() == 6);
 }

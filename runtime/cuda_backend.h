@@ -1,0 +1,34 @@
+// What the rest of runtime/ asks of the CUDA backend (runtime/cuda/). In a
+// build without CUDA these raise "this build has no CUDA" (runtime/cuda_stub.cpp),
+// and is_available() is false.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "runtime/allocator.h"
+#include "runtime/stream.h"
+
+namespace tessera {
+struct KernelTable;
+}
+
+namespace tessera::cuda {
+
+bool built();                 // this build has the CUDA backend
+bool is_available();          // built, and a GPU is visible
+int device_count();           // 0 without CUDA or GPUs
+std::string device_name(int index);
+
+Stream& default_stream(int index);
+StreamPtr new_stream(int index);
+std::shared_ptr<Event> make_event(int index);
+void synchronize(int index);
+Allocator& allocator(int index);
+const KernelTable& kernel_table();
+
+// f32 GEMMs in TF32 (faster, about 10 bits of mantissa): off unless asked.
+void set_allow_tf32(bool allow);
+bool tf32_allowed();
+
+}  // namespace tessera::cuda
