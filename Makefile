@@ -48,7 +48,7 @@ test: build
 TSAN_TESTS ?= runtime autograd dist-plain dist-np2 dtensor-np2 fsdp-plain fsdp-np2 fsdp-np3
 tsan: deps
 	@[ -f build-tsan/build.ninja ] || meson setup build-tsan --buildtype=debugoptimized \
-	  -Db_sanitize=thread -Dbenchmarks=false -Dnative=false
+	  -Db_sanitize=thread -Dbenchmarks=false -Dnative=false -Dcuda=disabled
 	meson compile -C build-tsan
 	OMP_NUM_THREADS=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 exitcode=66 allocator_may_return_null=1" \
 	  meson test -C build-tsan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(TSAN_TESTS)

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <set>
 
+#include "runtime/cuda_backend.h"
+
 namespace tessera {
 
 DeviceMesh::DeviceMesh(std::string device_type, Shape shape, std::vector<int> ranks,
@@ -15,7 +17,10 @@ DeviceMesh::DeviceMesh(std::string device_type, Shape shape, std::vector<int> ra
       groups_(std::move(groups)),
       coordinate_(std::move(coordinate)) {}
 
-Device DeviceMesh::device() const { return Device::parse(device_type_); }
+Device DeviceMesh::device() const {
+  if (device_type_ == "cuda") return Device::cuda(dist::local_rank() % std::max(1, cuda::device_count()));
+  return Device::parse(device_type_);
+}
 
 int64_t DeviceMesh::size() const { return shape_numel(shape_); }
 
@@ -92,8 +97,16 @@ std::string DeviceMesh::str() const {
 MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
                          const std::vector<std::string>& dim_names) {
   dist::init();
-  TS_CHECK(device_type == "cpu" || device_type == "async_cpu",
-           "init_device_mesh: device type '{}' is not available in this build (cpu, async_cpu)", device_type);
+  TS_CHECK(device_type == "cpu" || device_type == "async_cpu" || device_type == "cuda",
+           "init_device_mesh: unknown device type '{}' (cpu, cuda, async_cpu)", device_type);
+  if (device_type == "cuda") {
+    TS_CHECK(cuda::is_available(), "init_device_mesh: device type 'cuda', but {}",
+             cuda::built() ? "no CUDA device is visible" : "this build has no CUDA backend (docs/gpu.md)");
+    TS_CHECK(dist::world_size() == 1,
+             "init_device_mesh: 'cuda' at {} ranks needs the NCCL process group, which Tessera does not "
+             "have yet (MPI groups move host tensors only); run one rank per GPU job, or use cpu",
+             dist::world_size());
+  }
   TS_CHECK(!shape.empty(), "init_device_mesh: the mesh needs at least one dim");
   for (int64_t s : shape) TS_CHECK(s > 0, "init_device_mesh: mesh shape {} has a non-positive dim", shape_str(shape));
   TS_CHECK(shape_numel(shape) == dist::world_size(),

@@ -141,8 +141,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("job.dump_folder", c.job.dump_folder, "folder for metrics, samples and plots"),
       int_key("job.seed", c.job.seed, "seed of initialisation and data order"),
       string_key("job.device", c.job.device,
-                 "device of the model and batches (async_cpu: CPU kernels on streams, a test device)",
-                 {"cpu", "async_cpu"}),
+                 "device of the model and batches (cuda: this rank's GPU; auto: cuda when a GPU is "
+                 "there, else cpu; async_cpu: CPU kernels on streams, a test device)",
+                 {"cpu", "cuda", "auto", "async_cpu"}),
       string_key("model.arch", c.model.arch, "model family", {"gpt2", "llama"}),
       int_key("model.n_layer", c.model.n_layer, "transformer blocks"),
       int_key("model.n_head", c.model.n_head, "attention heads"),

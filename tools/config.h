@@ -22,7 +22,8 @@ struct TrainConfig {
     std::string name = "gpt-fortunes";
     std::string dump_folder = "out";  // metrics, samples, plots
     int64_t seed = 1234;
-    // Where tensors live: cpu, or async_cpu (the CPU's kernels on worker-thread
+    // Where tensors live: cpu, cuda (this rank's GPU), auto (cuda when a GPU is
+    // visible, else cpu), or async_cpu (the CPU's kernels on worker-thread
     // streams: the run then syncs with the host only at log steps).
     std::string device = "cpu";
   } job;

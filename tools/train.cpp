@@ -32,6 +32,7 @@
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 #include "runtime/allocator.h"
+#include "runtime/cuda_backend.h"
 #include "runtime/parallel.h"
 #include "runtime/random.h"
 #include "runtime/trace.h"
@@ -244,8 +245,10 @@ class Trainer {
 
 void Trainer::build_model() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
-  mesh_ = rep > 1 ? init_device_mesh(cfg_.job.device, {rep, shard}, {"dp_replicate", "dp_shard"})
-                  : init_device_mesh(cfg_.job.device, {shard}, {"dp_shard"});
+  const std::string device_type =
+      cfg_.job.device != "auto" ? cfg_.job.device : (cuda::is_available() ? "cuda" : "cpu");
+  mesh_ = rep > 1 ? init_device_mesh(device_type, {rep, shard}, {"dp_replicate", "dp_shard"})
+                  : init_device_mesh(device_type, {shard}, {"dp_shard"});
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
   fsdp::FullyShardOptions opt{

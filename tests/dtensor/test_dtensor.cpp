@@ -8,6 +8,7 @@
 #include "autograd/functions.h"
 #include "dtensor/redistribute.h"
 #include "nn/optim.h"
+#include "runtime/cuda_backend.h"
 #include "tests/dtensor/dtensor_helpers.h"
 
 using namespace tessera;
@@ -61,7 +62,11 @@ TEST_CASE("device meshes: dims, groups, slicing, flattening", "[dtensor][mesh]")
     CHECK_THROWS_WITH((*m)["tp"], Catch::Contains("mesh has no dim named 'tp' (dims: rep, shard)"));
   }
   CHECK_THROWS_WITH(init_device_mesh("cpu", {w + 1}), Catch::Contains("holds " + std::to_string(w + 1)));
-  CHECK_THROWS_WITH(init_device_mesh("cuda", {w}), Catch::Contains("not available in this build"));
+  if (!cuda::is_available())
+    CHECK_THROWS_WITH(init_device_mesh("cuda", {w}), Catch::Contains("device type 'cuda', but"));
+  else if (w > 1)  // no NCCL group yet: refused up front, not at the first collective
+    CHECK_THROWS_WITH(init_device_mesh("cuda", {w}), Catch::Contains("needs the NCCL process group"));
+  CHECK_THROWS_WITH(init_device_mesh("tpu", {w}), Catch::Contains("unknown device type 'tpu'"));
   CHECK_THROWS_WITH(init_device_mesh("cpu", {w, 1}, {"a", "a"}), Catch::Contains("must be unique"));
 }
 

@@ -134,6 +134,9 @@ syncs = [r["host_syncs_between_logs_max_rank"] for r in logged]
 assert all(s == 0 for s in syncs), syncs
 print("async_cpu: %d log lines, host syncs between log steps: %s" % (len(logged), syncs))'
 expect_error "has no choice 'cuda7'" "$bin/tessera-train" "${tiny[@]}" --job.device cuda7
+if ! command -v nvidia-smi > /dev/null; then  # no GPU here: cuda is refused, naming why
+  expect_error "device type 'cuda', but" "$bin/tessera-train" "${tiny[@]}" --job.device cuda
+fi
 
 train 2 --job.dump_folder llama --preset llama-small --training.steps 6 --mixed_precision.param_dtype bfloat16 \
   --activation_checkpoint.mode full --parallelism.reshard_after_forward false > llama.log

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A GPU machine's check in one command (docs/gpu.md): builds Tessera with CUDA
+# (or takes a build folder made elsewhere), runs the `cuda` test suite, then
+# compute-sanitizer's memcheck and racecheck over it, and prints one summary.
+#
+#   tools/gpu-check.sh                 # build in build-gpu/ (needs meson, ninja and the deps)
+#   tools/gpu-check.sh path/to/build   # use a build shipped from another machine
+#   OUT=/some/dir tools/gpu-check.sh   # logs there (default: gpu-check-logs/)
+set -u
+cd "$(dirname "$0")/.."
+build=${1:-}
+out=${OUT:-gpu-check-logs}
+mkdir -p "$out"
+start=$(date +%s)
+declare -A result
+
+if [ -z "$build" ]; then
+  build=build-gpu
+  [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dcuda=enabled -Dbenchmarks=false \
+    > "$out/setup.log" 2>&1 || { echo "meson setup failed: $out/setup.log"; exit 1; }
+  ninja -C "$build" tests/test_cuda > "$out/build.log" 2>&1 || { echo "build failed: $out/build.log"; exit 1; }
+fi
+test_cuda="$build/tests/test_cuda"
+[ -x "$test_cuda" ] || { echo "no $test_cuda in the build"; exit 1; }
+# A shipped build carries its non-CUDA shared libraries in $build/lib (docs/gpu.md).
+[ -d "$build/lib" ] && export LD_LIBRARY_PATH="$build/lib:${LD_LIBRARY_PATH:-}"
+[ -f "$build/libtessera.so" ] && export LD_LIBRARY_PATH="$build:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$(date +%s)
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  case $rc in 0) result[$name]="pass";; 77) result[$name]="SKIP (no GPU seen)";; *) result[$name]="FAIL (exit $rc)";; esac
+  result[$name]="${result[$name]} in $(( $(date +%s) - t0 )) s, log $out/$name.log"
+}
+
+run cuda-suite "$test_cuda"
+if command -v compute-sanitizer > /dev/null; then
+  run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$test_cuda" "~[model]"
+  run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$test_cuda" "~[model]"
+else
+  result[memcheck]="not run (no compute-sanitizer)"
+fi
+
+echo "GPU: $(cat "$out/gpu.txt")"
+for k in cuda-suite memcheck racecheck; do [ -n "${result[$k]:-}" ] && echo "$k: ${result[$k]}"; done
+echo "total $(( $(date +%s) - start )) s"
+for k in "${!result[@]}"; do case ${result[$k]} in FAIL*) exit 1;; esac; done
+exit 0
