@@ -79,6 +79,7 @@ dist::ProcessGroupPtr DeviceMesh::flat_group() const {
     int color = *std::min_element(ranks_.begin(), ranks_.end());
     int key = static_cast<int>(std::find(ranks_.begin(), ranks_.end(), dist::rank()) - ranks_.begin());
     flat_ = dist::world()->split(color, key, fmt::format("{}", fmt::join(names_, "_")));
+    if (device_type_ == "cuda" && flat_ != nullptr && flat_->size() > 1) flat_ = cuda::nccl_group(flat_);
   }
   return flat_;
 }
@@ -99,14 +100,9 @@ MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
   dist::init();
   TS_CHECK(device_type == "cpu" || device_type == "async_cpu" || device_type == "cuda",
            "init_device_mesh: unknown device type '{}' (cpu, cuda, async_cpu)", device_type);
-  if (device_type == "cuda") {
+  if (device_type == "cuda")
     TS_CHECK(cuda::is_available(), "init_device_mesh: device type 'cuda', but {}",
              cuda::built() ? "no CUDA device is visible" : "this build has no CUDA backend (docs/gpu.md)");
-    TS_CHECK(dist::world_size() == 1,
-             "init_device_mesh: 'cuda' at {} ranks needs the NCCL process group, which Tessera does not "
-             "have yet (MPI groups move host tensors only); run one rank per GPU job, or use cpu",
-             dist::world_size());
-  }
   TS_CHECK(!shape.empty(), "init_device_mesh: the mesh needs at least one dim");
   for (int64_t s : shape) TS_CHECK(s > 0, "init_device_mesh: mesh shape {} has a non-positive dim", shape_str(shape));
   TS_CHECK(shape_numel(shape) == dist::world_size(),
@@ -139,6 +135,9 @@ MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
       if (k != d) color = color * shape[k] + coord[k];
     groups.push_back(world->split(static_cast<int>(color), static_cast<int>(coord[d]), names[d]));
   }
+  // CUDA tensors move over NCCL: each dim's group gets a communicator.
+  if (device_type == "cuda" && dist::world_size() > 1)
+    for (auto& g : groups) g = cuda::nccl_group(g);
   std::vector<int> ranks(static_cast<size_t>(shape_numel(shape)));
   for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
   return std::make_shared<DeviceMesh>(device_type, shape, ranks, names, groups, coord);

@@ -11,7 +11,10 @@
 
 namespace tessera {
 struct KernelTable;
+namespace dist {
+class ProcessGroup;
 }
+}  // namespace tessera
 
 namespace tessera::cuda {
 
@@ -26,6 +29,11 @@ std::shared_ptr<Event> make_event(int index);
 void synchronize(int index);
 Allocator& allocator(int index);
 const KernelTable& kernel_table();
+
+// A process group that moves CUDA tensors over NCCL (one communicator, made
+// by a collective call on every rank of `base`) and everything else over
+// `base` (runtime/cuda/nccl.cpp). Raises where the build has no NCCL.
+std::shared_ptr<dist::ProcessGroup> nccl_group(const std::shared_ptr<dist::ProcessGroup>& base);
 
 // f32 GEMMs in TF32 (faster, about 10 bits of mantissa): off unless asked.
 void set_allow_tf32(bool allow);

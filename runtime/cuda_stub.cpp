@@ -24,6 +24,7 @@ std::shared_ptr<Event> make_event(int index) { no_cuda(index); }
 void synchronize(int index) { no_cuda(index); }
 Allocator& allocator(int index) { no_cuda(index); }
 const KernelTable& kernel_table() { no_cuda(0); }
+std::shared_ptr<dist::ProcessGroup> nccl_group(const std::shared_ptr<dist::ProcessGroup>&) { no_cuda(0); }
 void set_allow_tf32(bool) {}
 bool tf32_allowed() { return false; }
 

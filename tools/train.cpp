@@ -451,7 +451,10 @@ Tensor Trainer::train_step(int64_t step) {
     autograd::backward(loss * (1.0 / static_cast<double>(T_.grad_accum)));
   }
   Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
-  if (world_ > 1) dist::world()->all_reduce(mean, {dist::ReduceOp::Sum})->wait(current_stream(device_));
+  if (world_ > 1)  // over NCCL on CUDA (the mesh's group), MPI otherwise
+    (device_.is_cuda() ? mesh_->flat_group() : dist::world())
+        ->all_reduce(mean, {dist::ReduceOp::Sum})
+        ->wait(current_stream(device_));
   // On a group of its own: on the world group it would queue behind the loss
   // all-reduce, which starts only when the device has computed the loss.
   if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");

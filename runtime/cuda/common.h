@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "runtime/check.h"
-#include "runtime/cuda/tensor_arg.h"
+#include "runtime/cuda/iter.h"
 #include "runtime/stream.h"
 
 namespace tessera::cuda {

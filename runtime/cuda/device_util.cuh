@@ -50,19 +50,6 @@ __device__ __forceinline__ void store(void* p, DType dt, int64_t i, C v) {
   }
 }
 
-// Element offset of operand k at linear index i.
-template <int N>
-__device__ __forceinline__ int64_t offset_of(const Iter<N>& it, int k, int64_t i) {
-  if (it.contiguous) return i;
-  int64_t off = 0;
-  for (int d = it.ndim - 1; d >= 0; --d) {
-    int64_t size = it.sizes[d];
-    off += (i % size) * it.strides[k][d];
-    i /= size;
-  }
-  return off;
-}
-
 // Grid-stride loop over [0, n).
 #define TS_CUDA_LOOP(i, n)                                                          \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \

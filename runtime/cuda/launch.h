@@ -7,23 +7,10 @@
 
 #include <cuda_runtime.h>
 
-#include "runtime/cuda/tensor_arg.h"
+#include "runtime/cuda/iter.h"
 #include "runtime/kernel_kinds.h"
 
 namespace tessera::cuda {
-
-// N operands of one shape (inputs expanded to it: stride 0 where broadcast),
-// dims already coalesced on the host; operand 0 is the output.
-template <int N>
-struct Iter {
-  int ndim = 0;
-  int64_t numel = 0;
-  bool contiguous = true;  // every operand dense in the same order: offset = index
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[N][kMaxDims] = {};  // elements
-  void* data[N] = {};
-  DType dtype[N] = {};
-};
 
 // ---- elementwise (elementwise.cu) ----------------------------------------------
 void launch_copy(const Iter<2>& it, cudaStream_t stream);

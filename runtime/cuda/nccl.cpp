@@ -1,0 +1,302 @@
+// The NCCL process group: CUDA tensors move over NCCL on the current CUDA
+// stream (FSDP's all-gather / reduce-scatter streams set it), host tensors and
+// the group bookkeeping (ranks, subgroups, barriers, the unique id's exchange)
+// go through the MPI group it wraps. A Work is a CUDA event recorded after the
+// collective: wait(stream) is an event wait, wait() a host sync on it.
+//
+// Not yet (docs/gpu.md): the timeout watchdog that aborts a hung communicator,
+// the desync check of TESSERA_DEBUG_COLLECTIVES, and ranks that share a GPU
+// (refused by NCCL; refused here first, naming the ranks).
+#include <nccl.h>
+
+#include <cstring>
+
+#include "runtime/cuda/common.h"
+#include "runtime/cuda_backend.h"
+#include "runtime/distributed.h"
+#include "runtime/ops.h"
+#include "runtime/random.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+#define TS_NCCL_CHECK(call)                                                                   \
+  do {                                                                                        \
+    ncclResult_t ts_r_ = (call);                                                              \
+    TS_CHECK(ts_r_ == ncclSuccess, "NCCL error in {}: {} ({})", #call, ncclGetErrorString(ts_r_), \
+             ncclGetLastError(nullptr) ? ncclGetLastError(nullptr) : "");                    \
+  } while (0)
+
+ncclDataType_t nccl_type(DType dt) {
+  switch (dt) {
+    case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
+    case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    case DType::Bool: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+class NcclWork final : public dist::Work {
+ public:
+  NcclWork(std::shared_ptr<Event> done, std::vector<Tensor> keep, ncclComm_t comm)
+      : done_(std::move(done)), keep_(std::move(keep)), comm_(comm) {}
+  void wait() override {
+    done_->synchronize();
+    check_comm();
+    keep_.clear();
+  }
+  void wait(Stream& stream) override {
+    if (stream.synchronous()) return wait();
+    done_->wait(stream);  // the stream waits on the device; the host goes on
+  }
+  bool is_completed() override {
+    bool done = done_->query();
+    if (done) check_comm();
+    return done;
+  }
+
+ private:
+  void check_comm() {
+    if (comm_ == nullptr) return;  // a group of one
+    ncclResult_t async = ncclSuccess;
+    TS_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+    TS_CHECK(async == ncclSuccess, "NCCL: the communicator failed: {}", ncclGetErrorString(async));
+  }
+  std::shared_ptr<Event> done_;
+  std::vector<Tensor> keep_;  // the tensors, until a host wait saw the collective complete
+  ncclComm_t comm_;
+};
+
+class NcclGroup final : public dist::ProcessGroup {
+ public:
+  explicit NcclGroup(dist::ProcessGroupPtr base) : base_(std::move(base)) {
+    device_ = Device::cuda(dist::local_rank() % std::max(1, device_count()));
+    use_device(device_.index);
+    if (base_->size() == 1) return;  // a group of one needs no communicator
+    check_distinct_gpus();
+    ncclUniqueId id{};
+    if (base_->rank() == 0) TS_NCCL_CHECK(ncclGetUniqueId(&id));
+    constexpr int64_t kWords = (sizeof(ncclUniqueId) + 3) / 4;
+    Tensor buf = zeros({kWords}, DType::I32);
+    std::memcpy(buf.data_ptr(), &id, sizeof(id));
+    base_->broadcast(buf, 0)->wait();
+    std::memcpy(&id, buf.data_ptr(), sizeof(id));
+    TS_NCCL_CHECK(ncclCommInitRank(&comm_, base_->size(), id, base_->rank()));
+  }
+  ~NcclGroup() override {
+    if (comm_ != nullptr) ncclCommDestroy(comm_);
+  }
+
+  int rank() const override { return base_->rank(); }
+  int size() const override { return base_->size(); }
+  const std::vector<int>& global_ranks() const override { return base_->global_ranks(); }
+  const std::string& name() const override { return base_->name(); }
+
+  dist::WorkPtr all_gather_into_tensor(const Tensor& output, const Tensor& input) override {
+    if (on_host(output, input)) return base_->all_gather_into_tensor(output, input);
+    check(output, "all_gather_into_tensor", "output");
+    check(input, "all_gather_into_tensor", "input");
+    TS_CHECK(output.numel() == input.numel() * size() && output.dtype() == input.dtype(),
+             "all_gather_into_tensor: output {} {} is not {} x input {} {}", shape_str(output.shape()),
+             dtype_name(output.dtype()), size(), shape_str(input.shape()), dtype_name(input.dtype()));
+    ++stats_.all_gather;
+    if (size() == 1) {  // a group of one: a queued copy unless in place
+      if (input.numel() > 0 && input.data_ptr() != output.data_ptr())
+        ops::copy_(ops::reshape(output, {input.numel()}), ops::reshape(input, {input.numel()}));
+      return local_work({output, input});
+    }
+    return launch({output, input}, [&](cudaStream_t s) {
+      return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                           nccl_type(input.dtype()), comm_, s);
+    });
+  }
+
+  dist::WorkPtr reduce_scatter_tensor(const Tensor& output, const Tensor& input,
+                                      dist::ReduceOptions options) override {
+    if (on_host(output, input)) return base_->reduce_scatter_tensor(output, input, options);
+    check(output, "reduce_scatter_tensor", "output");
+    check(input, "reduce_scatter_tensor", "input");
+    TS_CHECK(input.numel() == output.numel() * size() && output.dtype() == input.dtype(),
+             "reduce_scatter_tensor: input {} {} is not {} x output {} {}", shape_str(input.shape()),
+             dtype_name(input.dtype()), size(), shape_str(output.shape()), dtype_name(output.dtype()));
+    ++stats_.reduce_scatter;
+    if (size() == 1) {
+      ops::copy_(output, ops::reshape(premultiplied(input, options), output.shape()));
+      return local_work({output, input});
+    }
+    return reduce(options, input.dtype(), {output, input}, [&](ncclRedOp_t op, cudaStream_t s) {
+      return ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
+                               nccl_type(input.dtype()), op, comm_, s);
+    });
+  }
+
+  dist::WorkPtr all_reduce(const Tensor& tensor, dist::ReduceOptions options) override {
+    if (on_host(tensor, tensor)) return base_->all_reduce(tensor, options);
+    check(tensor, "all_reduce", "tensor");
+    ++stats_.all_reduce;
+    if (size() == 1) {
+      if (options.op == dist::ReduceOp::PremulSum) ops::copy_(tensor, premultiplied(tensor, options));
+      return local_work({tensor});
+    }
+    return reduce(options, tensor.dtype(), {tensor}, [&](ncclRedOp_t op, cudaStream_t s) {
+      return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                           nccl_type(tensor.dtype()), op, comm_, s);
+    });
+  }
+
+  dist::WorkPtr broadcast(const Tensor& tensor, int src) override {
+    if (on_host(tensor, tensor)) return base_->broadcast(tensor, src);
+    check(tensor, "broadcast", "tensor");
+    TS_CHECK(src >= 0 && src < size(), "broadcast: source rank {} is not in a group of {}", src, size());
+    ++stats_.broadcast;
+    if (size() == 1) return local_work({tensor});
+    return launch({tensor}, [&](cudaStream_t s) {
+      return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                           nccl_type(tensor.dtype()), src, comm_, s);
+    });
+  }
+
+  dist::WorkPtr all_to_all(const Tensor& output, const Tensor& input) override {
+    if (on_host(output, input)) return base_->all_to_all(output, input);
+    check(output, "all_to_all", "output");
+    check(input, "all_to_all", "input");
+    TS_CHECK(output.numel() == input.numel() && input.numel() % size() == 0 && output.dtype() == input.dtype(),
+             "all_to_all: input {} and output {} must be equal and split into {} chunks",
+             shape_str(input.shape()), shape_str(output.shape()), size());
+    ++stats_.all_to_all;
+    if (size() == 1) {
+      if (input.numel() > 0 && input.data_ptr() != output.data_ptr())
+        ops::copy_(output, ops::reshape(input, output.shape()));
+      return local_work({output, input});
+    }
+    const size_t chunk = static_cast<size_t>(input.numel() / size());
+    const size_t bytes = chunk * dtype_size(input.dtype());
+    return launch({output, input}, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      for (int peer = 0; peer < size() && r == ncclSuccess; ++peer) {
+        r = ncclSend(static_cast<const char*>(input.data_ptr()) + peer * bytes, chunk, nccl_type(input.dtype()),
+                     peer, comm_, s);
+        if (r == ncclSuccess)
+          r = ncclRecv(static_cast<char*>(output.data_ptr()) + peer * bytes, chunk, nccl_type(input.dtype()),
+                       peer, comm_, s);
+      }
+      ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
+  dist::WorkPtr barrier() override {
+    ++stats_.barrier;
+    return base_->barrier();
+  }
+
+  std::shared_ptr<dist::ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& name) override {
+    auto g = base_->new_group(ranks, name);
+    return g ? std::make_shared<NcclGroup>(g) : nullptr;
+  }
+  std::shared_ptr<dist::ProcessGroup> split(int color, int key, const std::string& name) override {
+    auto g = base_->split(color, key, name);
+    return g ? std::make_shared<NcclGroup>(g) : nullptr;
+  }
+
+  dist::CollectiveStats stats() const override {
+    dist::CollectiveStats s = stats_;
+    s.mpi_calls = base_->stats().mpi_calls;
+    return s;
+  }
+  void reset_stats() override { stats_ = {}; }
+  int64_t sequence() const override { return stats_.total(); }
+
+ private:
+  static bool on_host(const Tensor& a, const Tensor& b) { return !a.device().is_cuda() && !b.device().is_cuda(); }
+
+  void check(const Tensor& t, const char* op, const char* what) const {
+    TS_CHECK(t.defined() && !t.is_distributed(), "{}: {} must be a plain (local) tensor", op, what);
+    TS_CHECK(t.device() == device_, "{}: {} is on {}, but this group's GPU is {}", op, what, t.device().str(),
+             device_.str());
+    TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,
+             shape_str(t.shape()), shape_str(t.strides()));
+  }
+
+  // Queues `call` on the current CUDA stream and returns a Work on an event after it.
+  template <class F>
+  dist::WorkPtr launch(std::vector<Tensor> keep, F&& call) {
+    use_device(device_.index);
+    Stream& stream = current_stream(device_);
+    TS_NCCL_CHECK(call(raw_stream(stream)));
+    stats_.bytes += static_cast<int64_t>(keep[0].numel() * dtype_size(keep[0].dtype()));
+    return std::make_shared<NcclWork>(stream.record_event(), std::move(keep), comm_);
+  }
+
+  // A group of one issues no collective: its result is local work, queued on the current stream.
+  dist::WorkPtr local_work(std::vector<Tensor> keep) {
+    return std::make_shared<NcclWork>(current_stream(device_).record_event(), std::move(keep), comm_);
+  }
+
+  static Tensor premultiplied(const Tensor& x, const dist::ReduceOptions& options) {
+    return options.op == dist::ReduceOp::PremulSum ? ops::mul(x, options.factor) : x;
+  }
+
+  // A reduction: Sum, Avg, Max, Min, or PremulSum (a scalar op NCCL creates and we destroy after queuing).
+  template <class F>
+  dist::WorkPtr reduce(const dist::ReduceOptions& options, DType dt, std::vector<Tensor> keep, F&& call) {
+    ncclRedOp_t op = ncclSum;
+    bool custom = false;
+    switch (options.op) {
+      case dist::ReduceOp::Sum: op = ncclSum; break;
+      case dist::ReduceOp::Avg: op = ncclAvg; break;
+      case dist::ReduceOp::Max: op = ncclMax; break;
+      case dist::ReduceOp::Min: op = ncclMin; break;
+      case dist::ReduceOp::PremulSum: {
+        TS_CHECK(is_floating(dt), "PremulSum needs a float tensor, got {}", dtype_name(dt));
+        alignas(8) unsigned char scalar[8] = {};
+        if (dt == DType::F64) std::memcpy(scalar, &options.factor, 8);
+        else if (dt == DType::F32) {
+          float f = static_cast<float>(options.factor);
+          std::memcpy(scalar, &f, 4);
+        } else {
+          uint16_t bits = dt == DType::BF16 ? float_to_bf16(static_cast<float>(options.factor)).bits
+                                            : float_to_f16(static_cast<float>(options.factor)).bits;
+          std::memcpy(scalar, &bits, 2);
+        }
+        TS_NCCL_CHECK(ncclRedOpCreatePreMulSum(&op, scalar, nccl_type(dt), ncclScalarHostImmediate, comm_));
+        custom = true;
+        break;
+      }
+    }
+    dist::WorkPtr work = launch(std::move(keep), [&](cudaStream_t s) { return call(op, s); });
+    if (custom) TS_NCCL_CHECK(ncclRedOpDestroy(op, comm_));
+    return work;
+  }
+
+  // NCCL refuses two ranks of a communicator on one GPU; say so first, naming them.
+  void check_distinct_gpus() {
+    cudaDeviceProp prop{};
+    TS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_.index));
+    char uuid[33];
+    for (int i = 0; i < 16; ++i) std::snprintf(uuid + 2 * i, 3, "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
+    auto all = dist::all_gather_strings(base_, uuid);
+    for (size_t a = 0; a < all.size(); ++a)
+      for (size_t b = a + 1; b < all.size(); ++b)
+        TS_CHECK(all[a] != all[b],
+                 "NCCL group '{}': ranks {} and {} share one GPU ({}), which NCCL refuses; run one rank per "
+                 "GPU (the path through host memory for shared GPUs is not built yet)",
+                 name(), a, b, device_name(device_.index));
+  }
+
+  dist::ProcessGroupPtr base_;
+  Device device_;
+  ncclComm_t comm_ = nullptr;
+  dist::CollectiveStats stats_;
+};
+
+}  // namespace
+
+dist::ProcessGroupPtr nccl_group(const dist::ProcessGroupPtr& base) { return std::make_shared<NcclGroup>(base); }
+
+}  // namespace tessera::cuda
