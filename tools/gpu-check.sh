@@ -25,7 +25,12 @@ test_cuda="$build/tests/test_cuda"
 # A shipped build carries its non-CUDA shared libraries in $build/lib (docs/gpu.md).
 [ -d "$build/lib" ] && export LD_LIBRARY_PATH="$build/lib:${LD_LIBRARY_PATH:-}"
 [ -f "$build/libtessera.so" ] && export LD_LIBRARY_PATH="$build:${LD_LIBRARY_PATH:-}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+export PATH="$PATH:${CUDA_HOME:-/usr/local/cuda}/bin"
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+else
+  echo "none found (no nvidia-smi)" > "$out/gpu.txt"
+fi
 
 run() {  # name, command...
   local name=$1; shift
