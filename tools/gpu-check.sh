@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A GPU machine's check in one command (docs/gpu.md): builds Tessera with CUDA
 # (or takes a build folder made elsewhere), runs the `cuda` test suite, then
-# compute-sanitizer's memcheck and racecheck over it, and prints one summary.
+# compute-sanitizer's memcheck and racecheck over it, then the GPT-2 124M step
+# of Tessera (bench_gpu) and of PyTorch eager (benchmarks/torch_gpu.py, where
+# torch is installed) side by side, and prints one summary.
 #
 #   tools/gpu-check.sh                 # build in build-gpu/ (needs meson, ninja and the deps)
 #   tools/gpu-check.sh path/to/build   # use a build shipped from another machine
@@ -16,9 +18,10 @@ declare -A result
 
 if [ -z "$build" ]; then
   build=build-gpu
-  [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dcuda=enabled -Dbenchmarks=false \
+  [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dcuda=enabled \
     > "$out/setup.log" 2>&1 || { echo "meson setup failed: $out/setup.log"; exit 1; }
-  ninja -C "$build" tests/test_cuda > "$out/build.log" 2>&1 || { echo "build failed: $out/build.log"; exit 1; }
+  ninja -C "$build" tests/test_cuda benchmarks/bench_gpu > "$out/build.log" 2>&1 ||
+    { echo "build failed: $out/build.log"; exit 1; }
 fi
 test_cuda="$build/tests/test_cuda"
 [ -x "$test_cuda" ] || { echo "no $test_cuda in the build"; exit 1; }
@@ -49,8 +52,22 @@ else
   result[memcheck]="not run (no compute-sanitizer)"
 fi
 
+if [ -x "$build/benchmarks/bench_gpu" ]; then
+  run bench-tessera "$build/benchmarks/bench_gpu" 10 8
+else
+  result[bench-tessera]="not run (no $build/benchmarks/bench_gpu: configure with -Dbenchmarks=true)"
+fi
+if python3 -c "import torch" 2> /dev/null; then
+  run bench-pytorch python3 benchmarks/torch_gpu.py 10 8
+else
+  result[bench-pytorch]="not run (no torch in python3)"
+fi
+
 echo "GPU: $(cat "$out/gpu.txt")"
-for k in cuda-suite memcheck racecheck; do [ -n "${result[$k]:-}" ] && echo "$k: ${result[$k]}"; done
+for k in cuda-suite memcheck racecheck bench-tessera bench-pytorch; do
+  [ -n "${result[$k]:-}" ] && echo "$k: ${result[$k]}"
+done
+for k in bench-tessera bench-pytorch; do grep -hE "^(tessera|pytorch) " "$out/$k.log" 2> /dev/null; done
 echo "total $(( $(date +%s) - start )) s"
 for k in "${!result[@]}"; do case ${result[$k]} in FAIL*) exit 1;; esac; done
 exit 0

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""PyTorch eager reference for bench_gpu: GPT-2 124M (12 layers, d 768, 12
+heads, seq 1024, vocab 50304, tied embeddings), bf16 parameters, AdamW,
+gradient clipping, on one GPU. Prints one line like bench_gpu's.
+
+    python3 benchmarks/torch_gpu.py [steps] [batch]
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, T, L, H, C = 50304, 1024, 12, 12, 768
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.h = nn.ModuleList(Block() for _ in range(L))
+        self.ln_f = nn.LayerNorm(C)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device for PyTorch")
+        sys.exit(77)
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    dev = torch.device("cuda")
+    model = GPT().to(dev).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    x = torch.randint(0, V, (batch, T), device=dev)
+    y = torch.randint(0, V, (batch, T), device=dev)
+
+    def step():
+        loss = F.cross_entropy(model(x).view(-1, V), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    sec = (time.perf_counter() - t0) / steps
+    tokens = batch * T / sec
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    flops_per_token = 6 * n + 12 * L * T * C
+    peak = float(os.environ.get("TESSERA_PEAK_TFLOPS", "989")) * 1e12
+    print(f"pytorch  {torch.cuda.get_device_name()}  batch {batch} x {T}  step {sec * 1e3:.1f} ms  "
+          f"tokens/s {tokens:.0f}  MFU {100 * tokens * flops_per_token / peak:.1f}% (of {peak / 1e12:.0f} TFLOP/s)  "
+          f"loss {loss.item():.4f}  peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
