@@ -15,8 +15,9 @@ Tensor upcast(const Tensor& x, KernelFamily family) {
   return to(x, compute_dtype(x.device(), family, x.dtype()));
 }
 // Row statistics (norm mean/rstd, log-sum-exp, per-row losses) are kept in f32
-// (f64 for f64) even where a backend computes bf16/f16 natively.
-DType stats_dtype(DType compute) { return compute == DType::F64 ? DType::F64 : DType::F32; }
+// (f64 for f64) even where a backend computes bf16/f16 natively: the widening
+// of tessera::compute_dtype(DType).
+DType stats_dtype(DType compute) { return tessera::compute_dtype(compute); }
 
 // x contiguous, in the dtype `family`'s kernels compute in.
 Tensor kernel_input(const Tensor& x, KernelFamily family) { return contiguous(upcast(x, family)); }

@@ -93,6 +93,14 @@ __device__ T block_max(T v, T* shared) {
   return m;
 }
 
+// Calls f(C{}) with the type a float kernel on `dt` computes in: f64 for f64,
+// f32 for f32, bf16 and f16.
+template <class F>
+void with_float(DType dt, F&& f) {
+  if (dt == DType::F64) f(double{});
+  else f(float{});
+}
+
 // Checks a launch (configuration errors surface here; faults at the next sync).
 void check_launch(const char* kernel);
 

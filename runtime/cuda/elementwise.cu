@@ -81,12 +81,6 @@ __global__ void clamp_kernel(Iter<1> it, C lo, C hi) {
   }
 }
 
-// Calls f(C{}) with the type a float kernel on `dt` computes in.
-template <class F>
-void with_float(DType dt, F&& f) {
-  if (dt == DType::F64) f(double{});
-  else f(float{});
-}
 
 }  // namespace
 

@@ -231,11 +231,6 @@ __global__ void rope_kernel(void* out, const void* x, const void* cs, const void
   }
 }
 
-template <class F>
-void with_float(DType dt, F&& f) {
-  if (dt == DType::F64) f(double{});
-  else f(float{});
-}
 
 unsigned rows_grid(int64_t rows) { return static_cast<unsigned>(rows); }
 
