@@ -4,7 +4,7 @@
 # Everything else here is a convenience around Meson.
 
 PACKAGES := g++ meson ninja-build pkg-config cmake catch2 libfmt-dev libopenblas-dev \
-            libopenblas-openmp-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev \
+            libopenblas-openmp-dev libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev \
             libopenmpi-dev openmpi-bin fortunes gnuplot-nox python3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BUILD ?= build

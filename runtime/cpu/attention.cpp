@@ -3,13 +3,13 @@
 // running row maximum and sum (online softmax), so only one Bq x Bk block of
 // scores exists per thread. Backward: recompute each score block from Q, K
 // and the saved logsumexp instead of storing the probabilities. The block
-// products are small GEMMs on BLAS (single-threaded inside the parallel loop).
-#include <cblas.h>
-
+// products are small GEMMs (runtime/cpu/blas.h), one thread each inside the
+// parallel loop.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
@@ -21,17 +21,15 @@ namespace {
 constexpr int64_t kBq = 64;  // queries per block
 constexpr int64_t kBk = 64;  // keys per block
 
-// Row-major C = alpha * op(A) op(B) + beta * C on one thread (OpenBLAS runs
-// single-threaded when called inside an OpenMP parallel region).
+// Row-major C = alpha * op(A) op(B) + beta * C on one thread (runtime/cpu/blas.h
+// runs single-threaded when called inside an OpenMP parallel region).
 template <class T>
 void block_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
                 const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  auto opa = ta ? CblasTrans : CblasNoTrans;
-  auto opb = tb ? CblasTrans : CblasNoTrans;
   if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   else
-    cblas_dgemm(CblasRowMajor, opa, opb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    dgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // Number of keys query row i may see: all, or i + 1 when causal (top-left aligned).

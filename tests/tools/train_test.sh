@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of the command-line tools on the tiny preset:
 #   tessera-train under mpirun at 1, 2 and 4 ranks (and a 2x2 HSDP mesh): the
-#     loss falls, and every rank count gives the same losses (f32 tolerance);
+#     loss falls, and every rank count gives the same losses (f32 tolerance),
+#     every thread count bitwise the same;
 #   resume from a checkpoint equals the straight run (bitwise at the same
 #     rank count, with dropout: the RNG is restored; f32 tolerance on another);
 #     a changed batch or seed is refused, a changed schedule warned about;
@@ -73,18 +74,24 @@ expect_error() {
 
 echo "== training at 1, 2, 4 ranks and on a 2x2 HSDP mesh"
 train 1 --job.dump_folder w1 --profiling.trace_steps 3 > w1.log
+# The same run on 2 threads: kernels and GEMMs never change a result with the thread count.
+OMP_NUM_THREADS=2 "${mpi[@]}" -np 1 -x OMP_NUM_THREADS "$bin/tessera-train" "${tiny[@]}" --job.dump_folder w1t2 > w1t2.log
 # w2 also keeps checkpoints (resharded resume below) and exports bf16 (initial_load_path below).
 train 2 --job.dump_folder w2 --checkpoint.enable true --checkpoint.interval 20 --checkpoint.keep 0 \
   --checkpoint.export_safetensors model-bf16.safetensors --checkpoint.export_dtype bfloat16 > w2.log
 train 4 --job.dump_folder w4 --profiling.trace_steps 3,4 --checkpoint.export_safetensors model.safetensors > w4.log
 train 4 --job.dump_folder hsdp --parallelism.data_parallel_replicate_degree 2 > hsdp.log
-for d in w1 w2 w4 hsdp; do losses $d > $d.losses; done
+for d in w1 w1t2 w2 w4 hsdp; do losses $d > $d.losses; done
 cat w1.losses
 python3 -c '
 import sys
 l = [float(x.split()[1]) for x in open("w1.losses")]
 sys.exit(0 if l[-1] < l[0] - 1.5 else "loss did not fall: %s" % l)'
-cmp w1.losses w2.losses || fail "1 and 2 ranks should give bitwise equal losses"
+grep -q "2 thread(s)/rank" w1t2.log || fail "the 2-thread run did not get 2 threads"
+cmp w1.losses w1t2.losses || fail "1 and 2 threads should give bitwise equal losses"
+# Across rank counts the weight gradients sum their rows in other groups (one
+# GEMM over all rows, or a GEMM per rank and then the reduce-scatter): f32 tolerance.
+close w1.losses w2.losses 1e-5 || fail "2 ranks drifted from 1 rank"
 close w1.losses w4.losses 1e-5 || fail "4 ranks drifted from 1 rank"
 close w1.losses hsdp.losses 1e-5 || fail "HSDP drifted from 1 rank"
 grep -q "FSDP over 4" w4.log || fail "w4 run did not report its mesh"

@@ -1,0 +1,23 @@
+// The CPU's typed GEMMs (blas.cpp), for kernels that multiply blocks of their
+// own (attention) as well as for the table's gemm entry. Row-major
+// C = alpha * op(A) op(B) + beta * C. sgemm's result depends on the shape and
+// the CPU, never on the number of threads; inside an OpenMP parallel region
+// each call runs on the calling thread alone.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera::cpu {
+
+// Which library runs f32 products (blas.cpp says why): Auto is the measured
+// choice for this CPU; the others force one, for tests and benchmarks.
+enum class SgemmPath { Auto, OneDnn, OpenBlas };
+SgemmPath set_sgemm_path(SgemmPath path);  // returns the previous one
+
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+           int64_t ldc);
+
+}  // namespace tessera::cpu

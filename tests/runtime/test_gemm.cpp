@@ -1,0 +1,224 @@
+// The CPU GEMMs (runtime/cpu/blas.h: oneDNN for f32, OpenBLAS for f64) against
+// an f64 loop, at awkward sizes, every transpose, padded leading dimensions,
+// alpha/beta, and from inside a parallel region (one thread per call).
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "helpers.h"
+#include "runtime/cpu/blas.h"
+#include "runtime/parallel.h"
+
+using namespace tessera;
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t m, n, k;
+  int64_t pad_a, pad_b, pad_c;  // extra columns of each stored matrix
+  double alpha, beta;
+};
+
+template <class T>
+struct Operands {
+  std::vector<T> a, b, c;
+  int64_t lda, ldb, ldc;
+};
+
+template <class T>
+Operands<T> make_operands(const Case& cs, std::mt19937& gen) {
+  std::normal_distribution<double> dist;
+  Operands<T> o;
+  int64_t a_rows = cs.ta ? cs.k : cs.m, a_cols = cs.ta ? cs.m : cs.k;
+  int64_t b_rows = cs.tb ? cs.n : cs.k, b_cols = cs.tb ? cs.k : cs.n;
+  o.lda = a_cols + cs.pad_a;
+  o.ldb = b_cols + cs.pad_b;
+  o.ldc = cs.n + cs.pad_c;
+  o.a.resize(static_cast<size_t>(std::max<int64_t>(a_rows * o.lda, 1)));
+  o.b.resize(static_cast<size_t>(std::max<int64_t>(b_rows * o.ldb, 1)));
+  o.c.resize(static_cast<size_t>(cs.m * o.ldc));
+  for (auto& x : o.a) x = static_cast<T>(dist(gen));
+  for (auto& x : o.b) x = static_cast<T>(dist(gen));
+  for (auto& x : o.c) x = static_cast<T>(dist(gen));
+  return o;
+}
+
+// Checks c against the f64 product of o's operands, element by element, with
+// the bound of a k-term dot product in T: |error| <= gamma * (|alpha| sum |a||b| + |beta c0|).
+// beta == 0 ignores c0 entirely (BLAS: C need not be set), NaN included.
+template <class T>
+void check_product(const Case& cs, const Operands<T>& o, const std::vector<T>& c) {
+  double eps = std::numeric_limits<T>::epsilon();
+  double gamma = 2.0 * static_cast<double>(cs.k + 2) * eps;
+  int bad = 0;
+  for (int64_t i = 0; i < cs.m; ++i) {
+    for (int64_t j = 0; j < o.ldc; ++j) {
+      double got = c[i * o.ldc + j], c0 = o.c[i * o.ldc + j];
+      if (j >= cs.n) {  // padding of C is never written
+        if (!(got == c0) && bad++ < 5) FAIL_CHECK("C padding written at (" << i << "," << j << ")");
+        continue;
+      }
+      double sum = 0, mag = 0;
+      for (int64_t p = 0; p < cs.k; ++p) {
+        double av = cs.ta ? o.a[p * o.lda + i] : o.a[i * o.lda + p];
+        double bv = cs.tb ? o.b[j * o.ldb + p] : o.b[p * o.ldb + j];
+        sum += av * bv;
+        mag += std::fabs(av * bv);
+      }
+      double beta_c0 = cs.beta == 0 ? 0.0 : cs.beta * c0;
+      double want = cs.alpha * sum + beta_c0;
+      double bound = gamma * (std::fabs(cs.alpha) * mag + std::fabs(beta_c0)) + 1e-300;
+      if (!(std::fabs(got - want) <= bound) && bad++ < 5)
+        FAIL_CHECK("C(" << i << "," << j << ") = " << got << ", want " << want << " +- " << bound
+                        << " (ta " << cs.ta << " tb " << cs.tb << " m " << cs.m << " n " << cs.n
+                        << " k " << cs.k << ")");
+    }
+  }
+  CHECK(bad == 0);
+}
+
+template <class T>
+void run_case(const Case& cs, std::mt19937& gen, bool nan_c = false) {
+  Operands<T> o = make_operands<T>(cs, gen);
+  if (nan_c)
+    for (int64_t i = 0; i < cs.m; ++i)
+      for (int64_t j = 0; j < cs.n; ++j) o.c[i * o.ldc + j] = std::numeric_limits<T>::quiet_NaN();
+  std::vector<T> c = o.c;
+  if constexpr (std::is_same_v<T, float>)
+    cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
+               o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
+  else
+    cpu::dgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, cs.alpha, o.a.data(), o.lda, o.b.data(), o.ldb,
+               cs.beta, c.data(), o.ldc);
+  check_product(cs, o, c);
+}
+
+std::vector<Case> random_cases(std::mt19937& gen, int count) {
+  const int64_t sizes[] = {1, 2, 3, 7, 16, 17, 63, 64, 65, 130, 257};
+  const double alphas[] = {1.0, -0.7, 2.5};
+  const double betas[] = {0.0, 1.0, 0.3};
+  std::uniform_int_distribution<int> pick(0, 10), pad(0, 5), two(0, 1), three(0, 2);
+  std::vector<Case> cases;
+  for (int i = 0; i < count; ++i)
+    cases.push_back({two(gen) == 1, two(gen) == 1, sizes[pick(gen)], sizes[pick(gen)],
+                     sizes[pick(gen)], pad(gen), pad(gen), pad(gen), alphas[three(gen)],
+                     betas[three(gen)]});
+  return cases;
+}
+
+// Runs body once per f32 library path (every path runs on any x86-64 CPU;
+// Auto is what this CPU gets by default).
+template <class F>
+void for_each_path(F&& body) {
+  for (auto [path, name] :
+       {std::pair{cpu::SgemmPath::Auto, "auto"}, std::pair{cpu::SgemmPath::OneDnn, "oneDNN"},
+        std::pair{cpu::SgemmPath::OpenBlas, "OpenBLAS"}}) {
+    INFO("sgemm path " << name);
+    cpu::SgemmPath saved = cpu::set_sgemm_path(path);
+    body();
+    cpu::set_sgemm_path(saved);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CPU gemm matches an f64 loop at awkward sizes and every transpose", "[gemm]",
+                   float, double) {
+  for_each_path([] {
+    std::mt19937 gen(20261130);
+    for (const Case& cs : random_cases(gen, 120)) run_case<TestType>(cs, gen);
+    // Every transpose pair at one odd shape, so none is left to chance; and
+    // shapes large enough for tiles and chunks of k.
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        run_case<TestType>({ta, tb, 37, 29, 101, 3, 0, 2, 1.0, 0.5}, gen);
+        run_case<TestType>({ta, tb, 300, 270, 190, 1, 2, 3, -1.5, 0.5}, gen);
+        run_case<TestType>({ta, tb, 40, 150, 2600, 0, 1, 0, 1.0, 1.0}, gen);
+      }
+  });
+}
+
+TEMPLATE_TEST_CASE("CPU gemm with beta 0 ignores C, and k 0 scales C", "[gemm]", float, double) {
+  for_each_path([] {
+    std::mt19937 gen(7);
+    run_case<TestType>({false, true, 33, 65, 17, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
+    run_case<TestType>({true, false, 64, 48, 3000, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
+    run_case<TestType>({false, true, 400, 300, 100, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
+    run_case<TestType>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
+    run_case<TestType>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
+  });
+}
+
+TEST_CASE("CPU gemm called from every thread of a parallel loop", "[gemm]") {
+  for_each_path([] {
+    std::mt19937 gen(11);
+    std::vector<Case> cases = random_cases(gen, 24);
+    std::vector<Operands<float>> ops;
+    for (const Case& cs : cases) ops.push_back(make_operands<float>(cs, gen));
+    std::vector<std::vector<float>> out(cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) out[i] = ops[i].c;
+    parallel_for(0, static_cast<int64_t>(cases.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const Case& cs = cases[i];
+        const Operands<float>& o = ops[i];
+        cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
+                   o.b.data(), o.ldb, static_cast<float>(cs.beta), out[i].data(), o.ldc);
+      }
+    });
+    for (size_t i = 0; i < cases.size(); ++i) check_product(cases[i], ops[i], out[i]);
+  });
+}
+
+TEST_CASE("CPU gemm refuses a leading dimension narrower than its matrix", "[gemm]") {
+  std::vector<float> a(64), b(64), c(64);
+  CHECK_THROWS_WITH(
+      cpu::sgemm(false, false, 4, 4, 4, 1.f, a.data(), 3, b.data(), 4, 0.f, c.data(), 4),
+      Catch::Contains("sgemm: expected leading dimensions lda >= 4"));
+  CHECK_THROWS_WITH(
+      cpu::sgemm(false, true, 4, 5, 3, 1.f, a.data(), 3, b.data(), 2, 0.f, c.data(), 5),
+      Catch::Contains("ldb >= 3"));
+  std::vector<double> ad(64), bd(64), cd(64);
+  CHECK_THROWS_WITH(
+      cpu::dgemm(true, false, 6, 4, 2, 1.0, ad.data(), 6, bd.data(), 4, 0.0, cd.data(), 3),
+      Catch::Contains("dgemm: expected leading dimensions lda >= 6, ldb >= 4, ldc >= 4"));
+}
+
+TEST_CASE("CPU sgemm gives the same bits at 1, 2 and 3 threads", "[gemm][determinism]") {
+  // Shapes on every path: one piece, tiles of C, and chunks of a deep k
+  // (oneDNN's own threading changes these bits with the thread count).
+  std::mt19937 gen(3);
+  std::vector<Case> cases = {
+      {true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
+      {true, false, 64, 64, 4099, 1, 2, 3, 1.0, 1.0},
+      {false, true, 512, 64, 64, 0, 0, 0, 1.0, 0.0},
+      {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
+      {true, false, 260, 130, 1500, 0, 0, 0, 1.0, 0.0},
+      {false, false, 17, 300, 700, 0, 0, 0, 1.0, 0.0},
+      {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
+  };
+  int saved = num_threads();
+  for_each_path([&] {
+    for (const Case& cs : cases) {
+      Operands<float> o = make_operands<float>(cs, gen);
+      std::vector<std::vector<float>> results;
+      for (int threads : {1, 2, 3}) {
+        set_num_threads(threads);
+        std::vector<float> c = o.c;
+        cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
+                   o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
+        results.push_back(std::move(c));
+      }
+      set_num_threads(saved);
+      check_product(cs, o, results[0]);
+      INFO("m " << cs.m << " n " << cs.n << " k " << cs.k);
+      CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)) ==
+            0);
+      CHECK(std::memcmp(results[0].data(), results[2].data(), results[0].size() * sizeof(float)) ==
+            0);
+    }
+  });
+}
