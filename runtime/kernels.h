@@ -94,7 +94,7 @@ const KernelTable* replace_kernels_for_testing(DeviceType type, const KernelTabl
 void set_op_boundary_hook(void (*hook)());
 
 namespace cpu {
-extern const KernelTable kTable;
+const KernelTable& table();  // the instruction-set copy in use (runtime/cpu/isa.h)
 }
 namespace async_cpu {
 extern const KernelTable kTable;  // the CPU kernels, queued on async_cpu streams

@@ -224,28 +224,29 @@ T borrow(const T& value) {
   return value;
 }
 
-// Queued<cpu::f, name>::run has f's signature and queues f on the current stream.
-template <auto Fn, const char* Name>
+// Queued<&KernelTable::f, name>::run has f's signature and queues the CPU's f
+// (of the instruction set in use when it runs) on the current stream.
+template <auto Entry, const char* Name>
 struct Queued;
-template <class... A, void (*Fn)(A...), const char* Name>
-struct Queued<Fn, Name> {
+template <class... A, void (*KernelTable::*Entry)(A...), const char* Name>
+struct Queued<Entry, Name> {
   static void run(A... a) {
     current_stream(Device::async_cpu())
-        .enqueue(Name, [args = std::make_tuple(borrow(a)...)] { std::apply(Fn, args); });
+        .enqueue(Name, [args = std::make_tuple(borrow(a)...)] { std::apply(cpu::table().*Entry, args); });
   }
 };
 
 // Copies with the host: the host tensor is owned by the work (kept alive).
 void copy_from_host(const Tensor& dst, const Tensor& src) {
-  current_stream(Device::async_cpu()).enqueue("copy_from_host", [d = borrow(dst), src] { cpu::copy(d, src); });
+  current_stream(Device::async_cpu()).enqueue("copy_from_host", [d = borrow(dst), src] { cpu::table().copy(d, src); });
 }
 void copy_to_host(const Tensor& dst, const Tensor& src) {
-  current_stream(Device::async_cpu()).enqueue("copy_to_host", [dst, s = borrow(src)] { cpu::copy(dst, s); });
+  current_stream(Device::async_cpu()).enqueue("copy_to_host", [dst, s = borrow(src)] { cpu::table().copy(dst, s); });
 }
 
 #define TS_QUEUED(name)                    \
   constexpr char name##_name[] = #name;    \
-  constexpr auto name##_queued = &Queued<cpu::name, name##_name>::run;
+  constexpr auto name##_queued = &Queued<&KernelTable::name, name##_name>::run;
 TS_QUEUED(copy)
 TS_QUEUED(fill)
 TS_QUEUED(unary)

@@ -9,12 +9,13 @@
 #include <cmath>
 #include <limits>
 
+#include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
-namespace tessera::cpu {
+namespace tessera::cpu::TS_CPU_ISA {
 
 namespace {
 
@@ -195,4 +196,4 @@ void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const 
   });
 }
 
-}  // namespace tessera::cpu
+}  // namespace tessera::cpu::TS_CPU_ISA

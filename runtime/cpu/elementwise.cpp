@@ -3,11 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/loops.h"
 #include "runtime/kernels.h"
 
-namespace tessera::cpu {
+namespace tessera::cpu::TS_CPU_ISA {
 
 using ops::BinaryOp;
 using ops::UnaryOp;
@@ -264,4 +265,4 @@ void clamp(const Tensor& x, double lo, double hi) {
   });
 }
 
-}  // namespace tessera::cpu
+}  // namespace tessera::cpu::TS_CPU_ISA

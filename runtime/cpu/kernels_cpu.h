@@ -1,5 +1,13 @@
-// The CPU backend's kernels, one function per kernel-table entry (the table
-// in table.cpp; the asynchronous CPU test device queues the same functions).
+// The CPU backend's kernels, one function per kernel-table entry (the tables
+// in table.cpp; the asynchronous CPU test device queues the active table's).
+//
+// The vectorisable kernels (elementwise.cpp, reduce.cpp, nn.cpp,
+// attention.cpp) are compiled once per instruction set, each copy into its own
+// namespace (the build defines TS_CPU_ISA as baseline, avx2 or avx512; see
+// meson.build), and table.cpp picks the widest the CPU has at run time
+// (runtime/cpu/isa.h). So one binary runs on any x86-64 and uses AVX-512
+// where it is there. GEMM (blas.cpp: oneDNN and OpenBLAS choose their own
+// kernels) and the random fills are compiled once.
 #pragma once
 
 #include "runtime/kernels.h"
@@ -7,36 +15,57 @@
 namespace tessera::cpu {
 
 DType compute_dtype(KernelFamily family, DType dtype);
-void copy(const Tensor&, const Tensor&);
-void fill(const Tensor&, double);
-void unary(ops::UnaryOp, const Tensor&, const Tensor&);
-void unary_backward(ops::UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-void binary(ops::BinaryOp, const Tensor&, const Tensor&, const Tensor&);
-void binary_scalar(ops::BinaryOp, const Tensor&, const Tensor&, double, bool);
-void where(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-void pointwise(PointwiseOp, const Tensor&, const Tensor&, const Tensor&, double);
-void clamp(const Tensor&, double, double);
-void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
-void argmax_rows(const Tensor&, const Tensor&, const Tensor&);
-void sum_squares(const Tensor&, const std::vector<Tensor>&);
 void gemm(DType, bool, bool, int64_t, int64_t, int64_t, double, const void*, int64_t,
           const void*, int64_t, double, void*, int64_t);
-void softmax(const Tensor&, const Tensor&, bool);
-void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool);
-void layer_norm(const ops::NormResult&, const Tensor&, const Tensor&, const Tensor&, double, bool);
-void layer_norm_backward(const ops::NormGrads&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, bool);
-void embedding(const Tensor&, const Tensor&, const Tensor&);
-void embedding_backward(const Tensor&, const Tensor&, const Tensor&);
-void cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
-void cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                            int64_t);
-void attention(const ops::AttentionResult&, const Tensor&, const Tensor&, const Tensor&, bool,
-               double);
-void attention_backward(const ops::AttentionGrads&, const Tensor&, const Tensor&, const Tensor&,
-                        const Tensor&, const Tensor&, const Tensor&, bool, double);
-void rope(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 void uniform(const Tensor&, double, double, const RandomSpec&);
 void normal(const Tensor&, double, double, const RandomSpec&);
+
+// The kernels every instruction-set copy defines.
+#define TS_CPU_ISA_KERNELS                                                                       \
+  void copy(const Tensor&, const Tensor&);                                                       \
+  void fill(const Tensor&, double);                                                              \
+  void unary(ops::UnaryOp, const Tensor&, const Tensor&);                                        \
+  void unary_backward(ops::UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&); \
+  void binary(ops::BinaryOp, const Tensor&, const Tensor&, const Tensor&);                       \
+  void binary_scalar(ops::BinaryOp, const Tensor&, const Tensor&, double, bool);                 \
+  void where(const Tensor&, const Tensor&, const Tensor&, const Tensor&);                        \
+  void pointwise(PointwiseOp, const Tensor&, const Tensor&, const Tensor&, double);              \
+  void clamp(const Tensor&, double, double);                                                     \
+  void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);                \
+  void argmax_rows(const Tensor&, const Tensor&, const Tensor&);                                 \
+  void sum_squares(const Tensor&, const std::vector<Tensor>&);                                   \
+  void softmax(const Tensor&, const Tensor&, bool);                                              \
+  void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool);                       \
+  void layer_norm(const ops::NormResult&, const Tensor&, const Tensor&, const Tensor&, double,   \
+                  bool);                                                                         \
+  void layer_norm_backward(const ops::NormGrads&, const Tensor&, const Tensor&, const Tensor&,   \
+                           const Tensor&, const Tensor&, bool);                                  \
+  void embedding(const Tensor&, const Tensor&, const Tensor&);                                   \
+  void embedding_backward(const Tensor&, const Tensor&, const Tensor&);                          \
+  void cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);       \
+  void cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,        \
+                              const Tensor&, int64_t);                                           \
+  void attention(const ops::AttentionResult&, const Tensor&, const Tensor&, const Tensor&, bool, \
+                 double);                                                                        \
+  void attention_backward(const ops::AttentionGrads&, const Tensor&, const Tensor&,              \
+                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,      \
+                          double);                                                               \
+  void rope(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
+
+namespace baseline {
+TS_CPU_ISA_KERNELS
+}
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+namespace avx2 {
+TS_CPU_ISA_KERNELS
+}
+namespace avx512 {
+TS_CPU_ISA_KERNELS
+}
+#endif
+#undef TS_CPU_ISA_KERNELS
+
+// The kernel table of the instruction set in use (runtime/cpu/isa.h).
+const KernelTable& table();
 
 }  // namespace tessera::cpu

@@ -5,11 +5,12 @@
 #include <limits>
 #include <vector>
 
+#include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
-namespace tessera::cpu {
+namespace tessera::cpu::TS_CPU_ISA {
 
 namespace {
 int64_t rows_of(const Tensor& x) {
@@ -298,4 +299,4 @@ void rope(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& s
   });
 }
 
-}  // namespace tessera::cpu
+}  // namespace tessera::cpu::TS_CPU_ISA

@@ -5,11 +5,12 @@
 #include <limits>
 #include <vector>
 
+#include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
-namespace tessera::cpu {
+namespace tessera::cpu::TS_CPU_ISA {
 
 namespace {
 
@@ -163,4 +164,4 @@ void sum_squares(const Tensor& out, const std::vector<Tensor>& xs) {
   out.data<double>()[0] = total;
 }
 
-}  // namespace tessera::cpu
+}  // namespace tessera::cpu::TS_CPU_ISA

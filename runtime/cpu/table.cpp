@@ -1,6 +1,10 @@
 // The CPU backend's kernel table.
+#include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 
+#include "runtime/cpu/isa.h"
 #include "runtime/cpu/kernels_cpu.h"
 #include "runtime/cuda_backend.h"
 
@@ -10,37 +14,106 @@ namespace cpu {
 // Every family computes bf16/f16 in f32 (and f64 in f64).
 DType compute_dtype(KernelFamily, DType dtype) { return tessera::compute_dtype(dtype); }
 
-const KernelTable kTable = {
-    .compute_dtype = compute_dtype,
-    .copy = copy,
-    .copy_from_host = copy,
-    .copy_to_host = copy,
-    .fill = fill,
-    .unary = unary,
-    .unary_backward = unary_backward,
-    .binary = binary,
-    .binary_scalar = binary_scalar,
-    .where = where,
-    .pointwise = pointwise,
-    .clamp = clamp,
-    .reduce = reduce,
-    .argmax_rows = argmax_rows,
-    .sum_squares = sum_squares,
-    .gemm = gemm,
-    .softmax = softmax,
-    .softmax_backward = softmax_backward,
-    .layer_norm = layer_norm,
-    .layer_norm_backward = layer_norm_backward,
-    .embedding = embedding,
-    .embedding_backward = embedding_backward,
-    .cross_entropy = cross_entropy,
-    .cross_entropy_backward = cross_entropy_backward,
-    .attention = attention,
-    .attention_backward = attention_backward,
-    .rope = rope,
-    .uniform = uniform,
-    .normal = normal,
-};
+namespace {
+
+// The table of one instruction-set copy of the kernels.
+#define TS_CPU_TABLE(isa)                                   \
+  KernelTable {                                             \
+    .compute_dtype = compute_dtype, .copy = isa::copy,      \
+    .copy_from_host = isa::copy, .copy_to_host = isa::copy, \
+    .fill = isa::fill, .unary = isa::unary,                 \
+    .unary_backward = isa::unary_backward,                  \
+    .binary = isa::binary,                                  \
+    .binary_scalar = isa::binary_scalar,                    \
+    .where = isa::where, .pointwise = isa::pointwise,       \
+    .clamp = isa::clamp, .reduce = isa::reduce,             \
+    .argmax_rows = isa::argmax_rows,                        \
+    .sum_squares = isa::sum_squares, .gemm = gemm,          \
+    .softmax = isa::softmax,                                \
+    .softmax_backward = isa::softmax_backward,              \
+    .layer_norm = isa::layer_norm,                          \
+    .layer_norm_backward = isa::layer_norm_backward,        \
+    .embedding = isa::embedding,                            \
+    .embedding_backward = isa::embedding_backward,          \
+    .cross_entropy = isa::cross_entropy,                    \
+    .cross_entropy_backward = isa::cross_entropy_backward,  \
+    .attention = isa::attention,                            \
+    .attention_backward = isa::attention_backward,          \
+    .rope = isa::rope, .uniform = uniform, .normal = normal, \
+  }
+
+const KernelTable kBaseline = TS_CPU_TABLE(baseline);
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+const KernelTable kAvx2 = TS_CPU_TABLE(avx2);
+const KernelTable kAvx512 = TS_CPU_TABLE(avx512);
+#endif
+#undef TS_CPU_TABLE
+
+const KernelTable& table_of(Isa isa) {
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+  if (isa == Isa::Avx512) return kAvx512;
+  if (isa == Isa::Avx2) return kAvx2;
+#endif
+  (void)isa;
+  return kBaseline;
+}
+
+// The widest copy the CPU runs, capped by TESSERA_CPU_ISA.
+Isa default_isa() {
+  Isa best = isa_supported(Isa::Avx512) ? Isa::Avx512
+             : isa_supported(Isa::Avx2) ? Isa::Avx2
+                                        : Isa::Baseline;
+  const char* cap = std::getenv("TESSERA_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') return best;
+  Isa wanted = parse_isa(cap);
+  return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
+}
+
+std::atomic<Isa>& active() {
+  static std::atomic<Isa> isa{default_isa()};
+  return isa;
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Baseline: return "baseline";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(std::string_view name) {
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512})
+    if (name == isa_name(isa)) return isa;
+  TS_CHECK(false, "TESSERA_CPU_ISA: expected baseline, avx2 or avx512, got '{}'", name);
+}
+
+bool isa_supported(Isa isa) {
+  if (isa == Isa::Baseline) return true;
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+  static const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
+  static const bool v4 = v3 && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return isa == Isa::Avx2 ? v3 : v4;
+#else
+  return false;
+#endif
+}
+
+Isa active_isa() { return active().load(); }
+
+Isa set_isa(Isa isa) {
+  TS_CHECK(isa_supported(isa), "set_isa: this {} cannot run the {} kernels",
+           isa == Isa::Baseline ? "build" : "CPU or build", isa_name(isa));
+  return active().exchange(isa);
+}
+
+const KernelTable& table() { return table_of(active().load(std::memory_order_relaxed)); }
 
 }  // namespace cpu
 
@@ -56,7 +129,7 @@ const KernelTable* replace_kernels_for_testing(DeviceType type, const KernelTabl
 
 const KernelTable& kernels(Device device) {
   if (const KernelTable* t = replaced[static_cast<int>(device.type)]) return *t;
-  if (device.is_cpu()) return cpu::kTable;
+  if (device.is_cpu()) return cpu::table();
   if (device.type == DeviceType::AsyncCPU) return async_cpu::kTable;
   if (device.is_cuda()) return cuda::kernel_table();
   TS_CHECK(false, "no kernels for device {}", device.str());
