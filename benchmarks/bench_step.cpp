@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   profiler::enable(false);
   std::printf("%s", profiler::format_summary(ms).c_str());
+  profiler::Entry gemm = profiler::kernel_time("gemm");
+  std::printf("GEMM %.1f ms (%.1f%% of the step, %lld products), everything else %.1f ms (%.1f%%)\n",
+              gemm.total_ms, 100.0 * gemm.total_ms / ms, static_cast<long long>(gemm.calls),
+              ms - gemm.total_ms, 100.0 * (ms - gemm.total_ms) / ms);
   getrusage(RUSAGE_SELF, &usage);
   std::printf("threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
               "peak RSS %.1f MiB (+%.1f MiB over setup)\n",

@@ -15,6 +15,10 @@ std::map<std::string, Entry>& table() {
   thread_local std::map<std::string, Entry> t;
   return t;
 }
+std::map<std::string, Entry>& kernel_table() {
+  thread_local std::map<std::string, Entry> t;
+  return t;
+}
 }  // namespace
 
 void record(const char* name, double ms) {
@@ -31,7 +35,23 @@ int& depth() {
 
 void enable(bool on) { detail::g_enabled.store(on); }
 bool enabled() { return detail::g_enabled.load(); }
-void reset() { detail::table().clear(); }
+void reset() {
+  detail::table().clear();
+  detail::kernel_table().clear();
+}
+
+void record_kernel(const char* kind, double ms) {
+  Entry& e = detail::kernel_table()[kind];
+  e.total_ms += ms;
+  e.calls += 1;
+}
+
+Entry kernel_time(const char* kind) {
+  auto it = detail::kernel_table().find(kind);
+  Entry e = it == detail::kernel_table().end() ? Entry{} : it->second;
+  e.name = kind;
+  return e;
+}
 
 std::vector<Entry> summary() {
   std::vector<Entry> out;

@@ -26,6 +26,12 @@ std::vector<Entry> summary();
 // A table of the summary with percentages of `total_ms` (or of the sum).
 std::string format_summary(double total_ms = 0);
 
+// Kernel time by kind, whichever op ran the kernel (e.g. "gemm": every matrix
+// product the CPU backend ran, from linear, matmul or their backward), for
+// splitting a step into GEMM and everything else. Calling thread; reset clears it.
+void record_kernel(const char* kind, double ms);
+Entry kernel_time(const char* kind);
+
 namespace detail {
 extern std::atomic<bool> g_enabled;
 void record(const char* name, double ms);

@@ -24,11 +24,13 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "runtime/cpu/blas.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
+#include "runtime/profiler.h"
 
 namespace tessera::cpu {
 
@@ -198,6 +200,8 @@ void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double a
 void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
           const void* a, int64_t lda, const void* b, int64_t ldb, double beta, void* c,
           int64_t ldc) {
+  bool timed = profiler::enabled();
+  auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   if (dtype == DType::F32) {
     sgemm(trans_a, trans_b, m, n, k, static_cast<float>(alpha), static_cast<const float*>(a), lda,
           static_cast<const float*>(b), ldb, static_cast<float>(beta), static_cast<float*>(c), ldc);
@@ -207,6 +211,9 @@ void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
   } else {
     TS_CHECK(false, "gemm: expected f32 or f64, got {}", dtype_name(dtype));
   }
+  if (timed)
+    profiler::record_kernel(
+        "gemm", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 }  // namespace tessera::cpu
