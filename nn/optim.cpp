@@ -1,7 +1,9 @@
 #include "nn/optim.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <map>
 
 #include "dtensor/redistribute.h"
 #include "runtime/profiler.h"
@@ -9,12 +11,18 @@
 namespace tessera::optim {
 
 Optimizer::Optimizer(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
-  for (auto& g : groups_)
-    for (auto& p : g.params) {
+  std::vector<const Tensor*> seen;
+  for (size_t gi = 0; gi < groups_.size(); ++gi)
+    for (auto& p : groups_[gi].params) {
       TS_CHECK(p.defined(), "optimizer: undefined parameter");
       TS_CHECK(p.requires_grad() && p.is_leaf(),
                "optimizer: parameters must be leaf tensors that require grad (got {})",
                shape_str(p.shape()));
+      // As torch.optim: a parameter listed twice would be updated twice per step.
+      for (const Tensor* q : seen)
+        TS_CHECK(!q->is_same(p), "optimizer: a parameter ({}) appears more than once (group {})",
+                 shape_str(p.shape()), gi);
+      seen.push_back(&p);
     }
 }
 
@@ -49,6 +57,21 @@ namespace {
 std::vector<ParamGroup> one_group(const TensorList& params, double lr, double wd) {
   return {ParamGroup{params, lr, wd}};
 }
+
+// The tensor a kernel updates: a DTensor's local shard, a plain tensor itself.
+Tensor local_of(const Tensor& t) { return t.is_distributed() ? dtensor_spec(t).local : t; }
+
+// Whether `others` are laid out as p: plain tensors, or DTensors on p's mesh
+// with p's placements (so that updating the local tensors updates the whole).
+bool same_layout(const Tensor& p, std::initializer_list<Tensor> others) {
+  for (const Tensor& o : others) {
+    if (o.is_distributed() != p.is_distributed()) return false;
+    if (!p.is_distributed()) continue;
+    const DTensorSpec &a = dtensor_spec(p), &b = dtensor_spec(o);
+    if (!(*a.mesh == *b.mesh) || a.placements != b.placements || a.global_shape != b.global_shape) return false;
+  }
+  return true;
+}
 }  // namespace
 
 AdamW::AdamW(const TensorList& params, AdamWOptions options)
@@ -70,6 +93,8 @@ void AdamW::step() {
   const double b1 = options_.beta1, b2 = options_.beta2;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     ParamGroup& group = groups_[gi];
+    // The fused update, per device and step count: the local tensors of each.
+    std::map<std::pair<std::string, int64_t>, std::array<std::vector<Tensor>, 4>> fused;
     for (size_t j = 0; j < group.params.size(); ++j) {
       Tensor& p = group.params[j];
       Tensor grad = p.grad();
@@ -80,6 +105,13 @@ void AdamW::step() {
         s.exp_avg_sq = zeros_like(p);
       }
       s.step += 1;
+      std::array<Tensor, 4> local = {local_of(p), local_of(grad), local_of(s.exp_avg), local_of(s.exp_avg_sq)};
+      if (options_.fused && same_layout(p, {grad, s.exp_avg, s.exp_avg_sq}) &&
+          ops::adamw_fusable(local[0], local[1], local[2], local[3])) {
+        auto& lists = fused[{local[0].device().str(), s.step}];
+        for (int k = 0; k < 4; ++k) lists[k].push_back(local[k]);
+        continue;
+      }
       if (group.weight_decay != 0.0) ops::mul_(p, 1.0 - group.lr * group.weight_decay);
       ops::lerp_(s.exp_avg, grad, 1.0 - b1);
       ops::mul_(s.exp_avg_sq, b2);
@@ -91,6 +123,10 @@ void AdamW::step() {
       ops::add_(denom, options_.eps);
       ops::addcdiv_(p, s.exp_avg, denom, -group.lr / bias1);
     }
+    for (auto& [key, lists] : fused)
+      ops::adamw_(lists[0], lists[1], lists[2], lists[3],
+                  {.lr = group.lr, .beta1 = b1, .beta2 = b2, .eps = options_.eps,
+                   .weight_decay = group.weight_decay, .step = key.second});
   }
 }
 

@@ -40,6 +40,10 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 1e-2;
+  // One pass per parameter through ops::adamw_ where the parameter, gradient
+  // and moments allow it (as torch.optim.AdamW(fused=True)); the others, and
+  // every parameter when false, take the unfused ops (8 passes and a temporary).
+  bool fused = true;
 };
 
 // Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.

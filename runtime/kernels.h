@@ -55,6 +55,11 @@ struct KernelTable {
   void (*gemm)(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                double alpha, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,
                void* c, int64_t ldc);
+  // AdamW on every (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]): each
+  // contiguous, of one float dtype (bf16/f16 computed in f32).
+  void (*adamw)(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                const ops::AdamWStep& step);
   // Rows of the last dim, contiguous.
   void (*softmax)(const Tensor& out, const Tensor& x, bool log);
   void (*softmax_backward)(const Tensor& gx, const Tensor& gy, const Tensor& y, bool log);

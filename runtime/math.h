@@ -237,6 +237,43 @@ TS_HD TS_INLINE void apply_pointwise(T& x, T a, T b, T c) {
   else x += c * (a - x);  // Lerp
 }
 
+// ---- AdamW ----------------------------------------------------------------------
+
+// One AdamW step's constants, in the compute type C.
+template <class C>
+struct AdamWConstants {
+  C decay;            // 1 - lr * weight_decay
+  C one_minus_beta1;  // the first moment's lerp weight
+  C beta2, one_minus_beta2;
+  C inv_sqrt_bias2;   // 1 / sqrt(1 - beta2^step)
+  C eps;
+  C neg_step_size;    // -lr / (1 - beta1^step)
+};
+
+template <class C>
+inline AdamWConstants<C> adamw_constants(const ops::AdamWStep& s) {
+  double bias1 = 1.0 - ::pow(s.beta1, static_cast<double>(s.step));
+  double bias2 = 1.0 - ::pow(s.beta2, static_cast<double>(s.step));
+  return {C(1.0 - s.lr * s.weight_decay), C(1.0 - s.beta1), C(s.beta2), C(1.0 - s.beta2),
+          C(1.0 / ::sqrt(bias2)), C(s.eps), C(-s.lr / bias1)};
+}
+
+// One element of AdamW (decoupled weight decay), the unfused ops' steps in
+// their order (nn/optim.cpp): decay p; m = lerp(m, g, 1 - beta1);
+// v = beta2 v + (1 - beta2) g^2; p -= lr / bias1 * m / (sqrt(v / bias2) + eps).
+// Equal to the unfused ops to rounding, not bit for bit: a compiler may fuse a
+// multiply and an add here into one FMA (the AVX2/AVX-512 copies, CUDA), and
+// bf16/f16 values stay in f32 between the steps instead of rounding after each.
+template <class C>
+TS_HD TS_INLINE void adamw_update(C& p, C g, C& m, C& v, const AdamWConstants<C>& k) {
+  p *= k.decay;
+  m += k.one_minus_beta1 * (g - m);
+  v *= k.beta2;
+  v += k.one_minus_beta2 * g * g;
+  C denom = m_sqrt(v) * k.inv_sqrt_bias2 + k.eps;
+  p += k.neg_step_size * m / denom;
+}
+
 // ---- counter-based random numbers (runtime/random.h) ---------------------------
 
 // Philox 4x32-10 of counter c under key k, in place.

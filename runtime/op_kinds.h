@@ -32,4 +32,10 @@ enum class UnaryOp {
 
 enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
 
+// One AdamW update's settings (ops::adamw_, runtime/math.h's adamw_update).
+struct AdamWStep {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1 for the first update: the bias corrections use it
+};
+
 }  // namespace tessera::ops

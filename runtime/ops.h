@@ -93,6 +93,17 @@ const Tensor& lerp_(const Tensor& x, const Tensor& end, double weight);  // x +=
 const Tensor& sqrt_(const Tensor& x);
 const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<double> max);
 
+// AdamW's update of many parameters in one pass over each (runtime/math.h,
+// adamw_update): params[i] with grads[i], exp_avgs[i] and exp_avg_sqs[i]. Each
+// quadruple adamw_fusable: one float dtype (bf16/f16 computed in f32 and
+// rounded once per update), contiguous, one shape and device, local tensors
+// (not DTensors); no two share memory. Lists may mix dtypes; one device.
+void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+            const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+            const AdamWStep& step);
+bool adamw_fusable(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                   const Tensor& exp_avg_sq);
+
 // ---- reductions (dims empty = all dims) --------------------------------------
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false,
            std::optional<DType> out_dtype = std::nullopt);

@@ -232,7 +232,16 @@ const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
 }
 
 const Tensor& add_(const Tensor& x, double value) {
-  return add_(x, full({}, value, x.dtype(), x.device()), 1.0);
+  if (any_distributed({&x})) {
+    route("add_", OpClass::InPlace, {x}, [value](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{add_(t, value)};
+    });
+    return x;
+  }
+  return update_inplace(x, "add_", [&](const Tensor& t) {
+    dispatch(t.device()).binary_scalar(BinaryOp::Add, t, t, value, false);
+  });
 }
 
 const Tensor& mul_(const Tensor& x, const Tensor& other) {
@@ -249,8 +258,19 @@ const Tensor& mul_(const Tensor& x, const Tensor& other) {
   });
 }
 
+// The scalar stays in the compute dtype (f32 for a bf16 x): rounding 0.999 to
+// bf16 would make it 1.
 const Tensor& mul_(const Tensor& x, double value) {
-  return mul_(x, full({}, value, x.dtype(), x.device()));
+  if (any_distributed({&x})) {
+    route("mul_", OpClass::InPlace, {x}, [value](const TensorList& l) {
+      Tensor t = l[0];
+      return TensorList{mul_(t, value)};
+    });
+    return x;
+  }
+  return update_inplace(x, "mul_", [&](const Tensor& t) {
+    dispatch(t.device()).binary_scalar(BinaryOp::Mul, t, t, value, false);
+  });
 }
 
 const Tensor& div_(const Tensor& x, const Tensor& other) {
@@ -333,6 +353,47 @@ const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<d
   double lo = min.value_or(-std::numeric_limits<double>::infinity());
   double hi = max.value_or(std::numeric_limits<double>::infinity());
   return update_inplace(x, "clamp_", [&](const Tensor& t) { dispatch(t.device()).clamp(t, lo, hi); });
+}
+
+bool adamw_fusable(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
+  for (const Tensor* t : {&p, &g, &m, &v})
+    if (!t->defined() || t->is_distributed() || t->is_meta() || !t->is_contiguous() ||
+        t->dtype() != p.dtype() || t->device() != p.device() || t->shape() != p.shape())
+      return false;
+  return is_floating(p.dtype());
+}
+
+void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+            const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+            const AdamWStep& step) {
+  size_t n = params.size();
+  TS_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+           "adamw_: expected as many gradients and moments as parameters ({}), got {}, {} and {}", n,
+           grads.size(), exp_avgs.size(), exp_avg_sqs.size());
+  TS_CHECK(step.step >= 1, "adamw_: expected a step count >= 1, got {}", step.step);
+  if (n == 0) return;
+  for (size_t i = 0; i < n; ++i) {
+    TS_CHECK(adamw_fusable(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]),
+             "adamw_: parameter {} ({} {} on {}) and its gradient and moments must be local, "
+             "contiguous tensors of one shape, device and float dtype",
+             i, shape_str(params[i].shape()), dtype_name(params[i].dtype()), params[i].device().str());
+    TS_CHECK(params[i].device() == params[0].device(),
+             "adamw_: parameters on different devices ({} and {})", params[0].device().str(),
+             params[i].device().str());
+  }
+  // The kernel updates parameters and moments concurrently: no two may share memory.
+  std::vector<std::pair<const char*, const char*>> spans;
+  for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs})
+    for (const Tensor& t : *list) {
+      if (t.numel() == 0) continue;
+      const char* b = static_cast<const char*>(t.data_ptr());
+      spans.emplace_back(b, b + t.numel() * static_cast<int64_t>(dtype_size(t.dtype())));
+    }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    TS_CHECK(spans[i].first >= spans[i - 1].second || spans[i - 1].first == spans[i - 1].second,
+             "adamw_: two of the parameters or moments share memory (a parameter listed twice?)");
+  dispatch(params[0].device()).adamw(params, grads, exp_avgs, exp_avg_sqs, step);
 }
 
 // ---- reductions ---------------------------------------------------------------

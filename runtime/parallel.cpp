@@ -12,7 +12,9 @@ int num_threads() { return omp_get_max_threads(); }
 void set_num_threads(int n) {
   TS_CHECK(n >= 1, "set_num_threads: expected a positive thread count, got {}", n);
   omp_set_num_threads(n);
-  openblas_set_num_threads(n);
+  // The OpenMP build follows omp_set_num_threads; the pthread build stays on
+  // one thread (runtime/cpu/blas.cpp cuts products into pieces itself).
+  openblas_set_num_threads(openblas_get_parallel() == 2 ? n : 1);
 }
 
 namespace detail {

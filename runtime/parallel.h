@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 
 namespace tessera {
 
@@ -12,6 +13,8 @@ void set_num_threads(int n);
 
 // Runs f(begin, end) on disjoint sub-ranges of [begin, end) in parallel, each at
 // least `grain` long; inline when small or already inside a parallel region.
+// An exception thrown by f (the first, if several threads throw) is rethrown
+// on the calling thread once every thread is done.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f);
 
@@ -30,12 +33,19 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
     return;
   }
   int64_t chunk = (n + nt - 1) / nt;
+  std::exception_ptr error;
 #pragma omp parallel num_threads(nt)
   {
     int64_t b = begin + detail::omp_thread_num() * chunk;
     int64_t e = b + chunk < end ? b + chunk : end;
-    if (b < e) f(b, e);
+    try {
+      if (b < e) f(b, e);
+    } catch (...) {
+#pragma omp critical(tessera_parallel_for_error)
+      if (!error) error = std::current_exception();
+    }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace tessera

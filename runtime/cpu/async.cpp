@@ -260,6 +260,7 @@ TS_QUEUED(reduce)
 TS_QUEUED(argmax_rows)
 TS_QUEUED(sum_squares)
 TS_QUEUED(gemm)
+TS_QUEUED(adamw)
 TS_QUEUED(softmax)
 TS_QUEUED(softmax_backward)
 TS_QUEUED(layer_norm)
@@ -294,6 +295,7 @@ const KernelTable kTable = {
     .argmax_rows = argmax_rows_queued,
     .sum_squares = sum_squares_queued,
     .gemm = gemm_queued,
+    .adamw = adamw_queued,
     .softmax = softmax_queued,
     .softmax_backward = softmax_backward_queued,
     .layer_norm = layer_norm_queued,

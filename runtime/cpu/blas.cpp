@@ -5,8 +5,9 @@
 //   (0.5-1.1x, and slow with a transposed A), but faster on small blocks such
 //   as attention's 64 x 64 (measured 80 vs 57 GFLOP/s): benchmarks/bench_gemm.
 // - OpenBLAS's sgemm, otherwise.
-// So: with AVX-512, oneDNN for everything; without, oneDNN for products below
-// kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
+// So: where the kernels' avx512 copy runs (runtime/cpu/isa.h, which
+// TESSERA_CPU_ISA caps), oneDNN for everything; otherwise oneDNN for products
+// below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
 // dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
 //
 // Threads never change a result. oneDNN's own threading splits the k
@@ -17,17 +18,19 @@
 // depends on the shape alone: tiles of C, and for products with few tiles and
 // a deep k (weight gradients of small layers) fixed chunks of k whose partial
 // products are summed in chunk order; the threads only decide who computes
-// which piece. 1 rank and 2 ranks, or 1 thread and 4, give bitwise equal
-// f32 steps.
+// which piece. 1 thread and 4 give bitwise equal f32 steps (at another
+// number of ranks the weight gradients sum their rows in other groups).
 #include <cblas.h>
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <utility>
 
 #include "runtime/cpu/blas.h"
+#include "runtime/cpu/isa.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 #include "runtime/profiler.h"
@@ -46,7 +49,18 @@ void check_leading_dims(const char* name, bool trans_a, bool trans_b, int64_t m,
            name, a_cols, b_cols, n, m, n, k, trans_a, trans_b, lda, ldb, ldc);
 }
 
-SgemmPath forced_path = SgemmPath::Auto;
+std::atomic<SgemmPath> forced_path{SgemmPath::Auto};
+
+// OpenBLAS's pthread build (used where the OpenMP build is missing) keeps its
+// own thread pool, which omp_set_num_threads does not reach: hold it to one
+// thread, so that pieces stay single-threaded and the grid does the rest.
+void hold_pthread_openblas_to_one_thread() {
+  static const bool once = [] {
+    if (openblas_get_parallel() != 2) openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
+}
 
 // Both libraries size their teams by omp_get_max_threads() outside a parallel
 // region (one thread inside one): this holds them to the calling thread.
@@ -125,7 +139,7 @@ Grid grid_for(int64_t m, int64_t n, int64_t k) {
 }  // namespace
 
 SgemmPath set_sgemm_path(SgemmPath path) {
-  return std::exchange(forced_path, path);
+  return forced_path.exchange(path);
 }
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
@@ -142,11 +156,13 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
     return trans ? x + c0 * ld + r0 : x + r0 * ld + c0;
   };
   Grid g = grid_for(m, n, k);
-  // The library for every piece of this product: by the CPU and the shape alone.
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  // The library for every piece of this product: by the CPU (its kernels'
+  // instruction set, runtime/cpu/isa.h) and the shape alone.
+  hold_pthread_openblas_to_one_thread();
+  bool avx512 = active_isa() == Isa::Avx512;
   double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  bool onednn = forced_path == SgemmPath::Auto ? avx512 || flops < kSerialFlops
-                                               : forced_path == SgemmPath::OneDnn;
+  SgemmPath path = forced_path.load(std::memory_order_relaxed);
+  bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
   auto piece = onednn ? onednn_piece : openblas_piece;
   int64_t tiles_m = ceil_div(m, g.mb), tiles_n = ceil_div(n, g.nb), tiles = tiles_m * tiles_n;
   if (g.chunks == 1) {

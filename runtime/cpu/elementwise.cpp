@@ -2,6 +2,8 @@
 // binary ops with broadcasting, where, and the in-place updates optimizers use.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
@@ -262,6 +264,62 @@ void clamp(const Tensor& x, double lo, double hi) {
         v = v < l ? l : (v > h ? h : v);
       }
     });
+  });
+}
+
+// AdamW over many tensors: their elements cut into chunks of kAdamWChunk, so
+// that many small tensors (biases, norms) share the threads with large ones;
+// one pass over each element (math::adamw_update). bf16/f16 compute in f32
+// registers and round once per store, as the CUDA kernel does.
+constexpr int64_t kAdamWChunk = 16384;
+
+template <class T, class C>
+void adamw_chunk(const Tensor& pt, const Tensor& gt, const Tensor& mt, const Tensor& vt, int64_t begin,
+                 int64_t end, const math::AdamWConstants<C>& k) {
+  T* __restrict p = pt.data<T>();
+  const T* __restrict g = gt.data<T>();
+  T* __restrict m = mt.data<T>();
+  T* __restrict v = vt.data<T>();
+  for (int64_t i = begin; i < end; ++i) {
+    if constexpr (std::is_same_v<T, C>) {
+      math::adamw_update(p[i], g[i], m[i], v[i], k);
+    } else {
+      C pc = static_cast<C>(to_double(p[i])), mc = static_cast<C>(to_double(m[i]));
+      C vc = static_cast<C>(to_double(v[i]));
+      math::adamw_update(pc, static_cast<C>(to_double(g[i])), mc, vc, k);
+      p[i] = from_double<T>(pc);
+      m[i] = from_double<T>(mc);
+      v[i] = from_double<T>(vc);
+    }
+  }
+}
+
+void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const std::vector<Tensor>& ms,
+           const std::vector<Tensor>& vs, const ops::AdamWStep& step) {
+  struct Chunk {
+    size_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t t = 0; t < ps.size(); ++t) {
+    TS_CHECK(is_floating(ps[t].dtype()), "adamw_: expected float tensors, got {}", dtype_name(ps[t].dtype()));
+    for (int64_t b = 0; b < ps[t].numel(); b += kAdamWChunk)
+      chunks.push_back({t, b, std::min(b + kAdamWChunk, ps[t].numel())});
+  }
+  const auto k32 = math::adamw_constants<float>(step);
+  const auto k64 = math::adamw_constants<double>(step);
+  parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      size_t t = ch.tensor;
+      switch (ps[t].dtype()) {
+        case DType::F64: adamw_chunk<double>(ps[t], gs[t], ms[t], vs[t], ch.begin, ch.end, k64); break;
+        case DType::F32: adamw_chunk<float>(ps[t], gs[t], ms[t], vs[t], ch.begin, ch.end, k32); break;
+        case DType::BF16: adamw_chunk<BFloat16>(ps[t], gs[t], ms[t], vs[t], ch.begin, ch.end, k32); break;
+        case DType::F16: adamw_chunk<Half>(ps[t], gs[t], ms[t], vs[t], ch.begin, ch.end, k32); break;
+        default: break;  // checked above
+      }
+    }
   });
 }
 

@@ -1,7 +1,9 @@
 // Which instruction-set copy of the CPU kernels runs (runtime/cpu/kernels_cpu.h).
-// By default the widest the CPU supports; TESSERA_CPU_ISA=baseline|avx2|avx512
-// caps it for a process (as oneDNN's DNNL_MAX_CPU_ISA does); set_isa switches
-// it at run time, for tests and benchmarks that compare the copies.
+// By default the widest the CPU supports. TESSERA_CPU_ISA=baseline|avx2|avx512
+// lowers that default for a process, and oneDNN's GEMM kernels with it (as its
+// own DNNL_MAX_CPU_ISA does). set_isa switches Tessera's kernels (and the
+// library choice for f32 products) at run time to any copy the CPU runs, for
+// tests and benchmarks that compare the copies; oneDNN keeps its kernels.
 //   baseline: x86-64 (SSE2), or the build's own flags on other processors
 //   avx2:     x86-64-v3 (AVX2, FMA, F16C)
 //   avx512:   x86-64-v4 (AVX-512 F, BW, CD, DQ, VL), 512-bit vectors

@@ -34,6 +34,8 @@ void normal(const Tensor&, double, double, const RandomSpec&);
   void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);                \
   void argmax_rows(const Tensor&, const Tensor&, const Tensor&);                                 \
   void sum_squares(const Tensor&, const std::vector<Tensor>&);                                   \
+  void adamw(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,  \
+             const std::vector<Tensor>&, const ops::AdamWStep&);                                 \
   void softmax(const Tensor&, const Tensor&, bool);                                              \
   void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool);                       \
   void layer_norm(const ops::NormResult&, const Tensor&, const Tensor&, const Tensor&, double,   \

@@ -4,6 +4,8 @@
 #include <string_view>
 #include <utility>
 
+#include <oneapi/dnnl/dnnl.h>
+
 #include "runtime/cpu/isa.h"
 #include "runtime/cpu/kernels_cpu.h"
 #include "runtime/cuda_backend.h"
@@ -29,6 +31,7 @@ namespace {
     .clamp = isa::clamp, .reduce = isa::reduce,             \
     .argmax_rows = isa::argmax_rows,                        \
     .sum_squares = isa::sum_squares, .gemm = gemm,          \
+    .adamw = isa::adamw,                                    \
     .softmax = isa::softmax,                                \
     .softmax_backward = isa::softmax_backward,              \
     .layer_norm = isa::layer_norm,                          \
@@ -66,7 +69,10 @@ Isa default_isa() {
   const char* cap = std::getenv("TESSERA_CPU_ISA");
   if (cap == nullptr || *cap == '\0') return best;
   Isa wanted = parse_isa(cap);
-  return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
+  if (static_cast<int>(wanted) >= static_cast<int>(best)) return best;
+  // oneDNN's own kernels too, where it has not run yet (it takes a cap once).
+  dnnl_set_max_cpu_isa(wanted == Isa::Avx2 ? dnnl_cpu_isa_avx2 : dnnl_cpu_isa_sse41);
+  return wanted;
 }
 
 std::atomic<Isa>& active() {
@@ -94,11 +100,11 @@ Isa parse_isa(std::string_view name) {
 bool isa_supported(Isa isa) {
   if (isa == Isa::Baseline) return true;
 #if defined(TESSERA_CPU_ISA_VARIANTS)
-  static const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
-  static const bool v4 = v3 && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  // The levels the copies are compiled for (-march=x86-64-v3 / -v4: AVX2, FMA,
+  // F16C, BMI1/2, LZCNT, MOVBE; then AVX-512 F, BW, CD, DQ, VL). May run
+  // before main (from static constructors), hence __builtin_cpu_init.
+  static const bool v3 = (__builtin_cpu_init(), __builtin_cpu_supports("x86-64-v3"));
+  static const bool v4 = v3 && __builtin_cpu_supports("x86-64-v4");
   return isa == Isa::Avx2 ? v3 : v4;
 #else
   return false;

@@ -1,6 +1,8 @@
 // Elementwise CUDA kernels: copy/convert, fill, unary math and its
 // derivatives, binary ops with broadcasting, where and the in-place updates.
 // The per-element formulas are runtime/math.h's, shared with the CPU.
+#include <algorithm>
+
 #include "runtime/cuda/device_util.cuh"
 
 namespace tessera::cuda {
@@ -81,6 +83,26 @@ __global__ void clamp_kernel(Iter<1> it, C lo, C hi) {
   }
 }
 
+
+// Up to kAdamWPerLaunch tensors per launch, passed by value (kernel
+// parameters stay far below their 4 KiB limit); blockIdx.y picks the tensor.
+constexpr int kAdamWPerLaunch = 32;
+struct AdamWBatch {
+  AdamWTensor t[kAdamWPerLaunch];
+};
+
+template <class C>
+__global__ void adamw_kernel(AdamWBatch batch, math::AdamWConstants<C> k) {
+  const AdamWTensor& t = batch.t[blockIdx.y];
+  TS_CUDA_LOOP(i, t.n) {
+    C p = load<C>(t.p, t.dtype, i), g = load<C>(t.g, t.dtype, i);
+    C m = load<C>(t.m, t.dtype, i), v = load<C>(t.v, t.dtype, i);
+    math::adamw_update(p, g, m, v, k);
+    store<C>(t.p, t.dtype, i, p);
+    store<C>(t.m, t.dtype, i, m);
+    store<C>(t.v, t.dtype, i, v);
+  }
+}
 
 }  // namespace
 
@@ -186,6 +208,32 @@ void launch_clamp(const Iter<1>& it, double lo, double hi, cudaStream_t stream) 
     clamp_kernel<C><<<grid_for(it.numel), kThreads, 0, stream>>>(it, static_cast<C>(lo), static_cast<C>(hi));
   });
   check_launch("clamp");
+}
+
+void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWStep& step,
+                  cudaStream_t stream) {
+  // f64 tensors compute in f64, the others in f32: one launch per kind and batch.
+  for (bool f64 : {false, true}) {
+    AdamWBatch batch{};
+    int used = 0;
+    int64_t longest = 0;
+    auto flush = [&] {
+      if (used == 0) return;
+      dim3 grid(std::min(grid_for(longest), 4096u), static_cast<unsigned>(used));
+      if (f64) adamw_kernel<double><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<double>(step));
+      else adamw_kernel<float><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<float>(step));
+      check_launch("adamw");
+      used = 0;
+      longest = 0;
+    };
+    for (int64_t i = 0; i < count; ++i) {
+      if ((tensors[i].dtype == DType::F64) != f64 || tensors[i].n == 0) continue;
+      batch.t[used++] = tensors[i];
+      longest = std::max(longest, tensors[i].n);
+      if (used == kAdamWPerLaunch) flush();
+    }
+    flush();
+  }
 }
 
 }  // namespace tessera::cuda

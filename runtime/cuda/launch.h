@@ -24,6 +24,18 @@ void launch_binary_scalar(ops::BinaryOp op, const Iter<2>& it, double s, bool sc
 void launch_where(const Iter<4>& it, cudaStream_t stream);  // out, cond, a, b
 void launch_pointwise(PointwiseOp op, const Iter<3>& it, double s, cudaStream_t stream);  // x, a, b
 void launch_clamp(const Iter<1>& it, double lo, double hi, cudaStream_t stream);
+// AdamW over many contiguous tensors (each p, g, m, v of one float dtype), a
+// fixed number of tensors per launch (PyTorch's multi_tensor_apply does the same).
+struct AdamWTensor {
+  void* p;
+  const void* g;
+  void* m;
+  void* v;
+  int64_t n;
+  DType dtype;
+};
+void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWStep& step,
+                  cudaStream_t stream);
 
 // ---- reductions (reduce.cu) -----------------------------------------------------
 // x contiguous [outer, n, inner] -> out [outer, inner] (both `dtype`; Sum in f64).

@@ -109,6 +109,15 @@ void pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b
 
 void clamp(const Tensor& x, double lo, double hi) { launch_clamp(make_iter<1>(x.shape(), {&x}), lo, hi, stream()); }
 
+void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const std::vector<Tensor>& ms,
+           const std::vector<Tensor>& vs, const ops::AdamWStep& step) {
+  std::vector<AdamWTensor> tensors;
+  for (size_t i = 0; i < ps.size(); ++i)
+    tensors.push_back({ps[i].data_ptr(), gs[i].data_ptr(), ms[i].data_ptr(), vs[i].data_ptr(), ps[i].numel(),
+                       ps[i].dtype()});
+  launch_adamw(tensors.data(), static_cast<int64_t>(tensors.size()), step, stream());
+}
+
 void reduce(ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n, int64_t inner) {
   launch_reduce(op, out.data_ptr(), x.data_ptr(), x.dtype(), outer, n, inner, stream());
 }
@@ -254,6 +263,7 @@ const KernelTable kTable = {
     .argmax_rows = argmax_rows,
     .sum_squares = sum_squares,
     .gemm = gemm,
+    .adamw = adamw,
     .softmax = softmax,
     .softmax_backward = softmax_backward,
     .layer_norm = layer_norm,

@@ -115,9 +115,16 @@ Results model_results(bool llama, DType dtype) {
   return r;
 }
 
+// Restores the copy in use when a check fails and the test case ends.
+struct IsaGuard {
+  cpu::Isa saved = cpu::active_isa();
+  ~IsaGuard() { cpu::set_isa(saved); }
+};
+
 void compare_copies(const std::function<Results()>& run, DType dtype) {
   double rtol = dtype == DType::F64 ? 1e-10 : 2e-4, atol = dtype == DType::F64 ? 1e-12 : 2e-5;
-  cpu::Isa saved = cpu::set_isa(cpu::Isa::Baseline);
+  IsaGuard guard;
+  cpu::set_isa(cpu::Isa::Baseline);
   Results base = run();
   for (cpu::Isa isa : supported_isas()) {
     cpu::set_isa(isa);
@@ -129,7 +136,6 @@ void compare_copies(const std::function<Results()>& run, DType dtype) {
                         atol) <= 1.0);
     }
   }
-  cpu::set_isa(saved);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The CPU GEMMs (runtime/cpu/blas.h: oneDNN for f32, OpenBLAS for f64) against
+// The CPU GEMMs (runtime/cpu/blas.h: oneDNN or OpenBLAS for f32, OpenBLAS for f64) against
 // an f64 loop, at awkward sizes, every transpose, padded leading dimensions,
 // alpha/beta, and from inside a parallel region (one thread per call).
 #include <cmath>
@@ -118,9 +118,11 @@ void for_each_path(F&& body) {
        {std::pair{cpu::SgemmPath::Auto, "auto"}, std::pair{cpu::SgemmPath::OneDnn, "oneDNN"},
         std::pair{cpu::SgemmPath::OpenBlas, "OpenBLAS"}}) {
     INFO("sgemm path " << name);
-    cpu::SgemmPath saved = cpu::set_sgemm_path(path);
+    struct Restore {
+      cpu::SgemmPath saved;
+      ~Restore() { cpu::set_sgemm_path(saved); }
+    } restore{cpu::set_sgemm_path(path)};
     body();
-    cpu::set_sgemm_path(saved);
   }
 }
 

@@ -1,8 +1,10 @@
+#include <atomic>
 #include <cstring>
 #include <functional>
 
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
+#include "runtime/parallel.h"
 #include "runtime/stream.h"
 #include "tests/helpers.h"
 
@@ -532,4 +534,23 @@ TEST_CASE("copy_ broadcasts and converts dtypes into strided views", "[tensor][i
   }
   Tensor x = zeros({2, 3});
   CHECK_THROWS_WITH(ops::copy_(x, zeros({4})), Catch::Contains("[4]"));
+}
+
+TEST_CASE("parallel_for rethrows a worker thread's exception on the caller", "[parallel]") {
+  int saved = num_threads();
+  set_num_threads(2);
+  std::atomic<int> ran{0};
+  // Every range throws; the first exception reaches the caller, after all ranges ran.
+  CHECK_THROWS_WITH(parallel_for(0, 1000, 1,
+                                 [&](int64_t b, int64_t) {
+                                   ran++;
+                                   TS_CHECK(false, "range at {} failed", b);
+                                 }),
+                    Catch::Contains("failed"));
+  CHECK(ran.load() >= 1);
+  // And a loop that does not throw still works afterwards.
+  std::atomic<int64_t> sum{0};
+  parallel_for(0, 1000, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+  CHECK(sum.load() == 1000);
+  set_num_threads(saved);
 }
