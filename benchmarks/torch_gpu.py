@@ -10,43 +10,11 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_gpt import GPT
+
 V, T, L, H, C = 50304, 1024, 12, 12, 768
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-        self.h = nn.ModuleList(Block() for _ in range(L))
-        self.ln_f = nn.LayerNorm(C)
-        self.lm_head = nn.Linear(C, V, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
-        for blk in self.h:
-            x = blk(x)
-        return self.lm_head(self.ln_f(x))
-
 
 def main():
     if not torch.cuda.is_available():
@@ -55,7 +23,7 @@ def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     dev = torch.device("cuda")
-    model = GPT().to(dev).to(torch.bfloat16)
+    model = GPT(V, T, L, H, C).to(dev).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, V, (batch, T), device=dev)
     y = torch.randint(0, V, (batch, T), device=dev)

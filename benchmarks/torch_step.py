@@ -6,68 +6,24 @@ timed the same way. Optional: needs Debian's python3-torch (run with
 
     /usr/bin/python3 benchmarks/torch_step.py [steps] [threads]
 """
-import math
 import resource
 import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from torch_gpt import GPT
 
 
 V, T, L, H, C, B = 256, 128, 4, 4, 256, 8
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(C)
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.c_proj = nn.Linear(C, C)
-        self.ln_2 = nn.LayerNorm(C)
-        self.c_fc = nn.Linear(C, 4 * C)
-        self.mlp_proj = nn.Linear(4 * C, C)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if hasattr(F, "scaled_dot_product_attention") \
-            else self.manual_attention(q, k, v, t)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-    @staticmethod
-    def manual_attention(q, k, v, t):
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
-        return att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(V, C)
-        self.wpe = nn.Embedding(T, C)
-        self.h = nn.ModuleList(Block() for _ in range(L))
-        self.ln_f = nn.LayerNorm(C)
-        self.lm_head = nn.Linear(C, V, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
-        for blk in self.h:
-            x = blk(x)
-        return self.lm_head(self.ln_f(x))
-
 
 def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    model = GPT()
+    model = GPT(V, T, L, H, C)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, T))

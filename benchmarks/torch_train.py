@@ -19,43 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_gpt import GPT
+
 L, C, H, T, B, steps = (int(a) for a in sys.argv[1:7])
 peak_tflops = float(sys.argv[7])
 V = 256
 torch.set_num_threads(max(1, 2 // int(os.environ.get("WORLD_SIZE", "1"))))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (z.view(b, t, H, c // H).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-        self.h = nn.ModuleList(Block() for _ in range(L))
-        self.ln_f = nn.LayerNorm(C)
-        self.lm_head = nn.Linear(C, V, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
-        for blk in self.h:
-            x = blk(x)
-        return self.lm_head(self.ln_f(x))
-
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -64,7 +33,7 @@ except Exception:
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(1)
-model = GPT()
+model = GPT(V, T, L, H, C)
 n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
 if fully_shard is not None:
     mode = "FSDP2"

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "dtensor/redistribute.h"
+#include "runtime/math.h"
 #include "runtime/profiler.h"
 
 namespace tessera::optim {
@@ -59,7 +60,7 @@ std::vector<ParamGroup> one_group(const TensorList& params, double lr, double wd
 }
 
 // The tensor a kernel updates: a DTensor's local shard, a plain tensor itself.
-Tensor local_of(const Tensor& t) { return t.is_distributed() ? dtensor_spec(t).local : t; }
+Tensor local_of(const Tensor& t) { return t.is_distributed() ? local_tensor(t) : t; }
 
 // Whether `others` are laid out as p: plain tensors, or DTensors on p's mesh
 // with p's placements (so that updating the local tensors updates the whole).
@@ -90,7 +91,10 @@ void AdamW::step() {
   TS_PROFILE("AdamW.step");
   check_params();
   autograd::NoGradGuard no_grad;
-  const double b1 = options_.beta1, b2 = options_.beta2;
+  auto hyper = [&](const ParamGroup& group, int64_t step) {
+    return ops::AdamWStep{.lr = group.lr, .beta1 = options_.beta1, .beta2 = options_.beta2,
+                          .eps = options_.eps, .weight_decay = group.weight_decay, .step = step};
+  };
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     ParamGroup& group = groups_[gi];
     // The fused update, per device and step count: the local tensors of each.
@@ -112,21 +116,18 @@ void AdamW::step() {
         for (int k = 0; k < 4; ++k) lists[k].push_back(local[k]);
         continue;
       }
-      if (group.weight_decay != 0.0) ops::mul_(p, 1.0 - group.lr * group.weight_decay);
-      ops::lerp_(s.exp_avg, grad, 1.0 - b1);
-      ops::mul_(s.exp_avg_sq, b2);
-      ops::addcmul_(s.exp_avg_sq, grad, grad, 1.0 - b2);
-      double bias1 = 1.0 - std::pow(b1, static_cast<double>(s.step));
-      double bias2 = 1.0 - std::pow(b2, static_cast<double>(s.step));
+      // Unfused: the same steps as math::adamw_update, one op each.
+      auto k = math::adamw_constants<double>(hyper(group, s.step));
+      if (group.weight_decay != 0.0) ops::mul_(p, k.decay);
+      ops::lerp_(s.exp_avg, grad, k.one_minus_beta1);
+      ops::mul_(s.exp_avg_sq, k.beta2);
+      ops::addcmul_(s.exp_avg_sq, grad, grad, k.one_minus_beta2);
       Tensor denom = ops::sqrt(s.exp_avg_sq);
-      ops::mul_(denom, 1.0 / std::sqrt(bias2));
-      ops::add_(denom, options_.eps);
-      ops::addcdiv_(p, s.exp_avg, denom, -group.lr / bias1);
+      ops::mul_(denom, k.inv_sqrt_bias2);
+      ops::add_(denom, k.eps);
+      ops::addcdiv_(p, s.exp_avg, denom, k.neg_step_size);
     }
-    for (auto& [key, lists] : fused)
-      ops::adamw_(lists[0], lists[1], lists[2], lists[3],
-                  {.lr = group.lr, .beta1 = b1, .beta2 = b2, .eps = options_.eps,
-                   .weight_decay = group.weight_decay, .step = key.second});
+    for (auto& [key, lists] : fused) ops::adamw_(lists[0], lists[1], lists[2], lists[3], hyper(group, key.second));
   }
 }
 
@@ -311,7 +312,7 @@ Tensor clip_grad_norm_(const TensorList& params, double max_norm) {
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    Tensor local = g.is_distributed() ? dtensor_spec(g).local : g;
+    Tensor local = optim::local_of(g);
     if (host) ops::mul_(local, c);
     else ops::mul_(local, ops::to(coef, local.dtype()));
   }

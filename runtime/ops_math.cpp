@@ -215,6 +215,20 @@ Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
            shape_str(other.shape()), shape_str(x.shape()));
   return expand(upcast(other, kElementwise), x.shape());
 }
+
+// x op= value, the scalar kept in the compute dtype (f32 for a bf16 x: rounded
+// to bf16 first, 0.99 would become 0.990234375).
+const Tensor& update_with_scalar(const Tensor& x, BinaryOp op, const char* name, double value) {
+  if (any_distributed({&x})) {
+    route(name, OpClass::InPlace, {x}, [op, name, value](const TensorList& l) {
+      return TensorList{update_with_scalar(l[0], op, name, value)};
+    });
+    return x;
+  }
+  return update_inplace(x, name, [&](const Tensor& t) {
+    dispatch(t.device()).binary_scalar(op, t, t, value, false);
+  });
+}
 }  // namespace
 
 const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
@@ -231,18 +245,7 @@ const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
   });
 }
 
-const Tensor& add_(const Tensor& x, double value) {
-  if (any_distributed({&x})) {
-    route("add_", OpClass::InPlace, {x}, [value](const TensorList& l) {
-      Tensor t = l[0];
-      return TensorList{add_(t, value)};
-    });
-    return x;
-  }
-  return update_inplace(x, "add_", [&](const Tensor& t) {
-    dispatch(t.device()).binary_scalar(BinaryOp::Add, t, t, value, false);
-  });
-}
+const Tensor& add_(const Tensor& x, double value) { return update_with_scalar(x, BinaryOp::Add, "add_", value); }
 
 const Tensor& mul_(const Tensor& x, const Tensor& other) {
   if (any_distributed({&x, &other})) {
@@ -258,20 +261,7 @@ const Tensor& mul_(const Tensor& x, const Tensor& other) {
   });
 }
 
-// The scalar stays in the compute dtype (f32 for a bf16 x): rounding 0.999 to
-// bf16 would make it 1.
-const Tensor& mul_(const Tensor& x, double value) {
-  if (any_distributed({&x})) {
-    route("mul_", OpClass::InPlace, {x}, [value](const TensorList& l) {
-      Tensor t = l[0];
-      return TensorList{mul_(t, value)};
-    });
-    return x;
-  }
-  return update_inplace(x, "mul_", [&](const Tensor& t) {
-    dispatch(t.device()).binary_scalar(BinaryOp::Mul, t, t, value, false);
-  });
-}
+const Tensor& mul_(const Tensor& x, double value) { return update_with_scalar(x, BinaryOp::Mul, "mul_", value); }
 
 const Tensor& div_(const Tensor& x, const Tensor& other) {
   if (any_distributed({&x, &other})) {

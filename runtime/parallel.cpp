@@ -7,14 +7,22 @@
 
 namespace tessera {
 
+namespace {
+// OpenBLAS's pthread build (where the OpenMP build is missing) keeps a pool of
+// its own that omp_set_num_threads does not reach: it stays on one thread from
+// the start, so that runtime/cpu/blas.cpp's pieces run on one thread each.
+[[maybe_unused]] const bool pthread_openblas_held = [] {
+  if (openblas_get_parallel() != 2) openblas_set_num_threads(1);
+  return true;
+}();
+}  // namespace
+
 int num_threads() { return omp_get_max_threads(); }
 
 void set_num_threads(int n) {
   TS_CHECK(n >= 1, "set_num_threads: expected a positive thread count, got {}", n);
   omp_set_num_threads(n);
-  // The OpenMP build follows omp_set_num_threads; the pthread build stays on
-  // one thread (runtime/cpu/blas.cpp cuts products into pieces itself).
-  openblas_set_num_threads(openblas_get_parallel() == 2 ? n : 1);
+  if (openblas_get_parallel() == 2) openblas_set_num_threads(n);  // else: held at one
 }
 
 namespace detail {

@@ -51,17 +51,6 @@ void check_leading_dims(const char* name, bool trans_a, bool trans_b, int64_t m,
 
 std::atomic<SgemmPath> forced_path{SgemmPath::Auto};
 
-// OpenBLAS's pthread build (used where the OpenMP build is missing) keeps its
-// own thread pool, which omp_set_num_threads does not reach: hold it to one
-// thread, so that pieces stay single-threaded and the grid does the rest.
-void hold_pthread_openblas_to_one_thread() {
-  static const bool once = [] {
-    if (openblas_get_parallel() != 2) openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)once;
-}
-
 // Both libraries size their teams by omp_get_max_threads() outside a parallel
 // region (one thread inside one): this holds them to the calling thread.
 class OneLibraryThread {
@@ -126,8 +115,7 @@ int64_t balanced_part(int64_t size, int64_t most) {
 }
 
 // Depends on the shape alone, never on the thread count.
-Grid grid_for(int64_t m, int64_t n, int64_t k) {
-  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+Grid grid_for(int64_t m, int64_t n, int64_t k, double flops) {
   if (flops < kSerialFlops) return {m, n, 1};
   int64_t mb = balanced_part(m, kTile), nb = balanced_part(n, kTile);
   int64_t tiles = ceil_div(m, mb) * ceil_div(n, nb), chunks = 1;
@@ -155,12 +143,11 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   auto at = [](const float* x, int64_t ld, bool trans, int64_t r0, int64_t c0) {
     return trans ? x + c0 * ld + r0 : x + r0 * ld + c0;
   };
-  Grid g = grid_for(m, n, k);
+  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  Grid g = grid_for(m, n, k, flops);
   // The library for every piece of this product: by the CPU (its kernels'
   // instruction set, runtime/cpu/isa.h) and the shape alone.
-  hold_pthread_openblas_to_one_thread();
   bool avx512 = active_isa() == Isa::Avx512;
-  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   SgemmPath path = forced_path.load(std::memory_order_relaxed);
   bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
   auto piece = onednn ? onednn_piece : openblas_piece;

@@ -18,32 +18,43 @@ DType compute_dtype(KernelFamily, DType dtype) { return tessera::compute_dtype(d
 
 namespace {
 
-// The table of one instruction-set copy of the kernels.
-#define TS_CPU_TABLE(isa)                                   \
-  KernelTable {                                             \
-    .compute_dtype = compute_dtype, .copy = isa::copy,      \
-    .copy_from_host = isa::copy, .copy_to_host = isa::copy, \
-    .fill = isa::fill, .unary = isa::unary,                 \
-    .unary_backward = isa::unary_backward,                  \
-    .binary = isa::binary,                                  \
-    .binary_scalar = isa::binary_scalar,                    \
-    .where = isa::where, .pointwise = isa::pointwise,       \
-    .clamp = isa::clamp, .reduce = isa::reduce,             \
-    .argmax_rows = isa::argmax_rows,                        \
-    .sum_squares = isa::sum_squares, .gemm = gemm,          \
-    .adamw = isa::adamw,                                    \
-    .softmax = isa::softmax,                                \
-    .softmax_backward = isa::softmax_backward,              \
-    .layer_norm = isa::layer_norm,                          \
-    .layer_norm_backward = isa::layer_norm_backward,        \
-    .embedding = isa::embedding,                            \
-    .embedding_backward = isa::embedding_backward,          \
-    .cross_entropy = isa::cross_entropy,                    \
-    .cross_entropy_backward = isa::cross_entropy_backward,  \
-    .attention = isa::attention,                            \
-    .attention_backward = isa::attention_backward,          \
-    .rope = isa::rope, .uniform = uniform, .normal = normal, \
+// The table of one instruction-set copy of the kernels (GEMM and the random
+// fills are compiled once: blas.cpp and random.cpp).
+// clang-format off
+#define TS_CPU_TABLE(isa) \
+  KernelTable { \
+    .compute_dtype = compute_dtype, \
+    .copy = isa::copy, \
+    .copy_from_host = isa::copy, \
+    .copy_to_host = isa::copy, \
+    .fill = isa::fill, \
+    .unary = isa::unary, \
+    .unary_backward = isa::unary_backward, \
+    .binary = isa::binary, \
+    .binary_scalar = isa::binary_scalar, \
+    .where = isa::where, \
+    .pointwise = isa::pointwise, \
+    .clamp = isa::clamp, \
+    .reduce = isa::reduce, \
+    .argmax_rows = isa::argmax_rows, \
+    .sum_squares = isa::sum_squares, \
+    .gemm = gemm, \
+    .adamw = isa::adamw, \
+    .softmax = isa::softmax, \
+    .softmax_backward = isa::softmax_backward, \
+    .layer_norm = isa::layer_norm, \
+    .layer_norm_backward = isa::layer_norm_backward, \
+    .embedding = isa::embedding, \
+    .embedding_backward = isa::embedding_backward, \
+    .cross_entropy = isa::cross_entropy, \
+    .cross_entropy_backward = isa::cross_entropy_backward, \
+    .attention = isa::attention, \
+    .attention_backward = isa::attention_backward, \
+    .rope = isa::rope, \
+    .uniform = uniform, \
+    .normal = normal, \
   }
+// clang-format on
 
 const KernelTable kBaseline = TS_CPU_TABLE(baseline);
 #if defined(TESSERA_CPU_ISA_VARIANTS)
