@@ -12,6 +12,7 @@
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/sums.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
@@ -79,14 +80,10 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
         for (int64_t i = 0; i < nq; ++i) {
           T* si = sbuf + i * kBk;
           int64_t lim = std::max<int64_t>(0, std::min(nk, visible_keys(i0 + i, s, causal) - j0));
-          T mx = m[i];
-          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, si[j]);
+          T mx = lane_max(lim, m[i], [si](int64_t j) { return si[j]; });
           T corr = lim > 0 ? fast_exp(m[i] - mx) : T(1);
-          T rowsum = 0;
-          for (int64_t j = 0; j < lim; ++j) {
-            si[j] = fast_exp(si[j] - mx);
-            rowsum += si[j];
-          }
+          for (int64_t j = 0; j < lim; ++j) si[j] = fast_exp(si[j] - mx);
+          T rowsum = lane_sum<T>(lim, [si](int64_t j) { return si[j]; });
           for (int64_t j = lim; j < nk; ++j) si[j] = 0;  // masked keys contribute nothing
           l[i] = l[i] * corr + rowsum;
           m[i] = lim > 0 ? mx : m[i];
@@ -142,11 +139,8 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
         const T* lh = lse + bh * t;
         T* dqh = dq + bh * t * d;
         std::fill(dqh, dqh + t * d, T(0));
-        for (int64_t i = 0; i < t; ++i) {  // delta_i = dO_i . O_i
-          T acc = 0;
-          for (int64_t c = 0; c < d; ++c) acc += doh[i * d + c] * oh[i * d + c];
-          delta[i] = acc;
-        }
+        for (int64_t i = 0; i < t; ++i)  // delta_i = dO_i . O_i
+          delta[i] = lane_sum<T>(d, [&](int64_t c) { return doh[i * d + c] * oh[i * d + c]; });
         for (int64_t j0 = 0; j0 < s; j0 += kBk) {
           int64_t nk = std::min(kBk, s - j0);
           int64_t first_q = causal ? j0 / kBq * kBq : 0;  // earlier query blocks see none of these keys

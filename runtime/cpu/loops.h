@@ -4,13 +4,17 @@
 // byte strides so the common contiguous case is a plain vectorisable loop.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 
+#include "runtime/cpu/isa_copy.h"
 #include "runtime/parallel.h"
 #include "runtime/tensor.h"
 
-namespace tessera::cpu {
+// In each kernel copy's namespace: a class shared by the copies would be one
+// symbol, compiled for whichever instruction set the linker happened to keep.
+namespace tessera::cpu::TS_CPU_ISA {
 
 template <int N>
 class StridedLoop {
@@ -58,20 +62,29 @@ class StridedLoop {
     }
     int64_t inner = sizes_[ndim_ - 1];
     int64_t outer = numel_ / inner;
+    // Fewer rows than threads (a contiguous tensor coalesces to one row): the
+    // rows are cut into pieces of at least `grain` elements, so that one long
+    // run is still split across threads. Pieces are multiples of 64 elements,
+    // which keeps each piece's vector loop aligned as the whole run's was.
+    if (outer < num_threads() && inner >= 2 * grain) {
+      int64_t pieces = std::min<int64_t>(inner / grain, (num_threads() + outer - 1) / outer);
+      int64_t piece = ((inner + pieces - 1) / pieces + 63) / 64 * 64;
+      pieces = (inner + piece - 1) / piece;
+      parallel_for(0, outer * pieces, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          int64_t begin = (i % pieces) * piece;
+          std::array<char*, N> ptrs = row_pointers(i / pieces);
+          for (int k = 0; k < N; ++k) ptrs[k] += begin * strides_[ndim_ - 1][k];
+          f(ptrs, strides_[ndim_ - 1], std::min(piece, inner - begin));
+        }
+      });
+      return;
+    }
     int64_t row_grain = grain / inner + 1;
     parallel_for(0, outer, row_grain, [&](int64_t r0, int64_t r1) {
       // Coordinates of row r0 in the outer dims, then advance like an odometer.
-      std::array<int64_t, kMaxDims> idx{};
-      int64_t rem = r0;
-      for (int d = ndim_ - 2; d >= 0; --d) {
-        idx[d] = rem % sizes_[d];
-        rem /= sizes_[d];
-      }
-      std::array<char*, N> ptrs;
-      for (int k = 0; k < N; ++k) {
-        ptrs[k] = base_[k];
-        for (int d = 0; d < ndim_ - 1; ++d) ptrs[k] += idx[d] * strides_[d][k];
-      }
+      std::array<int64_t, kMaxDims> idx = row_index(r0);
+      std::array<char*, N> ptrs = row_pointers(r0);
       for (int64_t r = r0; r < r1; ++r) {
         f(ptrs, strides_[ndim_ - 1], inner);
         for (int d = ndim_ - 2; d >= 0; --d) {
@@ -87,6 +100,26 @@ class StridedLoop {
 
  private:
   static constexpr int kMaxDims = 12;
+
+  // The coordinates of row r in the outer dims, and its operands' addresses.
+  std::array<int64_t, kMaxDims> row_index(int64_t r) const {
+    std::array<int64_t, kMaxDims> idx{};
+    for (int d = ndim_ - 2; d >= 0; --d) {
+      idx[d] = r % sizes_[d];
+      r /= sizes_[d];
+    }
+    return idx;
+  }
+  std::array<char*, N> row_pointers(int64_t r) const {
+    std::array<int64_t, kMaxDims> idx = row_index(r);
+    std::array<char*, N> ptrs;
+    for (int k = 0; k < N; ++k) {
+      ptrs[k] = base_[k];
+      for (int d = 0; d < ndim_ - 1; ++d) ptrs[k] += idx[d] * strides_[d][k];
+    }
+    return ptrs;
+  }
+
   std::array<char*, N> base_{};
   std::array<int64_t, N> elsize_{};
   std::array<int64_t, kMaxDims> sizes_{};
@@ -95,4 +128,4 @@ class StridedLoop {
   int64_t numel_ = 0;
 };
 
-}  // namespace tessera::cpu
+}  // namespace tessera::cpu::TS_CPU_ISA

@@ -7,6 +7,7 @@
 
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/sums.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
@@ -30,14 +31,10 @@ void softmax(const Tensor& out, const Tensor& x, bool log) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* xr = px + r * n;
         T* o = po + r * n;
-        T m = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, xr[j]);
+        T m = lane_max(n, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return xr[j]; });
         if (m == -std::numeric_limits<T>::infinity()) m = 0;  // all -inf: avoid inf - inf
-        T sum = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          o[j] = fast_exp(xr[j] - m);
-          sum += o[j];
-        }
+        for (int64_t j = 0; j < n; ++j) o[j] = fast_exp(xr[j] - m);
+        T sum = lane_sum<T>(n, [o](int64_t j) { return o[j]; });
         if (log) {
           T lse = m + std::log(sum);
           for (int64_t j = 0; j < n; ++j) o[j] = xr[j] - lse;
@@ -62,13 +59,13 @@ void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool 
         const T* g = pg + r * n;
         const T* yr = py + r * n;
         T* o = po + r * n;
-        double dot = 0;
         if (log) {
-          for (int64_t j = 0; j < n; ++j) dot += g[j];
-          for (int64_t j = 0; j < n; ++j) o[j] = g[j] - fast_exp(yr[j]) * static_cast<T>(dot);
+          T dot = static_cast<T>(lane_sum<double>(n, [g](int64_t j) { return static_cast<double>(g[j]); }));
+          for (int64_t j = 0; j < n; ++j) o[j] = g[j] - fast_exp(yr[j]) * dot;
         } else {
-          for (int64_t j = 0; j < n; ++j) dot += static_cast<double>(g[j]) * yr[j];
-          for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (g[j] - static_cast<T>(dot));
+          T dot = static_cast<T>(lane_sum<double>(
+              n, [g, yr](int64_t j) { return static_cast<double>(g[j]) * static_cast<double>(yr[j]); }));
+          for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (g[j] - dot);
         }
       }
     });
@@ -90,16 +87,15 @@ void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, co
       for (int64_t r = r0; r < r1; ++r) {
         const T* xr = px + r * n;
         T* yr = py + r * n;
-        double mean = 0, var = 0;
-        if (!rms) {
-          for (int64_t j = 0; j < n; ++j) mean += xr[j];
-          mean /= static_cast<double>(n);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          double d = xr[j] - mean;
-          var += d * d;
-        }
-        var /= static_cast<double>(n);
+        double mean = 0;
+        if (!rms)
+          mean = lane_sum<double>(n, [xr](int64_t j) { return static_cast<double>(xr[j]); }) /
+                 static_cast<double>(n);
+        double var = lane_sum<double>(n, [xr, mean](int64_t j) {
+                       double d = static_cast<double>(xr[j]) - mean;
+                       return d * d;
+                     }) /
+                     static_cast<double>(n);
         T rstd = static_cast<T>(1.0 / std::sqrt(var + eps));
         T m = static_cast<T>(mean);
         if (pmean) pmean[r] = m;
@@ -127,36 +123,39 @@ void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor
     const T* prstd = rstd.data<T>();
     T* pdx = g.dx.data<T>();
     bool want_w = g.dweight.defined(), want_b = g.dbias.defined();
-    int nt = std::max(1, std::min<int>(num_threads(), static_cast<int>(rows)));
-    // Per-thread partial weight/bias grads, summed at the end (no atomics).
-    std::vector<double> part_w(want_w ? static_cast<size_t>(nt * n) : 0, 0.0);
-    std::vector<double> part_b(want_b ? static_cast<size_t>(nt * n) : 0, 0.0);
-    int64_t chunk = (rows + nt - 1) / nt;
-    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    // Weight and bias gradients: partial sums over fixed blocks of rows (at
+    // most 64 blocks), added in block order at the end: no atomics, and the
+    // same bits whatever the number of threads.
+    int64_t parts = std::clamp<int64_t>((rows + 63) / 64, 1, 64);
+    int64_t per_part = (rows + parts - 1) / parts;
+    // Both are accumulated even when not wanted, and a missing weight is a row
+    // of ones: the row loop then has no branch and vectorises.
+    std::vector<double> part_w(static_cast<size_t>(parts * n), 0.0);
+    std::vector<double> part_b(static_cast<size_t>(parts * n), 0.0);
+    std::vector<T> ones(pw ? 0 : static_cast<size_t>(n), T(1));
+    if (!pw) pw = ones.data();
+    parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        double* aw = want_w ? part_w.data() + t * n : nullptr;
-        double* ab = want_b ? part_b.data() + t * n : nullptr;
-        for (int64_t r = t * chunk; r < std::min(rows, (t + 1) * chunk); ++r) {
+        double* aw = part_w.data() + t * n;
+        double* ab = part_b.data() + t * n;
+        for (int64_t r = t * per_part; r < std::min(rows, (t + 1) * per_part); ++r) {
           const T* xr = px + r * n;
           const T* gr = pdy + r * n;
           T* dxr = pdx + r * n;
           T m = pmean ? pmean[r] : T(0), rs = prstd[r];
-          double sum_g = 0, sum_gx = 0;
-          for (int64_t j = 0; j < n; ++j) {
-            T xhat = (xr[j] - m) * rs;
-            T gh = pw ? gr[j] * pw[j] : gr[j];
-            sum_g += gh;
-            sum_gx += static_cast<double>(gh) * xhat;
-            if (aw) aw[j] += static_cast<double>(gr[j]) * xhat;
-            if (ab) ab[j] += gr[j];
-          }
-          T mg = rms ? T(0) : static_cast<T>(sum_g / static_cast<double>(n));
-          T mgx = static_cast<T>(sum_gx / static_cast<double>(n));
-          for (int64_t j = 0; j < n; ++j) {
-            T xhat = (xr[j] - m) * rs;
-            T gh = pw ? gr[j] * pw[j] : gr[j];
-            dxr[j] = rs * (gh - mg - xhat * mgx);
-          }
+          auto xhat = [=](int64_t j) { return (xr[j] - m) * rs; };
+          auto ghat = [=](int64_t j) { return gr[j] * pw[j]; };
+          // sum(g_hat) and sum(g_hat * x_hat) of the row; the weight and bias
+          // gradients' partial sums in the same pass.
+          SumPair<double> sums = lane_sum2<double>(n, [&](int64_t j) {
+            double xh = static_cast<double>(xhat(j)), gh = static_cast<double>(ghat(j));
+            aw[j] += static_cast<double>(gr[j]) * xh;
+            ab[j] += static_cast<double>(gr[j]);
+            return SumPair<double>{gh, gh * xh};
+          });
+          T mg = rms ? T(0) : static_cast<T>(sums.a / static_cast<double>(n));
+          T mgx = static_cast<T>(sums.b / static_cast<double>(n));
+          for (int64_t j = 0; j < n; ++j) dxr[j] = rs * (ghat(j) - mg - xhat(j) * mgx);
         }
       }
     });
@@ -164,7 +163,7 @@ void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor
       T* po = out.data<T>();
       for (int64_t j = 0; j < n; ++j) {
         double s = 0;
-        for (int t = 0; t < nt; ++t) s += part[static_cast<size_t>(t * n + j)];
+        for (int64_t t = 0; t < parts; ++t) s += part[static_cast<size_t>(t * n + j)];
         po[j] = static_cast<T>(s);
       }
     };
@@ -233,10 +232,8 @@ void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits
     parallel_for(0, rows, row_grain(c), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* xr = px + r * c;
-        T m = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j < c; ++j) m = std::max(m, xr[j]);
-        T sum = 0;
-        for (int64_t j = 0; j < c; ++j) sum += fast_exp(xr[j] - m);
+        T m = lane_max(c, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return xr[j]; });
+        T sum = lane_sum<T>(c, [xr, m](int64_t j) { return fast_exp(xr[j] - m); });
         T l = m + std::log(sum);
         plse[r] = l;
         pl[r] = pt[r] == ignore_index ? T(0) : l - xr[pt[r]];

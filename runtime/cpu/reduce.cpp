@@ -1,5 +1,6 @@
 // Reduction kernels. Sums of f32 accumulate in f64, so a sum over a million
-// elements is as accurate as the f32 result can hold.
+// elements is as accurate as the f32 result can hold, and in an order fixed by
+// the shape (runtime/cpu/sums.h), so they do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -7,6 +8,7 @@
 
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/sums.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
@@ -32,52 +34,40 @@ void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int
     return acc != acc || acc <= v ? acc : v;
   };
   if (inner == 1) {
-    if (outer >= 2 * num_threads() || n < 65536) {
-      parallel_for(0, outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
-                   [&](int64_t o0, int64_t o1) {
-                     for (int64_t o = o0; o < o1; ++o) {
-                       const T* row = x + o * n;
-                       A acc = init();
-                       if (op == ReduceOp::Sum) {
-                         for (int64_t k = 0; k < n; ++k) acc += static_cast<A>(row[k]);
-                       } else {
-                         for (int64_t k = 0; k < n; ++k) acc = combine(acc, static_cast<A>(row[k]));
-                       }
-                       out[o] = static_cast<T>(acc);
-                     }
-                   });
-      return;
-    }
-    // Few long rows: split each row over threads, then combine the partials.
-    for (int64_t o = 0; o < outer; ++o) {
-      const T* row = x + o * n;
-      int nt = num_threads();
-      std::vector<A> partial(static_cast<size_t>(nt), init());
-      int64_t chunk = (n + nt - 1) / nt;
-      parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          A acc = init();
-          for (int64_t k = t * chunk; k < std::min(n, (t + 1) * chunk); ++k)
-            acc = combine(acc, static_cast<A>(row[k]));
-          partial[static_cast<size_t>(t)] = acc;
+    // Sums in the fixed order of runtime/cpu/sums.h: a row is split over the
+    // threads only in chunks fixed by its length, so the bits do not depend
+    // on the thread count. Max and min do not depend on the order.
+    int64_t row_grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+    parallel_for(0, outer, row_grain, [&](int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1; ++o) {
+        const T* row = x + o * n;
+        if (op == ReduceOp::Sum) {
+          out[o] = static_cast<T>(chunked_sum<A>(n, [row](int64_t k) { return static_cast<A>(row[k]); }));
+          continue;
         }
-      });
-      A acc = init();
-      for (A p : partial) acc = combine(acc, p);
-      out[o] = static_cast<T>(acc);
-    }
+        A acc = init();
+        for (int64_t k = 0; k < n; ++k) acc = combine(acc, static_cast<A>(row[k]));
+        out[o] = static_cast<T>(acc);
+      }
+    });
     return;
   }
-  // Reduce the middle dim of [outer, n, inner]: accumulate rows into a column block.
+  // Reduce the middle dim of [outer, n, inner]: accumulate rows into a column
+  // block. With few column blocks (a bias gradient: one row of 256 to 1024
+  // columns) a sum also splits the rows, into at most 16 parts fixed by the
+  // shape, whose partial sums are added in part order.
   constexpr int64_t kBlock = 256;
   int64_t blocks = (inner + kBlock - 1) / kBlock;
-  parallel_for(0, outer * blocks, 1, [&](int64_t w0, int64_t w1) {
+  int64_t parts = op == ReduceOp::Sum && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
+  int64_t per_part = (n + parts - 1) / parts;
+  std::vector<A> partial(parts > 1 ? static_cast<size_t>(outer * blocks * parts * kBlock) : 0);
+  parallel_for(0, outer * blocks * parts, 1, [&](int64_t w0, int64_t w1) {
     A acc[kBlock];
     for (int64_t w = w0; w < w1; ++w) {
-      int64_t o = w / blocks, j0 = (w % blocks) * kBlock;
+      int64_t part = w % parts, o = w / parts / blocks, j0 = (w / parts % blocks) * kBlock;
       int64_t len = std::min(kBlock, inner - j0);
       for (int64_t j = 0; j < len; ++j) acc[j] = init();
-      for (int64_t k = 0; k < n; ++k) {
+      for (int64_t k = part * per_part; k < std::min(n, (part + 1) * per_part); ++k) {
         const T* row = x + (o * n + k) * inner + j0;
         if (op == ReduceOp::Sum) {
           for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<A>(row[j]);
@@ -85,9 +75,21 @@ void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int
           for (int64_t j = 0; j < len; ++j) acc[j] = combine(acc[j], static_cast<A>(row[j]));
         }
       }
+      if (parts > 1) {
+        std::copy(acc, acc + len, partial.begin() + w * kBlock);
+        continue;
+      }
       for (int64_t j = 0; j < len; ++j) out[o * inner + j0 + j] = static_cast<T>(acc[j]);
     }
   });
+  for (int64_t ob = 0; parts > 1 && ob < outer * blocks; ++ob) {
+    int64_t o = ob / blocks, j0 = ob % blocks * kBlock, len = std::min(kBlock, inner - j0);
+    for (int64_t j = 0; j < len; ++j) {
+      A total = 0;
+      for (int64_t part = 0; part < parts; ++part) total += partial[static_cast<size_t>((ob * parts + part) * kBlock + j)];
+      out[o * inner + j0 + j] = static_cast<T>(total);
+    }
+  }
 }
 
 }  // namespace
@@ -140,19 +142,10 @@ double sum_squares_one(const Tensor& x) {
   dispatch_float(x.dtype(), "sum_squares", [&](auto tag) {
     using T = decltype(tag);
     const T* p = x.numel() > 0 ? x.data<T>() : nullptr;
-    int64_t n = x.numel();
-    int nt = n < 65536 ? 1 : num_threads();
-    std::vector<double> partial(static_cast<size_t>(nt), 0.0);
-    int64_t chunk = (n + nt - 1) / std::max(nt, 1);
-    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        double acc = 0;
-        for (int64_t i = t * chunk; i < std::min(n, (t + 1) * chunk); ++i)
-          acc += static_cast<double>(p[i]) * static_cast<double>(p[i]);
-        partial[static_cast<size_t>(t)] = acc;
-      }
+    total = chunked_sum<double>(x.numel(), [p](int64_t i) {
+      double v = static_cast<double>(p[i]);  // exact: a float's square fits a double
+      return v * v;
     });
-    for (double v : partial) total += v;
   });
   return total;
 }

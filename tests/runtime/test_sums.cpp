@@ -1,0 +1,131 @@
+// The CPU kernels' sums (runtime/cpu/sums.h) and their thread splits: every
+// result is the same, bit for bit, on 1, 2 and 3 threads (a long contiguous
+// run and a long row are split across threads; the weight gradients of a norm
+// are summed in row blocks), and the sums agree with f64 sums of the same
+// values.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "runtime/parallel.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+
+namespace {
+
+using Results = std::vector<std::pair<std::string, Tensor>>;
+
+// Restores the thread count when a check fails and the test case ends.
+struct ThreadsGuard {
+  int saved = num_threads();
+  ~ThreadsGuard() { set_num_threads(saved); }
+};
+
+// Sizes that cross the splits: runs longer than two 32768-element grains
+// (split over threads), rows longer than two 16384-element chunks, a norm
+// over 300 rows (five row blocks), all of them odd.
+Results split_results() {
+  Results r;
+  auto add = [&](std::string name, const Tensor& t) { r.emplace_back(std::move(name), ops::clone(t)); };
+  Tensor x = randn({3, 40011}, 1), g = randn({3, 40011}, 2);
+  Tensor y = ops::unary(ops::UnaryOp::Gelu, x);
+  add("gelu", y);
+  add("gelu.backward", ops::unary_backward(ops::UnaryOp::Gelu, g, x, y));
+  add("add", ops::add(x, g));
+  add("add broadcast rows", ops::add(randn({2, 1}, 3), randn({2, 90001}, 4)));
+  add("copy", ops::contiguous(ops::transpose(ops::transpose(x, 0, 1), 0, 1)));
+  add("sum long rows", ops::sum(x, {1}));
+  add("sum all", ops::sum(ops::reshape(x, {3 * 40011}), {0}));
+  add("mean", ops::mean(x));
+  add("sum f64", ops::sum(ops::to(x, DType::F64), {1}));
+  add("sum over rows", ops::sum(randn({3001, 300}, 13), {0}));  // a bias gradient
+  add("sum_squares", ops::sum_squares({x, g, randn({13, 17}, 5)}, Device::cpu()));
+  Tensor h = randn({300, 37}, 6), dh = randn({300, 37}, 7), w = randn({37}, 8), b = randn({37}, 9);
+  ops::NormResult ln = ops::layer_norm(h, w, b, 1e-5);
+  add("layer_norm", ln.y);
+  ops::NormGrads lg = ops::layer_norm_backward(dh, h, w, ln.mean, ln.rstd, true);
+  add("layer_norm_backward dx", lg.dx);
+  add("layer_norm_backward dweight", lg.dweight);
+  add("layer_norm_backward dbias", lg.dbias);
+  ops::NormResult rn = ops::rms_norm(h, w, 1e-6);
+  add("rms_norm_backward dweight", ops::rms_norm_backward(dh, h, w, rn.rstd, true).dweight);
+  Tensor logits = randn({7, 1003}, 10), target = randint({7}, 0, 1003, 11);
+  ops::CrossEntropyResult ce = ops::cross_entropy(logits, target);
+  add("cross_entropy", ce.loss);
+  add("softmax", ops::softmax(logits, -1));
+  add("log_softmax_backward", ops::log_softmax_backward(randn({7, 1003}, 12), ops::log_softmax(logits, -1), -1));
+  return r;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+// sum over rows of column j of a [rows, n] f32 tensor, in f64.
+std::vector<double> column_sums(const Tensor& t) {
+  std::vector<float> v = t.to_vector<float>();
+  int64_t rows = t.size(0), n = t.size(1);
+  std::vector<double> out(static_cast<size_t>(n), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j) out[static_cast<size_t>(j)] += v[static_cast<size_t>(r * n + j)];
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("CPU kernels give the same bits on 1, 2 and 3 threads", "[kernels][threads]") {
+  ThreadsGuard guard;
+  set_num_threads(1);
+  Results one = split_results();
+  for (int threads : {2, 3}) {
+    set_num_threads(threads);
+    Results got = split_results();
+    REQUIRE(got.size() == one.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO(threads << " threads: " << got[i].first);
+      CHECK(same_bits(got[i].second, one[i].second));
+    }
+  }
+}
+
+TEST_CASE("lane-ordered sums agree with f64 sums", "[kernels][threads]") {
+  ThreadsGuard guard;
+  set_num_threads(2);
+  for (int64_t n : {1, 7, 8, 9, 16383, 40011, 100003}) {
+    INFO("n=" << n);
+    Tensor x = ops::add(randn({n}, static_cast<uint64_t>(n)), 0.5);
+    std::vector<float> v = x.to_vector<float>();
+    double sum = 0, squares = 0;
+    for (float f : v) {
+      sum += f;
+      squares += static_cast<double>(f) * f;
+    }
+    // An f32 sum accumulated in f64 is the f64 sum rounded once.
+    CHECK(static_cast<float>(ops::sum(x).item()) == static_cast<float>(sum));
+    CHECK(std::abs(ops::sum_squares(x) - squares) <= 1e-12 * squares);
+    std::vector<double> vd(v.begin(), v.end());
+    Tensor xd = from_vector(vd, {n});
+    CHECK(std::abs(ops::sum(xd).item() - sum) <= 1e-13 * std::max(1.0, std::abs(sum)) * std::sqrt(double(n)));
+  }
+  // Column sums over many rows (a bias gradient), split into row parts.
+  Tensor rows = randn({3001, 300}, 13);
+  std::vector<double> want = column_sums(rows);
+  std::vector<float> got = ops::sum(rows, {0}).to_vector<float>();
+  for (size_t j = 0; j < want.size(); ++j) CHECK(got[j] == static_cast<float>(want[j]));
+  // Layer norm's weight and bias gradients: column sums over the rows.
+  Tensor h = randn({300, 37}, 6), dh = randn({300, 37}, 7), w = randn({37}, 8), b = randn({37}, 9);
+  ops::NormResult ln = ops::layer_norm(h, w, b, 1e-5);
+  ops::NormGrads lg = ops::layer_norm_backward(dh, h, w, ln.mean, ln.rstd, true);
+  Tensor xhat = ops::mul(ops::sub(h, ops::unsqueeze(ln.mean, 1)), ops::unsqueeze(ln.rstd, 1));
+  std::vector<double> db = column_sums(dh), dw = column_sums(ops::mul(dh, xhat));
+  std::vector<float> got_b = lg.dbias.to_vector<float>(), got_w = lg.dweight.to_vector<float>();
+  for (size_t j = 0; j < db.size(); ++j) {
+    INFO("column " << j);
+    CHECK(got_b[j] == static_cast<float>(db[j]));
+    CHECK(std::abs(got_w[j] - dw[j]) <= 1e-5 * (1.0 + std::abs(dw[j])));
+  }
+}
