@@ -1,6 +1,8 @@
 // Training-step throughput and peak memory of the GPT benchmark model
-// (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW), with a
-// per-op time breakdown of one step.
+// (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW; or another
+// depth and width, one head per 64 channels), with a per-op time breakdown
+// of one step.
+//   bench_step [steps] [layers] [width]
 #include <sys/resource.h>
 
 #include <chrono>
@@ -19,9 +21,13 @@ int main(int argc, char** argv) {
   nn::TransformerConfig cfg;
   cfg.vocab_size = 256;
   cfg.block_size = 128;
-  cfg.n_layer = 4;
-  cfg.n_head = 4;
-  cfg.n_embd = 256;
+  cfg.n_layer = argc > 2 ? std::atoi(argv[2]) : 4;
+  cfg.n_embd = argc > 3 ? std::atoi(argv[3]) : 256;
+  cfg.n_head = cfg.n_embd / 64;
+  if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0) {
+    std::fprintf(stderr, "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64]\n");
+    return 2;
+  }
   cfg.tie_embeddings = true;
   int64_t batch = 8, seq = 128;
   nn::GPT model(cfg);
@@ -61,8 +67,8 @@ int main(int argc, char** argv) {
               gemm.total_ms, 100.0 * gemm.total_ms / ms, static_cast<long long>(gemm.calls),
               ms - gemm.total_ms, 100.0 * (ms - gemm.total_ms) / ms);
   getrusage(RUSAGE_SELF, &usage);
-  std::printf("threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
+  std::printf("%lldx%lld threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
               "peak RSS %.1f MiB (+%.1f MiB over setup)\n",
-              num_threads(), per, batch * seq / per * 1000.0, (memory_stats().peak_allocated_bytes) / 1048576.0,
-              base / 1048576.0, usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
+              static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), num_threads(), per,
+              batch * seq / per * 1000.0, memory_stats().peak_allocated_bytes / 1048576.0, base / 1048576.0, usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
 }

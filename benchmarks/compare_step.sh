@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# Tessera vs PyTorch eager on the GPT benchmark step, side by side: the two
-# alternate ROUNDS times in one run and the medians are compared (this
-# machine is noisy, so only the ratio is meaningful).
+# Tessera vs PyTorch eager on the GPT benchmark step, side by side: the same
+# model, batch and number of threads; the two alternate ROUNDS times in one
+# run and the medians are compared (these machines are noisy, so only the
+# ratio is meaningful).
 #   benchmarks/compare_step.sh [build-dir] [rounds]
+# THREADS: the thread counts to compare (default "1 2"); MODELS: layers x
+# width (default "4x256 8x512"); TORCH: a python with torch (default the
+# PyTorch 2.x of benchmarks/torch2.sh, installed on demand; /usr/bin/python3
+# for Debian's 1.13).
 set -eu
 build=${1:-build}
 rounds=${2:-3}
-torch_threads=${TORCH_THREADS:-1}   # PyTorch's best setting here (see benchmarks/README.md)
-if ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
-  echo "PyTorch not installed (apt-get install python3-torch): skipping the comparison"; exit 0
+here=$(cd "$(dirname "$0")" && pwd)
+torch_py=${TORCH:-}
+if [ -z "$torch_py" ]; then
+  torch_py=$("$here/torch2.sh") || { echo "no PyTorch 2.x (benchmarks/torch2.sh failed): skipping"; exit 0; }
 fi
-ours=(); theirs=()
-for r in $(seq "$rounds"); do
-  line=$("$build/benchmarks/bench_step" 20 | grep '^threads')
-  ours+=("$(echo "$line" | sed -E 's/.*step ([0-9.]+) ms.*/\1/')")
-  echo "tessera: $line"
-  line=$(/usr/bin/python3 "$(dirname "$0")/torch_step.py" 20 "$torch_threads")
-  theirs+=("$(echo "$line" | sed -E 's/.*step ([0-9.]+) ms.*/\1/')")
-  echo "pytorch: $line"
-done
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-mo=$(median "${ours[@]}"); mt=$(median "${theirs[@]}")
-awk -v a="$mo" -v b="$mt" 'BEGIN { printf "median step: tessera %.1f ms, pytorch %.1f ms -> tessera is %.2fx as fast\n", a, b, b / a }'
+step_ms() { sed -nE 's/.* step ([0-9.]+) ms.*/\1/p'; }
+summary=()
+for model in ${MODELS:-4x256 8x512}; do
+  layers=${model%x*} width=${model#*x}
+  for threads in ${THREADS:-1 2}; do
+    ours=(); theirs=()
+    for r in $(seq "$rounds"); do
+      line=$(OMP_NUM_THREADS=$threads "$build/benchmarks/bench_step" 10 "$layers" "$width" | tail -1)
+      ours+=("$(echo "$line" | step_ms)")
+      echo "tessera: $line"
+      line=$("$torch_py" "$here/torch_step.py" 10 "$threads" "$layers" "$width")
+      theirs+=("$(echo "$line" | step_ms)")
+      echo "pytorch: $line"
+    done
+    summary+=("$(awk -v m="$model" -v t="$threads" -v a="$(median "${ours[@]}")" -v b="$(median "${theirs[@]}")" \
+      'BEGIN { printf "%-6s %d thread(s): tessera %7.1f ms, pytorch %7.1f ms -> tessera is %.2fx as fast", m, t, a, b, b / a }')")
+  done
+done
+echo "median step, $("$torch_py" -c 'import torch; print("torch", torch.__version__)'):"
+printf '%s\n' "${summary[@]}"

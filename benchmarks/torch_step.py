@@ -1,10 +1,11 @@
 #!/usr/bin/python3
 """PyTorch eager reference for bench_step: the same GPT (4 layers, d=256,
-4 heads, seq 128, batch 8, vocab 256, tied embeddings, AdamW, clip 1.0),
-timed the same way. Optional: needs Debian's python3-torch (run with
-/usr/bin/python3). Prints one line like bench_step's summary.
+4 heads, seq 128, batch 8, vocab 256, tied embeddings, AdamW, clip 1.0; or
+another depth and width, one head per 64 channels), timed the same way.
+Optional: any PyTorch (benchmarks/torch2.sh installs a 2.x on demand).
+Prints one line like bench_step's summary.
 
-    /usr/bin/python3 benchmarks/torch_step.py [steps] [threads]
+    python benchmarks/torch_step.py [steps] [threads] [layers] [width]
 """
 import resource
 import sys
@@ -21,9 +22,11 @@ V, T, L, H, C, B = 256, 128, 4, 4, 256, 8
 def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    layers = int(sys.argv[3]) if len(sys.argv) > 3 else L
+    width = int(sys.argv[4]) if len(sys.argv) > 4 else C
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    model = GPT(V, T, L, H, C)
+    model = GPT(V, T, layers, width // 64, width)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, T))
@@ -41,7 +44,7 @@ def main():
             total += ms
     per = total / steps
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"torch {torch.__version__} threads {threads}  step {per:.1f} ms  tokens/s {B * T / per * 1000:.0f}  "
+    print(f"torch {torch.__version__} {layers}x{width} threads {threads}  step {per:.1f} ms  tokens/s {B * T / per * 1000:.0f}  "
           f"peak RSS {peak_mib:.1f} MiB (+{peak_mib - rss_setup:.1f} MiB over setup)")
 
 
