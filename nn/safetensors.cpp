@@ -134,10 +134,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path, uint64_t max_header_by
   TS_CHECK(!ec, "{}: cannot read safetensors file ({})", path, ec.message());
   TS_CHECK(size >= 8, "{}: truncated safetensors file ({} bytes, the header length alone needs 8)",
            path, size);
-  file_ = std::fopen(path.c_str(), "rb");
+  file_.reset(std::fopen(path.c_str(), "rb"));
   TS_CHECK(file_ != nullptr, "{}: cannot open safetensors file", path);
   unsigned char len_bytes[8];
-  TS_CHECK(std::fread(len_bytes, 1, 8, file_) == 8, "{}: cannot read the header length", path);
+  TS_CHECK(std::fread(len_bytes, 1, 8, file_.get()) == 8, "{}: cannot read the header length", path);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];  // little-endian
   TS_CHECK(header_len <= max_header_bytes, "{}: header of {} bytes exceeds the limit of {}", path,
@@ -146,15 +146,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path, uint64_t max_header_by
            "{}: header of {} bytes runs past the end of the {}-byte file (truncated?)", path,
            header_len, size);
   std::string text(header_len, '\0');
-  TS_CHECK(std::fread(text.data(), 1, header_len, file_) == header_len,
+  TS_CHECK(std::fread(text.data(), 1, header_len, file_.get()) == header_len,
            "{}: cannot read the header", path);
   data_start_ = 8 + header_len;
   entries_ = parse_header(text, size - data_start_, path, &metadata_);
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (file_) std::fclose(file_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
   for (const auto& e : entries_)
@@ -182,11 +180,11 @@ Tensor SafetensorsFile::read_rows(const std::string& name, int64_t begin, int64_
   uint64_t row_bytes = rows ? (e->end - e->begin) / static_cast<uint64_t>(rows) : 0;
   uint64_t n = row_bytes * static_cast<uint64_t>(count);
   if (n > 0) {
-    TS_CHECK(fseeko(file_,
+    TS_CHECK(fseeko(file_.get(),
                     static_cast<off_t>(data_start_ + e->begin +
                                        row_bytes * static_cast<uint64_t>(begin)),
                     SEEK_SET) == 0 &&
-                 std::fread(t.host_data_ptr(), 1, n, file_) == n,
+                 std::fread(t.host_data_ptr(), 1, n, file_.get()) == n,
              "{}: cannot read tensor '{}' ({} bytes; truncated file?)", path_, name, n);
   }
   return dtype && *dtype != t.dtype() ? ops::to(t, *dtype) : t;

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,8 +51,13 @@ class SafetensorsFile {
       std::map<std::string, std::string>* metadata = nullptr);
 
  private:
+  struct FileCloser {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
   std::string path_;
-  std::FILE* file_ = nullptr;
+  // Owned from the open on, so a header that is refused mid-constructor (the
+  // destructor then never runs) still closes the file.
+  std::unique_ptr<std::FILE, FileCloser> file_;
   uint64_t data_start_ = 0;
   std::vector<SafetensorsEntry> entries_;
   std::map<std::string, std::string> metadata_;

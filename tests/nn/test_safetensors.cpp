@@ -122,6 +122,29 @@ TEST_CASE("safetensors written by an independent Python writer", "[safetensors][
   CHECK(s.item() == 42.5);
 }
 
+TEST_CASE("a rejected safetensors file leaves no file open, thousands of times",
+          "[safetensors][errors]") {
+  TempDir dir;
+  auto open_fds = [] {
+    return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator{});
+  };
+  // One rejection per stage of the reader that runs after the file is opened:
+  // the header length, the header text, the entries against the data.
+  std::vector<fs::path> bad;
+  auto add = [&](const std::string& name, const std::string& bytes) {
+    bad.push_back(dir.path / name);
+    write_bytes(bad.back(), bytes);
+  };
+  add("limit.safetensors", std::string(8, '\xff') + "{}");
+  add("json.safetensors", file_bytes("{\"a\": ", ""));
+  add("data.safetensors",
+      file_bytes(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "1234"));
+  auto before = open_fds();
+  for (int i = 0; i < 3000; ++i)  // beyond the usual limit of 1024 descriptors
+    for (const fs::path& p : bad) CHECK_THROWS(nn::SafetensorsFile(p));
+  CHECK(open_fds() == before);
+}
+
 TEST_CASE("malformed safetensors files are rejected naming file and tensor",
           "[safetensors][errors]") {
   TempDir dir;
