@@ -21,6 +21,37 @@ void dispatch_float(DType dt, const char* what, F&& f) {
   TS_CHECK(false, "{}: expected an f32 or f64 tensor here, got {}", what, dtype_name(dt));
 }
 
+// Calls f(S{}) with S the storage type of a floating dtype: f32, f64, and
+// bf16/f16 as their storage structs, which kernels read and write as such and
+// compute on in f32 (Compute<S>, load, store below).
+template <class F>
+void dispatch_floating(DType dt, const char* what, F&& f) {
+  switch (dt) {
+    case DType::F32: return f(float{});
+    case DType::F64: return f(double{});
+    case DType::BF16: return f(BFloat16{});
+    case DType::F16: return f(Half{});
+    default: TS_CHECK(false, "{}: expected a floating-point tensor here, got {}", what, dtype_name(dt));
+  }
+}
+
+// The type a kernel computes in for storage type S: f32 for bf16 and f16, S
+// itself otherwise. A 16-bit result is rounded once, from the f32 value.
+template <class S>
+using Compute = std::conditional_t<std::is_same_v<S, BFloat16> || std::is_same_v<S, Half>, float, S>;
+template <class S>
+TS_INLINE Compute<S> load(S v) {
+  if constexpr (std::is_same_v<S, BFloat16>) return bf16_to_float(v);
+  else if constexpr (std::is_same_v<S, Half>) return f16_to_float(v);
+  else return v;
+}
+template <class S>
+TS_INLINE S store(Compute<S> v) {
+  if constexpr (std::is_same_v<S, BFloat16>) return float_to_bf16(v);
+  else if constexpr (std::is_same_v<S, Half>) return float_to_f16(v);
+  else return v;
+}
+
 // Calls f(T{}) for every dtype (bf16/f16 as their storage structs).
 template <class F>
 void dispatch_all(DType dt, F&& f) {

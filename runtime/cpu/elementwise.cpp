@@ -65,9 +65,11 @@ using math::apply_unary;
 using math::apply_unary_backward;
 
 // The switch is hoisted out of the loop by instantiating one loop per op.
+// T is the storage type: bf16/f16 are read into f32 registers, computed on
+// there, and rounded once when stored (runtime/cpu/dispatch.h).
 template <class T, UnaryOp Op>
 void unary_loop(T* out, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = apply_unary(Op, x[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_unary(Op, load(x[i])));
 }
 
 template <class T>
@@ -85,7 +87,7 @@ void unary_contiguous(UnaryOp op, T* out, const T* x, int64_t n) {
 }
 
 void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
-  dispatch_float(out.dtype(), ops::unary_name(op), [&](auto tag) {
+  dispatch_floating(out.dtype(), ops::unary_name(op), [&](auto tag) {
     using T = decltype(tag);
     StridedLoop<2> loop(out.shape(), {&out, &x});
     loop.run([op](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
@@ -93,14 +95,14 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
         return unary_contiguous<T>(op, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]), n);
       for (int64_t i = 0; i < n; ++i)
         *reinterpret_cast<T*>(p[0] + i * s[0]) =
-            apply_unary(op, *reinterpret_cast<T*>(p[1] + i * s[1]));
+            store<T>(apply_unary(op, load(*reinterpret_cast<T*>(p[1] + i * s[1]))));
     });
   });
 }
 
 template <class T, UnaryOp Op>
 void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) gx[i] = apply_unary_backward(Op, gy[i], x[i], y[i]);
+  for (int64_t i = 0; i < n; ++i) gx[i] = store<T>(apply_unary_backward(Op, load(gy[i]), load(x[i]), load(y[i])));
 }
 
 template <class T>
@@ -122,7 +124,7 @@ void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor
                     const Tensor& y) {
   // y may be undefined for ops that only need x; point it at x then.
   const Tensor& yy = y.defined() ? y : x;
-  dispatch_float(gx.dtype(), ops::unary_name(op), [&](auto tag) {
+  dispatch_floating(gx.dtype(), ops::unary_name(op), [&](auto tag) {
     using T = decltype(tag);
     StridedLoop<4> loop(gx.shape(), {&gx, &gy, &x, &yy});
     loop.run([op](std::array<char*, 4> p, const std::array<int64_t, 4>& s, int64_t n) {
@@ -131,10 +133,10 @@ void unary_backward(UnaryOp op, const Tensor& gx, const Tensor& gy, const Tensor
         return unary_backward_contiguous<T>(op, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]),
                                             reinterpret_cast<T*>(p[2]), reinterpret_cast<T*>(p[3]), n);
       for (int64_t i = 0; i < n; ++i)
-        *reinterpret_cast<T*>(p[0] + i * s[0]) =
-            apply_unary_backward(op, *reinterpret_cast<T*>(p[1] + i * s[1]),
-                                 *reinterpret_cast<T*>(p[2] + i * s[2]),
-                                 *reinterpret_cast<T*>(p[3] + i * s[3]));
+        *reinterpret_cast<T*>(p[0] + i * s[0]) = store<T>(
+            apply_unary_backward(op, load(*reinterpret_cast<T*>(p[1] + i * s[1])),
+                                 load(*reinterpret_cast<T*>(p[2] + i * s[2])),
+                                 load(*reinterpret_cast<T*>(p[3] + i * s[3]))));
     });
   });
 }
@@ -151,17 +153,17 @@ void binary_inner(char* o, const char* a, const char* b, int64_t so, int64_t sa,
   const T* x = reinterpret_cast<const T*>(a);
   const T* y = reinterpret_cast<const T*>(b);
   if (so == e && sa == e && sb == e) {
-    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, x[i], y[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_binary(Op, load(x[i]), load(y[i])));
   } else if (so == e && sa == e && sb == 0) {
-    T yv = *y;
-    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, x[i], yv);
+    Compute<T> yv = load(*y);
+    for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_binary(Op, load(x[i]), yv));
   } else if (so == e && sa == 0 && sb == e) {
-    T xv = *x;
-    for (int64_t i = 0; i < n; ++i) out[i] = apply_binary(Op, xv, y[i]);
+    Compute<T> xv = load(*x);
+    for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_binary(Op, xv, load(y[i])));
   } else {
     for (int64_t i = 0; i < n; ++i)
-      *reinterpret_cast<T*>(o + i * so) = apply_binary(Op, *reinterpret_cast<const T*>(a + i * sa),
-                                                       *reinterpret_cast<const T*>(b + i * sb));
+      *reinterpret_cast<T*>(o + i * so) = store<T>(apply_binary(
+          Op, load(*reinterpret_cast<const T*>(a + i * sa)), load(*reinterpret_cast<const T*>(b + i * sb))));
   }
 }
 
@@ -172,7 +174,7 @@ void binary_typed(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor&
     loop.run([op](std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n) {
       for (int64_t i = 0; i < n; ++i)
         *reinterpret_cast<bool*>(p[0] + i * s[0]) = apply_compare(
-            op, *reinterpret_cast<T*>(p[1] + i * s[1]), *reinterpret_cast<T*>(p[2] + i * s[2]));
+            op, load(*reinterpret_cast<T*>(p[1] + i * s[1])), load(*reinterpret_cast<T*>(p[2] + i * s[2])));
     });
     return;
   }
@@ -192,6 +194,8 @@ void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   switch (a.dtype()) {
     case DType::F32: return binary_typed<float>(op, out, a, b);
     case DType::F64: return binary_typed<double>(op, out, a, b);
+    case DType::BF16: return binary_typed<BFloat16>(op, out, a, b);
+    case DType::F16: return binary_typed<Half>(op, out, a, b);
     case DType::I32: return binary_typed<int32_t>(op, out, a, b);
     case DType::I64: return binary_typed<int64_t>(op, out, a, b);
     case DType::Bool: return binary_typed<bool>(op, out, a, b);
@@ -200,6 +204,23 @@ void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
 }
 
 void binary_scalar(BinaryOp op, const Tensor& out, const Tensor& a, double s, bool scalar_first) {
+  if (a.dtype() == DType::BF16 || a.dtype() == DType::F16) {
+    // The scalar stays in f32, the compute type, instead of being rounded to
+    // the tensor's dtype first (0.99 in bf16 would be 0.990234375).
+    float v = static_cast<float>(s);
+    dispatch_floating(a.dtype(), ops::binary_name(op), [&](auto tag) {
+      using T = decltype(tag);
+      StridedLoop<2> loop(out.shape(), {&out, &a});
+      loop.run([op, v, scalar_first](std::array<char*, 2> p, const std::array<int64_t, 2>& st, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+          float x = load(*reinterpret_cast<T*>(p[1] + i * st[1]));
+          *reinterpret_cast<T*>(p[0] + i * st[0]) =
+              store<T>(scalar_first ? apply_binary(op, v, x) : apply_binary(op, x, v));
+        }
+      });
+    });
+    return;
+  }
   Tensor sc = empty({}, a.dtype());
   fill(sc, s);
   Tensor expanded = ops::expand(sc, a.shape());
@@ -221,14 +242,18 @@ void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor&
 }
 
 template <class T, PointwiseOp Op>
-void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n, T c) {
+void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n, Compute<T> c) {
   constexpr int64_t e = sizeof(T);
-  auto step = [c](T& x, T a, T b) { math::apply_pointwise<Op>(x, a, b, c); };
+  auto step = [c](T& x, T a, T b) {
+    Compute<T> v = load(x);
+    math::apply_pointwise<Op>(v, load(a), load(b), c);
+    x = store<T>(v);
+  };
   if (s[0] == e && s[1] == e && (s[2] == e || Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp)) {
     T* x = reinterpret_cast<T*>(p[0]);
     const T* a = reinterpret_cast<const T*>(p[1]);
     const T* b = reinterpret_cast<const T*>(p[2]);
-    for (int64_t i = 0; i < n; ++i) step(x[i], a[i], (Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp) ? T(0) : b[i]);
+    for (int64_t i = 0; i < n; ++i) step(x[i], a[i], (Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp) ? a[i] : b[i]);
     return;
   }
   for (int64_t i = 0; i < n; ++i)
@@ -238,10 +263,10 @@ void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, in
 
 void pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b, double s) {
   const Tensor& bb = b.defined() ? b : a;
-  dispatch_float(x.dtype(), "in-place update", [&](auto tag) {
+  dispatch_floating(x.dtype(), "in-place update", [&](auto tag) {
     using T = decltype(tag);
     StridedLoop<3> loop(x.shape(), {&x, &a, &bb});
-    T c = static_cast<T>(s);
+    Compute<T> c = static_cast<Compute<T>>(s);
     loop.run([op, c](std::array<char*, 3> p, const std::array<int64_t, 3>& st, int64_t n) {
       switch (op) {
         case PointwiseOp::AddScaled: return pointwise_inner<T, PointwiseOp::AddScaled>(p, st, n, c);
@@ -254,14 +279,15 @@ void pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b
 }
 
 void clamp(const Tensor& x, double lo, double hi) {
-  dispatch_float(x.dtype(), "clamp_", [&](auto tag) {
+  dispatch_floating(x.dtype(), "clamp_", [&](auto tag) {
     using T = decltype(tag);
     StridedLoop<1> loop(x.shape(), {&x});
-    T l = static_cast<T>(lo), h = static_cast<T>(hi);
+    Compute<T> l = static_cast<Compute<T>>(lo), h = static_cast<Compute<T>>(hi);
     loop.run([l, h](std::array<char*, 1> p, const std::array<int64_t, 1>& s, int64_t n) {
       for (int64_t i = 0; i < n; ++i) {
-        T& v = *reinterpret_cast<T*>(p[0] + i * s[0]);
-        v = v < l ? l : (v > h ? h : v);
+        T& x = *reinterpret_cast<T*>(p[0] + i * s[0]);
+        Compute<T> v = load(x);
+        x = store<T>(v < l ? l : (v > h ? h : v));
       }
     });
   });

@@ -13,8 +13,13 @@
 namespace tessera {
 namespace cpu {
 
-// Every family computes bf16/f16 in f32 (and f64 in f64).
-DType compute_dtype(KernelFamily, DType dtype) { return tessera::compute_dtype(dtype); }
+// The elementwise kernels take bf16/f16 as they are (read into f32 registers,
+// rounded once on store: no f32 copy of the tensor); every other family
+// computes bf16/f16 on f32 copies the ops layer makes (and f64 in f64).
+DType compute_dtype(KernelFamily family, DType dtype) {
+  if (family == KernelFamily::Elementwise) return dtype;
+  return tessera::compute_dtype(dtype);
+}
 
 namespace {
 

@@ -374,6 +374,78 @@ TEST_CASE("bf16 and f16 arithmetic equals f32 arithmetic rounded once", "[dtype]
   }
 }
 
+TEST_CASE("the CPU's elementwise kernels take bf16 and f16 natively: f32 math rounded once, no f32 copies",
+          "[dtype][kernels]") {
+  using U = ops::UnaryOp;
+  using B = ops::BinaryOp;
+  for (DType dt : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(dt));
+    REQUIRE(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, dt) == dt);
+    // Awkward sizes, a transposed operand and broadcasting; inputs already in
+    // dt, so the f32 reference sees exactly the same values.
+    Tensor x = ops::to(ops::mul(randn({37, 29}, 1), 2.0), dt), g = ops::to(randn({37, 29}, 2), dt);
+    Tensor pos = ops::to(ops::add(ops::unary(U::Abs, ops::to(x, DType::F32)), 0.25), dt);
+    Tensor row = ops::to(randn({1, 29}, 3), dt), xt = ops::transpose(ops::to(randn({29, 37}, 4), dt), 0, 1);
+    Tensor row_pos = ops::to(ops::add(ops::unary(U::Abs, ops::to(row, DType::F32)), 0.25), dt);
+    auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
+    auto same = [&](const std::string& what, const Tensor& low, const Tensor& ref32) {
+      INFO(what);
+      CHECK(low.dtype() == (ref32.dtype() == DType::Bool ? DType::Bool : dt));
+      Tensor want = ref32.dtype() == DType::Bool ? ref32 : ops::to(ref32, dt);
+      CHECK(testing::equal(ops::to(low, DType::F64), ops::to(want, DType::F64)));
+    };
+    for (U op : {U::Neg, U::Exp, U::Log, U::Sqrt, U::Rsqrt, U::Abs, U::Tanh, U::Sigmoid, U::Relu, U::Gelu,
+                 U::GeluTanh, U::Silu, U::Sin, U::Cos, U::Square, U::Reciprocal, U::Sign}) {
+      bool positive = op == U::Log || op == U::Sqrt || op == U::Rsqrt || op == U::Reciprocal;
+      const Tensor& in = positive ? pos : x;
+      Tensor y = ops::unary(op, in);
+      same(ops::unary_name(op), y, ops::unary(op, f(in)));
+      same(std::string(ops::unary_name(op)) + " transposed", ops::unary(op, ops::transpose(in, 0, 1)),
+           ops::unary(op, ops::transpose(f(in), 0, 1)));
+      same(std::string(ops::unary_name(op)) + ".backward", ops::unary_backward(op, g, in, y),
+           ops::unary_backward(op, f(g), f(in), f(y)));
+    }
+    for (B op : {B::Add, B::Sub, B::Mul, B::Div, B::Pow, B::Maximum, B::Minimum, B::Lt, B::Ge, B::Eq}) {
+      const Tensor& lhs = op == B::Pow ? pos : x;
+      std::string name = ops::binary_name(op);
+      same(name, ops::binary(op, lhs, g), ops::binary(op, f(lhs), f(g)));
+      same(name + " broadcast", ops::binary(op, lhs, row), ops::binary(op, f(lhs), f(row)));
+      const Tensor& first = op == B::Pow ? row_pos : row;  // a negative base to a fractional power is NaN
+      same(name + " broadcast first", ops::binary(op, first, lhs), ops::binary(op, f(first), f(lhs)));
+      same(name + " transposed", ops::binary(op, lhs, xt), ops::binary(op, f(lhs), f(xt)));
+    }
+    // In-place updates: the scalar stays f32 (0.99 is not rounded to dt first).
+    auto inplace = [&](const std::string& what, auto&& update) {
+      Tensor low = ops::clone(x), ref = f(x);
+      update(low);
+      update(ref);
+      same(what, low, ref);
+    };
+    inplace("add_", [&](const Tensor& t) { ops::add_(t, t.dtype() == dt ? g : f(g), 0.37); });
+    inplace("add_ scalar", [](const Tensor& t) { ops::add_(t, 0.99); });
+    inplace("mul_ scalar", [](const Tensor& t) { ops::mul_(t, 0.99); });
+    inplace("mul_ broadcast", [&](const Tensor& t) { ops::mul_(t, t.dtype() == dt ? row : f(row)); });
+    inplace("div_", [&](const Tensor& t) { ops::div_(t, t.dtype() == dt ? pos : f(pos)); });
+    inplace("addcmul_", [&](const Tensor& t) {
+      ops::addcmul_(t, t.dtype() == dt ? g : f(g), t.dtype() == dt ? pos : f(pos), -0.3);
+    });
+    inplace("addcdiv_", [&](const Tensor& t) {
+      ops::addcdiv_(t, t.dtype() == dt ? g : f(g), t.dtype() == dt ? pos : f(pos), 0.7);
+    });
+    inplace("lerp_", [&](const Tensor& t) { ops::lerp_(t, t.dtype() == dt ? g : f(g), 0.1); });
+    inplace("clamp_", [](const Tensor& t) { ops::clamp_(t, -0.51, 0.77); });
+    inplace("sqrt_ of abs", [](const Tensor& t) { ops::sqrt_(ops::copy_(t, ops::unary(U::Abs, t))); });
+  }
+  // No f32 copy of a whole tensor: GELU forward and backward on 1M bf16
+  // elements allocate their 2 MB outputs and nothing more.
+  Tensor big = ops::to(randn({1024, 1024}, 5), DType::BF16), gb = ops::to(randn({1024, 1024}, 6), DType::BF16);
+  reset_peak_memory_stats();
+  int64_t base = memory_stats().allocated_bytes;
+  Tensor y = ops::unary(U::Gelu, big);
+  Tensor gx = ops::unary_backward(U::Gelu, gb, big, y);
+  CHECK(memory_stats().peak_allocated_bytes - base == 2 * 1024 * 1024 * 2);
+}
+
 TEST_CASE("embedding takes i32 or i64 indices alike; other index dtypes are refused", "[kernels][embedding]") {
   Tensor weight = randn({17, 3}, 4);
   Tensor idx64 = randint({5, 7}, 0, 17, 5);

@@ -327,11 +327,13 @@ struct NativeBf16Backend {
 
 TEST_CASE("the ops layer hands each kernel family the dtype its table declares", "[stream][dtype]") {
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::F32);
-  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, DType::F16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, DType::F16) == DType::F16);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::BF16) == DType::F32);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::F64) == DType::F64);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::I64) == DType::I64);
 
-  // Odd sizes; bf16 inputs on the CPU (which widens every family) and on a
+  // Odd sizes; bf16 inputs on the CPU (which widens every family but the
+  // elementwise one) and on a
   // backend that takes bf16 natively for elementwise and softmax kernels.
   auto inputs = [](Device d) {
     return std::pair{ops::to(randn({7, 13}, 21, DType::F32, d), DType::BF16),
