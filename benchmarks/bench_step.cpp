@@ -2,11 +2,13 @@
 // (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW; or another
 // depth and width, one head per 64 channels), with a per-op time breakdown
 // of one step.
-//   bench_step [steps] [layers] [width]
+//   bench_step [steps] [layers] [width] [f32|bf16]   (bf16: parameters,
+//   activations and AdamW state all in bf16, to profile the 16-bit kernels)
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
+#include <string>
 
 #include "nn/models.h"
 #include "nn/optim.h"
@@ -24,14 +26,17 @@ int main(int argc, char** argv) {
   cfg.n_layer = argc > 2 ? std::atoi(argv[2]) : 4;
   cfg.n_embd = argc > 3 ? std::atoi(argv[3]) : 256;
   cfg.n_head = cfg.n_embd / 64;
-  if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0) {
-    std::fprintf(stderr, "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64]\n");
+  std::string dtype = argc > 4 ? argv[4] : "f32";
+  if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0 ||
+      (dtype != "f32" && dtype != "bf16")) {
+    std::fprintf(stderr, "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16]\n");
     return 2;
   }
   cfg.tie_embeddings = true;
   int64_t batch = 8, seq = 128;
   nn::GPT model(cfg);
   model.init_weights(1);
+  if (dtype == "bf16") model.to(DType::BF16);
   optim::AdamW opt(model.parameters(), {.lr = 3e-4, .weight_decay = 0.1});
   Tensor x = randint({batch, seq}, 0, 256, 1), y = randint({batch, seq}, 0, 256, 2);
   reset_peak_memory_stats();

@@ -32,17 +32,22 @@ void copy(const Tensor& dst, const Tensor& src) {
     using D = decltype(d);
     dispatch_all(src.dtype(), [&](auto sv) {
       using S = decltype(sv);
-      loop.run([](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
+      auto convert = [](S v) -> D {
+        if constexpr (std::is_same_v<S, float> && std::is_same_v<D, BFloat16>) return float_to_bf16(v);
+        else if constexpr (std::is_same_v<S, BFloat16> && std::is_same_v<D, float>) return bf16_to_float(v);
+        else return from_double<D>(to_double(v));
+      };
+      loop.run([convert](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
+        if (s[0] == sizeof(D) && s[1] == sizeof(S)) {  // contiguous: a loop that vectorises
+          D* out = reinterpret_cast<D*>(p[0]);
+          const S* in = reinterpret_cast<const S*>(p[1]);
+          for (int64_t i = 0; i < n; ++i) out[i] = convert(in[i]);
+          return;
+        }
         for (int64_t i = 0; i < n; ++i) {
           S v;
           std::memcpy(&v, p[1] + i * s[1], sizeof(S));
-          D out;
-          if constexpr (std::is_same_v<S, float> && std::is_same_v<D, BFloat16>)
-            out = float_to_bf16(v);
-          else if constexpr (std::is_same_v<S, BFloat16> && std::is_same_v<D, float>)
-            out = bf16_to_float(v);
-          else
-            out = from_double<D>(to_double(v));
+          D out = convert(v);
           std::memcpy(p[0] + i * s[0], &out, sizeof(D));
         }
       });

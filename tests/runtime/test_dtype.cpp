@@ -1,3 +1,4 @@
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -87,6 +88,36 @@ TEST_CASE("tensor dtype conversion uses the same rounding", "[dtype]") {
   for (size_t i = 0; i < vx.size(); ++i) {
     CHECK(vb[i] == bf16_to_float(float_to_bf16(vx[i])));
     CHECK(vh[i] == f16_to_float(float_to_f16(vx[i])));
+  }
+  // Contiguous (a vectorised loop, split across threads when long) and
+  // strided conversions, with the special values: ties, NaN, infinities,
+  // subnormals, values that round up to infinity.
+  std::vector<float> special{0.0f, -0.0f, 1.0f + 1.0f / 256, 1.0f + 3.0f / 256, INFINITY, -INFINITY, NAN,
+                             -NAN, 1e-40f, -3e-39f, 3.4e38f, 65519.0f, 65520.0f, 6e-8f, 1.0f / 3};
+  std::vector<float> values = randn({70001}, 4).to_vector<float>();
+  values.insert(values.end(), special.begin(), special.end());
+  Tensor big = from_vector(values, {static_cast<int64_t>(values.size())});
+  for (const Tensor& src : {big, ops::transpose(ops::reshape(ops::narrow(big, 0, 0, 70000), {350, 200}), 0, 1)}) {
+    std::vector<float> in = ops::contiguous(src).to_vector<float>();
+    std::vector<uint16_t> want_b(in.size()), want_h(in.size());
+    for (size_t k = 0; k < in.size(); ++k) {
+      want_b[k] = float_to_bf16(in[k]).bits;
+      want_h[k] = float_to_f16(in[k]).bits;
+    }
+    Tensor tb = ops::contiguous(ops::to(src, DType::BF16)), th = ops::contiguous(ops::to(src, DType::F16));
+    CHECK(std::memcmp(tb.data_ptr(), want_b.data(), want_b.size() * 2) == 0);
+    CHECK(std::memcmp(th.data_ptr(), want_h.data(), want_h.size() * 2) == 0);
+    // And back: every bf16/f16 value is exact in f32.
+    std::vector<float> back_b = ops::to(tb, DType::F32).to_vector<float>();
+    std::vector<float> back_h = ops::to(th, DType::F32).to_vector<float>();
+    for (size_t k = 0; k < in.size(); ++k) {
+      INFO(k);
+      uint32_t wb = static_cast<uint32_t>(want_b[k]) << 16, gb;
+      std::memcpy(&gb, &back_b[k], 4);
+      CHECK(gb == wb);
+      float wh = f16_to_float(Half{want_h[k]});
+      CHECK(std::memcmp(&back_h[k], &wh, 4) == 0);
+    }
   }
   Tensor i = ops::to(from_vector<float>({-2.7f, 0.5f, 3.9f}, {3}), DType::I64);
   CHECK(i.to_vector<int64_t>() == std::vector<int64_t>{-2, 0, 3});
