@@ -29,7 +29,9 @@ int main(int argc, char** argv) {
   std::string dtype = argc > 4 ? argv[4] : "f32";
   if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0 ||
       (dtype != "f32" && dtype != "bf16")) {
-    std::fprintf(stderr, "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16]\n");
+    std::fprintf(
+        stderr,
+        "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16]\n");
     return 2;
   }
   cfg.tie_embeddings = true;
@@ -72,8 +74,10 @@ int main(int argc, char** argv) {
               gemm.total_ms, 100.0 * gemm.total_ms / ms, static_cast<long long>(gemm.calls),
               ms - gemm.total_ms, 100.0 * (ms - gemm.total_ms) / ms);
   getrusage(RUSAGE_SELF, &usage);
-  std::printf("%lldx%lld threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
-              "peak RSS %.1f MiB (+%.1f MiB over setup)\n",
-              static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), num_threads(), per,
-              batch * seq / per * 1000.0, memory_stats().peak_allocated_bytes / 1048576.0, base / 1048576.0, usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
+  std::printf(
+      "%lldx%lld threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "
+      "peak RSS %.1f MiB (+%.1f MiB over setup)\n",
+      static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), num_threads(), per,
+      batch * seq / per * 1000.0, memory_stats().peak_allocated_bytes / 1048576.0, base / 1048576.0,
+      usage.ru_maxrss / 1024.0, usage.ru_maxrss / 1024.0 - rss_setup);
 }

@@ -137,7 +137,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path, uint64_t max_header_by
   file_.reset(std::fopen(path.c_str(), "rb"));
   TS_CHECK(file_ != nullptr, "{}: cannot open safetensors file", path);
   unsigned char len_bytes[8];
-  TS_CHECK(std::fread(len_bytes, 1, 8, file_.get()) == 8, "{}: cannot read the header length", path);
+  TS_CHECK(std::fread(len_bytes, 1, 8, file_.get()) == 8, "{}: cannot read the header length",
+           path);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];  // little-endian
   TS_CHECK(header_len <= max_header_bytes, "{}: header of {} bytes exceeds the limit of {}", path,

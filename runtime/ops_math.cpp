@@ -26,7 +26,7 @@ const char* binary_name(BinaryOp op) {
 
 DType compute_dtype(Device device, KernelFamily family, DType dtype) {
   if (!is_floating(dtype)) return dtype;
-  if (device.is_meta()) return kernels(Device::cpu()).compute_dtype(family, dtype);  // as the CPU would
+  if (device.is_meta()) return kernels(Device::cpu()).compute_dtype(family, dtype);  // as the CPU
   return kernels(device).compute_dtype(family, dtype);
 }
 

@@ -31,14 +31,16 @@ void dispatch_floating(DType dt, const char* what, F&& f) {
     case DType::F64: return f(double{});
     case DType::BF16: return f(BFloat16{});
     case DType::F16: return f(Half{});
-    default: TS_CHECK(false, "{}: expected a floating-point tensor here, got {}", what, dtype_name(dt));
+    default:
+      TS_CHECK(false, "{}: expected a floating-point tensor here, got {}", what, dtype_name(dt));
   }
 }
 
 // The type a kernel computes in for storage type S: f32 for bf16 and f16, S
 // itself otherwise. A 16-bit result is rounded once, from the f32 value.
 template <class S>
-using Compute = std::conditional_t<std::is_same_v<S, BFloat16> || std::is_same_v<S, Half>, float, S>;
+using Compute =
+    std::conditional_t<std::is_same_v<S, BFloat16> || std::is_same_v<S, Half>, float, S>;
 template <class S>
 TS_INLINE Compute<S> load(S v) {
   if constexpr (std::is_same_v<S, BFloat16>) return bf16_to_float(v);

@@ -32,10 +32,15 @@ void copy(const Tensor& dst, const Tensor& src) {
     using D = decltype(d);
     dispatch_all(src.dtype(), [&](auto sv) {
       using S = decltype(sv);
-      auto convert = [](S v) -> D {
-        if constexpr (std::is_same_v<S, float> && std::is_same_v<D, BFloat16>) return float_to_bf16(v);
-        else if constexpr (std::is_same_v<S, BFloat16> && std::is_same_v<D, float>) return bf16_to_float(v);
-        else return from_double<D>(to_double(v));
+      auto convert = [](S v) {
+        D out;
+        if constexpr (std::is_same_v<S, float> && std::is_same_v<D, BFloat16>)
+          out = float_to_bf16(v);
+        else if constexpr (std::is_same_v<S, BFloat16> && std::is_same_v<D, float>)
+          out = bf16_to_float(v);
+        else
+          out = from_double<D>(to_double(v));
+        return out;
       };
       loop.run([convert](std::array<char*, 2> p, const std::array<int64_t, 2>& s, int64_t n) {
         if (s[0] == sizeof(D) && s[1] == sizeof(S)) {  // contiguous: a loop that vectorises
@@ -107,7 +112,8 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
 
 template <class T, UnaryOp Op>
 void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) gx[i] = store<T>(apply_unary_backward(Op, load(gy[i]), load(x[i]), load(y[i])));
+  for (int64_t i = 0; i < n; ++i)
+    gx[i] = store<T>(apply_unary_backward(Op, load(gy[i]), load(x[i]), load(y[i])));
 }
 
 template <class T>
@@ -167,8 +173,9 @@ void binary_inner(char* o, const char* a, const char* b, int64_t so, int64_t sa,
     for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_binary(Op, xv, load(y[i])));
   } else {
     for (int64_t i = 0; i < n; ++i)
-      *reinterpret_cast<T*>(o + i * so) = store<T>(apply_binary(
-          Op, load(*reinterpret_cast<const T*>(a + i * sa)), load(*reinterpret_cast<const T*>(b + i * sb))));
+      *reinterpret_cast<T*>(o + i * so) =
+          store<T>(apply_binary(Op, load(*reinterpret_cast<const T*>(a + i * sa)),
+                                load(*reinterpret_cast<const T*>(b + i * sb))));
   }
 }
 
@@ -178,8 +185,9 @@ void binary_typed(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor&
   if (is_compare(op)) {
     loop.run([op](std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n) {
       for (int64_t i = 0; i < n; ++i)
-        *reinterpret_cast<bool*>(p[0] + i * s[0]) = apply_compare(
-            op, load(*reinterpret_cast<T*>(p[1] + i * s[1])), load(*reinterpret_cast<T*>(p[2] + i * s[2])));
+        *reinterpret_cast<bool*>(p[0] + i * s[0]) =
+            apply_compare(op, load(*reinterpret_cast<T*>(p[1] + i * s[1])),
+                          load(*reinterpret_cast<T*>(p[2] + i * s[2])));
     });
     return;
   }
@@ -216,7 +224,8 @@ void binary_scalar(BinaryOp op, const Tensor& out, const Tensor& a, double s, bo
     dispatch_floating(a.dtype(), ops::binary_name(op), [&](auto tag) {
       using T = decltype(tag);
       StridedLoop<2> loop(out.shape(), {&out, &a});
-      loop.run([op, v, scalar_first](std::array<char*, 2> p, const std::array<int64_t, 2>& st, int64_t n) {
+      loop.run([op, v, scalar_first](std::array<char*, 2> p, const std::array<int64_t, 2>& st,
+                                     int64_t n) {
         for (int64_t i = 0; i < n; ++i) {
           float x = load(*reinterpret_cast<T*>(p[1] + i * st[1]));
           *reinterpret_cast<T*>(p[0] + i * st[0]) =
@@ -247,7 +256,8 @@ void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor&
 }
 
 template <class T, PointwiseOp Op>
-void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n, Compute<T> c) {
+void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, int64_t n,
+                     Compute<T> c) {
   constexpr int64_t e = sizeof(T);
   auto step = [c](T& x, T a, T b) {
     Compute<T> v = load(x);
@@ -258,7 +268,8 @@ void pointwise_inner(std::array<char*, 3> p, const std::array<int64_t, 3>& s, in
     T* x = reinterpret_cast<T*>(p[0]);
     const T* a = reinterpret_cast<const T*>(p[1]);
     const T* b = reinterpret_cast<const T*>(p[2]);
-    for (int64_t i = 0; i < n; ++i) step(x[i], a[i], (Op == PointwiseOp::AddScaled || Op == PointwiseOp::Lerp) ? a[i] : b[i]);
+    constexpr bool uses_b = Op == PointwiseOp::Addcmul || Op == PointwiseOp::Addcdiv;
+    for (int64_t i = 0; i < n; ++i) step(x[i], a[i], uses_b ? b[i] : a[i]);
     return;
   }
   for (int64_t i = 0; i < n; ++i)

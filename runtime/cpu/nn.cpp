@@ -60,11 +60,13 @@ void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool 
         const T* yr = py + r * n;
         T* o = po + r * n;
         if (log) {
-          T dot = static_cast<T>(lane_sum<double>(n, [g](int64_t j) { return static_cast<double>(g[j]); }));
+          T dot = static_cast<T>(
+              lane_sum<double>(n, [g](int64_t j) { return static_cast<double>(g[j]); }));
           for (int64_t j = 0; j < n; ++j) o[j] = g[j] - fast_exp(yr[j]) * dot;
         } else {
-          T dot = static_cast<T>(lane_sum<double>(
-              n, [g, yr](int64_t j) { return static_cast<double>(g[j]) * static_cast<double>(yr[j]); }));
+          T dot = static_cast<T>(lane_sum<double>(n, [g, yr](int64_t j) {
+            return static_cast<double>(g[j]) * static_cast<double>(yr[j]);
+          }));
           for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (g[j] - dot);
         }
       }

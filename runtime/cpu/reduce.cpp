@@ -42,7 +42,8 @@ void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int
       for (int64_t o = o0; o < o1; ++o) {
         const T* row = x + o * n;
         if (op == ReduceOp::Sum) {
-          out[o] = static_cast<T>(chunked_sum<A>(n, [row](int64_t k) { return static_cast<A>(row[k]); }));
+          auto element = [row](int64_t k) { return static_cast<A>(row[k]); };
+          out[o] = static_cast<T>(chunked_sum<A>(n, element));
           continue;
         }
         A acc = init();
@@ -58,7 +59,8 @@ void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int
   // shape, whose partial sums are added in part order.
   constexpr int64_t kBlock = 256;
   int64_t blocks = (inner + kBlock - 1) / kBlock;
-  int64_t parts = op == ReduceOp::Sum && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
+  int64_t parts =
+      op == ReduceOp::Sum && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
   int64_t per_part = (n + parts - 1) / parts;
   std::vector<A> partial(parts > 1 ? static_cast<size_t>(outer * blocks * parts * kBlock) : 0);
   parallel_for(0, outer * blocks * parts, 1, [&](int64_t w0, int64_t w1) {
@@ -86,7 +88,8 @@ void reduce_typed(ReduceOp op, T* out, const T* x, int64_t outer, int64_t n, int
     int64_t o = ob / blocks, j0 = ob % blocks * kBlock, len = std::min(kBlock, inner - j0);
     for (int64_t j = 0; j < len; ++j) {
       A total = 0;
-      for (int64_t part = 0; part < parts; ++part) total += partial[static_cast<size_t>((ob * parts + part) * kBlock + j)];
+      for (int64_t part = 0; part < parts; ++part)
+        total += partial[static_cast<size_t>((ob * parts + part) * kBlock + j)];
       out[o * inner + j0 + j] = static_cast<T>(total);
     }
   }

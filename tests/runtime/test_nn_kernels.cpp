@@ -438,7 +438,8 @@ TEST_CASE("the CPU's elementwise kernels take bf16 and f16 natively: f32 math ro
   }
   // No f32 copy of a whole tensor: GELU forward and backward on 1M bf16
   // elements allocate their 2 MB outputs and nothing more.
-  Tensor big = ops::to(randn({1024, 1024}, 5), DType::BF16), gb = ops::to(randn({1024, 1024}, 6), DType::BF16);
+  Tensor big = ops::to(randn({1024, 1024}, 5), DType::BF16);
+  Tensor gb = ops::to(randn({1024, 1024}, 6), DType::BF16);
   reset_peak_memory_stats();
   int64_t base = memory_stats().allocated_bytes;
   Tensor y = ops::unary(U::Gelu, big);

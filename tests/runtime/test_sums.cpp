@@ -56,7 +56,8 @@ Results split_results() {
   ops::CrossEntropyResult ce = ops::cross_entropy(logits, target);
   add("cross_entropy", ce.loss);
   add("softmax", ops::softmax(logits, -1));
-  add("log_softmax_backward", ops::log_softmax_backward(randn({7, 1003}, 12), ops::log_softmax(logits, -1), -1));
+  add("log_softmax_backward",
+      ops::log_softmax_backward(randn({7, 1003}, 12), ops::log_softmax(logits, -1), -1));
   return r;
 }
 
