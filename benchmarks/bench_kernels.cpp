@@ -1,0 +1,68 @@
+// Single kernels of a training step, one at a time (median of repeated
+// calls, allocation included): dtype conversions, GELU in f32 and bf16, layer
+// norm forward and backward, the gradient norm's sum of squares,
+// cross-entropy over a GPT-2 vocabulary, attention forward and backward.
+//   OMP_NUM_THREADS=1 build/benchmarks/bench_kernels
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "runtime/ops.h"
+#include "runtime/parallel.h"
+#include "runtime/random.h"
+
+using namespace tessera;
+
+namespace {
+
+template <class F>
+double median_ms(F&& f, int reps) {
+  f();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void row(const char* name, double ms) { std::printf("%-40s %9.3f ms\n", name, ms); }
+
+}  // namespace
+
+int main() {
+  std::printf("threads %d\n", num_threads());
+  Tensor x = randn({1024, 1024}, 1), g = randn({1024, 1024}, 2);
+  Tensor xb = ops::to(x, DType::BF16), xh = ops::to(x, DType::F16), gb = ops::to(g, DType::BF16);
+  row("f32 -> bf16, 1M", median_ms([&] { ops::to(x, DType::BF16); }, 50));
+  row("bf16 -> f32, 1M", median_ms([&] { ops::to(xb, DType::F32); }, 50));
+  row("f32 -> f16, 1M", median_ms([&] { ops::to(x, DType::F16); }, 20));
+  row("f16 -> f32, 1M", median_ms([&] { ops::to(xh, DType::F32); }, 20));
+  row("f32 copy, 1M", median_ms([&] { ops::clone(x); }, 50));
+  using U = ops::UnaryOp;
+  Tensor y = ops::unary(U::Gelu, x), yb = ops::unary(U::Gelu, xb);
+  row("gelu f32, 1M", median_ms([&] { ops::unary(U::Gelu, x); }, 20));
+  row("gelu backward f32, 1M", median_ms([&] { ops::unary_backward(U::Gelu, g, x, y); }, 20));
+  row("gelu bf16, 1M", median_ms([&] { ops::unary(U::Gelu, xb); }, 20));
+  row("gelu backward bf16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gb, xb, yb); }, 20));
+  Tensor h = randn({1024, 256}, 3), dh = randn({1024, 256}, 4), w = randn({256}, 5), b = randn({256}, 6);
+  ops::NormResult ln = ops::layer_norm(h, w, b, 1e-5);
+  row("layer_norm [1024, 256]", median_ms([&] { ops::layer_norm(h, w, b, 1e-5); }, 100));
+  row("layer_norm backward [1024, 256]",
+      median_ms([&] { ops::layer_norm_backward(dh, h, w, ln.mean, ln.rstd, true); }, 100));
+  std::vector<Tensor> grads;
+  for (int i = 0; i < 20; ++i) grads.push_back(randn({160000}, 10 + i));
+  row("sum_squares, 20 x 160000", median_ms([&] { ops::sum_squares(grads, Device::cpu()); }, 20));
+  Tensor logits = randn({1024, 50257}, 7), target = randint({1024}, 0, 50257, 8);
+  row("cross_entropy [1024, 50257]", median_ms([&] { ops::cross_entropy(logits, target); }, 5));
+  Tensor q = randn({8, 4, 128, 64}, 9), k = randn({8, 4, 128, 64}, 10), v = randn({8, 4, 128, 64}, 11);
+  Tensor dout = randn({8, 4, 128, 64}, 12);
+  ops::AttentionResult at = ops::attention(q, k, v, true, 0.125);
+  row("attention [8, 4, 128, 64], causal", median_ms([&] { ops::attention(q, k, v, true, 0.125); }, 20));
+  row("attention backward", median_ms([&] {
+        ops::attention_backward(dout, q, k, v, at.out, at.lse, true, 0.125);
+      }, 20));
+}
