@@ -35,16 +35,21 @@ void fsync_path(const fs::path& p) {
   }
 }
 
-void write_file_atomically(const fs::path& path, const std::string& text) {
-  fs::path tmp = path.string() + ".tmp";
+// Writes text to path and fsyncs it.
+void write_synced(const fs::path& path, const std::string& text) {
   {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TS_CHECK(out.good(), "checkpoint: cannot write '{}'", tmp.string());
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    TS_CHECK(out.good(), "checkpoint: cannot write '{}'", path.string());
     out << text;
     out.flush();
-    TS_CHECK(out.good(), "checkpoint: writing '{}' failed (disk full?)", tmp.string());
+    TS_CHECK(out.good(), "checkpoint: writing '{}' failed (disk full?)", path.string());
   }
-  fsync_path(tmp);
+  fsync_path(path);
+}
+
+void write_file_atomically(const fs::path& path, const std::string& text) {
+  fs::path tmp = path.string() + ".tmp";
+  write_synced(tmp, text);
   fs::rename(tmp, path);
 }
 
@@ -165,12 +170,32 @@ void commit(const fs::path& folder, const fs::path& tmp_dir, const fs::path& fin
       {"world_size", world_size}, {"tensors", tensors_json},   {"extra", json::parse(extra_json)},
       {"rank_state", rank_state}};
   write_file_atomically(tmp_dir / "metadata.json", md.dump(1));
+  // Everything that needs disk space is written before the commit point, the
+  // pointer to the new checkpoint included; after it come renames and removals
+  // only. So a full disk fails the save before it commits (and the report is
+  // true: the previous checkpoint is the latest), never after.
+  const char* fail_at = std::getenv("TESSERA_CHECKPOINT_FAIL_AT");  // test hook
+  fs::path latest_tmp = folder / "latest.tmp";
+  write_synced(latest_tmp, step_dir_name(step) + "\n");
+  TS_CHECK(!fail_at || std::string(fail_at) != "latest",
+           "checkpoint: writing '{}' failed: No space left on device (TESSERA_CHECKPOINT_FAIL_AT)",
+           latest_tmp.string());
   fsync_path(tmp_dir);
   if (fs::exists(final_dir)) fs::remove_all(final_dir);
   fs::rename(tmp_dir, final_dir);  // the commit point
-  fsync_path(folder);
-  write_file_atomically(folder / "latest", step_dir_name(step) + "\n");
-  prune(folder, keep);
+  // The checkpoint is saved and loads (latest_checkpoint() finds the newest
+  // complete step directory; `latest` is for people and scripts). What
+  // follows cannot undo that, so a failure here is a warning, not a failed save.
+  try {
+    fs::rename(latest_tmp, folder / "latest");
+    fsync_path(folder);
+    TS_CHECK(!fail_at || std::string(fail_at) != "prune",
+             "cannot remove an old checkpoint (TESSERA_CHECKPOINT_FAIL_AT)");
+    prune(folder, keep);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint: warning: %s is saved, but tidying up after it failed: %s\n",
+                 final_dir.string().c_str(), e.what());
+  }
 }
 
 }  // namespace
@@ -189,16 +214,21 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
   fs::path folder(folder_in);
   fs::path final_dir = folder / step_dir_name(step);
   fs::path tmp_dir = folder / (step_dir_name(step) + ".tmp");
-  TS_CHECK(json::accept(extra_json), "save_checkpoint: extra state is not valid JSON");
+  TS_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got {}", step);
+  TS_CHECK(json::accept(extra_json) && json::parse(extra_json).is_object(),
+           "save_checkpoint: extra state must be a JSON object, got '{}'", extra_json);
 
   // 1. Rank 0 clears leftovers of interrupted saves and creates step-N.tmp/.
   std::string error;
   if (rank == 0) {
     try {
       fs::create_directories(folder);
-      for (const auto& e : fs::directory_iterator(folder))
-        if (e.is_directory() && e.path().filename().string().find(".tmp") != std::string::npos)
+      // Leftovers of saves that never committed: step-N.tmp/ and latest.tmp.
+      for (const auto& e : fs::directory_iterator(folder)) {
+        std::string name = e.path().filename().string();
+        if (name == "latest.tmp" || (name.rfind("step-", 0) == 0 && name.ends_with(".tmp")))
           fs::remove_all(e.path());
+      }
       fs::create_directories(tmp_dir);
     } catch (const std::exception& e) {
       error = fmt::format("cannot prepare '{}': {}", tmp_dir.string(), e.what());

@@ -264,6 +264,8 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
            md["version"].get<int64_t>(), kFormatVersion);
   CheckpointMetadata out;
   TS_CHECK(md.contains("step") && md["step"].is_number_integer(), "{}: step missing", file);
+  TS_CHECK(md["step"].is_number_unsigned() && md["step"].get<uint64_t>() <= INT64_MAX,
+           "{}: step must be a count of steps (>= 0), got {}", file, md["step"].dump());
   out.step = md["step"].get<int64_t>();
   TS_CHECK(md.contains("world_size") && md["world_size"].is_number_unsigned() &&
                md["world_size"].get<uint64_t>() - 1 < (1u << 24),
@@ -271,20 +273,57 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
   out.world_size = md["world_size"].get<int>();
   TS_CHECK(md.contains("tensors") && md["tensors"].is_array(), "{}: tensors missing", file);
   for (const auto& t : md["tensors"]) out.tensors.push_back(parse_tensor(t, file));
-  if (md.contains("extra")) out.extra_json = md["extra"].dump();
-  if (md.contains("rank_state") && md["rank_state"].is_array())
-    for (const auto& r : md["rank_state"]) out.rank_state.push_back(r.dump());
+  if (md.contains("extra")) {
+    TS_CHECK(md["extra"].is_object(), "{}: extra must be an object, got {}", file,
+             md["extra"].type_name());
+    out.extra_json = md["extra"].dump();
+  }
+  if (md.contains("rank_state")) {
+    TS_CHECK(md["rank_state"].is_array(), "{}: rank_state must be an array", file);
+    for (const auto& r : md["rank_state"]) {
+      // Each rank's random stream: {"seed": unsigned, "offset": integer >= 0}.
+      TS_CHECK(r.is_object() && r.contains("seed") && r["seed"].is_number_unsigned() &&
+                   r.contains("offset") && r["offset"].is_number_unsigned() &&
+                   r["offset"].get<uint64_t>() <= INT64_MAX,
+               "{}: rank_state entry {} must be {{\"seed\": unsigned, \"offset\": unsigned}}, "
+               "got {}",
+               file, out.rank_state.size(), r.dump());
+      out.rank_state.push_back(r.dump());
+    }
+  }
   return out;
 }
 
 CheckpointMetadata read_metadata(const std::string& dir) {
   fs::path p = fs::path(dir) / "metadata.json";
-  std::ifstream in(p);
-  TS_CHECK(in.good(), "{}: no checkpoint metadata (an incomplete or missing checkpoint)",
+  std::error_code ec;
+  TS_CHECK(fs::is_regular_file(p, ec), "{}: no checkpoint metadata (an incomplete or missing checkpoint)",
            p.string());
+  // Metadata grows with tensors x ranks (about 200 bytes a chunk): 1 GiB is
+  // millions of chunks. Checked before the text is read.
+  constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
+  uint64_t bytes = fs::file_size(p, ec);
+  TS_CHECK(!ec && bytes <= kMaxMetadataBytes,
+           "{}: checkpoint metadata of {} bytes exceeds the limit of {}", p.string(), bytes,
+           kMaxMetadataBytes);
+  std::ifstream in(p);
+  TS_CHECK(in.good(), "{}: cannot read the checkpoint metadata", p.string());
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_metadata(ss.str(), p.string());
+  CheckpointMetadata md = parse_metadata(ss.str(), p.string());
+  // A checkpoint's folder is named after its step (step-00000123): the two must agree.
+  std::string folder = fs::path(dir).lexically_normal().filename().string();
+  if (folder.empty()) folder = fs::path(dir).lexically_normal().parent_path().filename().string();
+  if (folder.size() > 5 && folder.rfind("step-", 0) == 0 &&
+      folder.find_first_not_of("0123456789", 5) == std::string::npos) {
+    uint64_t named = 0;
+    bool fits = folder.size() - 5 <= 18;
+    if (fits) named = std::stoull(folder.substr(5));
+    TS_CHECK(fits && named == static_cast<uint64_t>(md.step),
+             "{}: step {} does not match the checkpoint's folder name '{}'", p.string(), md.step,
+             folder);
+  }
+  return md;
 }
 
 namespace {
@@ -327,7 +366,20 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
 }
 
 Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor) {
-  Tensor out = zeros(tensor.shape, tensor.dtype);
+  // Every chunk's bytes must be in its data file before the whole tensor is
+  // allocated: metadata that claims a huge shape is refused, not zero-filled.
+  for (const auto& ch : tensor.chunks) {
+    fs::path p = fs::path(dir) / ch.file;
+    std::error_code ec;
+    uint64_t size = fs::file_size(p, ec);
+    TS_CHECK(!ec, "{}: missing data file (tensor '{}')", p.string(), tensor.name);
+    TS_CHECK(ch.bytes <= size && ch.offset <= size - ch.bytes,
+             "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
+             tensor.name, ch.offset, ch.offset + ch.bytes, size);
+  }
+  // The chunks cover every element exactly once (parse_metadata checked the
+  // count and that no two boxes overlap), so nothing is left unwritten.
+  Tensor out = empty(tensor.shape, tensor.dtype);
   for (const auto& ch : tensor.chunks) {
     Tensor data = read_chunk(dir, tensor, ch);
     Tensor dst = out;

@@ -175,6 +175,12 @@ Tensor SafetensorsFile::read_rows(const std::string& name, int64_t begin, int64_
   TS_CHECK(begin >= 0 && count >= 0 && begin + count <= rows,
            "{}: rows [{}, {}) of tensor '{}' (shape {})", path_, begin, begin + count, name,
            shape_str(e->shape));
+  // Conversion is between floating-point dtypes only: integers stored where
+  // weights are expected (a dtype field edited, the same bytes) are refused.
+  TS_CHECK(!dtype || *dtype == e->dtype || (is_floating(*dtype) && is_floating(e->dtype)),
+           "{}: tensor '{}' is {} in the file but {} is expected (only floating-point dtypes "
+           "convert into each other)",
+           path_, name, safetensors_dtype(e->dtype), safetensors_dtype(*dtype));
   Shape shape = e->shape;
   if (!shape.empty()) shape[0] = count;
   Tensor t = empty(shape, e->dtype);

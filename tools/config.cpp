@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 
 #include "runtime/check.h"
@@ -306,6 +307,18 @@ std::map<std::string, std::string> toml_values(const std::string& text) {
 }
 
 void load_toml(TrainConfig& cfg, const std::string& path) {
+  // A configuration is a few KiB: anything but a regular file of sane size is a mistake
+  // (toml++ reads a directory or /dev/zero as an empty file).
+  constexpr uintmax_t kMaxBytes = 1 << 20;
+  std::error_code ec;
+  auto status = std::filesystem::status(path, ec);
+  TS_CHECK(std::filesystem::exists(status), "config file '{}' does not exist", path);
+  TS_CHECK(std::filesystem::is_regular_file(status), "config file '{}' is not a regular file{}",
+           path, std::filesystem::is_directory(status) ? " but a directory" : "");
+  uintmax_t bytes = std::filesystem::file_size(path, ec);
+  TS_CHECK(!ec && bytes <= kMaxBytes,
+           "config file '{}' is {} bytes: a training configuration is a few KiB (at most {})", path,
+           bytes, kMaxBytes);
   toml::table table;
   try {
     table = toml::parse_file(path);
@@ -416,6 +429,33 @@ void not_empty(const char* key, const std::string& v) {
   TS_CHECK(!v.empty(), "{} must not be empty", key);
 }
 
+// A size built from configuration values, carrying the expression it came
+// from: every product and sum is checked, and an overflow names the keys.
+struct Size {
+  int64_t value;
+  std::string expr;
+};
+Size key(const char* name, int64_t value) {
+  return {value, name};
+}
+Size operator*(const Size& a, const Size& b) {
+  int64_t r = 0;
+  TS_CHECK(!__builtin_mul_overflow(a.value, b.value, &r),
+           "{} x {} = {} x {} overflows a 64-bit integer: make one of them smaller", a.expr,
+           b.expr, a.value, b.value);
+  return {r, a.expr + " x " + b.expr};
+}
+Size operator*(int64_t k, const Size& a) {
+  return Size{k, std::to_string(k)} * a;
+}
+Size operator+(const Size& a, const Size& b) {
+  int64_t r = 0;
+  TS_CHECK(!__builtin_add_overflow(a.value, b.value, &r),
+           "{} + {} = {} + {} overflows a 64-bit integer: make one of them smaller", a.expr,
+           b.expr, a.value, b.value);
+  return {r, "(" + a.expr + " + " + b.expr + ")"};
+}
+
 }  // namespace
 
 void validate(const TrainConfig& c) {
@@ -494,6 +534,11 @@ void validate(const TrainConfig& c) {
   not_empty("training.data_dir", t.data_dir);
   at_least("training.eval_interval", t.eval_interval, 1, " (steps between validation runs)");
   at_least("training.eval_batches", t.eval_batches, 1);
+  // What the run computes from these (token and sample counts, data positions) must fit in 64 bits.
+  (void)(key("training.batch_size", t.batch_size) * key("training.seq_len", t.seq_len));
+  (void)(key("training.steps", t.steps) * key("training.batch_size", t.batch_size));
+  (void)(key("training.eval_batches", t.eval_batches) * key("training.batch_size", t.batch_size));
+  parameter_count(c);
 
   TS_CHECK(o.lr > 0, "optimizer.lr must be > 0, got {}", o.lr);
   in_range("optimizer.beta1", o.beta1, 0, 1, true);
@@ -544,7 +589,7 @@ void validate(const TrainConfig& c) {
 
 void validate_for_world(const TrainConfig& c, int world_size) {
   mesh_shape(c, world_size);
-  int64_t unit = c.training.grad_accum * world_size;
+  int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
   int64_t below = c.training.batch_size / unit * unit, above = below + unit;
   TS_CHECK(c.training.batch_size % unit == 0,
            "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({}): "
@@ -589,10 +634,66 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
              rep, world_size);
     shard = world_size / rep;
   }
-  TS_CHECK(rep * shard == world_size,
+  TS_CHECK((key("parallelism.data_parallel_replicate_degree", rep) *
+            key("parallelism.data_parallel_shard_degree", shard))
+                   .value == world_size,
            "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep,
            shard, rep * shard, world_size);
   return {rep, shard};
+}
+
+int64_t parameter_count(const TrainConfig& c) {
+  const auto& m = c.model;
+  Size C = key("model.n_embd", m.n_embd), V = key("model.vocab_size", m.vocab_size);
+  Size L = key("model.n_layer", m.n_layer), zero{0, "0"};
+  Size embeddings = V * C;
+  Size head = m.tie_embeddings ? zero : C * V;
+  Size block = zero;
+  Size norm = m.arch == "llama" || !m.bias ? C : 2 * C;  // weight (and bias)
+  if (m.arch == "llama") {
+    Size kv = m.n_kv_head > 0 ? key("model.n_kv_head", m.n_kv_head) : key("model.n_head", m.n_head);
+    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden)
+                                   : Size{((8 * C).value / 3 + 63) / 64 * 64, "model.n_embd x 8/3"};
+    // q and o: C x C; k and v: C x (n_kv_head x head size) = C x C / (n_head / n_kv_head).
+    Size kv_width{m.n_embd / m.n_head * kv.value, "model.n_embd / model.n_head x " + kv.expr};
+    block = 2 * (C * C) + 2 * (C * kv_width) + 3 * (C * hidden) + 2 * C;
+  } else {
+    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden) : 4 * C;
+    Size biases = m.bias ? 3 * C + C + hidden + C : zero;  // c_attn, attn c_proj, c_fc, mlp c_proj
+    block = 4 * (C * C) + 2 * (C * hidden) + biases + 2 * norm;
+    if (!m.rope) embeddings = embeddings + key("training.seq_len", c.training.seq_len) * C;
+  }
+  return (embeddings + L * block + norm + head).value;
+}
+
+MemoryFloor memory_floor(const TrainConfig& c, int world_size) {
+  MemoryFloor f;
+  f.parameters = parameter_count(c);
+  f.shard_degree = mesh_shape(c, world_size).second;
+  // f32 shards of the weights and their gradients, and the optimizer's state per weight.
+  double state_bytes = c.optimizer.name == "adamw" ? 8.0 : (c.optimizer.momentum > 0 ? 4.0 : 0.0);
+  f.state_bytes = static_cast<double>(f.parameters) * (8.0 + state_bytes) /
+                  static_cast<double>(f.shard_degree);
+  f.micro_batch = c.training.batch_size / c.training.grad_accum / world_size;
+  double logit_bytes = c.mixed_precision.param_dtype == "float32" ? 4.0 : 2.0;
+  f.logits_bytes = static_cast<double>(f.micro_batch) * static_cast<double>(c.training.seq_len) *
+                   static_cast<double>(c.model.vocab_size) * logit_bytes;
+  return f;
+}
+
+void check_memory(const TrainConfig& c, int world_size, int ranks_here, double available_bytes) {
+  MemoryFloor f = memory_floor(c, world_size);
+  double need = f.per_rank() * ranks_here;
+  auto gib = [](double b) { return fmt::format("{:.1f} GiB", b / 1073741824.0); };
+  TS_CHECK(need <= available_bytes,
+           "the model and batch cannot fit in memory: each rank needs at least {} ({} parameters "
+           "sharded over {} rank(s): {} of f32 weights, gradients and {} state; {} of logits for "
+           "{} x {} tokens x model.vocab_size {}), {} for the {} rank(s) on this node, which has "
+           "{} available. Use a smaller model (model.n_layer, model.n_embd, model.vocab_size), a "
+           "smaller micro-batch (training.batch_size / training.grad_accum / ranks) or more nodes",
+           gib(f.per_rank()), f.parameters, f.shard_degree, gib(f.state_bytes), c.optimizer.name,
+           gib(f.logits_bytes), f.micro_batch, c.training.seq_len, c.model.vocab_size, gib(need),
+           ranks_here, gib(available_bytes));
 }
 
 nn::TransformerConfig transformer_config(const TrainConfig& c) {
@@ -641,18 +742,25 @@ std::string model_to_json(TrainConfig& cfg) {
   return j.dump();
 }
 
-void model_from_json(TrainConfig& cfg, const std::string& text) {
+void model_from_json(TrainConfig& cfg, const std::string& text, const std::string& source) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    TS_CHECK(false, "stored model configuration is not valid JSON: {}", e.what());
+    TS_CHECK(false, "{}: the stored model configuration is not valid JSON: {}", source, e.what());
   }
-  TS_CHECK(j.is_object(), "stored model configuration must be a JSON object");
+  TS_CHECK(j.is_object(), "{}: the stored model configuration must be a JSON object, got {}",
+           source, j.type_name());
   auto keys = config_keys(cfg);
   for (auto it = j.begin(); it != j.end(); ++it) {
-    TS_CHECK(it.value().is_string(), "stored model configuration: '{}' must be a string", it.key());
-    find_key(keys, it.key()).set(it.value().get<std::string>());
+    TS_CHECK(it.value().is_string(),
+             "{}: the stored model configuration's '{}' must be a string, got {}", source,
+             it.key(), it.value().dump());
+    try {
+      find_key(keys, it.key()).set(it.value().get<std::string>());
+    } catch (const Error& e) {
+      TS_CHECK(false, "{}: the stored model configuration: {}", source, e.what());
+    }
   }
 }
 

@@ -153,6 +153,22 @@ void validate(const TrainConfig& cfg);
 void validate_for_world(const TrainConfig& cfg, int world_size);
 // The steps named by profiling.trace_steps (1-based), validated.
 std::vector<int64_t> trace_steps(const TrainConfig& cfg);
+// The model's parameter count from the configuration alone (nothing built);
+// every product and sum is checked, and an overflow throws naming the keys.
+int64_t parameter_count(const TrainConfig& cfg);
+// A lower bound of the host memory one rank needs: its shard of the f32
+// weights, gradients and optimizer state, and one micro-batch's logits.
+// (Activations, gathered groups and the allocator's slack come on top: the
+// planner's job; this bound only refuses what cannot fit at all.)
+struct MemoryFloor {
+  int64_t parameters = 0, shard_degree = 1, micro_batch = 0;
+  double state_bytes = 0, logits_bytes = 0;
+  double per_rank() const { return state_bytes + logits_bytes; }
+};
+MemoryFloor memory_floor(const TrainConfig& cfg, int world_size);
+// Refuses, before anything is allocated, a run whose floor for the ranks on
+// this node exceeds the memory available to them, naming the figures.
+void check_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes);
 // The data-parallel mesh {replicate, shard} for world_size ranks (-1 resolved).
 std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object
@@ -169,7 +185,8 @@ nn::TransformerConfig transformer_config(const TrainConfig& c);
 // The model of c.model.arch, built on `device` (meta: no bytes until to_empty).
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device);
 std::string model_to_json(TrainConfig& cfg);
-void model_from_json(TrainConfig& cfg, const std::string& json);
+// source (the file it came from) names the file in errors.
+void model_from_json(TrainConfig& cfg, const std::string& json, const std::string& source);
 // The whole configuration as TOML (what a run used).
 std::string to_toml(TrainConfig& cfg);
 

@@ -27,8 +27,10 @@ std::string decode_bytes(const std::vector<int64_t>& tokens) {
 std::string read_text_files(const std::vector<std::string>& paths) {
   std::string all;
   for (const auto& p : paths) {
+    TS_CHECK(!fs::is_directory(p), "text file '{}' is a directory: name a text file", p);
     std::ifstream in(p, std::ios::binary);
-    TS_CHECK(in.good(), "cannot read text file '{}'", p);
+    TS_CHECK(in.good(), "cannot read text file '{}': {}", p,
+             fs::exists(p) ? "permission denied?" : "no such file");
     std::stringstream ss;
     ss << in.rdbuf();
     all += ss.str();
@@ -76,6 +78,8 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
 }
 
 std::vector<uint16_t> read_shard(const std::string& path) {
+  TS_CHECK(!fs::is_directory(path), "token shard '{}' is a directory, not an llm.c token shard",
+           path);
   std::ifstream in(path, std::ios::binary);
   TS_CHECK(in.good(), "token shard '{}' does not exist or cannot be read", path);
   int32_t header[256];
@@ -98,17 +102,21 @@ std::vector<uint16_t> read_shard(const std::string& path) {
            "token shard '{}' has version {}, expected {} (llm.c's GPT-2 shards: uint16 tokens)",
            path, header[1], kShardVersion);
   TS_CHECK(header[2] >= 0, "token shard '{}' has a negative token count {}", path, header[2]);
+  // As llm.c's loader: the file is exactly the header and the tokens it
+  // promises. Checked against the file's size before the tokens are allocated.
+  uint64_t expected = sizeof(header) + static_cast<uint64_t>(header[2]) * 2;
+  uint64_t size = fs::file_size(path);
+  TS_CHECK(size >= expected, "token shard '{}' is truncated: header promises {} tokens, file holds {}",
+           path, header[2], (size - sizeof(header)) / 2);
+  TS_CHECK(size == expected,
+           "token shard '{}' is longer than its header says: {} tokens ({} bytes with the header), "
+           "file has {} bytes",
+           path, header[2], expected, size);
   std::vector<uint16_t> tokens(static_cast<size_t>(header[2]));
   in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 2));
   TS_CHECK(static_cast<size_t>(in.gcount()) == tokens.size() * 2,
-           "token shard '{}' is truncated: header promises {} tokens, file holds {}", path,
-           header[2], in.gcount() / 2);
-  // As llm.c's loader: the file is exactly the header and the tokens it promises.
-  in.peek();
-  TS_CHECK(in.eof(),
-           "token shard '{}' is longer than its header says: {} tokens ({} bytes with the header), "
-           "file has {} bytes",
-           path, header[2], sizeof(header) + tokens.size() * 2, fs::file_size(path));
+           "token shard '{}': short read ({} of {} tokens; did the file change while reading?)",
+           path, in.gcount() / 2, header[2]);
   return tokens;
 }
 

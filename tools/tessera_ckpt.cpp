@@ -161,10 +161,13 @@ int from_safetensors(const std::vector<std::string>& args) {
   for (size_t i = 2; i < args.size(); ++i) {
     if (args[i] == "--step" && i + 1 < args.size()) {
       try {
-        step = std::stoll(args[++i]);
+        size_t used = 0;
+        step = std::stoll(args[++i], &used);
+        if (used != args[i].size()) step = -1;
       } catch (const std::exception&) {
-        TS_CHECK(false, "--step expects a step number, got '{}'", args[i]);
+        step = -1;
       }
+      TS_CHECK(step >= 0, "--step expects a step number (>= 0), got '{}'", args[i]);
     } else {
       model_args.push_back(args[i]);  // --preset, --model.* (checked by the config parser)
     }
@@ -180,7 +183,7 @@ int from_safetensors(const std::vector<std::string>& args) {
   if (stored != f.metadata().end() || model_args.size() > 1) {
     // The model's own state dict: float32 weights, tied weights under both names.
     tools::TrainConfig cfg;
-    if (stored != f.metadata().end()) tools::model_from_json(cfg, stored->second);
+    if (stored != f.metadata().end()) tools::model_from_json(cfg, stored->second, args[0]);
     std::vector<char*> argv;
     for (auto& a : model_args) argv.push_back(a.data());
     if (!tools::parse_args(cfg, static_cast<int>(argv.size()), argv.data(), "tessera-ckpt"))
@@ -220,7 +223,13 @@ int main(int argc, char** argv) {
   try {
     std::string cmd = args[0];
     args.erase(args.begin());
-    if (cmd == "list" && args.size() == 1) return list(args[0]);
+    if (cmd == "list") {
+      TS_CHECK(args.size() == 1,
+               "list needs one PATH (a checkpoint directory, a folder of checkpoints or a "
+               ".safetensors file), got {} argument(s)",
+               args.size());
+      return list(args[0]);
+    }
     if (cmd == "to-safetensors") return to_safetensors(args);
     if (cmd == "from-safetensors") return from_safetensors(args);
     std::fprintf(stderr,

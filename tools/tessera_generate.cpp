@@ -59,7 +59,7 @@ int run(int argc, char** argv) {
 
   // Where the weights are and the model configuration stored with them.
   tools::TrainConfig cfg;
-  std::string stored, dir;
+  std::string stored, dir, source = path;
   bool safetensors = fs::is_regular_file(path);
   if (safetensors) {
     nn::SafetensorsFile f(path);
@@ -69,8 +69,9 @@ int run(int argc, char** argv) {
     TS_CHECK(!dir.empty(), "'{}' holds no complete checkpoint", path);
     json extra = json::parse(fsdp::read_metadata(dir).extra_json);
     if (extra.contains("model")) stored = extra["model"].dump();
+    source = (fs::path(dir) / "metadata.json").string();
   }
-  if (!stored.empty()) tools::model_from_json(cfg, stored);
+  if (!stored.empty()) tools::model_from_json(cfg, stored, source);
   int nrest = static_cast<int>(rest.size());
   if (!tools::parse_args(cfg, nrest, rest.data(), "tessera-generate")) return 0;
   tools::validate(cfg);

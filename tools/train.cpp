@@ -19,6 +19,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -62,6 +63,27 @@ DType dtype_of(const std::string& name) {
 }
 
 
+// How the run ended, for a scheduler: mpirun folds every rank's exit code
+// into its own (1 when a rank stopped on SIGTERM), so tessera-train writes
+// <dump_folder>/status.json: "running" at the start, then "completed",
+// "interrupted" (with the signal and whether a checkpoint was saved) or
+// "failed" (with the error). A file still saying "running" after the job
+// ended means a rank was killed outright (SIGKILL, the OOM killer).
+void write_status(const tools::TrainConfig& c, json status) {
+  status["time"] = static_cast<int64_t>(std::time(nullptr));
+  status["ranks"] = dist::world_size();
+  fs::path path = fs::path(c.job.dump_folder) / "status.json";
+  fs::path tmp = path.string() + fmt::format(".tmp{}", dist::rank());
+  std::error_code ec;
+  fs::create_directories(c.job.dump_folder, ec);
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << status.dump(1) << "\n";
+    if (!out.good()) return;  // a status is best effort: never the reason a run fails
+  }
+  fs::rename(tmp, path, ec);
+}
+
 // Reduces a host scalar over all ranks (of `group`, default the world).
 double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nullptr) {
   if (dist::world_size() == 1) return v;
@@ -99,9 +121,74 @@ std::vector<std::string> model_differences(tools::TrainConfig& cfg, const json& 
   json mine = json::parse(tools::model_to_json(cfg));
   for (auto it = stored.begin(); it != stored.end(); ++it)
     if (it.key() != "model.dropout" && mine.contains(it.key()) && it.value() != mine[it.key()])
-      out.push_back(fmt::format("{} {} (this run: {})", it.key(), it.value().get<std::string>(),
+      out.push_back(fmt::format("{} {} (this run: {})", it.key(),
+                                it.value().is_string() ? it.value().get<std::string>()
+                                                       : it.value().dump(),
                                 mine[it.key()].get<std::string>()));
   return out;
+}
+
+// The training state a checkpoint's metadata carries besides tensors, checked
+// field by field against its type and against what else is known (the step,
+// the saved batch layout), so that a file that parses but lies is refused
+// naming the field instead of training on (a negative step meant a negative
+// learning rate).
+json checked_training_state(const std::string& dir, const fsdp::CheckpointMetadata& head,
+                            int64_t grad_accum) {
+  std::string file = (fs::path(dir) / "metadata.json").string();
+  json extra = json::parse(head.extra_json);
+  auto field = [&](const char* section, const char* key) -> const json& {
+    static const json missing;
+    if (!extra.contains(section) || !extra[section].is_object() || !extra[section].contains(key))
+      return missing;
+    return extra[section][key];
+  };
+  const json& next = field("data", "next_micro_batch");
+  TS_CHECK(!next.is_null(), "{}: not a tessera-train checkpoint (no data.next_micro_batch)", file);
+  TS_CHECK(next.is_number_unsigned(), "{}: data.next_micro_batch must be a count (>= 0), got {}",
+           file, next.dump());
+  const json& seed = field("data", "seed");
+  TS_CHECK(seed.is_null() || seed.is_number_integer(), "{}: data.seed must be an integer, got {}",
+           file, seed.dump());
+  const json& next_step = field("lr_scheduler", "next_step");
+  TS_CHECK(next_step.is_null() || (next_step.is_number_unsigned() &&
+                                   next_step.get<uint64_t>() == static_cast<uint64_t>(head.step)),
+           "{}: lr_scheduler.next_step is {} but the checkpoint is at step {}", file,
+           next_step.dump(), head.step);
+  const json& lr = field("lr_scheduler", "lr");
+  TS_CHECK(lr.is_null() || (lr.is_number() && std::isfinite(lr.get<double>()) &&
+                            lr.get<double>() >= 0),
+           "{}: lr_scheduler.lr must be a finite rate >= 0, got {}", file, lr.dump());
+  TS_CHECK(!extra.contains("config") || extra["config"].is_string(),
+           "{}: config must be the run's TOML text, got {}", file,
+           extra.contains("config") ? extra["config"].type_name() : "");
+  TS_CHECK(!extra.contains("model") || extra["model"].is_object(),
+           "{}: model must be an object of the model's settings", file);
+  // The saved loss curve: [step, loss] pairs at steps 1..step.
+  for (const char* key : {"losses", "val_losses"}) {
+    if (!extra.contains(key)) continue;
+    TS_CHECK(extra[key].is_array(), "{}: {} must be an array of [step, loss] pairs", file, key);
+    for (const auto& p : extra[key])
+      TS_CHECK(p.is_array() && p.size() == 2 && p[0].is_number_unsigned() &&
+                   p[0].get<uint64_t>() <= static_cast<uint64_t>(head.step) && p[1].is_number(),
+               "{}: {} holds {}, not a [step, loss] pair of a step up to {}", file, key, p.dump(),
+               head.step);
+  }
+  // The data position is step x the saved run's micro-batches per step.
+  auto saved = tools::toml_values(extra.value("config", std::string()));
+  if (auto it = saved.find("training.grad_accum"); it != saved.end()) {
+    try {
+      grad_accum = std::stoll(it->second);
+    } catch (const std::exception&) {
+      TS_CHECK(false, "{}: config has training.grad_accum = '{}', not an integer", file, it->second);
+    }
+    int64_t position = 0;
+    TS_CHECK(!__builtin_mul_overflow(head.step, grad_accum, &position) &&
+                 next.get<uint64_t>() == static_cast<uint64_t>(position),
+             "{}: data.next_micro_batch is {} but step {} x the saved training.grad_accum {} is {}",
+             file, next.get<uint64_t>(), head.step, grad_accum, position);
+  }
+  return extra;
 }
 
 // Train and validation tokens: rank 0 prepares the shards once (cached in
@@ -251,6 +338,9 @@ void Trainer::build_model() {
                   : init_device_mesh(device_type, {shard}, {"dp_shard"});
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
+  TS_CHECK(model_->num_parameters(false) == tools::parameter_count(cfg_),
+           "internal: the model has {} parameters, tools::parameter_count predicted {}",
+           model_->num_parameters(false), tools::parameter_count(cfg_));
   fsdp::FullyShardOptions opt{
       .mesh = mesh_,
       // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in
@@ -267,7 +357,8 @@ void Trainer::build_model() {
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
   // backward, plus 12 * layers * width * seq_len for attention scores.
   flops_per_token_ = 6.0 * static_cast<double>(model_->num_parameters()) +
-                     12.0 * static_cast<double>(cfg_.model.n_layer * cfg_.model.n_embd * T_.seq_len);
+                     12.0 * static_cast<double>(cfg_.model.n_layer) *
+                         static_cast<double>(cfg_.model.n_embd) * static_cast<double>(T_.seq_len);
 }
 
 void Trainer::build_optimizer() {
@@ -369,9 +460,11 @@ void Trainer::check_resume_config(const std::string& dir, const json& extra, int
 
 int64_t Trainer::resume(const std::string& dir) {
   auto head = fsdp::read_metadata(dir);
-  json extra = json::parse(head.extra_json);
-  TS_CHECK(extra.contains("data") && extra["data"].contains("next_micro_batch"),
-           "{}: not a tessera-train checkpoint (no data position)", dir);
+  json extra = checked_training_state(dir, head, T_.grad_accum);
+  TS_CHECK(head.step <= T_.steps,
+           "{}: the checkpoint is at step {}, beyond training.steps {}: nothing is left to train "
+           "(raise training.steps to continue the run)",
+           dir, head.step, T_.steps);
   check_resume_config(dir, extra, head.step);
   fsdp::CheckpointMetadata md;
   try {
@@ -551,10 +644,15 @@ void Trainer::prepare_data() {
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / world_;
   auto [train_tokens, val_tokens] = load_data(cfg_);
-  for (const auto* toks : {&train_tokens, &val_tokens})
+  for (auto [split, toks] : {std::pair{"training", &train_tokens}, {"validation", &val_tokens}}) {
+    TS_CHECK(static_cast<int64_t>(toks->size()) > T_.seq_len + 1,
+             "training.seq_len ({}) needs windows of {} tokens, but the {} data ({}) has only {}",
+             T_.seq_len, T_.seq_len + 1, split, T_.dataset, toks->size());
     for (uint16_t t : *toks)
-      TS_CHECK(t < cfg_.model.vocab_size, "token {} in the data is outside model.vocab_size {}", t,
+      TS_CHECK(t < cfg_.model.vocab_size,
+               "token {} in the {} data ({}) is outside model.vocab_size {}", t, split, T_.dataset,
                cfg_.model.vocab_size);
+  }
   baseline_ = data::unigram_baseline(train_tokens, val_tokens, cfg_.model.vocab_size);
   train_ = std::make_unique<data::Loader>(std::move(train_tokens), T_.seq_len,
                                           static_cast<uint64_t>(cfg_.job.seed));
@@ -655,10 +753,22 @@ int Trainer::stop_early(int64_t step) {
   say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
                   cfg_.checkpoint.enable ? "checkpoint saved; continue with --checkpoint.resume true"
                                          : "nothing saved (checkpoint.enable is false)"));
-  return 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM);
+  int sig = stop_signal() != 0 ? stop_signal() : SIGTERM;
+  const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+  say(fmt::format("status: interrupted by {} after step {} (exit {}{})", name, step + 1, 128 + sig,
+                  cfg_.checkpoint.enable ? "; checkpoint saved" : ""));
+  if (rank_ == 0)
+    write_status(cfg_, {{"status", "interrupted"},
+                        {"signal", name},
+                        {"exit_code", 128 + sig},
+                        {"step", step + 1},
+                        {"steps", T_.steps},
+                        {"checkpoint_saved", cfg_.checkpoint.enable}});
+  return 128 + sig;
 }
 
 int Trainer::run() {
+  if (rank_ == 0) write_status(cfg_, {{"status", "running"}, {"steps", T_.steps}});
   open_outputs();
   prepare_data();
   build_model();
@@ -676,6 +786,9 @@ int Trainer::run() {
     if (stop_requested_) return stop_early(step);
   }
   finish(seconds_since(run_start));
+  say("status: completed (exit 0)");
+  if (rank_ == 0)
+    write_status(cfg_, {{"status", "completed"}, {"exit_code", 0}, {"step", T_.steps}, {"steps", T_.steps}});
   return 0;
 }
 
@@ -736,17 +849,38 @@ void Trainer::finish(double total_s) {
   progress_->finish();
 }
 
+// The ranks the launcher started on this node (1 without a launcher).
+int ranks_on_this_node() {
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(s));
+  if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) return std::max(1, std::atoi(s));
+  return 1;
+}
+
 // OpenMP/BLAS threads per rank: the cores of this node shared by its ranks,
 // unless OMP_NUM_THREADS says otherwise.
 void set_threads_per_rank() {
   if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  int local = 1;
-  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
-    local = std::max(1, std::atoi(s));
-  else if (const char* s2 = std::getenv("SLURM_NTASKS_PER_NODE"))
-    local = std::max(1, std::atoi(s2));
   int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  set_num_threads(std::max(1, cores / local));
+  set_num_threads(std::max(1, cores / ranks_on_this_node()));
+}
+
+// The host memory this process may still take: the kernel's MemAvailable,
+// capped by the cgroup's limit (a container) where one is set. Infinity
+// when neither can be read.
+double available_host_memory() {
+  double available = INFINITY;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string name;
+  double kib = 0;
+  while (meminfo >> name >> kib) {
+    if (name == "MemAvailable:") available = kib * 1024.0;
+    meminfo.ignore(64, '\n');
+  }
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  double max = 0, current = 0;
+  if (max_file >> max && current_file >> current)  // "max" (no limit) does not parse
+    available = std::min(available, std::max(0.0, max - current));
+  return available;
 }
 
 }  // namespace
@@ -761,15 +895,25 @@ int main(int argc, char** argv) {
     if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
+    if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
+      tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available_host_memory());
     parsed = true;
     install_stop_handlers();
     return Trainer(cfg).run();
   } catch (const std::exception& e) {
     if (!parsed) {
-      if (dist::rank() == 0) std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
+      if (dist::rank() == 0) {
+        std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
+        // No folder is created for a configuration that was refused, but an
+        // existing one must not keep an earlier run's status.
+        if (fs::is_directory(cfg.job.dump_folder))
+          write_status(cfg, {{"status", "failed"}, {"exit_code", 2}, {"error", e.what()}});
+      }
       return 2;
     }
     std::string msg = fmt::format("error: {}", e.what());
+    // Any rank that fails says so in the status file (rank 0 may be the one aborted).
+    write_status(cfg, {{"status", "failed"}, {"exit_code", 1}, {"rank", dist::rank()}, {"error", e.what()}});
     if (dist::world_size() > 1) dist::abort("tessera-train: " + msg, 1);  // ends every rank
     std::fprintf(stderr, "tessera-train: %s\n", msg.c_str());
     return 1;

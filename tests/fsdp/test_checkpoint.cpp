@@ -278,6 +278,56 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   check_sharded_parity(*model3, plain, 0, 0, false);
 }
 
+// A full disk (simulated by the test hook TESSERA_CHECKPOINT_FAIL_AT) while
+// writing the `latest` pointer fails the save before its commit point, and the
+// report is true; a failure after the commit (pruning) leaves a saved,
+// loadable checkpoint and is no failure. The next save clears the leftovers.
+TEST_CASE("a save commits at one point and reports what happened", "[checkpoint][commit]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 5);
+  auto read_latest = [&] {
+    std::ifstream in(dir.path / "latest");
+    std::string s;
+    in >> s;
+    return s;
+  };
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir.path)) out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  fsdp::save_checkpoint(dir.path, 1, *model, nullptr, "{}", 2);
+
+  ::setenv("TESSERA_CHECKPOINT_FAIL_AT", "latest", 1);
+  REQUIRE_THROWS_WITH(fsdp::save_checkpoint(dir.path, 2, *model, nullptr, "{}", 2),
+                      Contains("latest.tmp' failed: No space left on device"));
+  barrier();
+  CHECK(fs::path(fsdp::latest_checkpoint(dir.path)).filename() == "step-00000001");
+  CHECK(read_latest() == "step-00000001");
+
+  ::setenv("TESSERA_CHECKPOINT_FAIL_AT", "prune", 1);
+  optim::AdamW opt(model->parameters(), {.lr = 1e-2});
+  train_steps(*model, opt, 1);
+  std::string third;
+  REQUIRE_NOTHROW(third = fsdp::save_checkpoint(dir.path, 3, *model, nullptr, "{}", 1));
+  ::unsetenv("TESSERA_CHECKPOINT_FAIL_AT");
+  barrier();
+  CHECK(fs::path(fsdp::latest_checkpoint(dir.path)).filename() == "step-00000003");
+  CHECK(read_latest() == "step-00000003");
+  auto fresh = sharded_gpt(c, 0);
+  fsdp::load_checkpoint(third, *fresh, nullptr);
+  check_same_shards(*fresh, *model);
+
+  // The next save removes what the failed one left (step-2.tmp/, latest.tmp) and prunes.
+  fsdp::save_checkpoint(dir.path, 4, *model, nullptr, "{}", 1);
+  barrier();
+  CHECK(names() == std::vector<std::string>{"latest", "step-00000004"});
+  REQUIRE_THROWS_WITH(fsdp::save_checkpoint(dir.path, 5, *model, nullptr, "[1, 2]"),
+                      Contains("extra state must be a JSON object"));
+}
+
 TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and tensor",
           "[checkpoint][errors]") {
   SharedDir dir;
@@ -383,6 +433,59 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
     int64_t k = cols / 2;  // column k-1 twice, the last column never
     auto d = overlapping("overlap-cols", {{{0, k - 1}, {rows, cols - k}}, {{0, 0}, {rows, k}}});
     REQUIRE_THROWS_WITH(load(d, *fresh), Contains("chunks 0 and 1 of 'transformer.wte.weight' overlap"));
+  }
+  // Metadata that parses but lies: each field is cross-checked and named.
+  auto edit_metadata = [&](const std::string& name,
+                           const std::function<void(nlohmann::json&)>& edit) {
+    return damaged(name, [&](const fs::path& p) {
+      rewrite(p / "metadata.json", [&](std::string& b) {
+        auto md = nlohmann::json::parse(b);
+        edit(md);
+        b = md.dump(1);
+      });
+    });
+  };
+  SECTION("a negative step") {
+    auto d = edit_metadata("negative-step", [](nlohmann::json& md) { md["step"] = -3; });
+    REQUIRE_THROWS_WITH(load(d, *fresh),
+                        Contains("metadata.json: step must be a count of steps (>= 0), got -3"));
+  }
+  SECTION("a step that contradicts the folder name") {
+    auto d = edit_metadata("step-00000007", [](nlohmann::json&) {});  // saved at step 1
+    REQUIRE_THROWS_WITH(
+        load(d, *fresh),
+        Contains("step 1 does not match the checkpoint's folder name 'step-00000007'"));
+    REQUIRE_THROWS_WITH(load(d + "/", *fresh), Contains("folder name 'step-00000007'"));
+  }
+  SECTION("a random stream that is not one") {
+    auto d = edit_metadata("rank-state", [](nlohmann::json& md) {
+      md["rank_state"][0]["offset"] = "soon";
+    });
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("metadata.json: rank_state entry 0 must be"));
+  }
+  SECTION("extra state that is not an object") {
+    auto d = edit_metadata("extra", [](nlohmann::json& md) { md["extra"] = 5; });
+    REQUIRE_THROWS_WITH(load(d, *fresh),
+                        Contains("metadata.json: extra must be an object, got number"));
+  }
+  SECTION("a shape far beyond the data files: refused before anything is allocated") {
+    // wte as [2^40, 1] in one chunk of 4 TiB (the element count is consistent).
+    auto d = edit_metadata("huge", [](nlohmann::json& md) {
+      for (auto& t : md["tensors"]) {
+        if (t["name"] != "transformer.wte.weight") continue;
+        auto chunk = t["chunks"][0];
+        chunk["offsets"] = {0, 0};
+        chunk["shape"] = {1ull << 40, 1};
+        chunk["bytes"] = (1ull << 40) * 4;
+        t["shape"] = {1ull << 40, 1};
+        t["chunks"] = nlohmann::json::array({chunk});
+      }
+    });
+    auto md = fsdp::read_metadata(d);
+    REQUIRE_THROWS_WITH(fsdp::read_full_tensor(d, *md.find("transformer.wte.weight")),
+                        Contains("truncated: tensor 'transformer.wte.weight' needs bytes"));
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("'transformer.wte.weight' is [1099511627776, 1] "
+                                                  "in the checkpoint but"));
   }
   SECTION("no metadata (an interrupted save)") {
     auto d = damaged("no-meta", [](const fs::path& p) { fs::remove(p / "metadata.json"); });

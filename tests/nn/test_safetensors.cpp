@@ -69,6 +69,15 @@ TEST_CASE("safetensors round trip: every dtype, odd shapes, conversion on read",
   }
   // Conversion on read, and rows of dim 0 only.
   CHECK(equal(f.read("w.bf16", DType::F32), ops::to(sd[2].second, DType::F32)));
+  CHECK(equal(f.read("w.f64", DType::F16), ops::to(sd[1].second, DType::F16)));
+  // Only floating point converts: integers (or booleans) where weights are
+  // expected, or the reverse, are refused naming the tensor and both dtypes.
+  CHECK_THROWS_WITH(f.read("i.i32", DType::F32),
+                    Contains("tensor 'i.i32' is I32 in the file but F32 is expected"));
+  CHECK_THROWS_WITH(f.read("b.bool", DType::BF16), Contains("tensor 'b.bool' is BOOL in the file"));
+  CHECK_THROWS_WITH(f.read_rows("w.f32", 0, 1, DType::I64),
+                    Contains("tensor 'w.f32' is F32 in the file but I64 is expected"));
+  CHECK(equal(f.read("i.i32", DType::I32), sd[4].second));
   CHECK(equal(f.read_rows("w.f32", 2, 2), ops::narrow(sd[0].second, 0, 2, 2)));
   CHECK(f.read_rows("w.f32", 5, 0).numel() == 0);
   CHECK_THROWS_WITH(f.read_rows("w.f32", 4, 2), Contains("rows [4, 6) of tensor 'w.f32'"));

@@ -45,6 +45,39 @@ $out"
   (( SECONDS - start < 20 )) || fail "took $((SECONDS - start)) s to reject: $*"
 }
 
+echo "== sizes that overflow or cannot fit: refused up front, naming the keys"
+# Each value is valid alone; their products crashed (SIGSEGV, SIGFPE) or were
+# killed by the kernel's OOM killer after minutes.
+bad "training.batch_size x training.seq_len = 4611686018427387904 x 64 overflows a 64-bit integer" \
+  --training.batch_size 4611686018427387904 --training.grad_accum 2
+bad "model.vocab_size x model.n_embd = 4611686018427387904 x 64 overflows" \
+  --model.vocab_size 4611686018427387904
+bad "model.n_embd = 4294967296 x" --model.n_embd 4294967296 --model.n_head 1
+bad "training.steps x training.batch_size = 9223372036854775807 x 8 overflows" \
+  --training.steps 9223372036854775807
+bad "training.eval_batches x training.batch_size" --training.eval_batches 4611686018427387904
+bad "model.n_layer x" --model.n_layer 4611686018427387904
+bad "the model and batch cannot fit in memory: each rank needs at least" --model.n_embd 65536
+bad "sharded over 1 rank(s)" --model.n_layer 1000000000
+bad "of logits for 1000000 x 1000 tokens x model.vocab_size 256" \
+  --training.batch_size 1000000 --training.seq_len 1000
+# The planner issue's example: every rank refuses at once, nothing is allocated.
+start=$SECONDS
+expect_error "cannot fit in memory" "${mpi[@]}" -np 4 "$bin/tessera-train" "${base[@]}" --model.n_embd 65536
+(( SECONDS - start < 30 )) || fail "4 ranks took $((SECONDS - start)) s to refuse a model that cannot fit"
+# A configuration file is a regular file of a few KiB (toml++ read these as empty).
+bad "config file '$work' is not a regular file but a directory" --config "$work"
+bad "config file '/dev/zero' is not a regular file" --config /dev/zero
+head -c 2000000 /dev/zero | tr '\0' '#' > big.toml
+bad "config file 'big.toml' is 2000000 bytes" --config big.toml
+# The other tools name the argument they could not use.
+expect_error "list needs one PATH (a checkpoint directory, a folder of checkpoints or a .safetensors file), got 0" \
+  "$bin/tessera-ckpt" list
+expect_error "--step expects a step number (>= 0), got '-4'" \
+  "$bin/tessera-ckpt" from-safetensors in.safetensors out --step -4
+expect_error "text file '$work' is a directory" "$bin/tessera-data" prepare --out "$work/d" "$work"
+echo "overflowing and oversized configurations refused naming the keys"
+
 echo "== bad values on the command line"
 # Crashes before (SIGFPE, NaN) or silently accepted.
 bad "model.n_head must be >= 1, got 0" --model.n_head 0
@@ -212,7 +245,7 @@ toml_bad "unknown config key 'schedule.warmup': there is no section 'schedule' (
   $'[schedule]\nwarmup = 10'
 toml_bad "config file 'bad.toml': 'steps' must be a [section]" 'steps = 3'
 toml_bad "config file 'bad.toml': " $'[training]\nsteps = '
-bad "config file 'missing.toml': File could not be opened" --config missing.toml
+bad "config file 'missing.toml' does not exist" --config missing.toml
 # An integer is a fine float.
 printf '[optimizer]\nlr = 1\nweight_decay = 0\n' > int_float.toml
 bad "optimizer.beta1 must be in [0, 1)" --config int_float.toml --optimizer.beta1 2
@@ -270,6 +303,16 @@ expect_error "token shard 'truncated.bin' is truncated: header promises" "$bin/t
 expect_error "token shard 'short.bin' is truncated: 600 bytes, the llm.c header alone needs 1024" \
   "$bin/tessera-data" info short.bin
 expect_error "token shard 'trailing.bin' is longer than its header says" "$bin/tessera-data" info trailing.bin
+# A header that claims 2^31 - 1 tokens is checked against the file's size before
+# anything is allocated: refused within 64 MiB of the program's own peak, not 4 GiB.
+shard huge.bin huge-claim val.txt
+expect_error "token shard 'huge.bin' is truncated: header promises 2147483647 tokens" \
+  "$bin/tessera-data" info huge.bin
+/usr/bin/time -f "%M" -o base.rss "$bin/tessera-data" info val.bin > /dev/null
+/usr/bin/time -f "%M" -o huge.rss "$bin/tessera-data" info huge.bin 2> /dev/null || true
+(( $(tail -1 huge.rss) < $(tail -1 base.rss) + 65536 )) ||
+  fail "a shard claiming 2^31 tokens took $(tail -1 huge.rss) KiB to reject ($(tail -1 base.rss) KiB to read a valid one)"
+expect_error "token shard '$work' is a directory" "$bin/tessera-data" info "$work"
 for f in llama3 magic version truncated; do
   expect_error "token shard '$f.bin'" "$bin/tessera-train" "${base[@]}" --training.dataset shards \
     --training.train_shard $f.bin --training.val_shard val.bin --job.dump_folder "llmc-$f"

@@ -246,6 +246,9 @@ elapsed=$(( $(date +%s) - start ))
 grep -v "killing itself" killed.log | grep -qiE "exited on signal|noticed|did not complete|timed out|abort|error" ||
   fail "no error from mpirun or the surviving rank: $(cat killed.log)"
 echo "killed rank: the job ended with an error in ${elapsed}s"
+# The surviving rank (or, if the launcher was faster, nobody) records the failure;
+# the file never claims the run completed.
+grep -qE '"status": "(failed|running)"' killed/status.json || fail "killed rank: status $(cat killed/status.json)"
 
 echo "== Ctrl-C / SIGTERM: a checkpoint at the end of the step, nothing partial, resumable"
 # One process, SIGINT: the step finishes, a checkpoint is saved, exit 130.
@@ -257,6 +260,12 @@ kill -INT $pid
 rc=0; wait $pid || rc=$?
 [[ $rc == 130 ]] || fail "SIGINT: expected exit 130, got $rc: $(tail -3 sigint.log)"
 grep -q "interrupted (SIGINT/SIGTERM) after step .*checkpoint saved" sigint.log || fail "SIGINT: no checkpoint message"
+# What a scheduler reads: the last line, and the status file in the run folder.
+tail -1 sigint.log | grep -qE "^status: interrupted by SIGINT after step [0-9]+ \(exit 130; checkpoint saved\)" ||
+  fail "SIGINT: no final status line: $(tail -1 sigint.log)"
+python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))
+assert (s["status"], s["signal"], s["exit_code"], s["checkpoint_saved"]) == ("interrupted", "SIGINT", 130, True), s' \
+  sigint/status.json || fail "SIGINT: status.json $(cat sigint/status.json)"
 [[ -f sigint/checkpoint/$(cat sigint/checkpoint/latest)/metadata.json ]] || fail "SIGINT: no complete checkpoint"
 
 # mpirun, checkpointing every step, Ctrl-C to the launcher: every directory is
@@ -266,8 +275,11 @@ grep -q "interrupted (SIGINT/SIGTERM) after step .*checkpoint saved" sigint.log 
 pid=$!
 for _ in $(seq 100); do [[ -e interrupted/checkpoint/latest ]] && break; sleep 0.1; done
 sleep 1
-kill -INT $pid
+kill -TERM $pid
 wait $pid && fail "the interrupted run exited 0" || true
+# mpirun folds the ranks' 143 into its own code; the status file keeps it.
+grep -q '"status": "interrupted"' interrupted/status.json && grep -q '"exit_code": 143' interrupted/status.json ||
+  fail "mpirun + SIGTERM: status.json $(cat interrupted/status.json)"
 latest=$(cat interrupted/checkpoint/latest)
 for d in interrupted/checkpoint/step-*; do
   [[ $d == *.tmp || -f $d/metadata.json ]] || fail "$d is incomplete but not marked .tmp"
@@ -277,7 +289,9 @@ step=$((10#${latest#step-}))
 "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --training.steps $((step + 3)) --checkpoint.enable true \
   --checkpoint.resume true --job.dump_folder interrupted > resumed.log
 grep -q "resumed from .*$latest" resumed.log || fail "did not resume from $latest"
-echo "interrupted at $latest; every directory complete or .tmp; resumed"
+grep -q '"status": "completed"' interrupted/status.json || fail "resumed run: status $(cat interrupted/status.json)"
+tail -1 resumed.log | grep -q "^status: completed (exit 0)" || fail "resumed run: last line $(tail -1 resumed.log)"
+echo "interrupted at $latest (status.json: interrupted, exit 143); every directory complete or .tmp; resumed"
 
 echo "== tessera-generate"
 g1=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_tokens 37 --job.seed 7 2>/dev/null | od -An -tx1)

@@ -19,6 +19,7 @@ KIND is one of:
   truncated    the header promises more tokens than the file holds
   short        only part of the header
   trailing     two bytes after the tokens the header promises
+  huge-claim   the header promises 2^31 - 1 tokens (4 GiB), the file holds the text's
 """
 import struct
 import sys
@@ -51,6 +52,8 @@ def main(out, kind, text_file):
         data = header(LLAMA3_MAGIC, LLAMA3_VERSION, n) + struct.pack("<%dI" % n, *tokens)
     elif kind == "truncated":
         data = header(GPT2_MAGIC, GPT2_VERSION, n) + u16(tokens[: n // 2])
+    elif kind == "huge-claim":
+        data = header(GPT2_MAGIC, GPT2_VERSION, 2**31 - 1) + u16(tokens)
     elif kind == "short":
         data = header(GPT2_MAGIC, GPT2_VERSION, n)[:600]
     elif kind == "trailing":
