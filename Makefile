@@ -6,13 +6,15 @@
 PACKAGES := g++ meson ninja-build pkg-config cmake catch2 libfmt-dev libopenblas-dev \
             libopenblas-openmp-dev libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev \
             libopenmpi-dev openmpi-bin fortunes gnuplot-nox python3
+# The suite's libFuzzer test compiles with clang (skipped without it).
+FUZZ_PACKAGES := clang libclang-rt-14-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BUILD ?= build
 RANKS ?= 4
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root)
 MESON_FLAGS ?= --buildtype=release
 
-.PHONY: train test deps build install bench clean tsan
+.PHONY: train test deps build install bench clean tsan asan fuzz
 
 # Installs the Debian packages that are not installed yet (nothing when all are).
 deps:
@@ -38,6 +40,7 @@ train: build
 	mpirun -np $(RANKS) --oversubscribe --bind-to none $(ROOT_FLAG) \
 	  $(BUILD)/tools/tessera-train --metrics.progress $$progress
 
+test: PACKAGES += $(FUZZ_PACKAGES)
 test: build
 	meson test -C $(BUILD) --print-errorlogs --num-processes 1
 
@@ -52,6 +55,27 @@ tsan: deps
 	meson compile -C build-tsan
 	OMP_NUM_THREADS=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 exitcode=66 allocator_may_return_null=1" \
 	  meson test -C build-tsan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(TSAN_TESTS)
+
+# The whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer, in
+# build-asan/. Leak checking is off for the suite (Open MPI and OpenBLAS keep
+# their buffers to exit); the readers of untrusted files are leak-checked by
+# `make fuzz` and the fuzz-libfuzzer test.
+asan: deps
+	@[ -f build-asan/build.ninja ] || meson setup build-asan --buildtype=debugoptimized \
+	  -Db_sanitize=address,undefined -Db_lundef=false -Dbenchmarks=false -Dnative=false -Dcuda=disabled
+	meson compile -C build-asan
+	ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1" \
+	UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+	  meson test -C build-asan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(ASAN_TESTS)
+
+# Coverage-guided fuzzing of every reader (token shards, checkpoint metadata and
+# data files, safetensors, TOML) with libFuzzer, FUZZ_SECONDS per reader; the
+# inputs that add coverage are merged into tests/fuzz/corpus/. (The suite runs
+# the same for 20 s per reader, without merging.)
+FUZZ_SECONDS ?= 300
+fuzz: PACKAGES += $(FUZZ_PACKAGES)
+fuzz: build
+	tests/fuzz/libfuzzer.sh $(BUILD) $(FUZZ_SECONDS) merge
 
 bench: build
 	$(BUILD)/benchmarks/bench_step

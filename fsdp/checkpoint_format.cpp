@@ -29,7 +29,12 @@ DataFile::DataFile(const std::string& path, int rank) : path_(path) {
   uint32_t v = kFormatVersion, r = static_cast<uint32_t>(rank);
   std::memcpy(header + 8, &v, 4);
   std::memcpy(header + 12, &r, 4);
-  write(header, kDataHeaderBytes);
+  try {
+    write(header, kDataHeaderBytes);
+  } catch (...) {  // the destructor does not run for a constructor that throws
+    ::close(fd_);
+    throw;
+  }
   // Test hook: a rank that kills itself mid-save (see tests/fsdp/checkpoint_test.sh).
   if (const char* kr = std::getenv("TESSERA_CHECKPOINT_KILL_RANK"); kr && std::atoi(kr) == rank)
     if (const char* after = std::getenv("TESSERA_CHECKPOINT_KILL_AFTER"))

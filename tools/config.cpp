@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "runtime/check.h"
@@ -590,12 +591,14 @@ void validate(const TrainConfig& c) {
 void validate_for_world(const TrainConfig& c, int world_size) {
   mesh_shape(c, world_size);
   int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
-  int64_t below = c.training.batch_size / unit * unit, above = below + unit;
+  int64_t below = c.training.batch_size / unit * unit, above = 0;
+  if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
   TS_CHECK(c.training.batch_size % unit == 0,
            "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({}): "
            "e.g. --training.batch_size {}",
            c.training.batch_size, c.training.grad_accum, world_size,
-           below > 0 ? fmt::format("{} or {}", below, above) : fmt::format("{}", above));
+           below > 0 && above != below ? fmt::format("{} or {}", below, above)
+                                       : fmt::format("{}", below > 0 ? below : above));
   TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
            "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
 }
@@ -666,26 +669,28 @@ int64_t parameter_count(const TrainConfig& c) {
   return (embeddings + L * block + norm + head).value;
 }
 
-MemoryFloor memory_floor(const TrainConfig& c, int world_size) {
+MemoryFloor memory_floor(const TrainConfig& c, int world_size, bool training) {
   MemoryFloor f;
   f.parameters = parameter_count(c);
-  f.shard_degree = mesh_shape(c, world_size).second;
-  // f32 shards of the weights and their gradients, and the optimizer's state per weight.
+  f.shard_degree = training ? mesh_shape(c, world_size).second : 1;
+  // f32 shards of the weights and their gradients, and the optimizer's state
+  // per weight; for inference (one process) the f32 weights alone.
   double state_bytes = c.optimizer.name == "adamw" ? 8.0 : (c.optimizer.momentum > 0 ? 4.0 : 0.0);
-  f.state_bytes = static_cast<double>(f.parameters) * (8.0 + state_bytes) /
+  f.state_bytes = static_cast<double>(f.parameters) * (training ? 8.0 + state_bytes : 4.0) /
                   static_cast<double>(f.shard_degree);
-  f.micro_batch = c.training.batch_size / c.training.grad_accum / world_size;
+  f.micro_batch = training ? c.training.batch_size / c.training.grad_accum / world_size : 1;
   double logit_bytes = c.mixed_precision.param_dtype == "float32" ? 4.0 : 2.0;
   f.logits_bytes = static_cast<double>(f.micro_batch) * static_cast<double>(c.training.seq_len) *
                    static_cast<double>(c.model.vocab_size) * logit_bytes;
   return f;
 }
 
-void check_memory(const TrainConfig& c, int world_size, int ranks_here, double available_bytes) {
-  MemoryFloor f = memory_floor(c, world_size);
+void check_memory(const TrainConfig& c, int world_size, int ranks_here, double available_bytes,
+                  bool training) {
+  MemoryFloor f = memory_floor(c, world_size, training);
   double need = f.per_rank() * ranks_here;
   auto gib = [](double b) { return fmt::format("{:.1f} GiB", b / 1073741824.0); };
-  TS_CHECK(need <= available_bytes,
+  TS_CHECK(need <= available_bytes || !training,
            "the model and batch cannot fit in memory: each rank needs at least {} ({} parameters "
            "sharded over {} rank(s): {} of f32 weights, gradients and {} state; {} of logits for "
            "{} x {} tokens x model.vocab_size {}), {} for the {} rank(s) on this node, which has "
@@ -694,6 +699,29 @@ void check_memory(const TrainConfig& c, int world_size, int ranks_here, double a
            gib(f.per_rank()), f.parameters, f.shard_degree, gib(f.state_bytes), c.optimizer.name,
            gib(f.logits_bytes), f.micro_batch, c.training.seq_len, c.model.vocab_size, gib(need),
            ranks_here, gib(available_bytes));
+  TS_CHECK(need <= available_bytes,
+           "the model cannot fit in memory: it needs at least {} ({} parameters: {} of f32 "
+           "weights; {} of logits for a sequence of {} tokens x model.vocab_size {}), and this "
+           "machine has {} available. Check the model keys (model.n_layer, model.n_embd, "
+           "model.vocab_size)",
+           gib(need), f.parameters, gib(f.state_bytes), gib(f.logits_bytes), c.training.seq_len,
+           c.model.vocab_size, gib(available_bytes));
+}
+
+double available_host_memory() {
+  double available = INFINITY;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string name;
+  double kib = 0;
+  while (meminfo >> name >> kib) {
+    if (name == "MemAvailable:") available = kib * 1024.0;
+    meminfo.ignore(64, '\n');
+  }
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  double max = 0, current = 0;
+  if (max_file >> max && current_file >> current)  // "max" (no limit) does not parse
+    available = std::min(available, std::max(0.0, max - current));
+  return available;
 }
 
 nn::TransformerConfig transformer_config(const TrainConfig& c) {

@@ -165,10 +165,17 @@ struct MemoryFloor {
   double state_bytes = 0, logits_bytes = 0;
   double per_rank() const { return state_bytes + logits_bytes; }
 };
-MemoryFloor memory_floor(const TrainConfig& cfg, int world_size);
+// training = false: one process running the model (the f32 weights and one
+// sequence's logits), as tessera-generate and tessera-ckpt do.
+MemoryFloor memory_floor(const TrainConfig& cfg, int world_size, bool training = true);
 // Refuses, before anything is allocated, a run whose floor for the ranks on
 // this node exceeds the memory available to them, naming the figures.
-void check_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes);
+void check_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes,
+                  bool training = true);
+// The host memory this process may still take: the kernel's MemAvailable,
+// capped by the cgroup's limit (a container) where one is set; infinity when
+// neither can be read.
+double available_host_memory();
 // The data-parallel mesh {replicate, shard} for world_size ranks (-1 resolved).
 std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object

@@ -189,6 +189,7 @@ int from_safetensors(const std::vector<std::string>& args) {
     if (!tools::parse_args(cfg, static_cast<int>(argv.size()), argv.data(), "tessera-ckpt"))
       return 0;
     tools::validate(cfg);
+    tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
     std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
     model->to_empty(Device::cpu());
     fsdp::load_safetensors(*model, args[0]);  // checks keys and shapes, converts dtypes
@@ -237,6 +238,9 @@ int main(int argc, char** argv) {
                  "from-safetensors)\n",
                  cmd.c_str());
     return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tessera-ckpt: error: out of host memory (std::bad_alloc)\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera-ckpt: error: %s\n", e.what());
     return 1;

@@ -123,6 +123,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tessera-data: unknown command '%s' (valid: prepare, info)\n",
                  cmd.c_str());
     return usage(false);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tessera-data: error: out of host memory (std::bad_alloc)\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera-data: error: %s\n", e.what());
     return 1;

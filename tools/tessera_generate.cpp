@@ -75,6 +75,7 @@ int run(int argc, char** argv) {
   int nrest = static_cast<int>(rest.size());
   if (!tools::parse_args(cfg, nrest, rest.data(), "tessera-generate")) return 0;
   tools::validate(cfg);
+  tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
 
   std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
   model->to_empty(Device::cpu());
@@ -110,6 +111,9 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tessera-generate: error: out of host memory (std::bad_alloc)\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessera-generate: error: %s\n", e.what());
     return 1;

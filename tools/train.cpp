@@ -864,25 +864,6 @@ void set_threads_per_rank() {
   set_num_threads(std::max(1, cores / ranks_on_this_node()));
 }
 
-// The host memory this process may still take: the kernel's MemAvailable,
-// capped by the cgroup's limit (a container) where one is set. Infinity
-// when neither can be read.
-double available_host_memory() {
-  double available = INFINITY;
-  std::ifstream meminfo("/proc/meminfo");
-  std::string name;
-  double kib = 0;
-  while (meminfo >> name >> kib) {
-    if (name == "MemAvailable:") available = kib * 1024.0;
-    meminfo.ignore(64, '\n');
-  }
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
-  double max = 0, current = 0;
-  if (max_file >> max && current_file >> current)  // "max" (no limit) does not parse
-    available = std::min(available, std::max(0.0, max - current));
-  return available;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -896,11 +877,19 @@ int main(int argc, char** argv) {
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
     if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
-      tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available_host_memory());
+      tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(),
+                          tools::available_host_memory());
     parsed = true;
     install_stop_handlers();
     return Trainer(cfg).run();
-  } catch (const std::exception& e) {
+  } catch (const std::exception& caught) {
+    // Out of memory anyway (the up-front floor is only a lower bound): say so, not "std::bad_alloc".
+    Error oom(fmt::format("out of host memory (std::bad_alloc): this run needs more than the node "
+                          "has ({:.1f} GiB available now); use fewer or smaller "
+                          "settings (model.n_layer, model.n_embd, training.batch_size / "
+                          "training.grad_accum) or more nodes",
+                          tools::available_host_memory() / 1073741824.0));
+    const std::exception& e = dynamic_cast<const std::bad_alloc*>(&caught) ? oom : caught;
     if (!parsed) {
       if (dist::rank() == 0) {
         std::fprintf(stderr, "tessera-train: error: %s\n", e.what());

@@ -61,6 +61,10 @@ bad "the model and batch cannot fit in memory: each rank needs at least" --model
 bad "sharded over 1 rank(s)" --model.n_layer 1000000000
 bad "of logits for 1000000 x 1000 tokens x model.vocab_size 256" \
   --training.batch_size 1000000 --training.seq_len 1000
+# The suggested batch sizes stay positive at the top of the range (was a negative one).
+expect_error "x ranks (2): e.g. --training.batch_size 9223372036854775806" \
+  "${mpi[@]}" -np 2 "$bin/tessera-train" "${base[@]}" --training.batch_size 9223372036854775807 \
+  --training.seq_len 1 --training.steps 1 --training.eval_batches 1
 # The planner issue's example: every rank refuses at once, nothing is allocated.
 start=$SECONDS
 expect_error "cannot fit in memory" "${mpi[@]}" -np 4 "$bin/tessera-train" "${base[@]}" --model.n_embd 65536

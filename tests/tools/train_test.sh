@@ -303,6 +303,9 @@ n=$("$bin/tessera-generate" --checkpoint w4/model.safetensors --sample.max_new_t
 [[ $n == $((3 + 37 + 1)) ]] || fail "expected 3 + 37 + 1 bytes, got $n"
 from_ckpt=$("$bin/tessera-generate" --checkpoint straight/checkpoint --sample.max_new_tokens 20 2>/dev/null | od -An -tx1)
 [[ -n "$from_ckpt" ]] || fail "generate from a sharded checkpoint printed nothing"
+# A model that cannot fit is refused with the figures before anything is allocated.
+expect_error "the model cannot fit in memory: it needs at least" \
+  "$bin/tessera-generate" --checkpoint straight/checkpoint --model.n_embd 65536 --model.n_head 1
 echo "generate: deterministic, 37 tokens"
 
 echo "== a GPT with rotary positions (model.rope): no wpe, trains at 2 ranks, generates from both formats"
