@@ -302,8 +302,8 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
 CheckpointMetadata read_metadata(const std::string& dir) {
   fs::path p = fs::path(dir) / "metadata.json";
   std::error_code ec;
-  TS_CHECK(fs::is_regular_file(p, ec), "{}: no checkpoint metadata (an incomplete or missing checkpoint)",
-           p.string());
+  TS_CHECK(fs::is_regular_file(p, ec),
+           "{}: no checkpoint metadata (an incomplete or missing checkpoint)", p.string());
   // Metadata grows with tensors x ranks (about 200 bytes a chunk): 1 GiB is
   // millions of chunks. Checked before the text is read.
   constexpr uint64_t kMaxMetadataBytes = 1ull << 30;

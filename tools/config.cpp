@@ -590,7 +590,8 @@ void validate(const TrainConfig& c) {
 
 void validate_for_world(const TrainConfig& c, int world_size) {
   mesh_shape(c, world_size);
-  int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
+  int64_t unit =
+      (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
   int64_t below = c.training.batch_size / unit * unit, above = 0;
   if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
   TS_CHECK(c.training.batch_size % unit == 0,
@@ -717,7 +718,8 @@ double available_host_memory() {
     if (name == "MemAvailable:") available = kib * 1024.0;
     meminfo.ignore(64, '\n');
   }
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  std::ifstream max_file("/sys/fs/cgroup/memory.max");
+  std::ifstream current_file("/sys/fs/cgroup/memory.current");
   double max = 0, current = 0;
   if (max_file >> max && current_file >> current)  // "max" (no limit) does not parse
     available = std::min(available, std::max(0.0, max - current));

@@ -28,6 +28,8 @@ std::string read_text_files(const std::vector<std::string>& paths) {
   std::string all;
   for (const auto& p : paths) {
     TS_CHECK(!fs::is_directory(p), "text file '{}' is a directory: name a text file", p);
+    TS_CHECK(!fs::exists(p) || fs::is_regular_file(p),
+             "text file '{}' is not a regular file (a device or a pipe has no end to read to)", p);
     std::ifstream in(p, std::ios::binary);
     TS_CHECK(in.good(), "cannot read text file '{}': {}", p,
              fs::exists(p) ? "permission denied?" : "no such file");
@@ -80,6 +82,8 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
 std::vector<uint16_t> read_shard(const std::string& path) {
   TS_CHECK(!fs::is_directory(path), "token shard '{}' is a directory, not an llm.c token shard",
            path);
+  TS_CHECK(!fs::exists(path) || fs::is_regular_file(path),
+           "token shard '{}' is not a regular file", path);
   std::ifstream in(path, std::ios::binary);
   TS_CHECK(in.good(), "token shard '{}' does not exist or cannot be read", path);
   int32_t header[256];

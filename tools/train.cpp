@@ -180,7 +180,8 @@ json checked_training_state(const std::string& dir, const fsdp::CheckpointMetada
     try {
       grad_accum = std::stoll(it->second);
     } catch (const std::exception&) {
-      TS_CHECK(false, "{}: config has training.grad_accum = '{}', not an integer", file, it->second);
+      TS_CHECK(false, "{}: config has training.grad_accum = '{}', not an integer", file,
+               it->second);
     }
     int64_t position = 0;
     TS_CHECK(!__builtin_mul_overflow(head.step, grad_accum, &position) &&
@@ -788,7 +789,8 @@ int Trainer::run() {
   finish(seconds_since(run_start));
   say("status: completed (exit 0)");
   if (rank_ == 0)
-    write_status(cfg_, {{"status", "completed"}, {"exit_code", 0}, {"step", T_.steps}, {"steps", T_.steps}});
+    write_status(cfg_,
+                 {{"status", "completed"}, {"exit_code", 0}, {"step", T_.steps}, {"steps", T_.steps}});
   return 0;
 }
 
@@ -883,7 +885,8 @@ int main(int argc, char** argv) {
     install_stop_handlers();
     return Trainer(cfg).run();
   } catch (const std::exception& caught) {
-    // Out of memory anyway (the up-front floor is only a lower bound): say so, not "std::bad_alloc".
+    // Out of memory anyway (the up-front floor is only a lower bound): say so,
+    // rather than "std::bad_alloc".
     Error oom(fmt::format("out of host memory (std::bad_alloc): this run needs more than the node "
                           "has ({:.1f} GiB available now); use fewer or smaller "
                           "settings (model.n_layer, model.n_embd, training.batch_size / "
@@ -902,7 +905,10 @@ int main(int argc, char** argv) {
     }
     std::string msg = fmt::format("error: {}", e.what());
     // Any rank that fails says so in the status file (rank 0 may be the one aborted).
-    write_status(cfg, {{"status", "failed"}, {"exit_code", 1}, {"rank", dist::rank()}, {"error", e.what()}});
+    write_status(cfg, {{"status", "failed"},
+                       {"exit_code", 1},
+                       {"rank", dist::rank()},
+                       {"error", e.what()}});
     if (dist::world_size() > 1) dist::abort("tessera-train: " + msg, 1);  // ends every rank
     std::fprintf(stderr, "tessera-train: %s\n", msg.c_str());
     return 1;

@@ -294,7 +294,8 @@ TEST_CASE("a save commits at one point and reports what happened", "[checkpoint]
   };
   auto names = [&] {
     std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(dir.path)) out.push_back(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(dir.path))
+      out.push_back(e.path().filename().string());
     std::sort(out.begin(), out.end());
     return out;
   };

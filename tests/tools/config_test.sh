@@ -80,6 +80,8 @@ expect_error "list needs one PATH (a checkpoint directory, a folder of checkpoin
 expect_error "--step expects a step number (>= 0), got '-4'" \
   "$bin/tessera-ckpt" from-safetensors in.safetensors out --step -4
 expect_error "text file '$work' is a directory" "$bin/tessera-data" prepare --out "$work/d" "$work"
+expect_error "text file '/dev/zero' is not a regular file" "$bin/tessera-data" prepare --out "$work/d" /dev/zero
+expect_error "token shard '/dev/zero' is not a regular file" "$bin/tessera-data" info /dev/zero
 echo "overflowing and oversized configurations refused naming the keys"
 
 echo "== bad values on the command line"
