@@ -64,7 +64,7 @@ asan: deps
 	@[ -f build-asan/build.ninja ] || meson setup build-asan --buildtype=debugoptimized \
 	  -Db_sanitize=address,undefined -Db_lundef=false -Dbenchmarks=false -Dnative=false -Dcuda=disabled
 	meson compile -C build-asan
-	ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1" \
+	ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1" \
 	UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
 	  meson test -C build-asan --print-errorlogs --num-processes 1 --timeout-multiplier 4 $(ASAN_TESTS)
 
