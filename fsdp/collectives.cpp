@@ -148,8 +148,14 @@ ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::ve
   if (w > 1) {
     r.output = empty({row}, reduce_dtype, device);
     r.reduce_scatter = m.shard_group->reduce_scatter_tensor(r.output, input, ops_in.reduce_scatter);
+  } else if (ops_in.post_scale != 1.0) {
+    r.output = ops::mul(input, ops_in.post_scale);
   } else {
-    r.output = ops_in.post_scale == 1.0 ? input : ops::mul(input, ops_in.post_scale);
+    // World size 1: the input is the output, but the view-out reads it on this
+    // stream later, after input_state let it go back to the compute stream's
+    // cache. An asynchronous stream copies it into an output of its own
+    // (PyTorch reduce-scatters into one at world size 1 too).
+    r.output = rs.synchronous() ? input : ops::clone(input);
   }
   // Kept until the compute stream waited for the reduce-scatter stream's use,
   // unless that use is already over (always, on synchronous streams); MPI
