@@ -1,6 +1,8 @@
 #include "fsdp/collectives.h"
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
@@ -10,9 +12,11 @@ namespace tessera::fsdp {
 
 namespace {
 std::atomic<bool> skip_copy_in_wait{false};
-}
+std::atomic<int> reduce_scatter_stall_us{0};
+}  // namespace
 
 void set_skip_copy_in_wait_for_testing(bool skip) { skip_copy_in_wait = skip; }
+void set_reduce_scatter_stall_for_testing(int microseconds) { reduce_scatter_stall_us = microseconds; }
 
 void FSDPStreams::init(Device device) {
   if (initialized()) return;
@@ -207,6 +211,8 @@ std::shared_ptr<Event> finish_reduce(ReduceResult& r, const FSDPStreams& streams
   if (r.all_reduce) r.all_reduce->wait(rs);
   trace::Scope span(trace::Lane::FSDP, "gradient view-out");
   autograd::NoGradGuard no_grad;
+  if (int us = reduce_scatter_stall_us.load(std::memory_order_relaxed); us > 0 && !rs.synchronous())
+    rs.enqueue("test stall", [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });
   StreamGuard on_reduce_scatter(rs);
   for (size_t i = 0; i < r.params.size(); ++i) {
     FSDPParam* p = r.params[i];

@@ -38,6 +38,11 @@ struct BufferState {
 // buffer before the copy-in wrote it. On the asynchronous CPU device training
 // must then go wrong (tests/fsdp/test_streams.cpp shows it does).
 void set_skip_copy_in_wait_for_testing(bool skip);
+// Test-only: the reduce-scatter stream of an asynchronous device sleeps this
+// long before each gradient view-out, so that the compute stream runs ahead
+// (a buffer the view-out still reads must not go back to the compute stream's
+// cache before it; tests/fsdp/test_streams.cpp).
+void set_reduce_scatter_stall_for_testing(int microseconds);
 
 // An all-gather in flight: the flat output [W, per-rank total] (rank r's row
 // is the concatenation of every parameter's padded shard of rank r).

@@ -158,6 +158,24 @@ TEST_CASE("the async device catches a missing wait in FSDP", "[fsdp][stream]") {
   CHECK(wrong > 0);
 }
 
+// The reduce-scatter stream held back before each gradient view-out: the
+// compute stream runs ahead and reuses whatever the view-out has not read yet.
+// At one rank the reduce-scatter output once aliased its compute-stream input,
+// which went back to the cache first: the last block's gradients (accumulated
+// into defined ones in the third step) came out wrong in every run.
+TEST_CASE("a slow reduce-scatter stream changes nothing", "[fsdp][stream]") {
+  Delays delays(20);
+  fsdp::set_reduce_scatter_stall_for_testing(20000);
+  for (const Run& r : {Run{.raf = false, .name = "no reshard after forward"},
+                       Run{.raf = true, .accumulate = true, .name = "accumulation"}}) {
+    INFO(r.name << " at " << world() << " ranks");
+    auto expect = train(*build("cpu", r), Device::cpu(), r);
+    auto got = train(*build("async_cpu", r), Device::async_cpu(), r);
+    CHECK(mismatches(got, expect) == 0);
+  }
+  fsdp::set_reduce_scatter_stall_for_testing(0);
+}
+
 TEST_CASE("checkpoints save and load alike on the async device", "[fsdp][stream][checkpoint]") {
   Delays delays(50);
   Run r{.raf = true, .name = "checkpoint"};
