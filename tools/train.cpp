@@ -339,9 +339,10 @@ void Trainer::build_model() {
                   : init_device_mesh(device_type, {shard}, {"dp_shard"});
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
-  TS_CHECK(model_->num_parameters(false) == tools::parameter_count(cfg_),
-           "internal: the model has {} parameters, tools::parameter_count predicted {}",
-           model_->num_parameters(false), tools::parameter_count(cfg_));
+  const int64_t built = model_->num_parameters(false), predicted = tools::parameter_count(cfg_);
+  TS_CHECK(built == predicted,
+           "internal: the model has {} parameters, tools::parameter_count predicted {}", built,
+           predicted);
   fsdp::FullyShardOptions opt{
       .mesh = mesh_,
       // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in
