@@ -333,7 +333,18 @@ CheckpointMetadata read_metadata(const std::string& dir) {
 
 namespace {
 std::atomic<uint64_t> g_bytes_read{0};
+
+// A chunk's bytes must lie inside its data file; checked before anything the
+// chunk's size claims is allocated.
+void check_chunk_in_file(const fs::path& p, const TensorInfo& tensor, const ChunkInfo& chunk) {
+  std::error_code ec;
+  uint64_t size = fs::file_size(p, ec);
+  TS_CHECK(!ec, "{}: missing data file (tensor '{}')", p.string(), tensor.name);
+  TS_CHECK(chunk.bytes <= size && chunk.offset <= size - chunk.bytes,
+           "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
+           tensor.name, chunk.offset, chunk.offset + chunk.bytes, size);
 }
+}  // namespace
 
 uint64_t checkpoint_bytes_read() { return g_bytes_read.load(); }
 
@@ -350,11 +361,7 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
   std::memcpy(&version, header + 8, 4);
   TS_CHECK(version == kFormatVersion, "{}: data file version {} (this build reads {})", p.string(),
            version, kFormatVersion);
-  std::error_code ec;
-  uint64_t size = fs::file_size(p, ec);
-  TS_CHECK(!ec && chunk.bytes <= size && chunk.offset <= size - chunk.bytes,
-           "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
-           tensor.name, chunk.offset, chunk.offset + chunk.bytes, size);
+  check_chunk_in_file(p, tensor, chunk);
   Tensor t = empty(chunk.shape, tensor.dtype);
   if (chunk.bytes) {
     in.seekg(static_cast<std::streamoff>(chunk.offset));
@@ -373,15 +380,7 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
 Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor) {
   // Every chunk's bytes must be in its data file before the whole tensor is
   // allocated: metadata that claims a huge shape is refused, not zero-filled.
-  for (const auto& ch : tensor.chunks) {
-    fs::path p = fs::path(dir) / ch.file;
-    std::error_code ec;
-    uint64_t size = fs::file_size(p, ec);
-    TS_CHECK(!ec, "{}: missing data file (tensor '{}')", p.string(), tensor.name);
-    TS_CHECK(ch.bytes <= size && ch.offset <= size - ch.bytes,
-             "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
-             tensor.name, ch.offset, ch.offset + ch.bytes, size);
-  }
+  for (const auto& ch : tensor.chunks) check_chunk_in_file(fs::path(dir) / ch.file, tensor, ch);
   // The chunks cover every element exactly once (parse_metadata checked the
   // count and that no two boxes overlap), so nothing is left unwritten.
   Tensor out = empty(tensor.shape, tensor.dtype);
