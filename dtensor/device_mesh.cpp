@@ -75,6 +75,11 @@ MeshPtr DeviceMesh::slice(const std::vector<std::string>& names) const {
 
 dist::ProcessGroupPtr DeviceMesh::flat_group() const {
   if (ndim() == 1) return groups_[0];
+  if (!flat_ && groups_[0]->simulated()) {  // a planned rank: its place from its coordinate
+    int64_t linear = 0;
+    for (int64_t d = 0; d < ndim(); ++d) linear = linear * size(d) + coordinate_[static_cast<size_t>(d)];
+    flat_ = dist::simulated_group(static_cast<int>(linear), ranks_, fmt::format("{}", fmt::join(names_, "_")));
+  }
   if (!flat_) {
     int color = *std::min_element(ranks_.begin(), ranks_.end());
     int key = static_cast<int>(std::find(ranks_.begin(), ranks_.end(), dist::rank()) - ranks_.begin());

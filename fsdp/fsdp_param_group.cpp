@@ -2,6 +2,7 @@
 
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
+#include "runtime/allocator.h"
 #include "runtime/trace.h"
 
 namespace tessera::fsdp {
@@ -54,7 +55,8 @@ void FSDPParamGroup::lazy_init() {
   if (initialized_) return;
   const FSDPParam* first_trainable = nullptr;
   for (auto& p : fsdp_params) {
-    TS_CHECK(!p->sharded_param.is_meta(),
+    // On meta only to plan a step (runtime/allocator.h's MetaAccounting, tools/plan.h).
+    TS_CHECK(!p->sharded_param.is_meta() || meta_accounting_active(),
              "FSDP parameters should be materialized from meta device before training, but {} is still on meta: "
              "call module.to_empty(device) and init_weights(seed) first",
              p->fqn);

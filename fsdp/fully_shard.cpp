@@ -93,8 +93,12 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
            module.type_name());
   TS_CHECK(module.extension == nullptr, "fully_shard: {} already carries another extension", module.type_name());
   MeshPtr mesh = options.mesh ? options.mesh : default_mesh();
-  TS_CHECK(mesh->device_type() == "cpu" || mesh->device_type() == "async_cpu",
-           "fully_shard: mesh device type '{}' is not available in this build (cpu, async_cpu)", mesh->device_type());
+  // meta: a planned run (tools/plan.h), over simulated process groups only.
+  TS_CHECK(mesh->device_type() == "cpu" || mesh->device_type() == "async_cpu" ||
+               (mesh->device_type() == "meta" && mesh->get_group(0)->simulated()),
+           "fully_shard: mesh device type '{}' is not available in this build (cpu, async_cpu; meta over "
+           "simulated process groups)",
+           mesh->device_type());
   MeshInfo info = mesh_info_for(mesh);
 
   std::vector<std::unique_ptr<FSDPParam>> params;

@@ -156,13 +156,55 @@ Allocator& allocator_for(Device device) {
   TS_CHECK(false, "no allocator for device {}", device.str());
 }
 
+namespace {
+std::mutex meta_mu;
+MemoryStats meta_stats;
+bool meta_active = false;
+}  // namespace
+
+MetaAccounting::MetaAccounting() {
+  std::lock_guard<std::mutex> lock(meta_mu);
+  TS_CHECK(!meta_active, "MetaAccounting: an accounting is already active");
+  meta_active = true;
+  meta_stats = {};
+}
+
+MetaAccounting::~MetaAccounting() {
+  std::lock_guard<std::mutex> lock(meta_mu);
+  meta_active = false;
+}
+
+bool meta_accounting_active() {
+  std::lock_guard<std::mutex> lock(meta_mu);
+  return meta_active;
+}
+
+namespace detail {
+void meta_account(int64_t delta_bytes) {
+  std::lock_guard<std::mutex> lock(meta_mu);
+  meta_stats.allocated_bytes += delta_bytes;
+  (delta_bytes >= 0 ? meta_stats.num_allocs : meta_stats.num_frees)++;
+  meta_stats.reserved_bytes = meta_stats.allocated_bytes;
+  update_peaks(meta_stats);
+}
+}  // namespace detail
+
 MemoryStats memory_stats(Device device) {
-  if (device.is_meta()) return {};
+  if (device.is_meta()) {
+    std::lock_guard<std::mutex> lock(meta_mu);
+    return meta_stats;
+  }
   return allocator_for(device).stats();
 }
 
 void reset_peak_memory_stats(Device device) {
-  if (!device.is_meta()) allocator_for(device).reset_peak();
+  if (device.is_meta()) {
+    std::lock_guard<std::mutex> lock(meta_mu);
+    meta_stats.peak_allocated_bytes = meta_stats.allocated_bytes;
+    meta_stats.peak_reserved_bytes = meta_stats.reserved_bytes;
+    return;
+  }
+  allocator_for(device).reset_peak();
 }
 
 void empty_cache(Device device) {

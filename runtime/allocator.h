@@ -93,9 +93,31 @@ class CachingAllocator : public Allocator {
 // The allocator for a device; throws for devices this build has no allocator for.
 Allocator& allocator_for(Device device);
 
+// memory_stats(Device::meta()) is the meta accounting below; zero without it.
 MemoryStats memory_stats(Device device = Device::cpu());
 void reset_peak_memory_stats(Device device = Device::cpu());
 // Gives cached, unused blocks back to the system (PyTorch: torch.cuda.empty_cache).
 void empty_cache(Device device = Device::cpu());
+
+// Meta accounting, for planning a run without running it. While a
+// MetaAccounting is alive, meta storages created or re-allocated count as
+// allocations in memory_stats(Device::meta()), and releasing or destroying
+// them frees the bytes, as the caching allocator counts a real device's
+// (allocated_bytes: the bytes tensors asked for). A training step run on meta
+// then shows the allocated bytes and peak that the same step would reach on
+// the device, from the code's own allocations. One accounting at a time.
+class MetaAccounting {
+ public:
+  MetaAccounting();  // starts with nothing counted as allocated
+  ~MetaAccounting();
+  MetaAccounting(const MetaAccounting&) = delete;
+  MetaAccounting& operator=(const MetaAccounting&) = delete;
+};
+bool meta_accounting_active();
+
+namespace detail {
+// Storage's side of the accounting (runtime/storage.cpp).
+void meta_account(int64_t delta_bytes);
+}  // namespace detail
 
 }  // namespace tessera

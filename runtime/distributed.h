@@ -94,8 +94,18 @@ class ProcessGroup {
   virtual void reset_stats() = 0;
   // Collectives issued so far on this group (the next one gets this number).
   virtual int64_t sequence() const = 0;
+  // A group of dist::simulated_group: counts, never communicates.
+  virtual bool simulated() const { return false; }
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// A process group that plays rank `rank` of a group of the given world ranks
+// without any communication, for planning a run (tools/plan.h): collectives
+// check their tensors (meta tensors allowed), count in stats() as the real
+// group counts them (mpi_calls and bytes where the real one would call MPI),
+// allocate the buffers the real one allocates (on meta) and complete at once,
+// leaving their outputs untouched.
+ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name);
 
 // Initialises MPI when launched by mpirun/srun (else world size 1, no MPI).
 // Safe to call more than once; finalize() runs at exit.

@@ -67,8 +67,11 @@ constexpr KernelFamily kReduction = KernelFamily::Reduction;
 template <class F>
 const Tensor& update_inplace(const Tensor& x, const char* op, F&& f) {
   check_floating(x, op);
-  if (x.is_meta()) return x;
   const DType cd = compute_dtype(x.device(), kElementwise, x.dtype());
+  if (x.is_meta()) {  // no kernel; the copy the device would make, for a planned step's count
+    if (cd != x.dtype()) (void)to(x, cd);
+    return x;
+  }
   if (cd == x.dtype()) {
     f(x);
     return x;
@@ -86,10 +89,9 @@ Tensor unary(UnaryOp op, const Tensor& x) {
     return route(unary_name(op), op == UnaryOp::Neg ? OpClass::LinearElementwise : OpClass::Elementwise, {x},
                  [op](const TensorList& l) { return TensorList{unary(op, l[0])}; })[0];
   check_floating(x, unary_name(op));
-  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   Tensor xc = upcast(x, kElementwise);
   Tensor out = empty(x.shape(), xc.dtype(), x.device());
-  dispatch(x.device()).unary(op, out, xc);
+  if (!x.is_meta()) dispatch(x.device()).unary(op, out, xc);
   return to(out, x.dtype());
 }
 
@@ -100,10 +102,12 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
     })[0];
   TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
            unary_name(op), shape_str(grad.shape()), shape_str(x.shape()));
-  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   Tensor gx = empty(x.shape(), compute_dtype(x.device(), kElementwise, x.dtype()), x.device());
-  dispatch(x.device()).unary_backward(op, gx, upcast(grad, kElementwise), upcast(x, kElementwise),
-                                     y.defined() ? upcast(y, kElementwise) : Tensor());
+  {
+    Tensor gc = upcast(grad, kElementwise), xc = upcast(x, kElementwise);
+    Tensor yc = y.defined() ? upcast(y, kElementwise) : Tensor();
+    if (!x.is_meta()) dispatch(x.device()).unary_backward(op, gx, gc, xc, yc);
+  }
   return to(gx, x.dtype());
 }
 
@@ -123,10 +127,9 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
            "{}: not supported on bool tensors", name);
   Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   DType out_dtype = is_comparison(op) ? DType::Bool : a.dtype();
-  if (a.is_meta()) return empty(shape, out_dtype, a.device());
   Tensor ac = upcast(a, kElementwise), bc = upcast(b, kElementwise);
   Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ac.dtype(), a.device());
-  dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
+  if (!a.is_meta()) dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
   return to(out, out_dtype);
 }
 

@@ -64,11 +64,13 @@ void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, d
   TS_ASSERT(out.is_contiguous());
   if (m == 0 || n == 0) return;
   if (k == 0) {
+    if (out.is_meta()) return;
     if (beta == 0.0) dispatch(out.device()).fill(out, 0.0);
     else if (beta != 1.0) dispatch(out.device()).binary_scalar(BinaryOp::Mul, out, out, beta, false);
     return;
   }
-  BlasOperand pa = blas_operand(a), pb = blas_operand(b);
+  BlasOperand pa = blas_operand(a), pb = blas_operand(b);  // copies as the device would make them
+  if (out.is_meta()) return;
   dispatch(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, pa.t.data_ptr(),
                              pa.ld, pb.t.data_ptr(), pb.ld, beta, out.data_ptr(), n);
 }
@@ -102,8 +104,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   Shape final_shape = batch;
   if (a_in.dim() > 1) final_shape.push_back(m);
   if (b_in.dim() > 1) final_shape.push_back(n);
-  if (a.is_meta()) return empty(final_shape, a_in.dtype(), a.device());
-
+  // On meta the same tensors are made (a planned step counts them) and no kernel runs.
   Tensor ac = upcast(a, kMatmul), bc = upcast(b, kMatmul);
   Tensor out = empty(out_shape, ac.dtype(), a.device());
   int64_t nb = shape_numel(batch);
@@ -140,10 +141,12 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   }
   Shape out_shape = x.shape();
   out_shape.back() = w.size(0);
-  if (x.is_meta()) return empty(out_shape, x.dtype(), x.device());
   Tensor x2 = reshape(upcast(x, kMatmul), {leading_numel(x.shape()), w.size(1)});
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
-  if (b.defined()) dispatch(x.device()).copy(out, expand(upcast(b, kMatmul), out.shape()));
+  if (b.defined()) {
+    Tensor bias = expand(upcast(b, kMatmul), out.shape());
+    if (!x.is_meta()) dispatch(x.device()).copy(out, bias);
+  }
   gemm2d(out, x2, transpose(upcast(w, kMatmul), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
   return to(reshape(out, out_shape), x.dtype());
 }
@@ -229,14 +232,12 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
   check_norm_args(x, w, b, op);
   Shape rows(x.shape().begin(), x.shape().end() - 1);
   DType cd = compute_dtype(x.device(), kNorm, x.dtype()), sd = stats_dtype(cd);
-  if (x.is_meta())
-    return {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, sd, x.device()),
-            empty(rows, sd, x.device())};
   Tensor xc = kernel_input(x, kNorm);
   NormResult r{empty(x.shape(), cd, x.device()), rms ? Tensor() : empty(rows, sd, x.device()),
                empty(rows, sd, x.device())};
-  dispatch(x.device()).layer_norm(r, xc, w.defined() ? kernel_input(w, kNorm) : Tensor(),
-                                 b.defined() ? kernel_input(b, kNorm) : Tensor(), eps, rms);
+  Tensor wc = w.defined() ? kernel_input(w, kNorm) : Tensor();
+  Tensor bc = b.defined() ? kernel_input(b, kNorm) : Tensor();
+  if (!x.is_meta()) dispatch(x.device()).layer_norm(r, xc, wc, bc, eps, rms);
   r.y = to(r.y, x.dtype());
   return r;
 }
@@ -250,10 +251,11 @@ NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, cons
   NormGrads g{empty(x.shape(), cd, x.device()),
               need_wb && w.defined() ? empty({c}, cd, x.device()) : Tensor(),
               need_wb && has_bias ? empty({c}, cd, x.device()) : Tensor()};
-  if (x.is_meta()) return g;
-  dispatch(x.device()).layer_norm_backward(g, kernel_input(dy, kNorm), kernel_input(x, kNorm),
-                                          w.defined() ? kernel_input(w, kNorm) : Tensor(), mean,
-                                          rstd, rms);
+  {
+    Tensor dyc = kernel_input(dy, kNorm), xc = kernel_input(x, kNorm);
+    Tensor wc = w.defined() ? kernel_input(w, kNorm) : Tensor();
+    if (!x.is_meta()) dispatch(x.device()).layer_norm_backward(g, dyc, xc, wc, mean, rstd, rms);
+  }
   g.dx = to(g.dx, x.dtype());
   if (g.dweight.defined()) g.dweight = to(g.dweight, w.dtype());
   if (g.dbias.defined()) g.dbias = to(g.dbias, w.dtype());
@@ -300,9 +302,11 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   int64_t d = grad.size(-1);
   DType cd = compute_dtype(grad.device(), kEmbedding, grad.dtype());
   Tensor gw = zeros({num_weights, d}, cd, grad.device());
-  if (gw.is_meta()) return to(gw, grad.dtype());
-  Tensor rows = reshape(kernel_input(grad, kEmbedding), {leading_numel(grad.shape()), d});
-  dispatch(grad.device()).embedding_backward(gw, rows, contiguous(indices));
+  {
+    Tensor rows = reshape(kernel_input(grad, kEmbedding), {leading_numel(grad.shape()), d});
+    Tensor ids = contiguous(indices);
+    if (!gw.is_meta()) dispatch(grad.device()).embedding_backward(gw, rows, ids);
+  }
   return to(gw, grad.dtype());
 }
 
@@ -317,14 +321,13 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
            shape_str(target.shape()), shape_str(logits.shape()), logits.size(0));
   DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   int64_t n = logits.size(0);
-  if (logits.is_meta())
-    return {empty({}, logits.dtype(), logits.device()), empty({n}, stats_dtype(cd), logits.device()),
-            empty({}, DType::F64, logits.device())};
   Tensor t = contiguous(to(target, DType::I64));
   Tensor losses = empty({n}, stats_dtype(cd), logits.device());
   Tensor lse = empty({n}, stats_dtype(cd), logits.device());
-  dispatch(logits.device())
-      .cross_entropy(losses, lse, kernel_input(logits, kCrossEntropy), t, ignore_index);
+  {
+    Tensor input = kernel_input(logits, kCrossEntropy);
+    if (!logits.is_meta()) dispatch(logits.device()).cross_entropy(losses, lse, input, t, ignore_index);
+  }
   // The mean over counted targets stays on the device: no host sync per step.
   Tensor count = sum(binary(BinaryOp::Ne, t, static_cast<double>(ignore_index)), {}, false, DType::F64);
   Tensor total = sum(losses, {}, false, DType::F64);
@@ -336,11 +339,12 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                               const Tensor& lse, int64_t ignore_index, const Tensor& count) {
   DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   Tensor g = empty(logits.shape(), cd, logits.device());
-  if (g.is_meta()) return to(g, logits.dtype());
-  Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
-  dispatch(logits.device()).cross_entropy_backward(g, scale, kernel_input(logits, kCrossEntropy),
-                                                  contiguous(to(target, DType::I64)), lse,
-                                                  ignore_index);
+  {
+    Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
+    Tensor input = kernel_input(logits, kCrossEntropy), t = contiguous(to(target, DType::I64));
+    if (!g.is_meta())
+      dispatch(logits.device()).cross_entropy_backward(g, scale, input, t, lse, ignore_index);
+  }
   return to(g, logits.dtype());
 }
 
@@ -371,10 +375,11 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
   DType sd = stats_dtype(cd);
-  if (q.is_meta()) return {empty(q.shape(), q.dtype(), q.device()), empty(lse_shape, sd, q.device())};
   AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, sd, q.device())};
-  dispatch(q.device()).attention(r, kernel_input(q, kAttention), kernel_input(k, kAttention),
-                                kernel_input(v, kAttention), causal, scale);
+  {
+    Tensor qc = kernel_input(q, kAttention), kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
+    if (!q.is_meta()) dispatch(q.device()).attention(r, qc, kc, vc, causal, scale);
+  }
   r.out = to(r.out, q.dtype());
   return r;
 }
@@ -386,10 +391,12 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
                    empty(v.shape(), cd, q.device())};
-  if (q.is_meta()) return g;
-  dispatch(q.device()).attention_backward(
-      g, kernel_input(dout, kAttention), kernel_input(q, kAttention), kernel_input(k, kAttention),
-      kernel_input(v, kAttention), kernel_input(out, kAttention), contiguous(lse), causal, scale);
+  {
+    Tensor dc = kernel_input(dout, kAttention), qc = kernel_input(q, kAttention);
+    Tensor kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
+    Tensor oc = kernel_input(out, kAttention), lc = contiguous(lse);
+    if (!q.is_meta()) dispatch(q.device()).attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
+  }
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
 }
 
@@ -420,11 +427,13 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   int64_t t = x.size(-2), half = x.size(-1) / 2;
   TS_CHECK(cos.dim() == 2 && cos.size(0) >= t && cos.size(1) == half && sin.shape() == cos.shape(),
            "rope: cos/sin {} must be [>= {}, {}]", shape_str(cos.shape()), t, half);
-  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   DType cd = compute_dtype(x.device(), kRope, x.dtype());
   Tensor out = empty(x.shape(), cd, x.device());
-  dispatch(x.device()).rope(out, kernel_input(x, kRope), contiguous(to(narrow(cos, 0, 0, t), cd)),
-                           contiguous(to(narrow(sin, 0, 0, t), cd)), inverse);
+  {
+    Tensor xc = kernel_input(x, kRope);
+    Tensor c = contiguous(to(narrow(cos, 0, 0, t), cd)), s = contiguous(to(narrow(sin, 0, 0, t), cd));
+    if (!x.is_meta()) dispatch(x.device()).rope(out, xc, c, s, inverse);
+  }
   return to(out, x.dtype());
 }
 

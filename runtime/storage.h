@@ -44,6 +44,7 @@ class Storage {
   size_t nbytes_ = 0;
   Device device_;
   Allocator* allocator_ = nullptr;  // null for meta and borrowed bytes
+  bool counted_ = false;  // meta: held in the meta accounting (runtime/allocator.h)
 };
 
 }  // namespace tessera

@@ -14,32 +14,38 @@ namespace {
 std::atomic<uint64_t> next_stream_id{1};
 std::atomic<int64_t> host_syncs{0};
 
-// The host is the stream: work runs when it is enqueued.
+// The host is the stream: work runs when it is enqueued. The meta device's
+// streams are the same (a step planned on meta takes the CPU's paths).
 class CpuStream final : public Stream {
  public:
-  Device device() const override { return Device::cpu(); }
+  explicit CpuStream(Device device = Device::cpu()) : device_(device) {}
+  Device device() const override { return device_; }
   bool synchronous() const override { return true; }
   void enqueue(const char*, std::function<void()> fn) override { fn(); }
   void synchronize() override {}
   bool query() override { return true; }
+
+ private:
+  Device device_;
 };
 
 class CpuEvent final : public Event {
  public:
+  explicit CpuEvent(Device device = Device::cpu()) : device_(device) {}
   void record(Stream& stream) override {
-    TS_CHECK(stream.device().is_cpu(), "a CPU event cannot be recorded on a {} stream",
+    TS_CHECK(stream.device() == device_, "a {} event cannot be recorded on a {} stream", device_.str(),
              stream.device().str());
   }
   bool query() const override { return true; }  // never pending: the host is the stream
   void synchronize() override {}
   void wait(Stream& stream) override {
-    TS_CHECK(stream.device().is_cpu(), "a {} stream cannot wait on a CPU event", stream.device().str());
+    TS_CHECK(stream.device() == device_, "a {} stream cannot wait on a {} event", stream.device().str(),
+             device_.str());
   }
-};
 
-void check_streams(Device device, const char* what) {
-  TS_CHECK(!device.is_meta(), "{}: a meta device has no streams", what);
-}
+ private:
+  Device device_;
+};
 
 }  // namespace
 
@@ -70,10 +76,13 @@ void count_host_sync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
 }  // namespace detail
 
 Stream& default_stream(Device device) {
-  check_streams(device, "default_stream");
   if (device.is_cpu()) {
     static auto* cpu = new std::shared_ptr<Stream>(std::make_shared<CpuStream>());  // never destroyed
     return **cpu;
+  }
+  if (device.is_meta()) {
+    static auto* meta = new std::shared_ptr<Stream>(std::make_shared<CpuStream>(Device::meta()));
+    return **meta;
   }
   if (device.is_cuda()) return cuda::default_stream(device.index);
   return async_cpu::default_stream();
@@ -85,15 +94,13 @@ Stream& current_stream(Device device) {
 }
 
 StreamPtr new_stream(Device device) {
-  check_streams(device, "new_stream");
-  if (device.is_cpu()) return std::make_shared<CpuStream>();
+  if (device.is_cpu() || device.is_meta()) return std::make_shared<CpuStream>(device);
   if (device.is_cuda()) return cuda::new_stream(device.index);
   return async_cpu::new_stream();
 }
 
 std::shared_ptr<Event> make_event(Device device) {
-  check_streams(device, "make_event");
-  if (device.is_cpu()) return std::make_shared<CpuEvent>();
+  if (device.is_cpu() || device.is_meta()) return std::make_shared<CpuEvent>(device);
   if (device.is_cuda()) return cuda::make_event(device.index);
   return async_cpu::make_event();
 }

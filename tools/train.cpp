@@ -19,6 +19,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +40,7 @@
 #include "runtime/trace.h"
 #include "tools/config.h"
 #include "tools/data.h"
+#include "tools/plan.h"
 #include "tools/report.h"
 
 using namespace tessera;
@@ -343,17 +345,7 @@ void Trainer::build_model() {
   TS_CHECK(built == predicted,
            "internal: the model has {} parameters, tools::parameter_count predicted {}", built,
            predicted);
-  fsdp::FullyShardOptions opt{
-      .mesh = mesh_,
-      // true keeps PyTorch's default (the root stays unsharded after forward; it is needed first in
-      // backward)
-      .reshard_after_forward = cfg_.parallelism.reshard_after_forward
-                                   ? fsdp::ReshardAfterForward{}
-                                   : fsdp::ReshardAfterForward{false},
-      .mp_policy = {.param_dtype = dtype_of(cfg_.mixed_precision.param_dtype),
-                    .reduce_dtype = dtype_of(cfg_.mixed_precision.reduce_dtype)}};
-  for (auto& block : model_->blocks) fsdp::fully_shard(*block, opt);
-  fsdp::fully_shard(*model_, opt);
+  tools::shard_model(*model_, cfg_, mesh_);  // as the planner does (tools/plan.h)
   model_->to_empty(device_);
   model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
@@ -364,21 +356,8 @@ void Trainer::build_model() {
 }
 
 void Trainer::build_optimizer() {
-  // Weight decay on matrices only (nanoGPT's grouping).
-  TensorList decay, no_decay;
-  for (auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  opt_ = tools::make_optimizer(*model_, cfg_, &adamw_);  // as the planner does
   const auto& o = cfg_.optimizer;
-  if (o.name == "sgd") {
-    opt_ = std::make_unique<optim::SGD>(
-        model_->parameters(),
-        optim::SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
-  } else {
-    auto adamw = std::make_unique<optim::AdamW>(
-        std::vector<optim::ParamGroup>{{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}},
-        optim::AdamWOptions{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps});
-    adamw_ = adamw.get();
-    opt_ = std::move(adamw);
-  }
   schedule_ = {o.lr, o.lr * cfg_.lr_scheduler.min_lr_ratio, cfg_.lr_scheduler.warmup_steps,
                T_.steps};
 }
@@ -536,15 +515,10 @@ void Trainer::load_initial_weights(const std::string& path) {
 // step makes no host sync.
 Tensor Trainer::train_step(int64_t step) {
   opt_->set_lr(schedule_.lr_at(step));
-  Tensor loss_sum = zeros({}, DType::F64, device_);
-  for (int64_t m = 0; m < T_.grad_accum; ++m) {
-    // Gradients are reduced once, after the last micro-batch.
-    fsdp::set_requires_gradient_sync(*model_, m + 1 == T_.grad_accum);
+  Tensor loss_sum = tools::forward_backward(*model_, T_.grad_accum, [&](int64_t m) {
     auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, rank_, world_);
-    Tensor loss = nn::cross_entropy((*model_)(x.to(device_)), y.to(device_));
-    loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
-    autograd::backward(loss * (1.0 / static_cast<double>(T_.grad_accum)));
-  }
+    return std::pair{x.to(device_), y.to(device_)};
+  });
   Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
   if (world_ > 1)  // over NCCL on CUDA (the mesh's group), MPI otherwise
     (device_.is_cuda() ? mesh_->flat_group() : dist::world())
@@ -875,10 +849,26 @@ int main(int argc, char** argv) {
   try {
     dist::init(argc, argv);
     set_threads_per_rank();
+    // --dry-run: print the plan of this rank (tools/plan.h) and exit.
+    bool dry_run = false;
+    std::vector<char*> args;
+    for (int i = 0; i < argc; ++i) {
+      if (i > 0 && std::strcmp(argv[i], "--dry-run") == 0) dry_run = true;
+      else args.push_back(argv[i]);
+    }
+    int nargs = static_cast<int>(args.size());
     // Every rank parses the same arguments; only rank 0 reports a mistake.
-    if (!tools::parse_args(cfg, argc, argv, "tessera-train", dist::rank() == 0)) return 0;
+    if (!tools::parse_args(cfg, nargs, args.data(), "tessera-train", dist::rank() == 0)) {
+      if (dist::rank() == 0) std::printf("\n  --dry-run   print the plan (tessera-plan) for this launch and exit\n");
+      return 0;
+    }
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
+    if (dry_run) {
+      if (dist::rank() == 0)
+        std::fputs(tools::format_plan(tools::plan_run(cfg, dist::world_size(), 0), cfg).c_str(), stdout);
+      return 0;
+    }
     if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
       tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(),
                           tools::available_host_memory());

@@ -78,6 +78,7 @@ class GroupState {
   std::vector<int> global_ranks;
   int rank = 0;
   int size = 1;
+  bool simulated = false;   // dist::simulated_group: counted and checked, never sent
   int64_t next_seq = 0;     // assigned at enqueue (caller thread)
   int64_t started_seq = 0;  // collectives posted to MPI so far (engine)
   std::atomic<bool> broken{false};

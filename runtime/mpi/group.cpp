@@ -24,10 +24,10 @@ class DoneWork final : public Work {
   bool is_completed() override { return true; }
 };
 
-void check_tensor(const Tensor& t, const char* op, const char* what) {
+void check_tensor(const Tensor& t, const char* op, const char* what, bool simulated = false) {
   TS_CHECK(t.defined(), "{}: {} is undefined", op, what);
   TS_CHECK(!t.is_distributed(), "{}: {} is a DTensor; pass its local tensor", op, what);
-  TS_CHECK(t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU,
+  TS_CHECK(t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU || (simulated && t.is_meta()),
            "{}: {} is on {}; MPI process groups move host-memory tensors (cpu, async_cpu)", op, what,
            t.device().str());
   TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,
@@ -169,6 +169,27 @@ void MpiGroup::count(int64_t kind) {
   (*fields[kind])++;
 }
 
+namespace {
+// A simulated collective: complete at once; the buffers the real one would
+// hold are released when it is waited for, the latest point at which the real
+// one releases them (the engine frees them at completion).
+class SimulatedWork final : public Work {
+ public:
+  explicit SimulatedWork(std::vector<Tensor> held) : held_(std::move(held)) {}
+  void wait() override { held_.clear(); }
+  void wait(Stream&) override { held_.clear(); }
+  bool is_completed() override { return true; }
+
+ private:
+  std::vector<Tensor> held_;
+};
+}  // namespace
+
+WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c, std::vector<Tensor> keep_alive) {
+  // Counted (make) and checked like a real collective; nothing moves.
+  return std::make_shared<SimulatedWork>(keep_alive.empty() ? std::move(c->keep_alive) : std::move(keep_alive));
+}
+
 WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
   // Tensors of an asynchronous device: MPI may touch them only once the work
   // queued on the current stream so far (their producers) has run.
@@ -183,8 +204,8 @@ WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
 
 WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& input) {
   const char* op = "all_gather_into_tensor";
-  check_tensor(output, op, "output");
-  check_tensor(input, op, "input");
+  check_tensor(output, op, "output", simulated());
+  check_tensor(input, op, "input", simulated());
   TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
            dtype_name(output.dtype()));
   int64_t n = input.numel();
@@ -192,6 +213,12 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
            output.numel(), n * size(), size(), n);
   count(kAllGather);
   size_t bytes = static_cast<size_t>(n) * dtype_size(input.dtype());
+  if (simulated()) {
+    if (size() == 1) return std::make_shared<DoneWork>();
+    return simulate(make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
+                         static_cast<int64_t>(bytes)),
+                    {input, output});
+  }
   char* slot = output.numel() ? static_cast<char*>(output.data_ptr()) + bytes * static_cast<size_t>(rank()) : nullptr;
   bool in_place = n > 0 && input.data_ptr() == slot;
   if (size() == 1) {
@@ -216,8 +243,8 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
 
 WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOptions o) {
   const char* op = "reduce_scatter_tensor";
-  check_tensor(output, op, "output");
-  check_tensor(input, op, "input");
+  check_tensor(output, op, "output", simulated());
+  check_tensor(input, op, "input", simulated());
   TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
            dtype_name(output.dtype()));
   check_reduce_dtype(input.dtype(), o, op);
@@ -238,11 +265,13 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
            "{}: {} is not defined on bool tensors (use max or min)", op, reduce_op_name(o.op));
   // Peers' chunks for this rank land in `staged` (slot p from rank p); the sum
   // runs on the engine, over ranks in order, so every rank rounds alike.
-  Tensor staged = empty({size() * n}, rdt);
-  Tensor result = upcast ? empty(output.shape(), DType::F32) : output;
+  Device host = simulated() ? Device::meta() : Device::cpu();
+  Tensor staged = empty({size() * n}, rdt, host);
+  Tensor result = upcast ? empty(output.shape(), DType::F32, host) : output;
   auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
                 static_cast<int64_t>(send.nbytes()));
   c->keep_alive = {input, output, send, staged, result};
+  if (simulated()) return simulate(c, {});
   size_t chunk = static_cast<size_t>(n) * dtype_size(rdt);
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(rdt), chunk,
               n ? static_cast<const char*>(send.data_ptr()) : nullptr, chunk,
@@ -274,7 +303,7 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
 
 WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
   const char* op = "all_reduce";
-  check_tensor(tensor, op, "tensor");
+  check_tensor(tensor, op, "tensor", simulated());
   check_reduce_dtype(tensor.dtype(), o, op);
   count(kAllReduce);
   bool upcast = needs_upcast(tensor.dtype());
@@ -293,6 +322,7 @@ WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
   auto c = make(kAllReduce, "all_reduce", tensor.dtype(), tensor.numel(), tensor.numel(), o.op, -1,
                 static_cast<int64_t>(buf.nbytes()));
   c->keep_alive = {tensor, buf};
+  if (simulated()) return simulate(c, {});
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(buf.dtype());
@@ -310,13 +340,14 @@ WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
 
 WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
   const char* op = "broadcast";
-  check_tensor(tensor, op, "tensor");
+  check_tensor(tensor, op, "tensor", simulated());
   TS_CHECK(src >= 0 && src < size(), "{}: source rank {} is not in a group of {}", op, src, size());
   count(kBroadcast);
   if (size() == 1) return std::make_shared<DoneWork>();
   auto c = make(kBroadcast, "broadcast", tensor.dtype(), tensor.numel(), tensor.numel(), ReduceOp::Sum, src,
                 static_cast<int64_t>(tensor.nbytes()));
   c->keep_alive = {tensor};
+  if (simulated()) return simulate(c, {});
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(tensor.dtype());
@@ -328,14 +359,15 @@ WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
 
 WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   const char* op = "all_to_all";
-  check_tensor(output, op, "output");
-  check_tensor(input, op, "input");
+  check_tensor(output, op, "output", simulated());
+  check_tensor(input, op, "input", simulated());
   TS_CHECK(input.dtype() == output.dtype() && input.numel() == output.numel(),
            "{}: input ({}, {} elements) and output ({}, {} elements) must match", op, dtype_name(input.dtype()),
            input.numel(), dtype_name(output.dtype()), output.numel());
   TS_CHECK(input.numel() % size() == 0, "{}: {} elements do not split into {} equal chunks", op, input.numel(),
            size());
   count(kAllToAll);
+  if (simulated() && size() == 1) return std::make_shared<DoneWork>();
   if (size() == 1) {
     if (!input.is_same(output) && input.numel() > 0 && input.data_ptr() != output.data_ptr()) {
       Tensor dst = output;
@@ -346,6 +378,7 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   auto c = make(kAllToAll, "all_to_all", input.dtype(), input.numel(), output.numel(), ReduceOp::Sum, -1,
                 static_cast<int64_t>(input.nbytes()));
   c->keep_alive = {input, output};
+  if (simulated()) return simulate(c, {});
   int64_t n = input.numel() / size();
   size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
@@ -364,6 +397,7 @@ WorkPtr MpiGroup::barrier() {
   count(kBarrier);
   if (size() == 1) return std::make_shared<DoneWork>();
   auto c = make(kBarrier, "barrier", DType::Bool, 0, 0, ReduceOp::Sum, -1, 0);
+  if (simulated()) return simulate(c, {});
   MPI_Comm comm = state_->comm;
   c->start = [=](std::vector<MPI_Request>& reqs) {
     MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Ibarrier(comm, req)); };
@@ -405,11 +439,19 @@ std::shared_ptr<ProcessGroup> MpiGroup::new_group(const std::vector<int>& ranks,
     for (int r : ranks) members.push_back(global_ranks()[static_cast<size_t>(r)]);
     label = fmt::format("group[{}]", fmt::join(members, ","));
   }
+  if (simulated()) {
+    if (my_index < 0) return nullptr;
+    std::vector<int> members;
+    for (int r : ranks) members.push_back(global_ranks()[static_cast<size_t>(r)]);
+    return simulated_group(my_index, members, label);
+  }
   if (size() == 1 || state_->comm == MPI_COMM_NULL) return my_index >= 0 ? local_group(label) : nullptr;
   return split(my_index >= 0 ? 0 : -1, my_index, label);
 }
 
 std::shared_ptr<ProcessGroup> MpiGroup::split(int color, int key, const std::string& name) {
+  TS_CHECK(!simulated(), "split on simulated group '{}': a simulated rank cannot know the other ranks' "
+           "colors (build simulated groups with new_group or dist::simulated_group)", state_->name);
   if (size() == 1 || state_->comm == MPI_COMM_NULL)
     return color >= 0 ? local_group(name.empty() ? fmt::format("{}/split{}", state_->name, color) : name) : nullptr;
   std::string label = name.empty() ? fmt::format("{}/split{}", state_->name, color) : name;
@@ -441,3 +483,19 @@ std::shared_ptr<ProcessGroup> local_group(const std::string& name) {
 }
 
 }  // namespace tessera::dist::detail
+
+namespace tessera::dist {
+
+ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name) {
+  TS_CHECK(!global_ranks.empty() && rank >= 0 && rank < static_cast<int>(global_ranks.size()),
+           "simulated_group '{}': rank {} is not in a group of {}", name, rank, global_ranks.size());
+  auto st = std::make_shared<detail::GroupState>();
+  st->name = name;
+  st->rank = rank;
+  st->size = static_cast<int>(global_ranks.size());
+  st->global_ranks = global_ranks;
+  st->simulated = true;
+  return std::make_shared<detail::MpiGroup>(st);
+}
+
+}  // namespace tessera::dist

@@ -287,7 +287,13 @@ TEST_CASE("CPU streams and events: in-order host execution", "[tensor][stream]")
     CHECK_THROWS_WITH(current_stream(Device::cuda(0)),
                       Catch::Contains("cuda:0: ") &&
                           (Catch::Contains("no CUDA device is visible") || Catch::Contains("no CUDA backend")));
-  CHECK_THROWS_WITH(current_stream(Device::meta()), Catch::Contains("a meta device has no streams"));
+  // The meta device's streams are synchronous, like the CPU's (a step planned
+  // on meta takes the CPU's paths), and do not mix with the CPU's events.
+  Stream& meta = current_stream(Device::meta());
+  CHECK(meta.synchronous());
+  CHECK(meta.device() == Device::meta());
+  CHECK_THROWS_WITH(make_event(Device::cpu())->record(meta),
+                    Catch::Contains("a cpu event cannot be recorded on a meta stream"));
 }
 
 TEST_CASE("matmul with empty dims", "[tensor][matmul]") {

@@ -1,0 +1,225 @@
+#include "tools/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include "autograd/tape.h"
+#include "dtensor/dtensor.h"
+#include "nn/layers.h"
+#include "runtime/allocator.h"
+#include "runtime/check.h"
+
+namespace tessera::tools {
+
+namespace {
+
+DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF16 : DType::F32; }
+
+int64_t held() { return memory_stats(Device::meta()).allocated_bytes; }
+int64_t peak() { return memory_stats(Device::meta()).peak_allocated_bytes; }
+
+// The data-parallel mesh of `rank` in a world of world_size, over simulated
+// groups named as tessera-train's mesh dims.
+MeshPtr simulated_mesh(int world_size, int rank, int64_t replicate, int64_t shard) {
+  std::vector<int> all(static_cast<size_t>(world_size));
+  std::iota(all.begin(), all.end(), 0);
+  if (replicate == 1)
+    return std::make_shared<DeviceMesh>("meta", Shape{shard}, all, std::vector<std::string>{"dp_shard"},
+                                        std::vector<dist::ProcessGroupPtr>{dist::simulated_group(rank, all, "dp_shard")},
+                                        std::vector<int64_t>{rank});
+  const int64_t row = rank / shard, col = rank % shard;
+  std::vector<int> replicas, shards;
+  for (int64_t i = 0; i < replicate; ++i) replicas.push_back(static_cast<int>(i * shard + col));
+  for (int64_t j = 0; j < shard; ++j) shards.push_back(static_cast<int>(row * shard + j));
+  return std::make_shared<DeviceMesh>(
+      "meta", Shape{replicate, shard}, all, std::vector<std::string>{"dp_replicate", "dp_shard"},
+      std::vector<dist::ProcessGroupPtr>{dist::simulated_group(static_cast<int>(row), replicas, "dp_replicate"),
+                                         dist::simulated_group(static_cast<int>(col), shards, "dp_shard")},
+      std::vector<int64_t>{row, col});
+}
+
+// Bytes of the storages behind tensors (local shards of DTensors), each once.
+int64_t storage_bytes(const TensorList& tensors) {
+  std::set<const Storage*> seen;
+  int64_t bytes = 0;
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const Tensor& local = t.is_distributed() ? dtensor_spec(t).local : t;
+    if (local.storage() && seen.insert(local.storage().get()).second)
+      bytes += static_cast<int64_t>(local.storage()->nbytes());
+  }
+  return bytes;
+}
+
+std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+}  // namespace
+
+void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh) {
+  fsdp::FullyShardOptions opt{
+      .mesh = mesh,
+      // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
+      .reshard_after_forward = cfg.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
+                                                                     : fsdp::ReshardAfterForward{false},
+      .mp_policy = {.param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
+                    .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)}};
+  for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
+  fsdp::fully_shard(model, opt);
+}
+
+std::unique_ptr<optim::Optimizer> make_optimizer(nn::LanguageModel& model, const TrainConfig& cfg,
+                                                 optim::AdamW** adamw) {
+  // Weight decay on matrices only (nanoGPT's grouping).
+  TensorList decay, no_decay;
+  for (auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  const auto& o = cfg.optimizer;
+  if (adamw != nullptr) *adamw = nullptr;
+  if (o.name == "sgd")
+    return std::make_unique<optim::SGD>(
+        model.parameters(), optim::SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+  auto opt = std::make_unique<optim::AdamW>(
+      std::vector<optim::ParamGroup>{{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}},
+      optim::AdamWOptions{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps});
+  if (adamw != nullptr) *adamw = opt.get();
+  return opt;
+}
+
+Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
+                        const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch) {
+  Tensor loss_sum;
+  for (int64_t m = 0; m < grad_accum; ++m) {
+    // Gradients are reduced once, after the last micro-batch.
+    fsdp::set_requires_gradient_sync(model, m + 1 == grad_accum);
+    auto [x, y] = batch(m);
+    Tensor loss = nn::cross_entropy(model(x), y);
+    if (!loss_sum.defined()) loss_sum = zeros({}, DType::F64, loss.device());
+    loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
+    autograd::backward(loss * (1.0 / static_cast<double>(grad_accum)));
+  }
+  return loss_sum;
+}
+
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
+  validate(cfg);
+  validate_for_world(cfg, world_size);
+  TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
+  const auto& T = cfg.training;
+  Plan plan;
+  plan.world_size = world_size;
+  plan.rank = rank;
+  std::tie(plan.replicate, plan.shard) = mesh_shape(cfg, world_size);
+  plan.parameters = parameter_count(cfg);
+  plan.micro_batch = T.batch_size / T.grad_accum / world_size;
+
+  MetaAccounting accounting;
+  MeshPtr mesh = simulated_mesh(world_size, rank, plan.replicate, plan.shard);
+  std::vector<int> all(static_cast<size_t>(world_size));
+  std::iota(all.begin(), all.end(), 0);
+  dist::ProcessGroupPtr world = dist::simulated_group(rank, all, "world");
+  {
+    // The model is built on (uncounted) meta before the accounting's bytes
+    // mean anything: as in tessera-train, only to_empty gives it bytes.
+    std::shared_ptr<nn::LanguageModel> model = make_model(cfg, Device::meta());
+    shard_model(*model, cfg, mesh);
+    model->to_empty(Device::meta());
+    model->init_weights(static_cast<uint64_t>(cfg.job.seed));
+    std::unique_ptr<optim::Optimizer> opt = make_optimizer(*model, cfg);
+
+    std::vector<nn::Module::HookId> hooks;
+    int64_t forward_base = 0;
+    bool recording = false;
+    for (auto& block : model->blocks)
+      hooks.push_back(block->register_forward_hook([&](nn::Module&, const TensorList&, TensorList&) {
+        if (recording) plan.after_block.push_back(held() - forward_base);
+      }));
+    auto batch = [&](int64_t) {
+      Tensor x = empty({plan.micro_batch, T.seq_len}, DType::I64, Device::meta());
+      Tensor y = empty({plan.micro_batch, T.seq_len}, DType::I64, Device::meta());
+      return std::pair{x, y};
+    };
+    // The first step allocates the optimizer's state; the second is the
+    // steady state, whose collectives are the plan's.
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1) {
+        for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        world->reset_stats();
+        forward_base = held();
+        recording = true;
+      }
+      int64_t steady = held();
+      Tensor loss_sum = forward_backward(*model, T.grad_accum, batch);
+      Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T.grad_accum)), {1});
+      if (world_size > 1) world->all_reduce(mean, {dist::ReduceOp::Sum})->wait();
+      if (step == 1) plan.forward_peak = peak() - steady;
+      TensorList grads;
+      for (const Tensor& p : model->parameters()) grads.push_back(p.grad());
+      plan.gradients = storage_bytes(grads);
+      Tensor gnorm = T.max_norm > 0 ? nn::clip_grad_norm_(model->parameters(), T.max_norm)
+                                    : nn::grad_norm(model->parameters());
+      opt->step();
+      opt->zero_grad();
+      if (step == 0) {
+        plan.sharded_parameters = storage_bytes(model->parameters());
+        plan.optimizer_state = held() - steady;  // what the first step left behind
+      }
+      recording = false;
+      if (step == 1 && plan.after_block.size() > model->blocks.size())  // grad_accum > 1: the last micro-batch's
+        plan.after_block.erase(plan.after_block.begin(),
+                               plan.after_block.end() - static_cast<std::ptrdiff_t>(model->blocks.size()));
+    }
+    for (int64_t d = 0; d < mesh->ndim(); ++d)
+      plan.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+    if (world_size > 1) plan.collectives["world"] = world->stats();
+    plan.peak = peak();
+    for (size_t i = 0; i < hooks.size(); ++i) model->blocks[i]->remove_hook(hooks[i]);
+  }
+  // PaLM's estimate (appendix B): 2N per token forward for the matmuls, plus
+  // 4 x layers x width x seq_len for the attention scores and values.
+  const double tokens = static_cast<double>(plan.micro_batch * T.grad_accum * T.seq_len);
+  const double per_token = 2.0 * static_cast<double>(plan.parameters) +
+                           4.0 * static_cast<double>(cfg.model.n_layer * cfg.model.n_embd * T.seq_len);
+  plan.flops_forward = per_token * tokens;
+  plan.flops_backward = 2 * plan.flops_forward;
+  plan.flops_recompute = cfg.activation_checkpoint.mode == "full" ? plan.flops_forward : 0;
+  return plan;
+}
+
+std::string format_plan(const Plan& p, const TrainConfig& cfg) {
+  std::string out;
+  auto line = [&](const std::string& text) { out += text + "\n"; };
+  line(fmt::format("plan: {} {} parameters, {} rank(s){}, rank {}: micro-batch {} x {} tokens, grad_accum {}",
+                   cfg.model.arch, p.parameters, p.world_size,
+                   p.replicate > 1 ? fmt::format(" (HSDP {} x {})", p.replicate, p.shard) : "", p.rank,
+                   p.micro_batch, cfg.training.seq_len, cfg.training.grad_accum));
+  line("memory per rank (bytes held in tensors, as the allocator counts them):");
+  line(fmt::format("  sharded parameters          {:>12}", mib(static_cast<double>(p.sharded_parameters))));
+  line(fmt::format("  optimizer state             {:>12}", mib(static_cast<double>(p.optimizer_state))));
+  line(fmt::format("  sharded gradients           {:>12}", mib(static_cast<double>(p.gradients))));
+  line(fmt::format("  forward + backward, above   {:>12}  (gathered groups, activations, logits, buffers)",
+                   mib(static_cast<double>(p.forward_peak))));
+  if (!p.after_block.empty()) {
+    std::string blocks;
+    for (size_t i = 0; i < p.after_block.size(); ++i)
+      blocks += fmt::format("{}{}", i ? ", " : "", mib(static_cast<double>(p.after_block[i])));
+    line(fmt::format("    held after each block's forward: {}", blocks));
+  }
+  line(fmt::format("  predicted peak              {:>12}", mib(static_cast<double>(p.peak))));
+  line("communication per step (this rank):");
+  for (const auto& [group, s] : p.collectives)
+    line(fmt::format("  {:<13} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,
+                     s.all_gather, s.reduce_scatter, s.all_reduce, mib(static_cast<double>(s.bytes))));
+  const double w = static_cast<double>(p.shard);
+  const double param_bytes = cfg.mixed_precision.param_dtype == "bfloat16" ? 2 : 4;
+  const double grad_bytes = cfg.mixed_precision.reduce_dtype == "bfloat16" ? 2 : 4;
+  line(fmt::format("  lower bound over dp_shard: (W-1)/W x params x (2 x {} + {}) bytes = {}", param_bytes,
+                   grad_bytes,
+                   mib((w - 1) / w * static_cast<double>(p.parameters) * (2 * param_bytes + grad_bytes))));
+  line(fmt::format("compute per step (this rank): forward {:.3g}, backward {:.3g}, recompute {:.3g} FLOPs",
+                   p.flops_forward, p.flops_backward, p.flops_recompute));
+  return out;
+}
+
+}  // namespace tessera::tools

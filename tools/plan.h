@@ -1,0 +1,80 @@
+// The planner: one rank's memory and communication for a training config at
+// any number of ranks, predicted before a run by running the step itself on
+// the meta device.
+//
+// The model is built and sharded exactly as tessera-train builds it
+// (shard_model, make_optimizer and forward_backward below are tessera-train's
+// own), over simulated process groups (dist::simulated_group) that play rank r
+// of a world of W without communicating, and two training steps run on meta
+// tensors under a MetaAccounting (runtime/allocator.h). Every tensor the step
+// allocates is counted as the device's allocator counts it, every collective
+// is counted as the real group counts it, and nothing is computed, so a plan
+// of a model that could never fit takes milliseconds. What is not a tensor
+// (the token arrays of the data loader, MPI's and the BLAS's own buffers) is
+// not in the plan.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/fully_shard.h"
+#include "nn/optim.h"
+#include "tools/config.h"
+
+namespace tessera::tools {
+
+// tessera-train's FSDP: every block, then the root, with the config's mesh,
+// reshard_after_forward and mixed precision.
+void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh);
+
+// tessera-train's optimizer over the model's (sharded) parameters: AdamW with
+// weight decay on matrices only (nanoGPT's grouping), or SGD. `adamw` is set
+// to the AdamW when that is the choice.
+std::unique_ptr<optim::Optimizer> make_optimizer(nn::LanguageModel& model, const TrainConfig& cfg,
+                                                 optim::AdamW** adamw = nullptr);
+
+// The forward and backward passes of one optimizer step: grad_accum
+// micro-batches, gradients reduced after the last. batch(m) gives micro-batch
+// m's (inputs, targets) on the model's device. Returns the sum of the
+// micro-batches' losses (f64, on the device, not read).
+Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
+                        const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch);
+
+struct Plan {
+  int world_size = 1, rank = 0;
+  int64_t replicate = 1, shard = 1;  // the data-parallel mesh
+  int64_t parameters = 0;            // in the model (tied weights once)
+  int64_t micro_batch = 0;           // sequences per rank per micro-batch
+  // Bytes the allocator holds in tensors (memory_stats' allocated_bytes).
+  int64_t sharded_parameters = 0;  // this rank's shards, padded, after the first forward
+  int64_t optimizer_state = 0;     // after the first step
+  int64_t gradients = 0;           // sharded gradients, before the optimizer step
+  int64_t forward_peak = 0;        // peak above the steady state in forward + backward
+  int64_t peak = 0;                // the predicted peak over two steps
+  // Bytes held after each transformer block's forward (saved for backward
+  // and, with reshard_after_forward false, the block's gathered parameters),
+  // above what was held before the first block. One entry per block.
+  std::vector<int64_t> after_block;
+  int64_t end_of_forward = 0;  // held when the loss is computed, above the steady state
+  // Collectives per step (the second, steady step), by group name:
+  // "dp_shard", "dp_replicate" (HSDP), and "world" (the loss average).
+  std::map<std::string, dist::CollectiveStats> collectives;
+  // FLOPs per step on this rank: matmuls and attention (PaLM's estimate),
+  // forward, backward (twice forward) and the forward recomputed in backward
+  // under activation checkpointing.
+  double flops_forward = 0, flops_backward = 0, flops_recompute = 0;
+};
+
+// Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
+// tessera-train would for a config that cannot run at that world size.
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0);
+
+// The plan as tables for a person; the lower bound of the bytes one rank
+// moves per step ((W-1)/W x params x (2 x param bytes + gradient bytes))
+// beside what the plan moves.
+std::string format_plan(const Plan& plan, const TrainConfig& cfg);
+
+}  // namespace tessera::tools
