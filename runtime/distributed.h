@@ -106,6 +106,13 @@ using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 // allocate the buffers the real one allocates (on meta) and complete at once,
 // leaving their outputs untouched.
 ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name);
+// How long a simulated collective holds the buffers the real one allocates (a
+// reduce-scatter's staging buffer): until it is waited for (true, the
+// default: the longest a real one can hold them, as the engine frees them at
+// completion), or not past the call (false: a collective that completes at
+// once). A planned peak is the first; the second is its lower bound.
+void set_simulated_buffers_until_wait(bool until_wait);
+bool simulated_buffers_until_wait();
 
 // Initialises MPI when launched by mpirun/srun (else world size 1, no MPI).
 // Safe to call more than once; finalize() runs at exit.

@@ -146,6 +146,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  "device of the model and batches (cuda: this rank's GPU; auto: cuda when a GPU is "
                  "there, else cpu; async_cpu: CPU kernels on streams, a test device)",
                  {"cpu", "cuda", "auto", "async_cpu"}),
+      bool_key("job.check_memory", c.job.check_memory,
+               "refuse a run whose planned peak per rank (tessera-plan) does not fit in the memory "
+               "available (false: start anyway)"),
       string_key("model.arch", c.model.arch, "model family", {"gpt2", "llama"}),
       int_key("model.n_layer", c.model.n_layer, "transformer blocks"),
       int_key("model.n_head", c.model.n_head, "attention heads"),

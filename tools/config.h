@@ -26,6 +26,8 @@ struct TrainConfig {
     // visible, else cpu), or async_cpu (the CPU's kernels on worker-thread
     // streams: the run then syncs with the host only at log steps).
     std::string device = "cpu";
+    // Refuse a run whose planned peak (tools/plan.h) exceeds the memory available.
+    bool check_memory = true;
   } job;
   struct Model {
     std::string arch = "gpt2";  // gpt2 | llama

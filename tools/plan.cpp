@@ -102,10 +102,9 @@ Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
   return loss_sum;
 }
 
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
-  validate(cfg);
-  validate_for_world(cfg, world_size);
-  TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
+namespace {
+
+Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
   const auto& T = cfg.training;
   Plan plan;
   plan.world_size = world_size;
@@ -187,6 +186,67 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
   return plan;
 }
 
+}  // namespace
+
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
+  validate(cfg);
+  validate_for_world(cfg, world_size);
+  TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
+  // Collectives that hold their buffers until waited for (the plan), then
+  // collectives that complete at once (its lower bound).
+  struct Restore {
+    bool was = dist::simulated_buffers_until_wait();
+    ~Restore() { dist::set_simulated_buffers_until_wait(was); }
+  } restore;
+  dist::set_simulated_buffers_until_wait(true);
+  Plan plan = plan_once(cfg, world_size, rank);
+  dist::set_simulated_buffers_until_wait(false);
+  plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank).peak;
+  return plan;
+}
+
+void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes) {
+  if (!cfg.job.check_memory) return;
+  const Plan plan = plan_run(cfg, world_size, 0);
+  const double need = static_cast<double>(plan.peak) * ranks_here;
+  if (need <= available_bytes) return;
+  auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); };
+  // The nearest settings, each planned.
+  std::string options;
+  auto option = [&](const std::string& flags, TrainConfig c, int world) {
+    try {
+      validate(c);
+      validate_for_world(c, world);
+      const double peak = static_cast<double>(plan_run(c, world, 0).peak);
+      options += fmt::format("\n  {:<48} {} per rank{}", flags, gib(peak),
+                             peak * ranks_here <= available_bytes ? "  (fits)" : "");
+    } catch (const std::exception&) {
+      // not a valid setting here: not offered
+    }
+  };
+  if (cfg.activation_checkpoint.mode == "none") {
+    TrainConfig c = cfg;
+    c.activation_checkpoint.mode = "full";
+    option("--activation_checkpoint.mode full", c, world_size);
+  }
+  {
+    TrainConfig c = cfg;
+    c.training.grad_accum *= 2;
+    option(fmt::format("--training.grad_accum {}", c.training.grad_accum), c, world_size);
+  }
+  if (cfg.mixed_precision.param_dtype == "float32") {
+    TrainConfig c = cfg;
+    c.mixed_precision.param_dtype = "bfloat16";
+    option("--mixed_precision.param_dtype bfloat16", c, world_size);
+  }
+  option(fmt::format("{} ranks (more nodes)", 2 * world_size), cfg, 2 * world_size);
+  throw Error(fmt::format(
+      "the planned peak does not fit: each rank needs {} ({} for the {} rank(s) on this node), and "
+      "{} is available. The plan of rank 0:\n{}Settings nearby:{}\n(--job.check_memory false starts anyway)",
+      gib(static_cast<double>(plan.peak)), gib(need), ranks_here, gib(available_bytes),
+      format_plan(plan, cfg), options.empty() ? " none valid" : options));
+}
+
 std::string format_plan(const Plan& p, const TrainConfig& cfg) {
   std::string out;
   auto line = [&](const std::string& text) { out += text + "\n"; };
@@ -206,7 +266,9 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
       blocks += fmt::format("{}{}", i ? ", " : "", mib(static_cast<double>(p.after_block[i])));
     line(fmt::format("    held after each block's forward: {}", blocks));
   }
-  line(fmt::format("  predicted peak              {:>12}", mib(static_cast<double>(p.peak))));
+  line(fmt::format("  predicted peak              {:>12}  ({} if every collective completed at once)",
+                   mib(static_cast<double>(p.peak)),
+                   mib(static_cast<double>(p.peak_if_collectives_complete_at_once))));
   line("communication per step (this rank):");
   for (const auto& [group, s] : p.collectives)
     line(fmt::format("  {:<13} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,

@@ -54,6 +54,11 @@ struct Plan {
   int64_t gradients = 0;           // sharded gradients, before the optimizer step
   int64_t forward_peak = 0;        // peak above the steady state in forward + backward
   int64_t peak = 0;                // the predicted peak over two steps
+  // The same if every collective completed as it was issued: its buffers (a
+  // reduce-scatter's staging) freed at once instead of when waited for. A
+  // real run's peak lies between the two: the engine frees them when the
+  // collective completes, which depends on the other ranks.
+  int64_t peak_if_collectives_complete_at_once = 0;
   // Bytes held after each transformer block's forward (saved for backward
   // and, with reshard_after_forward false, the block's gathered parameters),
   // above what was held before the first block. One entry per block.
@@ -71,6 +76,13 @@ struct Plan {
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
 Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0);
+
+// Refuses, before anything is allocated, a run whose planned peak (rank 0's,
+// the largest shards) times the ranks on this node exceeds available_bytes:
+// the error holds the plan and the predicted peak of the nearest settings
+// (activation checkpointing, a smaller micro-batch, bf16 parameters, twice
+// the ranks), each marked whether it fits. cfg.job.check_memory false skips it.
+void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes);
 
 // The plan as tables for a person; the lower bound of the bytes one rank
 // moves per step ((W-1)/W x params x (2 x param bytes + gradient bytes))

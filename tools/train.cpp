@@ -870,8 +870,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
+    {
       tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(),
                           tools::available_host_memory());
+      tools::check_planned_memory(cfg, dist::world_size(), ranks_on_this_node(),
+                                  tools::available_host_memory());
+    }
     parsed = true;
     install_stop_handlers();
     return Trainer(cfg).run();

@@ -3,6 +3,7 @@
 // MPI has no such types, and one rounding at the end is more exact than one
 // per hop), and hands a nonblocking MPI call to the engine. Groups of size 1
 // never call MPI.
+#include <atomic>
 #include <climits>
 #include <cstring>
 
@@ -187,6 +188,7 @@ class SimulatedWork final : public Work {
 
 WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c, std::vector<Tensor> keep_alive) {
   // Counted (make) and checked like a real collective; nothing moves.
+  if (!simulated_buffers_until_wait()) return std::make_shared<SimulatedWork>(std::vector<Tensor>{});
   return std::make_shared<SimulatedWork>(keep_alive.empty() ? std::move(c->keep_alive) : std::move(keep_alive));
 }
 
@@ -485,6 +487,13 @@ std::shared_ptr<ProcessGroup> local_group(const std::string& name) {
 }  // namespace tessera::dist::detail
 
 namespace tessera::dist {
+
+namespace {
+std::atomic<bool> g_buffers_until_wait{true};
+}
+
+void set_simulated_buffers_until_wait(bool until_wait) { g_buffers_until_wait = until_wait; }
+bool simulated_buffers_until_wait() { return g_buffers_until_wait; }
 
 ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name) {
   TS_CHECK(!global_ranks.empty() && rank >= 0 && rank < static_cast<int>(global_ranks.size()),

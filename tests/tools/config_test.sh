@@ -69,6 +69,22 @@ expect_error "x ranks (2): e.g. --training.batch_size 9223372036854775806" \
 start=$SECONDS
 expect_error "cannot fit in memory" "${mpi[@]}" -np 4 "$bin/tessera-train" "${base[@]}" --model.n_embd 65536
 (( SECONDS - start < 30 )) || fail "4 ranks took $((SECONDS - start)) s to refuse a model that cannot fit"
+# Above the floor but not the plan (activations: 4096 x 1024 tokens, about 44 GiB):
+# refused with the plan and the nearest settings, each planned.
+bad "the planned peak does not fit: each rank needs" --training.batch_size 4096 --training.seq_len 1024
+bad "--training.grad_accum 2 " --training.batch_size 4096 --training.seq_len 1024
+expect_error "--activation_checkpoint.mode full" "$bin/tessera-train" "${base[@]}" \
+  --training.batch_size 4096 --training.seq_len 1024 --job.dump_folder "$work/bad"
+# --dry-run prints the same plan and exits 0 without allocating it.
+out=$("$bin/tessera-train" "${base[@]}" --training.batch_size 4096 --training.seq_len 1024 --dry-run)
+[[ $out == *"predicted peak"* && $out == *"micro-batch 4096 x 1024 tokens"* ]] || fail "--dry-run printed:
+$out"
+out=$("$bin/tessera-plan" "${base[@]}" --ranks 1,4 --rank 0)
+[[ $(grep -c "predicted peak" <<< "$out") == 2 ]] || fail "tessera-plan --ranks 1,4 printed:
+$out"
+expect_error "--ranks: expected an integer from 1" "$bin/tessera-plan" --ranks 0
+expect_error "training.batch_size (8) must be a multiple" "$bin/tessera-plan" "${base[@]}" --ranks 3
+
 # A configuration file is a regular file of a few KiB (toml++ read these as empty).
 bad "config file '$work' is not a regular file but a directory" --config "$work"
 bad "config file '/dev/zero' is not a regular file" --config /dev/zero
