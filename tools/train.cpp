@@ -871,10 +871,13 @@ int main(int argc, char** argv) {
     }
     if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
     {
-      tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(),
-                          tools::available_host_memory());
-      tools::check_planned_memory(cfg, dist::world_size(), ranks_on_this_node(),
-                                  tools::available_host_memory());
+      // The plan (with its table) first; a model so deep that even planning it
+      // takes long (milliseconds a block) is refused on the lower bound alone.
+      const double available = tools::available_host_memory();
+      const bool deep = cfg.model.n_layer > 128;
+      if (deep) tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
+      tools::check_planned_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
+      if (!deep) tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
     }
     parsed = true;
     install_stop_handlers();
