@@ -1,6 +1,7 @@
 #include "runtime/allocator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <iterator>
 #include <new>
@@ -159,7 +160,7 @@ Allocator& allocator_for(Device device) {
 namespace {
 std::mutex meta_mu;
 MemoryStats meta_stats;
-bool meta_active = false;
+std::atomic<bool> meta_active{false};  // read for every meta storage: no lock
 }  // namespace
 
 MetaAccounting::MetaAccounting() {
@@ -174,10 +175,7 @@ MetaAccounting::~MetaAccounting() {
   meta_active = false;
 }
 
-bool meta_accounting_active() {
-  std::lock_guard<std::mutex> lock(meta_mu);
-  return meta_active;
-}
+bool meta_accounting_active() { return meta_active.load(std::memory_order_relaxed); }
 
 namespace detail {
 void meta_account(int64_t delta_bytes) {

@@ -729,6 +729,8 @@ double available_host_memory() {
   return available;
 }
 
+DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF16 : DType::F32; }
+
 nn::TransformerConfig transformer_config(const TrainConfig& c) {
   nn::TransformerConfig m;
   m.vocab_size = c.model.vocab_size;

@@ -189,6 +189,9 @@ const std::vector<std::string>& resume_exact_keys();
 // "a,b,,c" -> {"a", "b", "c"} (empty items dropped).
 std::vector<std::string> split_list(const std::string& list);
 
+// The dtype a config value names ("bfloat16" or "float32").
+DType dtype_of(const std::string& name);
+
 // The model's configuration for nn::GPT / nn::Llama (block size = seq_len).
 nn::TransformerConfig transformer_config(const TrainConfig& c);
 // The model of c.model.arch, built on `device` (meta: no bytes until to_empty).

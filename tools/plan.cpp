@@ -16,8 +16,6 @@ namespace tessera::tools {
 
 namespace {
 
-DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF16 : DType::F32; }
-
 int64_t held() { return memory_stats(Device::meta()).allocated_bytes; }
 int64_t peak() { return memory_stats(Device::meta()).peak_allocated_bytes; }
 
@@ -188,7 +186,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
 
 }  // namespace
 
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool lower_bound) {
   validate(cfg);
   validate_for_world(cfg, world_size);
   TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
@@ -200,14 +198,16 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank) {
   } restore;
   dist::set_simulated_buffers_until_wait(true);
   Plan plan = plan_once(cfg, world_size, rank);
-  dist::set_simulated_buffers_until_wait(false);
-  plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank).peak;
+  if (lower_bound) {
+    dist::set_simulated_buffers_until_wait(false);
+    plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank).peak;
+  }
   return plan;
 }
 
 void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes) {
   if (!cfg.job.check_memory) return;
-  const Plan plan = plan_run(cfg, world_size, 0);
+  const Plan plan = plan_run(cfg, world_size, 0, /*lower_bound=*/false);
   const double need = static_cast<double>(plan.peak) * ranks_here;
   if (need <= available_bytes) return;
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); };
@@ -217,7 +217,7 @@ void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here
     try {
       validate(c);
       validate_for_world(c, world);
-      const double peak = static_cast<double>(plan_run(c, world, 0).peak);
+      const double peak = static_cast<double>(plan_run(c, world, 0, /*lower_bound=*/false).peak);
       options += fmt::format("\n  {:<48} {} per rank{}", flags, gib(peak),
                              peak * ranks_here <= available_bytes ? "  (fits)" : "");
     } catch (const std::exception&) {
@@ -266,9 +266,11 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
       blocks += fmt::format("{}{}", i ? ", " : "", mib(static_cast<double>(p.after_block[i])));
     line(fmt::format("    held after each block's forward: {}", blocks));
   }
-  line(fmt::format("  predicted peak              {:>12}  ({} if every collective completed at once)",
-                   mib(static_cast<double>(p.peak)),
-                   mib(static_cast<double>(p.peak_if_collectives_complete_at_once))));
+  line(fmt::format("  predicted peak              {:>12}{}", mib(static_cast<double>(p.peak)),
+                   p.peak_if_collectives_complete_at_once == 0
+                       ? ""
+                       : fmt::format("  ({} if every collective completed at once)",
+                                     mib(static_cast<double>(p.peak_if_collectives_complete_at_once)))));
   line("communication per step (this rank):");
   for (const auto& [group, s] : p.collectives)
     line(fmt::format("  {:<13} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,

@@ -75,7 +75,9 @@ struct Plan {
 
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0);
+// lower_bound false skips the second simulation (the peak if collectives
+// completed at once; left 0).
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool lower_bound = true);
 
 // Refuses, before anything is allocated, a run whose planned peak (rank 0's,
 // the largest shards) times the ranks on this node exceeds available_bytes:

@@ -60,10 +60,6 @@ std::string out_path(const tools::TrainConfig& c, const std::string& p) {
   return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
 }
 
-DType dtype_of(const std::string& name) {
-  return name == "bfloat16" ? DType::BF16 : DType::F32;
-}
-
 
 // How the run ended, for a scheduler: mpirun folds every rank's exit code
 // into its own (1 when a rank stopped on SIGTERM), so tessera-train writes
@@ -783,7 +779,7 @@ void Trainer::finish(double total_s) {
       fs::create_directories(fs::path(path).parent_path());
     fsdp::save_safetensors(*model_, path,
                            {{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}},
-                           dtype_of(cfg_.checkpoint.export_dtype));
+                           tools::dtype_of(cfg_.checkpoint.export_dtype));
     say(fmt::format("exported the model to {} ({})", path, cfg_.checkpoint.export_dtype));
   }
   if (rank_ == 0) {

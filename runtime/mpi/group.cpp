@@ -186,10 +186,10 @@ class SimulatedWork final : public Work {
 };
 }  // namespace
 
-WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c, std::vector<Tensor> keep_alive) {
+WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c) {
   // Counted (make) and checked like a real collective; nothing moves.
   if (!simulated_buffers_until_wait()) return std::make_shared<SimulatedWork>(std::vector<Tensor>{});
-  return std::make_shared<SimulatedWork>(keep_alive.empty() ? std::move(c->keep_alive) : std::move(keep_alive));
+  return std::make_shared<SimulatedWork>(std::move(c->keep_alive));
 }
 
 WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
@@ -217,9 +217,10 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
   size_t bytes = static_cast<size_t>(n) * dtype_size(input.dtype());
   if (simulated()) {
     if (size() == 1) return std::make_shared<DoneWork>();
-    return simulate(make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
-                         static_cast<int64_t>(bytes)),
-                    {input, output});
+    auto c = make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
+                  static_cast<int64_t>(bytes));
+    c->keep_alive = {input, output};
+    return simulate(c);
   }
   char* slot = output.numel() ? static_cast<char*>(output.data_ptr()) + bytes * static_cast<size_t>(rank()) : nullptr;
   bool in_place = n > 0 && input.data_ptr() == slot;
@@ -273,7 +274,7 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
   auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
                 static_cast<int64_t>(send.nbytes()));
   c->keep_alive = {input, output, send, staged, result};
-  if (simulated()) return simulate(c, {});
+  if (simulated()) return simulate(c);
   size_t chunk = static_cast<size_t>(n) * dtype_size(rdt);
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(rdt), chunk,
               n ? static_cast<const char*>(send.data_ptr()) : nullptr, chunk,
@@ -324,7 +325,7 @@ WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
   auto c = make(kAllReduce, "all_reduce", tensor.dtype(), tensor.numel(), tensor.numel(), o.op, -1,
                 static_cast<int64_t>(buf.nbytes()));
   c->keep_alive = {tensor, buf};
-  if (simulated()) return simulate(c, {});
+  if (simulated()) return simulate(c);
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(buf.dtype());
@@ -349,7 +350,7 @@ WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
   auto c = make(kBroadcast, "broadcast", tensor.dtype(), tensor.numel(), tensor.numel(), ReduceOp::Sum, src,
                 static_cast<int64_t>(tensor.nbytes()));
   c->keep_alive = {tensor};
-  if (simulated()) return simulate(c, {});
+  if (simulated()) return simulate(c);
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(tensor.dtype());
@@ -380,7 +381,7 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   auto c = make(kAllToAll, "all_to_all", input.dtype(), input.numel(), output.numel(), ReduceOp::Sum, -1,
                 static_cast<int64_t>(input.nbytes()));
   c->keep_alive = {input, output};
-  if (simulated()) return simulate(c, {});
+  if (simulated()) return simulate(c);
   int64_t n = input.numel() / size();
   size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
@@ -399,7 +400,7 @@ WorkPtr MpiGroup::barrier() {
   count(kBarrier);
   if (size() == 1) return std::make_shared<DoneWork>();
   auto c = make(kBarrier, "barrier", DType::Bool, 0, 0, ReduceOp::Sum, -1, 0);
-  if (simulated()) return simulate(c, {});
+  if (simulated()) return simulate(c);
   MPI_Comm comm = state_->comm;
   c->start = [=](std::vector<MPI_Request>& reqs) {
     MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Ibarrier(comm, req)); };

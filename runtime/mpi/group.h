@@ -33,7 +33,7 @@ class MpiGroup final : public ProcessGroup {
                                    ReduceOp op, int root, int64_t bytes);
   void count(int64_t kind);
   WorkPtr submit(std::shared_ptr<Collective> c);
-  WorkPtr simulate(std::shared_ptr<Collective> c, std::vector<Tensor> keep_alive);
+  WorkPtr simulate(std::shared_ptr<Collective> c);
   bool simulated() const override { return state_->simulated; }
   std::shared_ptr<GroupState> state_;
 };
