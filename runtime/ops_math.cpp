@@ -26,7 +26,6 @@ const char* binary_name(BinaryOp op) {
 
 DType compute_dtype(Device device, KernelFamily family, DType dtype) {
   if (!is_floating(dtype)) return dtype;
-  if (device.is_meta()) return kernels(Device::cpu()).compute_dtype(family, dtype);  // as the CPU
   return kernels(device).compute_dtype(family, dtype);
 }
 
@@ -68,10 +67,6 @@ template <class F>
 const Tensor& update_inplace(const Tensor& x, const char* op, F&& f) {
   check_floating(x, op);
   const DType cd = compute_dtype(x.device(), kElementwise, x.dtype());
-  if (x.is_meta()) {  // no kernel; the copy the device would make, for a planned step's count
-    if (cd != x.dtype()) (void)to(x, cd);
-    return x;
-  }
   if (cd == x.dtype()) {
     f(x);
     return x;
@@ -91,7 +86,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   check_floating(x, unary_name(op));
   Tensor xc = upcast(x, kElementwise);
   Tensor out = empty(x.shape(), xc.dtype(), x.device());
-  if (!x.is_meta()) dispatch(x.device()).unary(op, out, xc);
+  dispatch(x.device()).unary(op, out, xc);
   return to(out, x.dtype());
 }
 
@@ -106,7 +101,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
   {
     Tensor gc = upcast(grad, kElementwise), xc = upcast(x, kElementwise);
     Tensor yc = y.defined() ? upcast(y, kElementwise) : Tensor();
-    if (!x.is_meta()) dispatch(x.device()).unary_backward(op, gx, gc, xc, yc);
+    dispatch(x.device()).unary_backward(op, gx, gc, xc, yc);
   }
   return to(gx, x.dtype());
 }
@@ -129,7 +124,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   DType out_dtype = is_comparison(op) ? DType::Bool : a.dtype();
   Tensor ac = upcast(a, kElementwise), bc = upcast(b, kElementwise);
   Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ac.dtype(), a.device());
-  if (!a.is_meta()) dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
+  dispatch(a.device()).binary(op, out, expand(ac, shape), expand(bc, shape));
   return to(out, out_dtype);
 }
 
@@ -160,7 +155,6 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   Shape shape = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(),
                                  "where");
   Tensor out = empty(shape, a.dtype(), a.device());
-  if (out.is_meta()) return out;
   dispatch(a.device()).where(out, expand(cond, shape), expand(a, shape), expand(b, shape));
   return out;
 }
@@ -174,8 +168,8 @@ const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
     });
     return dst;
   }
-  if (dst.is_meta()) return dst;
-  TS_CHECK(!src.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
+  if (dst.is_meta() && !src.is_meta()) return dst;  // values into a tensor without bytes: nothing to copy
+  TS_CHECK(!src.is_meta() || dst.is_meta(), "copy_: cannot copy from a meta tensor (it has no data) into {}",
            dst.device().str());
   Tensor s = expand(src, dst.shape());
   const Device to = dst.device(), from = src.device();
@@ -202,7 +196,7 @@ const Tensor& fill_(const Tensor& x, double value) {
     });
     return x;
   }
-  if (!x.is_meta()) dispatch(x.device()).fill(x, value);
+  dispatch(x.device()).fill(x, value);
   return x;
 }
 
@@ -350,7 +344,7 @@ const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<d
 
 bool adamw_fusable(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
   for (const Tensor* t : {&p, &g, &m, &v})
-    if (!t->defined() || t->is_distributed() || t->is_meta() || !t->is_contiguous() ||
+    if (!t->defined() || t->is_distributed() || !t->is_contiguous() ||
         t->dtype() != p.dtype() || t->device() != p.device() || t->shape() != p.shape())
       return false;
   return is_floating(p.dtype());
@@ -378,7 +372,7 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   std::vector<std::pair<const char*, const char*>> spans;
   for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs})
     for (const Tensor& t : *list) {
-      if (t.numel() == 0) continue;
+      if (t.numel() == 0 || t.is_meta()) continue;  // meta: no bytes to share
       const char* b = static_cast<const char*>(t.data_ptr());
       spans.emplace_back(b, b + t.numel() * static_cast<int64_t>(dtype_size(t.dtype())));
     }
@@ -469,7 +463,6 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
       is_floating(x.dtype()) ? compute_dtype(x.device(), kReduction, x.dtype()) : DType::I64;
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
   Shape shape = reduced_shape(x, dims, keepdim);
-  if (x.is_meta()) return empty(shape, result, x.device());
   Tensor r = reduce_impl(ReduceOp::Sum, to(x, acc), dims);
   return to(reshape(r, shape), result);
 }
@@ -503,8 +496,6 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correct
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   dim = wrap_dim(dim, x.dim(), "max");
   Shape shape = reduced_shape(x, {dim}, keepdim);
-  if (x.is_meta())
-    return {empty(shape, x.dtype(), x.device()), empty(shape, DType::I64, x.device())};
   TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
   Tensor moved =
       x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1), kReduction));
@@ -539,7 +530,7 @@ Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
     if (x.numel() > 0) inputs.push_back(contiguous(upcast(x, kReduction)));
   }
   Tensor out = zeros({}, DType::F64, device);
-  if (!inputs.empty() && !device.is_meta()) dispatch(device).sum_squares(out, inputs);
+  if (!inputs.empty()) dispatch(device).sum_squares(out, inputs);
   return out;
 }
 

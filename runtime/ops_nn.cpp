@@ -64,15 +64,15 @@ void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, d
   TS_ASSERT(out.is_contiguous());
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (out.is_meta()) return;
     if (beta == 0.0) dispatch(out.device()).fill(out, 0.0);
     else if (beta != 1.0) dispatch(out.device()).binary_scalar(BinaryOp::Mul, out, out, beta, false);
     return;
   }
   BlasOperand pa = blas_operand(a), pb = blas_operand(b);  // copies as the device would make them
-  if (out.is_meta()) return;
-  dispatch(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, pa.t.data_ptr(),
-                             pa.ld, pb.t.data_ptr(), pb.ld, beta, out.data_ptr(), n);
+  // A meta tensor has no bytes; the meta table logs the product's shape.
+  auto data = [](const Tensor& t) { return t.is_meta() ? nullptr : t.data_ptr(); };
+  dispatch(out.device()).gemm(out.dtype(), pa.trans, pb.trans, m, n, k, alpha, data(pa.t), pa.ld, data(pb.t), pb.ld,
+                             beta, data(out), n);
 }
 
 }  // namespace
@@ -145,7 +145,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
   if (b.defined()) {
     Tensor bias = expand(upcast(b, kMatmul), out.shape());
-    if (!x.is_meta()) dispatch(x.device()).copy(out, bias);
+    dispatch(x.device()).copy(out, bias);
   }
   gemm2d(out, x2, transpose(upcast(w, kMatmul), 0, 1), 1.0, b.defined() ? 1.0 : 0.0);
   return to(reshape(out, out_shape), x.dtype());
@@ -158,7 +158,6 @@ void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool
            shape_str(b.shape()), shape_str(out.shape()));
   check_pair(a, b, "gemm_into");
   check_pair(out, a, "gemm_into");
-  if (out.is_meta()) return;
   bool direct =
       out.is_contiguous() && compute_dtype(out.device(), kMatmul, out.dtype()) == out.dtype();
   Tensor target = direct ? out : kernel_input(out, kMatmul);
@@ -183,19 +182,16 @@ Tensor along_last(const Tensor& x, int64_t dim, F&& f) {
 
 Tensor softmax(const Tensor& x, int64_t dim) {
   check_float(x, "softmax", "input");
-  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, false); });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
   check_float(x, "log_softmax", "input");
-  if (x.is_meta()) return empty(x.shape(), x.dtype(), x.device());
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, true); });
 }
 
 namespace {
 Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, bool log) {
-  if (y.is_meta()) return empty(y.shape(), y.dtype(), y.device());
   dim = wrap_dim(dim, y.dim(), "softmax_backward");
   Tensor g = y.dim() == 0 ? reshape(grad, {1}) : kernel_input(transpose(grad, dim, -1), kSoftmax);
   return along_last(y, dim, [&](const Tensor& o, const Tensor& ym) {
@@ -237,7 +233,7 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
                empty(rows, sd, x.device())};
   Tensor wc = w.defined() ? kernel_input(w, kNorm) : Tensor();
   Tensor bc = b.defined() ? kernel_input(b, kNorm) : Tensor();
-  if (!x.is_meta()) dispatch(x.device()).layer_norm(r, xc, wc, bc, eps, rms);
+  dispatch(x.device()).layer_norm(r, xc, wc, bc, eps, rms);
   r.y = to(r.y, x.dtype());
   return r;
 }
@@ -254,7 +250,7 @@ NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, cons
   {
     Tensor dyc = kernel_input(dy, kNorm), xc = kernel_input(x, kNorm);
     Tensor wc = w.defined() ? kernel_input(w, kNorm) : Tensor();
-    if (!x.is_meta()) dispatch(x.device()).layer_norm_backward(g, dyc, xc, wc, mean, rstd, rms);
+    dispatch(x.device()).layer_norm_backward(g, dyc, xc, wc, mean, rstd, rms);
   }
   g.dx = to(g.dx, x.dtype());
   if (g.dweight.defined()) g.dweight = to(g.dweight, w.dtype());
@@ -293,7 +289,6 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   Shape shape = indices.shape();
   shape.push_back(weight.size(1));
   Tensor out = empty(shape, weight.dtype(), weight.device());
-  if (out.is_meta()) return out;
   dispatch(weight.device()).embedding(out, contiguous(weight), contiguous(indices));
   return out;
 }
@@ -305,7 +300,7 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   {
     Tensor rows = reshape(kernel_input(grad, kEmbedding), {leading_numel(grad.shape()), d});
     Tensor ids = contiguous(indices);
-    if (!gw.is_meta()) dispatch(grad.device()).embedding_backward(gw, rows, ids);
+    dispatch(grad.device()).embedding_backward(gw, rows, ids);
   }
   return to(gw, grad.dtype());
 }
@@ -326,7 +321,7 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
   Tensor lse = empty({n}, stats_dtype(cd), logits.device());
   {
     Tensor input = kernel_input(logits, kCrossEntropy);
-    if (!logits.is_meta()) dispatch(logits.device()).cross_entropy(losses, lse, input, t, ignore_index);
+    dispatch(logits.device()).cross_entropy(losses, lse, input, t, ignore_index);
   }
   // The mean over counted targets stays on the device: no host sync per step.
   Tensor count = sum(binary(BinaryOp::Ne, t, static_cast<double>(ignore_index)), {}, false, DType::F64);
@@ -342,8 +337,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   {
     Tensor scale = contiguous(div(to(grad_loss, DType::F64), binary(BinaryOp::Maximum, count, 1.0)));
     Tensor input = kernel_input(logits, kCrossEntropy), t = contiguous(to(target, DType::I64));
-    if (!g.is_meta())
-      dispatch(logits.device()).cross_entropy_backward(g, scale, input, t, lse, ignore_index);
+    dispatch(logits.device()).cross_entropy_backward(g, scale, input, t, lse, ignore_index);
   }
   return to(g, logits.dtype());
 }
@@ -378,7 +372,7 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, sd, q.device())};
   {
     Tensor qc = kernel_input(q, kAttention), kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
-    if (!q.is_meta()) dispatch(q.device()).attention(r, qc, kc, vc, causal, scale);
+    dispatch(q.device()).attention(r, qc, kc, vc, causal, scale);
   }
   r.out = to(r.out, q.dtype());
   return r;
@@ -395,7 +389,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
     Tensor dc = kernel_input(dout, kAttention), qc = kernel_input(q, kAttention);
     Tensor kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
     Tensor oc = kernel_input(out, kAttention), lc = contiguous(lse);
-    if (!q.is_meta()) dispatch(q.device()).attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
+    dispatch(q.device()).attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
   }
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
 }
@@ -432,7 +426,7 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   {
     Tensor xc = kernel_input(x, kRope);
     Tensor c = contiguous(to(narrow(cos, 0, 0, t), cd)), s = contiguous(to(narrow(sin, 0, 0, t), cd));
-    if (!x.is_meta()) dispatch(x.device()).rope(out, xc, c, s, inverse);
+    dispatch(x.device()).rope(out, xc, c, s, inverse);
   }
   return to(out, x.dtype());
 }

@@ -269,7 +269,7 @@ Tensor contiguous(const Tensor& x) {
 Tensor clone(const Tensor& x) {
   if (x.is_distributed()) return dispatch_like("clone", x, [](const Tensor& l) { return clone(l); });
   Tensor out = empty(x.shape(), x.dtype(), x.device());
-  if (!x.is_meta()) dispatch(x.device()).copy(out, x);
+  dispatch(x.device()).copy(out, x);
   return out;
 }
 
@@ -277,7 +277,7 @@ Tensor to(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   if (x.is_distributed()) return dispatch_like("to", x, [dtype](const Tensor& l) { return to(l, dtype); });
   Tensor out = empty(x.shape(), dtype, x.device());
-  if (!x.is_meta()) dispatch(x.device()).copy(out, x);
+  dispatch(x.device()).copy(out, x);
   return out;
 }
 
@@ -312,7 +312,6 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
   }
   shape[dim] = total;
   Tensor out = empty(shape, first.dtype(), first.device());
-  if (out.is_meta()) return out;
   int64_t start = 0;
   for (const Tensor& t : xs) {
     Tensor dst = narrow(out, dim, start, t.shape()[dim]);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "autograd/tape.h"
@@ -102,7 +103,7 @@ Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
 
 namespace {
 
-Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
+Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
   const auto& T = cfg.training;
   Plan plan;
   plan.world_size = world_size;
@@ -147,6 +148,9 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
         recording = true;
       }
       int64_t steady = held();
+      auto log = std::make_shared<kernel_log::Log>();
+      std::optional<kernel_log::Recording> recording_kernels;
+      if (step == 1 && log_step) recording_kernels.emplace(*log);
       Tensor loss_sum = forward_backward(*model, T.grad_accum, batch);
       Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T.grad_accum)), {1});
       if (world_size > 1) world->all_reduce(mean, {dist::ReduceOp::Sum})->wait();
@@ -158,6 +162,10 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
                                     : nn::grad_norm(model->parameters());
       opt->step();
       opt->zero_grad();
+      if (recording_kernels) {
+        recording_kernels.reset();
+        plan.step_log = std::move(log);
+      }
       if (step == 0) {
         plan.sharded_parameters = storage_bytes(model->parameters());
         plan.optimizer_state = held() - steady;  // what the first step left behind
@@ -186,7 +194,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank) {
 
 }  // namespace
 
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool lower_bound) {
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool lower_bound, bool log_step) {
   validate(cfg);
   validate_for_world(cfg, world_size);
   TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
@@ -197,10 +205,10 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool lower_bound
     ~Restore() { dist::set_simulated_buffers_until_wait(was); }
   } restore;
   dist::set_simulated_buffers_until_wait(true);
-  Plan plan = plan_once(cfg, world_size, rank);
+  Plan plan = plan_once(cfg, world_size, rank, log_step);
   if (lower_bound) {
     dist::set_simulated_buffers_until_wait(false);
-    plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank).peak;
+    plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank, false).peak;
   }
   return plan;
 }

@@ -22,6 +22,7 @@
 
 #include "fsdp/fully_shard.h"
 #include "nn/optim.h"
+#include "runtime/kernel_log.h"
 #include "tools/config.h"
 
 namespace tessera::tools {
@@ -71,13 +72,17 @@ struct Plan {
   // forward, backward (twice forward) and the forward recomputed in backward
   // under activation checkpointing.
   double flops_forward = 0, flops_backward = 0, flops_recompute = 0;
+  // The steady step's kernels and collectives in program order, from the
+  // forward to the optimizer (for the step-time model, tools/step_time.h);
+  // null unless asked for.
+  std::shared_ptr<const kernel_log::Log> step_log;
 };
 
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
 // lower_bound false skips the second simulation (the peak if collectives
-// completed at once; left 0).
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool lower_bound = true);
+// completed at once; left 0); log_step records Plan::step_log.
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool lower_bound = true, bool log_step = false);
 
 // Refuses, before anything is allocated, a run whose planned peak (rank 0's,
 // the largest shards) times the ranks on this node exceeds available_bytes:

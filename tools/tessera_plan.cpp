@@ -5,16 +5,27 @@
 //   tessera-plan --ranks 1,2,4 --preset tiny --model.n_layer 12
 //
 // Takes tessera-train's arguments (--config, --preset, --section.key value)
-// plus --ranks (a comma-separated list of world sizes, default 1) and --rank
-// (the rank to plan, default 0).
+// plus --ranks (a comma-separated list of world sizes, default 1), --rank
+// (the rank to plan, default 0), and for the step time (tools/step_time.h)
+// --time (on this machine: measures the step's kernels once, cached, and uses
+// the collective fits of bench_collectives --save), --hardware FILE (on
+// described hardware, hardware/*.toml) and --ranks-per-node N (default: all
+// on one node).
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "runtime/check.h"
+#include "runtime/kernel_log.h"
 #include "tools/config.h"
 #include "tools/plan.h"
+#include "tools/step_time.h"
 
 using namespace tessera;
 
@@ -38,13 +49,18 @@ int64_t parse_count(const std::string& flag, const std::string& text, int64_t lo
 int main(int argc, char** argv) {
   try {
     std::vector<int> worlds = {1};
-    int rank = 0;
+    int rank = 0, per_node = 0;
+    bool time = false;
+    std::string hardware;
     std::vector<char*> rest = {argv[0]};
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
-      bool ranks = a == "--ranks" || a.rfind("--ranks=", 0) == 0;
-      bool one = a == "--rank" || a.rfind("--rank=", 0) == 0;
-      if (!ranks && !one) {
+      if (a == "--time") {
+        time = true;
+        continue;
+      }
+      std::string flag = a.substr(0, a.find('='));
+      if (flag != "--ranks" && flag != "--rank" && flag != "--hardware" && flag != "--ranks-per-node") {
         rest.push_back(argv[i]);
         continue;
       }
@@ -55,13 +71,17 @@ int main(int argc, char** argv) {
         TS_CHECK(i + 1 < argc, "{} needs a value", a);
         value = argv[++i];
       }
-      if (ranks) {
+      if (flag == "--ranks") {
         worlds.clear();
         for (const auto& item : tools::split_list(value))
           worlds.push_back(static_cast<int>(parse_count("--ranks", item, 1)));
         TS_CHECK(!worlds.empty(), "--ranks: expected a list of world sizes such as 1,2,4, got '{}'", value);
-      } else {
+      } else if (flag == "--rank") {
         rank = static_cast<int>(parse_count("--rank", value, 0));
+      } else if (flag == "--ranks-per-node") {
+        per_node = static_cast<int>(parse_count("--ranks-per-node", value, 1));
+      } else {
+        hardware = value;
       }
     }
     tools::TrainConfig cfg;
@@ -70,12 +90,60 @@ int main(int argc, char** argv) {
       std::printf(
           "\ntessera-plan's own options:\n"
           "  --ranks N[,N...]   world sizes to plan (default 1)\n"
-          "  --rank R           the rank to plan (default 0)\n");
+          "  --rank R           the rank to plan (default 0)\n"
+          "  --time             predict the step time on this machine (measures each kernel once, cached;\n"
+          "                     collectives from `mpirun -np N bench_collectives 16 --save`)\n"
+          "  --hardware FILE    predict the step time on described hardware (hardware/*.toml)\n"
+          "  --ranks-per-node N ranks sharing a node (default: all of them)\n");
       return 0;
     }
+    const tools::Hardware hw = hardware.empty() ? tools::Hardware{} : tools::load_hardware(hardware);
+    // A GPU computes bf16/f16 natively: its plan makes no f32 copies of them.
+    if (!hardware.empty()) meta_kernels::set_native_dtypes(true);
     for (int world : worlds) {
-      tools::Plan plan = tools::plan_run(cfg, world, rank);
+      const bool timed = time || !hardware.empty();
+      tools::Plan plan = tools::plan_run(cfg, world, rank, /*lower_bound=*/true, /*log_step=*/timed);
       std::fputs(tools::format_plan(plan, cfg).c_str(), stdout);
+      if (timed) {
+        const auto& log = *plan.step_log;
+        tools::StepTime t;
+        std::string how;
+        if (!hardware.empty()) {
+          t = tools::simulate_step(log, tools::roofline_kernels(log, hw), tools::comm_model(hw, log.collectives));
+          how = fmt::format("{}, roofline at the file's efficiencies", hw.name);
+          std::printf("device memory %.1f GiB: the planned peak %s\n", hw.memory_bytes / 1073741824.0,
+                      static_cast<double>(plan.peak) <= hw.memory_bytes ? "fits" : "does NOT fit");
+        } else {
+          // tessera-train's threads: the node's cores shared by its ranks,
+          // unless OMP_NUM_THREADS says otherwise; more threads than cores
+          // (ranks sharing cores) stretch every kernel.
+          const int here = per_node > 0 ? std::min(per_node, world) : world;
+          const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+          const char* omp = std::getenv("OMP_NUM_THREADS");
+          const int threads = omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp) : std::max(1, cores / here);
+          const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here);
+          tools::Calibration cal = tools::measure_kernels(log, threads, here, cache);
+          std::fprintf(stderr, "tessera-plan: %lld distinct kernel(s) measured, %lld from %s\n",
+                       static_cast<long long>(cal.measured), static_cast<long long>(cal.cached), cache.c_str());
+          tools::CommModel comm = world > 1 ? tools::load_comm_fits(tools::cache_dir()) : tools::CommModel{};
+          // With every core computing, the engine thread that moves a
+          // collective runs only while its rank waits: no overlap.
+          const bool overlap = here * threads < cores;
+          t = tools::simulate_step(log, cal.seconds, comm, 1.0, overlap);
+          how = fmt::format("this machine, {} rank(s) of {} thread(s) on {} cores{}", here, threads, cores,
+                            world > 1 && !overlap ? ", no core left to overlap communication" : "");
+        }
+        std::fputs(tools::format_step_time(t, how).c_str(), stdout);
+        // MFU counts the model's FLOPs (forward and backward, not the recompute)
+        // against the peak of every rank: the file's, or metrics.peak_tflops
+        // (this machine's, for all its ranks).
+        const double flops = (plan.flops_forward + plan.flops_backward) * world;
+        const bool bf16 = cfg.mixed_precision.param_dtype != "float32";
+        const double peak = hardware.empty() ? cfg.metrics.peak_tflops * 1e12
+                                             : world * hw.peak_flops.at(bf16 ? "bfloat16" : "float32");
+        std::printf("  MFU at that step time: %.1f%% of %.4g TFLOP/s (%s)\n", 100 * flops / t.step_s / peak,
+                    peak / 1e12, hardware.empty() ? "metrics.peak_tflops" : "the file's peak x ranks");
+      }
       std::fputs("\n", stdout);
     }
     return 0;

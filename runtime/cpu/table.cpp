@@ -8,6 +8,7 @@
 
 #include "runtime/cpu/isa.h"
 #include "runtime/cpu/kernels_cpu.h"
+#include "runtime/kernel_log.h"
 #include "runtime/cuda_backend.h"
 
 namespace tessera {
@@ -153,6 +154,7 @@ const KernelTable& kernels(Device device) {
   if (const KernelTable* t = replaced[static_cast<int>(device.type)]) return *t;
   if (device.is_cpu()) return cpu::table();
   if (device.type == DeviceType::AsyncCPU) return async_cpu::kTable;
+  if (device.is_meta()) return meta_kernels::kTable;  // runs nothing; logs while recording
   if (device.is_cuda()) return cuda::kernel_table();
   TS_CHECK(false, "no kernels for device {}", device.str());
 }

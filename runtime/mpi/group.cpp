@@ -6,9 +6,12 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <utility>
 
 #include "runtime/mpi/engine.h"
 #include "runtime/mpi/group.h"
+
+#include "runtime/kernel_log.h"
 #include "runtime/ops.h"
 #include "runtime/stream.h"
 
@@ -173,23 +176,30 @@ void MpiGroup::count(int64_t kind) {
 namespace {
 // A simulated collective: complete at once; the buffers the real one would
 // hold are released when it is waited for, the latest point at which the real
-// one releases them (the engine frees them at completion).
+// one releases them (the engine frees them at completion). A recorded step
+// (runtime/kernel_log.h) logs the issue and the first wait.
 class SimulatedWork final : public Work {
  public:
-  explicit SimulatedWork(std::vector<Tensor> held) : held_(std::move(held)) {}
-  void wait() override { held_.clear(); }
-  void wait(Stream&) override { held_.clear(); }
+  SimulatedWork(std::vector<Tensor> held, int64_t logged) : held_(std::move(held)), logged_(logged) {}
+  void wait() override { done(); }
+  void wait(Stream&) override { done(); }
   bool is_completed() override { return true; }
 
  private:
+  void done() {
+    held_.clear();
+    kernel_log::collective_waited(std::exchange(logged_, -1));
+  }
   std::vector<Tensor> held_;
+  int64_t logged_;
 };
 }  // namespace
 
-WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c) {
+WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c, double full_bytes) {
   // Counted (make) and checked like a real collective; nothing moves.
-  if (!simulated_buffers_until_wait()) return std::make_shared<SimulatedWork>(std::vector<Tensor>{});
-  return std::make_shared<SimulatedWork>(std::move(c->keep_alive));
+  int64_t logged = kernel_log::collective_issued(c->kind, state_->name, size(), full_bytes);
+  if (!simulated_buffers_until_wait()) return std::make_shared<SimulatedWork>(std::vector<Tensor>{}, logged);
+  return std::make_shared<SimulatedWork>(std::move(c->keep_alive), logged);
 }
 
 WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
@@ -220,7 +230,7 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
     auto c = make(kAllGather, "all_gather", input.dtype(), n, output.numel(), ReduceOp::Sum, -1,
                   static_cast<int64_t>(bytes));
     c->keep_alive = {input, output};
-    return simulate(c);
+    return simulate(c, static_cast<double>(output.nbytes()));
   }
   char* slot = output.numel() ? static_cast<char*>(output.data_ptr()) + bytes * static_cast<size_t>(rank()) : nullptr;
   bool in_place = n > 0 && input.data_ptr() == slot;
@@ -274,7 +284,7 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
   auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
                 static_cast<int64_t>(send.nbytes()));
   c->keep_alive = {input, output, send, staged, result};
-  if (simulated()) return simulate(c);
+  if (simulated()) return simulate(c, static_cast<double>(send.nbytes()));
   size_t chunk = static_cast<size_t>(n) * dtype_size(rdt);
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(rdt), chunk,
               n ? static_cast<const char*>(send.data_ptr()) : nullptr, chunk,
@@ -325,7 +335,7 @@ WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
   auto c = make(kAllReduce, "all_reduce", tensor.dtype(), tensor.numel(), tensor.numel(), o.op, -1,
                 static_cast<int64_t>(buf.nbytes()));
   c->keep_alive = {tensor, buf};
-  if (simulated()) return simulate(c);
+  if (simulated()) return simulate(c, static_cast<double>(buf.nbytes()));
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(buf.dtype());
@@ -350,7 +360,7 @@ WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
   auto c = make(kBroadcast, "broadcast", tensor.dtype(), tensor.numel(), tensor.numel(), ReduceOp::Sum, src,
                 static_cast<int64_t>(tensor.nbytes()));
   c->keep_alive = {tensor};
-  if (simulated()) return simulate(c);
+  if (simulated()) return simulate(c, static_cast<double>(tensor.nbytes()));
   MPI_Comm comm = state_->comm;
   int cnt = count_of(tensor.numel(), op);
   MPI_Datatype type = transfer_type(tensor.dtype());
@@ -381,7 +391,7 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   auto c = make(kAllToAll, "all_to_all", input.dtype(), input.numel(), output.numel(), ReduceOp::Sum, -1,
                 static_cast<int64_t>(input.nbytes()));
   c->keep_alive = {input, output};
-  if (simulated()) return simulate(c);
+  if (simulated()) return simulate(c, static_cast<double>(input.nbytes()));
   int64_t n = input.numel() / size();
   size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
@@ -400,7 +410,7 @@ WorkPtr MpiGroup::barrier() {
   count(kBarrier);
   if (size() == 1) return std::make_shared<DoneWork>();
   auto c = make(kBarrier, "barrier", DType::Bool, 0, 0, ReduceOp::Sum, -1, 0);
-  if (simulated()) return simulate(c);
+  if (simulated()) return simulate(c, 0);
   MPI_Comm comm = state_->comm;
   c->start = [=](std::vector<MPI_Request>& reqs) {
     MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL); TS_MPI(MPI_Ibarrier(comm, req)); };

@@ -33,7 +33,8 @@ class MpiGroup final : public ProcessGroup {
                                    ReduceOp op, int root, int64_t bytes);
   void count(int64_t kind);
   WorkPtr submit(std::shared_ptr<Collective> c);
-  WorkPtr simulate(std::shared_ptr<Collective> c);
+  // full_bytes: the whole buffer (gathered, before scattering, reduced), for the kernel log.
+  WorkPtr simulate(std::shared_ptr<Collective> c, double full_bytes);
   bool simulated() const override { return state_->simulated; }
   std::shared_ptr<GroupState> state_;
 };

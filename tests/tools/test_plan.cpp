@@ -8,8 +8,15 @@
 
 #include "runtime/allocator.h"
 #include "runtime/distributed.h"
+#include "runtime/profiler.h"
 #include "runtime/random.h"
 #include "tools/plan.h"
+#include "tools/step_time.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
 
 using namespace tessera;
 
@@ -31,6 +38,7 @@ tools::TrainConfig small_config() {
 struct Measured {
   int64_t peak = 0;
   std::map<std::string, dist::CollectiveStats> collectives;  // of the second step
+  int64_t products = 0;  // matrix products the CPU ran in the second step
 };
 
 // Two steps as tessera-train runs them, on the CPU over the world.
@@ -50,8 +58,11 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     auto opt = tools::make_optimizer(*model, cfg);
     const int64_t micro = cfg.training.batch_size / cfg.training.grad_accum / world;
     for (int step = 0; step < 2; ++step) {
-      if (step == 1)
+      if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        profiler::reset();
+        profiler::enable(true);
+      }
       auto batch = [&](int64_t i) {
         uint64_t seed = static_cast<uint64_t>(1000 * step + 10 * i + rank);
         return std::pair{randint({micro, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed),
@@ -62,6 +73,8 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
       opt->step();
       opt->zero_grad();
     }
+    profiler::enable(false);
+    m.products = profiler::kernel_time("gemm").calls;
     for (int64_t d = 0; d < mesh->ndim(); ++d)
       m.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
   }
@@ -71,8 +84,21 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
 
 void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
   INFO(what << " at " << dist::world_size() << " ranks, rank " << dist::rank());
-  tools::Plan plan = tools::plan_run(cfg, dist::world_size(), dist::rank());
+  tools::Plan plan = tools::plan_run(cfg, dist::world_size(), dist::rank(), true, /*log_step=*/true);
   Measured m = run_two_steps(cfg);
+  // The step's log holds the products the CPU ran and the collectives the
+  // groups issued, each waited for once.
+  const kernel_log::Log& log = *plan.step_log;
+  int64_t products = 0;
+  for (const auto& k : log.kernels) products += k.name == "gemm";
+  CHECK(products == m.products);
+  std::map<std::string, int64_t> issued, waited;
+  for (const auto& e : log.events)
+    if (e.type != kernel_log::Event::Type::Kernel) {
+      const auto& c = log.collectives[static_cast<size_t>(e.index)];
+      (e.type == kernel_log::Event::Type::Issue ? issued : waited)[c.group]++;
+    }
+  CHECK(issued == waited);
   INFO("predicted peak " << plan.peak << " bytes (" << plan.peak_if_collectives_complete_at_once
                           << " if collectives completed at once), measured " << m.peak);
   // The measured peak lies between the two bounds, within 10%; where they are
@@ -91,6 +117,7 @@ void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
     CHECK(want.all_reduce == got.all_reduce);
     CHECK(want.mpi_calls == got.mpi_calls);
     CHECK(want.bytes == got.bytes);
+    CHECK(issued[group] == (got.all_gather + got.reduce_scatter + got.all_reduce) * (dist::world_size() > 1));
   }
 }
 
@@ -139,4 +166,155 @@ TEST_CASE("a plan counts nothing on the device and needs no memory", "[plan]") {
   CHECK(plan.peak > 4 * plan.sharded_parameters);     // weights, grads, two Adam moments at least
   CHECK(memory_stats(Device::meta()).allocated_bytes == 0);
   CHECK_THROWS_WITH(tools::plan_run(c, 5, 0), Catch::Contains("training.batch_size"));
+}
+
+TEST_CASE("every kernel of a step's log runs on the CPU as logged, and its time is cached", "[plan][time]") {
+  dist::init();
+  tools::TrainConfig c = small_config();
+  c.model.arch = "llama";
+  c.model.n_head = 4;
+  c.model.n_kv_head = 2;
+  c.model.bias = false;
+  c.model.ffn_hidden = 100;
+  tools::Plan plan = tools::plan_run(c, 1, 0, false, /*log_step=*/true);
+  const kernel_log::Log& log = *plan.step_log;
+  REQUIRE(log.kernels.size() > 50);
+  std::set<std::string> names;
+  for (const auto& k : log.kernels) names.insert(k.name);
+  for (const char* want : {"gemm", "attention", "attention_backward", "layer_norm", "cross_entropy", "rope", "adamw",
+                           "embedding_backward", "sum_squares"})
+    CHECK(names.count(want) == 1);
+  const std::string dir = fmt::format("{}/tessera-step-time-{}", std::filesystem::temp_directory_path().string(),
+                                      dist::rank());
+  std::filesystem::remove_all(dir);
+  const std::string cache = tools::kernel_cache_path(dir, 1, 1);
+  tools::Calibration first = tools::measure_kernels(log, 1, 1, cache);
+  REQUIRE(first.seconds.size() == log.kernels.size());
+  for (double s : first.seconds) CHECK(s > 0);
+  CHECK(first.measured > 10);
+  CHECK(first.cached == 0);
+  tools::Calibration again = tools::measure_kernels(log, 1, 1, cache);
+  CHECK(again.measured == 0);
+  CHECK(again.cached == first.measured);
+  REQUIRE(again.seconds.size() == first.seconds.size());
+  for (size_t i = 0; i < first.seconds.size(); ++i) CHECK(again.seconds[i] == Approx(first.seconds[i]).epsilon(1e-8));
+  // Two ranks' workers at once: each kernel measured again (another cache file).
+  tools::Calibration shared = tools::measure_kernels(log, 1, 2, tools::kernel_cache_path(dir, 1, 2));
+  CHECK(shared.measured == first.measured);
+  // A larger product takes longer than a smaller one of the same kind.
+  double small_gemm = 0, large_gemm = 0, small_flops = 1e30, large_flops = 0;
+  for (size_t i = 0; i < log.kernels.size(); ++i)
+    if (log.kernels[i].name == "gemm") {
+      if (log.kernels[i].flops < small_flops) small_flops = log.kernels[i].flops, small_gemm = first.seconds[i];
+      if (log.kernels[i].flops > large_flops) large_flops = log.kernels[i].flops, large_gemm = first.seconds[i];
+    }
+  if (large_flops > 20 * small_flops) CHECK(large_gemm > small_gemm);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the step-time schedule: compute stream, one communication channel, waits", "[plan][time]") {
+  kernel_log::Log log;
+  auto kernel = [&](const char* name) {
+    log.events.push_back({kernel_log::Event::Type::Kernel, static_cast<int64_t>(log.kernels.size())});
+    log.kernels.push_back({name, name, 0, 0, {}});
+  };
+  auto issue = [&](double bytes) {
+    log.events.push_back({kernel_log::Event::Type::Issue, static_cast<int64_t>(log.collectives.size())});
+    log.collectives.push_back({"all_gather", "dp_shard", 2, bytes});
+    return static_cast<int64_t>(log.collectives.size() - 1);
+  };
+  auto wait = [&](int64_t c) { log.events.push_back({kernel_log::Event::Type::Wait, c}); };
+  // all-gather 0 (3 s) issued first and waited for after a 1 s kernel: 2 s
+  // exposed. all-gather 1 (3 s) issued next queues behind it on the channel
+  // (starts at 3 s, ends at 6 s) while a 2 s kernel runs (3..5 s): 1 s exposed.
+  // all-gather 2 (7 s) is issued and never waited for: the step ends with it.
+  const int64_t c0 = issue(3);
+  kernel("a");
+  wait(c0);
+  const int64_t c1 = issue(3);
+  kernel("b");
+  wait(c1);
+  kernel("c");
+  issue(7);
+  tools::CommModel comm;
+  comm.fits["all_gather"][2] = {0, 1};  // one second per byte
+  const tools::StepTime t = tools::simulate_step(log, {1, 2, 0.5}, comm);
+  CHECK(t.compute_s == Approx(3.5));
+  CHECK(t.communication_s == Approx(13));
+  CHECK(t.exposed_s == Approx(3));
+  CHECK(t.step_s == Approx(6.5 + 7));
+  CHECK(t.compute_by_kernel.at("b") == Approx(2));
+  // Twice the kernel time (ranks sharing cores): the second all-gather hides.
+  const tools::StepTime slow = tools::simulate_step(log, {1, 2, 0.5}, comm, 2.0);
+  CHECK(slow.exposed_s == Approx(1));
+  // No overlap: each all-gather runs when waited for (1 + 3, + 2 + 3, + 0.5),
+  // the last after the compute; all of the waited ones exposed.
+  const tools::StepTime serial = tools::simulate_step(log, {1, 2, 0.5}, comm, 1.0, /*overlap=*/false);
+  CHECK(serial.exposed_s == Approx(6));
+  CHECK(serial.step_s == Approx(9.5 + 7));
+  CHECK(serial.communication_s == Approx(13));
+  CHECK_THROWS_WITH(tools::simulate_step(log, {1, 2}, comm), Catch::Contains("2 kernel times for 3 kernels"));
+}
+
+TEST_CASE("collective fits: alpha-beta from points, carried to other group sizes", "[plan][time]") {
+  // Exact points on t = 20 us + 1 ns/byte.
+  std::vector<double> bytes = {4096, 65536, 1048576, 16777216}, seconds;
+  for (double b : bytes) seconds.push_back(20e-6 + 1e-9 * b);
+  tools::CollectiveFit f = tools::fit_alpha_beta(bytes, seconds);
+  CHECK(f.alpha_s == Approx(20e-6).epsilon(1e-9));
+  CHECK(f.beta_s_per_byte == Approx(1e-9).epsilon(1e-9));
+  CHECK_THROWS_WITH(tools::fit_alpha_beta({4096}, {1e-5}), Catch::Contains("at least two"));
+  CHECK_THROWS_WITH(tools::fit_alpha_beta({4096, 4096}, {1e-5, 1e-5}), Catch::Contains("do not determine"));
+  tools::CommModel m;
+  m.fits["all_gather"][2] = f;
+  CHECK(m.seconds("all_gather", 2, 1e6) == Approx(20e-6 + 1e-3));
+  CHECK(m.seconds("all_gather", 1, 1e6) == 0);
+  // At 4 ranks along the ring: alpha x 3, beta x (3/4) / (1/2).
+  CHECK(m.seconds("all_gather", 4, 1e6) == Approx(3 * 20e-6 + 1.5 * 1e-3));
+  // A kind without a fit is priced as one with.
+  CHECK(m.seconds("broadcast", 2, 1e6) == Approx(20e-6 + 1e-3));
+  CHECK_THROWS_WITH(tools::load_comm_fits("/nonexistent/tessera"), Catch::Contains("bench_collectives"));
+}
+
+TEST_CASE("hardware files: the figures, the ring over a node's links and across nodes", "[plan][time]") {
+  const std::string path = fmt::format("{}/tessera-hw-{}.toml", std::filesystem::temp_directory_path().string(),
+                                       dist::rank());
+  auto write = [&](const std::string& text) { std::ofstream(path, std::ios::trunc) << text; };
+  write(R"(name = "test node"
+source = "made up"
+[node]
+devices = 4
+[device]
+memory_gib = 10
+memory_bandwidth_gbs = 1000
+peak_tflops_bf16 = 100
+peak_tflops_f32 = 10
+gemm_efficiency = 0.5
+[intra_node]
+bandwidth_gbs = 100
+latency_us = 2
+[inter_node]
+bandwidth_gbs = 10
+latency_us = 5
+)");
+  tools::Hardware hw = tools::load_hardware(path);
+  CHECK(hw.name == "test node");
+  CHECK(hw.devices_per_node == 4);
+  CHECK(hw.memory_bytes == 10.0 * 1073741824.0);
+  kernel_log::Log log;
+  log.kernels.push_back({"gemm", "gemm bf16 NN 1x1x1", 1e6, 1e12, {}});  // 1e12 FLOPs at 50 TFLOP/s: 20 ms
+  log.kernels.push_back({"copy", "copy f32[10]/[1]", 1e9, 0, {}});         // 1 GB at 1 TB/s: 1 ms
+  std::vector<double> s = tools::roofline_kernels(log, hw);
+  CHECK(s[0] == Approx(0.02));
+  CHECK(s[1] == Approx(0.001));
+  std::vector<kernel_log::Collective> cs = {{"all_gather", "dp_shard", 4, 4e9}, {"all_gather", "dp_shard", 8, 8e9}};
+  tools::CommModel m = tools::comm_model(hw, cs);
+  CHECK(m.seconds("all_gather", 4, 4e9) == Approx(3 * 2e-6 + 0.75 * 4e9 / 100e9));  // in the node
+  CHECK(m.seconds("all_gather", 8, 8e9) == Approx(7 * 5e-6 + 0.875 * 8e9 / 10e9));  // across nodes
+  write("name = \"x\"\n[node]\ndevices = 4\n");
+  CHECK_THROWS_WITH(tools::load_hardware(path), Catch::Contains("[device] memory_gib is missing"));
+  write("[node]\ndevices = 4\n[device]\nmemory_gib = -1\n");
+  CHECK_THROWS_WITH(tools::load_hardware(path), Catch::Contains("must be a finite number >= 0"));
+  CHECK_THROWS_WITH(tools::load_hardware(path + ".missing"), Catch::Contains("does not exist"));
+  std::filesystem::remove(path);
 }

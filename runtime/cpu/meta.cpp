@@ -1,0 +1,341 @@
+// The meta device's kernel table and the kernel log (runtime/kernel_log.h).
+// A kernel's arguments are logged as specs (shape, strides, dtype, the bytes
+// of the storage behind them), never as the meta tensors themselves: holding
+// those would keep their storages, and so their bytes in a plan, alive.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+
+#include "runtime/check.h"
+#include "runtime/cpu/kernels_cpu.h"
+#include "runtime/kernel_log.h"
+#include "runtime/storage.h"
+
+namespace tessera::kernel_log {
+
+namespace {
+
+thread_local Log* active = nullptr;
+thread_local double recording_started = 0, logging_seconds = 0;
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Counts the time the enclosing logging function takes as logging.
+struct LoggingTime {
+  double t0 = now_s();
+  ~LoggingTime() { logging_seconds += now_s() - t0; }
+};
+
+// A tensor argument as the kernel saw it.
+struct TensorSpec {
+  bool defined = false;
+  Shape shape, strides;
+  int64_t offset = 0;
+  DType dtype = DType::F32;
+  size_t storage_bytes = 0;
+};
+
+TensorSpec spec(const Tensor& t) {
+  if (!t.defined()) return {};
+  return {true, t.shape(), t.strides(), t.storage_offset(), t.dtype(), t.storage() ? t.storage()->nbytes() : 0};
+}
+
+// CPU bytes laid out as the spec: floats 0.25 (no denormals, NaNs or zero
+// divisions on any kernel's path), everything else 0 (valid indices).
+Tensor make(const TensorSpec& s) {
+  if (!s.defined) return Tensor();
+  auto storage = std::make_shared<Storage>(s.storage_bytes, Device::cpu());
+  const int64_t elements = static_cast<int64_t>(s.storage_bytes / dtype_size(s.dtype));
+  if (is_floating(s.dtype) && elements > 0)
+    cpu::table().fill(make_tensor(storage, {elements}, {1}, 0, s.dtype), 0.25);
+  else if (s.storage_bytes > 0)
+    std::memset(storage->data(), 0, s.storage_bytes);
+  return make_tensor(std::move(storage), s.shape, s.strides, s.offset, s.dtype);
+}
+
+double bytes_of(const TensorSpec& s) {
+  return s.defined ? static_cast<double>(shape_numel(s.shape)) * static_cast<double>(dtype_size(s.dtype)) : 0;
+}
+std::string describe(const TensorSpec& s) {
+  if (!s.defined) return "-";
+  return fmt::format("{}{}/{}", dtype_name(s.dtype), shape_str(s.shape), shape_str(s.strides));
+}
+
+// Each kind of kernel argument: its spec, the argument rebuilt from the spec
+// on the CPU, its bytes and its part of the signature.
+TensorSpec spec_of(const Tensor& t) { return spec(t); }
+Tensor make_of(const TensorSpec& s) { return make(s); }
+double bytes_in(const TensorSpec& s) { return bytes_of(s); }
+std::string text_of(const TensorSpec& s) { return describe(s); }
+
+using SpecList = std::vector<TensorSpec>;
+SpecList spec_of(const std::vector<Tensor>& ts) {
+  SpecList out;
+  for (const Tensor& t : ts) out.push_back(spec(t));
+  return out;
+}
+std::vector<Tensor> make_of(const SpecList& ss) {
+  std::vector<Tensor> out;
+  for (const TensorSpec& s : ss) out.push_back(make(s));
+  return out;
+}
+double bytes_in(const SpecList& ss) {
+  double b = 0;
+  for (const TensorSpec& s : ss) b += bytes_of(s);
+  return b;
+}
+std::string text_of(const SpecList& ss) {
+  std::string out = "{";
+  for (const TensorSpec& s : ss) out += describe(s) + " ";
+  return out + "}";
+}
+
+template <size_t N>
+using Specs = std::array<TensorSpec, N>;
+Specs<3> spec_of(const ops::NormResult& r) { return {spec(r.y), spec(r.mean), spec(r.rstd)}; }
+Specs<3> spec_of(const ops::NormGrads& g) { return {spec(g.dx), spec(g.dweight), spec(g.dbias)}; }
+Specs<2> spec_of(const ops::AttentionResult& r) { return {spec(r.out), spec(r.lse)}; }
+struct GradSpecs {
+  Specs<3> s;
+};
+GradSpecs spec_of(const ops::AttentionGrads& g) { return {{spec(g.dq), spec(g.dk), spec(g.dv)}}; }
+template <size_t N>
+double bytes_in(const Specs<N>& ss) {
+  double b = 0;
+  for (const TensorSpec& s : ss) b += bytes_of(s);
+  return b;
+}
+double bytes_in(const GradSpecs& g) { return bytes_in(g.s); }
+template <size_t N>
+std::string text_of(const Specs<N>& ss) {
+  std::string out = "(";
+  for (const TensorSpec& s : ss) out += describe(s) + " ";
+  return out + ")";
+}
+std::string text_of(const GradSpecs& g) { return text_of(g.s); }
+
+// Scalars and option structs stand for themselves.
+template <class T>
+T spec_of(const T& value) {
+  return value;
+}
+template <class T>
+double bytes_in(const T&) {
+  return 0;
+}
+template <class T>
+std::string text_of(const T& value) {
+  if constexpr (std::is_enum_v<T>) return fmt::format("{}", static_cast<int>(value));
+  else if constexpr (std::is_arithmetic_v<T>) return fmt::format("{}", value);
+  else return "*";  // AdamWStep, RandomSpec: the time does not depend on them
+}
+
+// Rebuilds an argument of type A from its spec.
+template <class A, class S>
+std::decay_t<A> rebuild(const S& s) {
+  using T = std::decay_t<A>;
+  if constexpr (std::is_same_v<T, ops::NormResult>) return {make(s[0]), make(s[1]), make(s[2])};
+  else if constexpr (std::is_same_v<T, ops::NormGrads>) return {make(s[0]), make(s[1]), make(s[2])};
+  else if constexpr (std::is_same_v<T, ops::AttentionResult>) return {make(s[0]), make(s[1])};
+  else if constexpr (std::is_same_v<T, ops::AttentionGrads>) return {make(s.s[0]), make(s.s[1]), make(s.s[2])};
+  else if constexpr (std::is_same_v<S, TensorSpec> || std::is_same_v<S, SpecList>) return make_of(s);
+  else return s;
+}
+
+void add(Kernel k) {
+  active->events.push_back({Event::Type::Kernel, static_cast<int64_t>(active->kernels.size())});
+  active->kernels.push_back(std::move(k));
+}
+
+// Attention's products: QK^T and PV, 2 FLOPs per multiply-add, half of them
+// under a causal mask; the backward recomputes the scores and makes three
+// more products (2.5 times the forward, as FlashAttention counts).
+double attention_flops(const TensorSpec& q, const TensorSpec& k, bool causal) {
+  const double b = static_cast<double>(q.shape[0]), h = static_cast<double>(q.shape[1]);
+  const double t = static_cast<double>(q.shape[2]), d = static_cast<double>(q.shape[3]);
+  const double s = static_cast<double>(k.shape[2]);
+  return 4 * b * h * t * s * d * (causal ? 0.5 : 1.0);
+}
+
+// Logged<&KernelTable::f, name>::run has f's signature: it logs the call
+// (while recording) and runs nothing.
+template <auto Entry, const char* Name>
+struct Logged;
+template <class... A, void (*KernelTable::*Entry)(A...), const char* Name>
+struct Logged<Entry, Name> {
+  static void run(A... a) {
+    if (active == nullptr) return;
+    LoggingTime timed;
+    auto specs = std::make_tuple(spec_of(a)...);
+    Kernel k;
+    k.name = Name;
+    k.signature = Name;
+    std::apply([&](const auto&... s) { ((k.signature += " " + text_of(s)), ...); }, specs);
+    k.bytes = std::apply([](const auto&... s) { return (0.0 + ... + bytes_in(s)); }, specs);
+    k.prepare = [specs] {
+      auto args = std::apply([](const auto&... s) { return std::make_tuple(rebuild<A>(s)...); }, specs);
+      return std::function<void()>([args] { std::apply(cpu::table().*Entry, args); });
+    };
+    add(std::move(k));
+  }
+};
+
+void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const void*, int64_t lda,
+          const void*, int64_t ldb, double beta, void*, int64_t ldc) {
+  if (active == nullptr) return;
+  LoggingTime timed;
+  const double es = static_cast<double>(dtype_size(dtype));
+  Kernel kernel;
+  kernel.name = "gemm";
+  kernel.signature = fmt::format("gemm {} {}{} {}x{}x{} ld {} {} {} beta {}", dtype_name(dtype), ta ? "T" : "N",
+                                 tb ? "T" : "N", m, n, k, lda, ldb, ldc, beta == 0 ? 0 : 1);
+  kernel.bytes = static_cast<double>(m * k + k * n + m * n) * es;
+  kernel.flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  kernel.prepare = [=] {
+    // Row-major: A is m x k (k x m transposed) with leading dimension lda; so B and C.
+    auto buffer = [&](int64_t rows, int64_t ld) {
+      return make({true, {rows * ld}, {1}, 0, dtype, static_cast<size_t>(rows * ld) * dtype_size(dtype)});
+    };
+    Tensor a = buffer(ta ? k : m, lda), b = buffer(tb ? n : k, ldb), c = buffer(m, ldc);
+    return std::function<void()>([=] {
+      cpu::gemm(dtype, ta, tb, m, n, k, alpha, a.data_ptr(), lda, b.data_ptr(), ldb, beta, c.data_ptr(), ldc);
+    });
+  };
+  add(std::move(kernel));
+}
+
+// Copies with the host do not occur in a step on meta (a meta tensor has no
+// bytes to copy); they log nothing.
+void copy_from_host(const Tensor&, const Tensor&) {}
+void copy_to_host(const Tensor&, const Tensor&) {}
+
+#define TS_LOGGED(name)                    \
+  constexpr char name##_name[] = #name;    \
+  constexpr auto name##_logged = &Logged<&KernelTable::name, name##_name>::run;
+TS_LOGGED(copy)
+TS_LOGGED(fill)
+TS_LOGGED(unary)
+TS_LOGGED(unary_backward)
+TS_LOGGED(binary)
+TS_LOGGED(binary_scalar)
+TS_LOGGED(where)
+TS_LOGGED(pointwise)
+TS_LOGGED(clamp)
+TS_LOGGED(reduce)
+TS_LOGGED(argmax_rows)
+TS_LOGGED(sum_squares)
+TS_LOGGED(adamw)
+TS_LOGGED(softmax)
+TS_LOGGED(softmax_backward)
+TS_LOGGED(layer_norm)
+TS_LOGGED(layer_norm_backward)
+TS_LOGGED(embedding)
+TS_LOGGED(embedding_backward)
+TS_LOGGED(cross_entropy)
+TS_LOGGED(cross_entropy_backward)
+TS_LOGGED(attention)
+TS_LOGGED(attention_backward)
+TS_LOGGED(rope)
+TS_LOGGED(uniform)
+TS_LOGGED(normal)
+#undef TS_LOGGED
+
+// Attention logs its FLOPs too (from q's and k's shapes).
+void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+               double scale) {
+  if (active == nullptr) return;
+  attention_logged(r, q, k, v, causal, scale);
+  active->kernels.back().flops = attention_flops(spec(q), spec(k), causal);
+}
+
+void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
+  if (active == nullptr) return;
+  attention_backward_logged(g, dout, q, k, v, out, lse, causal, scale);
+  active->kernels.back().flops = 2.5 * attention_flops(spec(q), spec(k), causal);
+}
+
+}  // namespace
+
+Recording::Recording(Log& log) {
+  TS_CHECK(active == nullptr, "kernel_log::Recording: a recording is already active on this thread");
+  active = &log;
+  logging_seconds = 0;
+  recording_started = now_s();
+}
+Recording::~Recording() {
+  active->host_seconds = std::max(0.0, now_s() - recording_started - logging_seconds);
+  active = nullptr;
+}
+
+int64_t collective_issued(const std::string& kind, const std::string& group, int group_size, double bytes) {
+  if (active == nullptr) return -1;
+  LoggingTime timed;
+  const auto index = static_cast<int64_t>(active->collectives.size());
+  active->collectives.push_back({kind, group, group_size, bytes});
+  active->events.push_back({Event::Type::Issue, index});
+  return index;
+}
+
+void collective_waited(int64_t index) {
+  if (active == nullptr || index < 0) return;
+  active->events.push_back({Event::Type::Wait, index});
+}
+
+}  // namespace tessera::kernel_log
+
+namespace tessera::meta_kernels {
+
+namespace kl = kernel_log;
+
+namespace {
+bool native_dtypes = false;
+DType compute_dtype(KernelFamily family, DType dtype) {
+  return native_dtypes ? dtype : cpu::compute_dtype(family, dtype);
+}
+}  // namespace
+
+void set_native_dtypes(bool native) { native_dtypes = native; }
+
+const KernelTable kTable = {
+    .compute_dtype = compute_dtype,  // the CPU's, or native (a GPU's)
+    .copy = kl::copy_logged,
+    .copy_from_host = kl::copy_from_host,
+    .copy_to_host = kl::copy_to_host,
+    .fill = kl::fill_logged,
+    .unary = kl::unary_logged,
+    .unary_backward = kl::unary_backward_logged,
+    .binary = kl::binary_logged,
+    .binary_scalar = kl::binary_scalar_logged,
+    .where = kl::where_logged,
+    .pointwise = kl::pointwise_logged,
+    .clamp = kl::clamp_logged,
+    .reduce = kl::reduce_logged,
+    .argmax_rows = kl::argmax_rows_logged,
+    .sum_squares = kl::sum_squares_logged,
+    .gemm = kl::gemm,
+    .adamw = kl::adamw_logged,
+    .softmax = kl::softmax_logged,
+    .softmax_backward = kl::softmax_backward_logged,
+    .layer_norm = kl::layer_norm_logged,
+    .layer_norm_backward = kl::layer_norm_backward_logged,
+    .embedding = kl::embedding_logged,
+    .embedding_backward = kl::embedding_backward_logged,
+    .cross_entropy = kl::cross_entropy_logged,
+    .cross_entropy_backward = kl::cross_entropy_backward_logged,
+    .attention = kl::attention,
+    .attention_backward = kl::attention_backward,
+    .rope = kl::rope_logged,
+    .uniform = kl::uniform_logged,
+    .normal = kl::normal_logged,
+};
+
+}  // namespace tessera::meta_kernels

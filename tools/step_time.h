@@ -1,0 +1,103 @@
+// The planner's step-time model: how long one training step takes on a rank,
+// and how much of its communication the compute does not hide, predicted from
+// the step's own kernels and collectives (runtime/kernel_log.h) in program order.
+//
+//   compute: each kernel's time. On this machine it is measured: every
+//     distinct kernel of the step (by signature: dtypes, shapes, strides) runs
+//     on CPU tensors of its shapes with the rank's thread count, once, and the
+//     time is cached per CPU and thread count. On described hardware (a TOML
+//     file, below) it is a roofline: the larger of FLOPs at the peak rate and
+//     bytes at the memory bandwidth, each at a stated efficiency.
+//   communication: an alpha-beta model of each collective, t = alpha + beta x
+//     bytes, fitted on this machine by bench_collectives --save at the group
+//     size (or carried to another size with the ring algorithm's terms), or
+//     from a described node's link latency and bandwidth.
+//   schedule: kernels run one after another on the compute stream; each
+//     collective starts when issued, once the one before it on the rank's
+//     communication channel has finished (one channel: the engine's thread,
+//     NCCL's stream); a wait holds the compute stream until its collective
+//     ends. On a CPU whose cores the ranks' compute threads fill, a
+//     collective runs only while its rank waits (no overlap).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "runtime/kernel_log.h"
+
+namespace tessera::tools {
+
+// Where the planner caches kernel times and collective fits:
+// $TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera, else ~/.cache/tessera.
+std::string cache_dir();
+
+// t = alpha + beta x bytes per collective kind, per group size.
+struct CollectiveFit {
+  double alpha_s = 0, beta_s_per_byte = 0;
+};
+struct CommModel {
+  std::map<std::string, std::map<int, CollectiveFit>> fits;  // kind -> group size -> fit
+  // Seconds for `kind` over `group_size` ranks moving a buffer of `bytes`
+  // (nccl-tests' size). A size without a fit uses the nearest fitted one,
+  // carried along the ring algorithm: alpha grows as W-1, beta as (W-1)/W.
+  double seconds(const std::string& kind, int group_size, double bytes) const;
+};
+// Fits written by bench_collectives --save: one file per group size in
+// cache_dir(). Throws, naming the command to run, when none is there.
+CommModel load_comm_fits(const std::string& dir);
+// Weighted least squares of t = alpha + beta x bytes, relative errors
+// weighted alike (small and large messages count the same).
+CollectiveFit fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
+
+// A machine as a hardware description file gives it (hardware/*.toml).
+struct Hardware {
+  std::string name, source;
+  int devices_per_node = 1;
+  double memory_bytes = 0;
+  std::map<std::string, double> peak_flops;  // by compute dtype: "bfloat16", "float32"
+  double memory_bandwidth = 0;               // bytes/s
+  double gemm_efficiency = 1, memory_efficiency = 1;
+  double kernel_overhead_s = 0;  // per kernel (launch)
+  double intra_node_bandwidth = 0, intra_node_latency_s = 0;  // per device, one direction
+  double inter_node_bandwidth = 0, inter_node_latency_s = 0;
+};
+Hardware load_hardware(const std::string& path);
+// Collectives on described hardware: a ring over the node's links when the
+// group fits in a node, else over the slower inter-node links.
+CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collective>& collectives);
+
+// Seconds of each kernel in `log` (by index), measured on this CPU as a rank
+// runs it: with `threads` threads, while `concurrent` ranks (this node's) run
+// it at once, so that they share the cores, caches and memory bandwidth as
+// the ranks of a run do. Each distinct signature is measured once and cached
+// in `cache_path` ("" for no cache).
+struct Calibration {
+  std::vector<double> seconds;
+  int64_t measured = 0, cached = 0;  // distinct signatures
+};
+Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path);
+// The cache file of this CPU, thread count and ranks per node in `dir`.
+std::string kernel_cache_path(const std::string& dir, int threads, int concurrent);
+// Roofline seconds of each kernel on `hw`, in the dtype each kernel computes in.
+std::vector<double> roofline_kernels(const kernel_log::Log& log, const Hardware& hw);
+
+struct StepTime {
+  double step_s = 0;
+  double compute_s = 0;        // kernels
+  double host_s = 0;           // the framework around them (kernel_log::Log::host_seconds)
+  double communication_s = 0;  // collectives, overlapped or not
+  double exposed_s = 0;        // compute waiting for communication
+  std::map<std::string, double> compute_by_kernel;  // kernel name -> seconds
+};
+// Plays the log's events on one compute stream and one communication channel;
+// the host's time is spread evenly over the kernels. compute_scale multiplies
+// every kernel and host time. overlap false: the channel runs only while the
+// compute stream waits (a CPU whose cores the ranks' compute threads fill:
+// the thread that moves a collective gets a core only when its rank waits).
+StepTime simulate_step(const kernel_log::Log& log, const std::vector<double>& kernel_seconds,
+                       const CommModel& comm, double compute_scale = 1.0, bool overlap = true);
+
+std::string format_step_time(const StepTime& t, const std::string& how);
+
+}  // namespace tessera::tools
