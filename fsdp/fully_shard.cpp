@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 #include <unordered_map>
 
 #include "autograd/tape.h"
@@ -130,8 +131,14 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
         // ZeRO++ hpZ: after forward keep a 1/k slice; backward gathers over k consecutive ranks.
         MeshInfo post;
         post.mesh = mesh;
-        post.shard_group = info.shard_group->split(info.shard_rank / *k, info.shard_rank % *k,
-                                                   fmt::format("{}/post-forward{}", info.shard_group->name(), *k));
+        const std::string name = fmt::format("{}/post-forward{}", info.shard_group->name(), *k);
+        if (info.shard_group->simulated()) {  // a planned rank names its k ranks (it cannot split)
+          std::vector<int> block(static_cast<size_t>(*k));
+          std::iota(block.begin(), block.end(), info.shard_rank / *k * *k);
+          post.shard_group = info.shard_group->new_group(block, name);
+        } else {
+          post.shard_group = info.shard_group->split(info.shard_rank / *k, info.shard_rank % *k, name);
+        }
         post.shard_size = post.shard_group->size();
         post.shard_rank = post.shard_group->rank();
         group->post_forward_mesh_info = post;

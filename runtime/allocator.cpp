@@ -8,6 +8,7 @@
 
 #include "runtime/check.h"
 #include "runtime/cuda_backend.h"
+#include "runtime/kernel_log.h"
 #include "runtime/stream.h"
 
 namespace tessera {
@@ -179,11 +180,14 @@ bool meta_accounting_active() { return meta_active.load(std::memory_order_relaxe
 
 namespace detail {
 void meta_account(int64_t delta_bytes) {
-  std::lock_guard<std::mutex> lock(meta_mu);
-  meta_stats.allocated_bytes += delta_bytes;
-  (delta_bytes >= 0 ? meta_stats.num_allocs : meta_stats.num_frees)++;
-  meta_stats.reserved_bytes = meta_stats.allocated_bytes;
-  update_peaks(meta_stats);
+  {
+    std::lock_guard<std::mutex> lock(meta_mu);
+    meta_stats.allocated_bytes += delta_bytes;
+    (delta_bytes >= 0 ? meta_stats.num_allocs : meta_stats.num_frees)++;
+    meta_stats.reserved_bytes = meta_stats.allocated_bytes;
+    update_peaks(meta_stats);
+  }
+  kernel_log::memory_changed(delta_bytes);  // a recorded step's timeline of its bytes
 }
 }  // namespace detail
 

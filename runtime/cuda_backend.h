@@ -22,6 +22,8 @@ bool built();                 // this build has the CUDA backend
 bool is_available();          // built, and a GPU is visible
 int device_count();           // 0 without CUDA or GPUs
 std::string device_name(int index);
+// Bytes free on GPU `index` now (cudaMemGetInfo): what a run may still allocate there.
+double free_memory(int index);
 
 Stream& default_stream(int index);
 StreamPtr new_stream(int index);

@@ -18,6 +18,7 @@ bool built() { return false; }
 bool is_available() { return false; }
 int device_count() { return 0; }
 std::string device_name(int index) { no_cuda(index); }
+double free_memory(int index) { no_cuda(index); }
 Stream& default_stream(int index) { no_cuda(index); }
 StreamPtr new_stream(int index) { no_cuda(index); }
 std::shared_ptr<Event> make_event(int index) { no_cuda(index); }

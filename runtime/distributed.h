@@ -46,6 +46,12 @@ struct CollectiveStats {
   int64_t mpi_calls = 0;  // collectives handed to MPI (0 at world size 1)
   int64_t bytes = 0;      // payload bytes handed to MPI
   int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + all_to_all + barrier; }
+  CollectiveStats& operator+=(const CollectiveStats& o) {
+    all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, all_reduce += o.all_reduce;
+    broadcast += o.broadcast, all_to_all += o.all_to_all, barrier += o.barrier;
+    mpi_calls += o.mpi_calls, bytes += o.bytes;
+    return *this;
+  }
 };
 
 class Work : public std::enable_shared_from_this<Work> {
@@ -113,6 +119,12 @@ ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, 
 // once). A planned peak is the first; the second is its lower bound.
 void set_simulated_buffers_until_wait(bool until_wait);
 bool simulated_buffers_until_wait();
+// Simulated collectives allocate NCCL's buffers instead of MPI's (true: for
+// the plan of a GPU run): a reduce-scatter reduces on the device into its
+// output, with no staging buffer for the peers' chunks and no f32 result
+// for a 16-bit one. False by default.
+void set_simulated_like_nccl(bool like_nccl);
+bool simulated_like_nccl();
 
 // Initialises MPI when launched by mpirun/srun (else world size 1, no MPI).
 // Safe to call more than once; finalize() runs at exit.

@@ -197,6 +197,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
               "replica groups (> 1: HSDP on a 2-D mesh)"),
       bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
                "free gathered parameters after forward (false: keep them for backward)"),
+      int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
+              "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
+              "degree (hpZ; 0 = as reshard_after_forward says)"),
       string_key("mixed_precision.param_dtype", c.mixed_precision.param_dtype,
                  "dtype parameters are gathered and computed in", {"float32", "bfloat16"}),
       string_key("mixed_precision.reduce_dtype", c.mixed_precision.reduce_dtype,
@@ -592,7 +595,11 @@ void validate(const TrainConfig& c) {
 }
 
 void validate_for_world(const TrainConfig& c, int world_size) {
-  mesh_shape(c, world_size);
+  const int64_t shard = mesh_shape(c, world_size).second;
+  const int64_t n = c.parallelism.reshard_after_forward_degree;
+  TS_CHECK(n == 0 || (n >= 1 && shard % n == 0),
+           "parallelism.reshard_after_forward_degree ({}) must divide the shard degree ({} at {} ranks), or be 0",
+           n, shard, world_size);
   int64_t unit =
       (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
   int64_t below = c.training.batch_size / unit * unit, above = 0;

@@ -20,7 +20,7 @@ if [ -z "$build" ]; then
   build=build-gpu
   [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dcuda=enabled \
     > "$out/setup.log" 2>&1 || { echo "meson setup failed: $out/setup.log"; exit 1; }
-  ninja -C "$build" tests/test_cuda benchmarks/bench_gpu > "$out/build.log" 2>&1 ||
+  ninja -C "$build" tests/test_cuda benchmarks/bench_gpu tools/tessera-train > "$out/build.log" 2>&1 ||
     { echo "build failed: $out/build.log"; exit 1; }
 fi
 test_cuda="$build/tests/test_cuda"
@@ -52,6 +52,19 @@ else
   result[memcheck]="not run (no compute-sanitizer)"
 fi
 
+# The planner's check on a GPU (tools/plan.h): a model that cannot fit is
+# refused before anything is allocated, against this GPU's free memory.
+refused() {
+  "$build/tools/tessera-train" --job.device cuda --preset tiny --model.n_embd 65536 --metrics.progress off \
+    --job.dump_folder "$out/refused"
+  [ $? -eq 2 ]
+}
+if [ -x "$build/tools/tessera-train" ]; then
+  run planner-refusal refused
+  grep -q "the planned peak does not fit" "$out/planner-refusal.log" ||
+    result[planner-refusal]="FAIL (no planned refusal in $out/planner-refusal.log)"
+fi
+
 if [ -x "$build/benchmarks/bench_gpu" ]; then
   run bench-tessera "$build/benchmarks/bench_gpu" 10 8
 else
@@ -64,7 +77,7 @@ else
 fi
 
 echo "GPU: $(cat "$out/gpu.txt")"
-for k in cuda-suite memcheck racecheck bench-tessera bench-pytorch; do
+for k in cuda-suite memcheck racecheck planner-refusal bench-tessera bench-pytorch; do
   [ -n "${result[$k]:-}" ] && echo "$k: ${result[$k]}"
 done
 for k in bench-tessera bench-pytorch; do grep -hE "^(tessera|pytorch) " "$out/$k.log" 2> /dev/null; done

@@ -9,6 +9,7 @@
 
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
+#include "fsdp/fsdp_state.h"
 #include "nn/layers.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
@@ -57,12 +58,24 @@ std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576
 
 }  // namespace
 
+std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
+  std::vector<dist::ProcessGroupPtr> out;
+  for (auto& [name, module] : model.named_modules())
+    if (fsdp::FSDPState* st = fsdp::state_of(*module);
+        st != nullptr && st->param_group && st->param_group->post_forward_mesh_info)
+      out.push_back(st->param_group->post_forward_mesh_info->shard_group);
+  return out;
+}
+
 void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh) {
   fsdp::FullyShardOptions opt{
       .mesh = mesh,
       // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
-      .reshard_after_forward = cfg.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
-                                                                     : fsdp::ReshardAfterForward{false},
+      .reshard_after_forward =
+          cfg.parallelism.reshard_after_forward_degree > 0
+              ? fsdp::ReshardAfterForward{static_cast<int>(cfg.parallelism.reshard_after_forward_degree)}
+          : cfg.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
+                                                  : fsdp::ReshardAfterForward{false},
       .mp_policy = {.param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
                     .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)}};
   for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
@@ -118,11 +131,15 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   std::iota(all.begin(), all.end(), 0);
   dist::ProcessGroupPtr world = dist::simulated_group(rank, all, "world");
   {
-    // The model is built on (uncounted) meta before the accounting's bytes
-    // mean anything: as in tessera-train, only to_empty gives it bytes.
+    // The model is built on meta, full-size, before it is sharded: on a
+    // device as in tessera-train, those tensors have no bytes, and only
+    // to_empty gives the shards theirs. Here they are counted, so the peak
+    // starts again once they are gone (at many ranks a full f32 copy of the
+    // model can be larger than a step's peak).
     std::shared_ptr<nn::LanguageModel> model = make_model(cfg, Device::meta());
     shard_model(*model, cfg, mesh);
     model->to_empty(Device::meta());
+    reset_peak_memory_stats(Device::meta());
     model->init_weights(static_cast<uint64_t>(cfg.job.seed));
     std::unique_ptr<optim::Optimizer> opt = make_optimizer(*model, cfg);
 
@@ -143,6 +160,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     for (int step = 0; step < 2; ++step) {
       if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        for (const auto& g : post_forward_groups(*model)) g->reset_stats();
         world->reset_stats();
         forward_base = held();
         recording = true;
@@ -178,6 +196,8 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     for (int64_t d = 0; d < mesh->ndim(); ++d)
       plan.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
     if (world_size > 1) plan.collectives["world"] = world->stats();
+    for (const auto& g : post_forward_groups(*model))
+      plan.collectives[fmt::format("dp_shard/post-forward{}", g->size())] += g->stats();
     plan.peak = peak();
     for (size_t i = 0; i < hooks.size(); ++i) model->blocks[i]->remove_hook(hooks[i]);
   }
@@ -281,7 +301,7 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                                      mib(static_cast<double>(p.peak_if_collectives_complete_at_once)))));
   line("communication per step (this rank):");
   for (const auto& [group, s] : p.collectives)
-    line(fmt::format("  {:<13} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,
+    line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,
                      s.all_gather, s.reduce_scatter, s.all_reduce, mib(static_cast<double>(s.bytes))));
   const double w = static_cast<double>(p.shard);
   const double param_bytes = cfg.mixed_precision.param_dtype == "bfloat16" ? 2 : 4;

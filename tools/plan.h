@@ -31,6 +31,11 @@ namespace tessera::tools {
 // reshard_after_forward and mixed precision.
 void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh);
 
+// The groups that parallelism.reshard_after_forward_degree N gives each FSDP
+// group for its backward all-gathers (N ranks each; a plan sums their
+// collectives as "dp_shard/post-forwardN"); none otherwise.
+std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model);
+
 // tessera-train's optimizer over the model's (sharded) parameters: AdamW with
 // weight decay on matrices only (nanoGPT's grouping), or SGD. `adamw` is set
 // to the AdamW when that is the choice.
@@ -66,7 +71,8 @@ struct Plan {
   std::vector<int64_t> after_block;
   int64_t end_of_forward = 0;  // held when the loss is computed, above the steady state
   // Collectives per step (the second, steady step), by group name:
-  // "dp_shard", "dp_replicate" (HSDP), and "world" (the loss average).
+  // "dp_shard", "dp_replicate" (HSDP), "world" (the loss average) and
+  // "dp_shard/post-forwardN" (reshard_after_forward_degree N, summed).
   std::map<std::string, dist::CollectiveStats> collectives;
   // FLOPs per step on this rank: matmuls and attention (PaLM's estimate),
   // forward, backward (twice forward) and the forward recomputed in backward

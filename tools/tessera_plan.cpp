@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "runtime/check.h"
+#include "runtime/distributed.h"
 #include "runtime/kernel_log.h"
 #include "tools/config.h"
 #include "tools/plan.h"
@@ -93,47 +94,59 @@ int main(int argc, char** argv) {
           "  --rank R           the rank to plan (default 0)\n"
           "  --time             predict the step time on this machine (measures each kernel once, cached;\n"
           "                     collectives from `mpirun -np N bench_collectives 16 --save`)\n"
-          "  --hardware FILE    predict the step time on described hardware (hardware/*.toml)\n"
+          "  --hardware FILE    plan for described hardware (hardware/*.toml in the source tree): memory with\n"
+          "                     native bf16 and NCCL's buffers, step time from a roofline (instead of --time)\n"
           "  --ranks-per-node N ranks sharing a node (default: all of them)\n");
       return 0;
     }
     const tools::Hardware hw = hardware.empty() ? tools::Hardware{} : tools::load_hardware(hardware);
-    // A GPU computes bf16/f16 natively: its plan makes no f32 copies of them.
-    if (!hardware.empty()) meta_kernels::set_native_dtypes(true);
+    // A GPU computes bf16/f16 natively (its plan makes no f32 copies of
+    // them), and NCCL reduces on the device (no staging buffers).
+    if (!hardware.empty()) {
+      meta_kernels::set_native_dtypes(true);
+      dist::set_simulated_like_nccl(true);
+    }
     for (int world : worlds) {
       const bool timed = time || !hardware.empty();
       tools::Plan plan = tools::plan_run(cfg, world, rank, /*lower_bound=*/true, /*log_step=*/timed);
       std::fputs(tools::format_plan(plan, cfg).c_str(), stdout);
       if (timed) {
         const auto& log = *plan.step_log;
-        tools::StepTime t;
+        std::vector<double> seconds;
+        tools::CommModel comm;
+        bool overlap = true;
         std::string how;
         if (!hardware.empty()) {
-          t = tools::simulate_step(log, tools::roofline_kernels(log, hw), tools::comm_model(hw, log.collectives));
+          seconds = tools::roofline_kernels(log, hw);
+          comm = tools::comm_model(hw, log.collectives);
           how = fmt::format("{}, roofline at the file's efficiencies", hw.name);
           std::printf("device memory %.1f GiB: the planned peak %s\n", hw.memory_bytes / 1073741824.0,
                       static_cast<double>(plan.peak) <= hw.memory_bytes ? "fits" : "does NOT fit");
         } else {
           // tessera-train's threads: the node's cores shared by its ranks,
-          // unless OMP_NUM_THREADS says otherwise; more threads than cores
-          // (ranks sharing cores) stretch every kernel.
+          // unless OMP_NUM_THREADS says otherwise.
           const int here = per_node > 0 ? std::min(per_node, world) : world;
           const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
           const char* omp = std::getenv("OMP_NUM_THREADS");
           const int threads = omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp) : std::max(1, cores / here);
+          if (world > 1) comm = tools::load_comm_fits(tools::cache_dir());  // before measuring: it may throw
           const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here);
           tools::Calibration cal = tools::measure_kernels(log, threads, here, cache);
           std::fprintf(stderr, "tessera-plan: %lld distinct kernel(s) measured, %lld from %s\n",
                        static_cast<long long>(cal.measured), static_cast<long long>(cal.cached), cache.c_str());
-          tools::CommModel comm = world > 1 ? tools::load_comm_fits(tools::cache_dir()) : tools::CommModel{};
+          seconds = std::move(cal.seconds);
           // With every core computing, the engine thread that moves a
           // collective runs only while its rank waits: no overlap.
-          const bool overlap = here * threads < cores;
-          t = tools::simulate_step(log, cal.seconds, comm, 1.0, overlap);
+          overlap = here * threads < cores;
           how = fmt::format("this machine, {} rank(s) of {} thread(s) on {} cores{}", here, threads, cores,
                             world > 1 && !overlap ? ", no core left to overlap communication" : "");
         }
+        const tools::StepTime t = tools::simulate_step(log, seconds, comm, 1.0, overlap);
         std::fputs(tools::format_step_time(t, how).c_str(), stdout);
+        // Memory with each collective's buffers freed when it would complete
+        // (its own time from issue: the engine moves it beside the compute).
+        const int64_t timed = tools::timed_peak(log, tools::simulate_step(log, seconds, comm, 1.0, true));
+        std::printf("  peak with each collective's buffers freed when it completes: %.1f MiB\n", timed / 1048576.0);
         // MFU counts the model's FLOPs (forward and backward, not the recompute)
         // against the peak of every rank: the file's, or metrics.peak_tflops
         // (this machine's, for all its ranks).

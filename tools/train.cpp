@@ -35,6 +35,7 @@
 #include "nn/safetensors.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
+#include "runtime/kernel_log.h"
 #include "runtime/parallel.h"
 #include "runtime/random.h"
 #include "runtime/trace.h"
@@ -865,8 +866,18 @@ int main(int argc, char** argv) {
         std::fputs(tools::format_plan(tools::plan_run(cfg, dist::world_size(), 0), cfg).c_str(), stdout);
       return 0;
     }
-    if (cfg.job.device != "cuda" && !(cfg.job.device == "auto" && cuda::is_available()))
-    {
+    const bool on_cuda = cfg.job.device == "cuda" || (cfg.job.device == "auto" && cuda::is_available());
+    if (on_cuda) {
+      // Each rank has a GPU of its own: planned as a GPU computes (native
+      // bf16) and NCCL reduces (no staging buffers), against its free memory.
+      // (Without a GPU, building the mesh says why, below.)
+      meta_kernels::set_native_dtypes(true);
+      dist::set_simulated_like_nccl(true);
+      const int gpu = dist::local_rank() % std::max(1, cuda::device_count());
+      if (cuda::is_available()) tools::check_planned_memory(cfg, dist::world_size(), 1, cuda::free_memory(gpu));
+      meta_kernels::set_native_dtypes(false);
+      dist::set_simulated_like_nccl(false);
+    } else {
       // The plan (with its table) first; a model so deep that even planning it
       // takes long (milliseconds a block) is refused on the lower bound alone.
       const double available = tools::available_host_memory();

@@ -126,6 +126,12 @@ Grid grid_for(int64_t m, int64_t n, int64_t k, double flops) {
 
 }  // namespace
 
+int64_t sgemm_scratch_elements(int64_t m, int64_t n, int64_t k) {
+  if (m == 0 || n == 0 || k == 0) return 0;
+  Grid g = grid_for(m, n, k, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
+  return g.chunks > 1 ? g.chunks * m * n : 0;
+}
+
 SgemmPath set_sgemm_path(SgemmPath path) {
   return forced_path.exchange(path);
 }

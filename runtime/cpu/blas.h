@@ -16,6 +16,10 @@ SgemmPath set_sgemm_path(SgemmPath path);  // returns the previous one
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// The f32 elements sgemm takes from the allocator for a product of this
+// shape (partial products when it cuts k into chunks; 0 when it does not):
+// a planned step (runtime/kernel_log.h) counts them as a run does.
+int64_t sgemm_scratch_elements(int64_t m, int64_t n, int64_t k);
 void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
            const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
            int64_t ldc);

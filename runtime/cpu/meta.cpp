@@ -11,8 +11,11 @@
 #include <memory>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
+#include "runtime/allocator.h"
 #include "runtime/check.h"
+#include "runtime/cpu/blas.h"
 #include "runtime/cpu/kernels_cpu.h"
 #include "runtime/kernel_log.h"
 #include "runtime/storage.h"
@@ -23,6 +26,7 @@ namespace {
 
 thread_local Log* active = nullptr;
 thread_local double recording_started = 0, logging_seconds = 0;
+thread_local int64_t releasing = -1;  // the collective whose wait is releasing buffers
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -188,8 +192,15 @@ struct Logged<Entry, Name> {
   }
 };
 
+bool native_dtypes = false;  // meta_kernels::set_native_dtypes
+
 void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const void*, int64_t lda,
           const void*, int64_t ldb, double beta, void*, int64_t ldc) {
+  // The CPU's split-k partial products come from the allocator: a planned
+  // step holds them for the product's length, as a run does.
+  if (!native_dtypes && dtype == DType::F32)
+    if (int64_t scratch = cpu::sgemm_scratch_elements(m, n, k); scratch > 0)
+      (void)empty({scratch}, DType::F32, Device::meta());
   if (active == nullptr) return;
   LoggingTime timed;
   const double es = static_cast<double>(dtype_size(dtype));
@@ -268,6 +279,7 @@ void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const 
 Recording::Recording(Log& log) {
   TS_CHECK(active == nullptr, "kernel_log::Recording: a recording is already active on this thread");
   active = &log;
+  log.held_at_start = memory_stats(Device::meta()).allocated_bytes;
   logging_seconds = 0;
   recording_started = now_s();
 }
@@ -290,6 +302,14 @@ void collective_waited(int64_t index) {
   active->events.push_back({Event::Type::Wait, index});
 }
 
+Releasing::Releasing(int64_t index) : previous_(std::exchange(releasing, index)) {}
+Releasing::~Releasing() { releasing = previous_; }
+
+void memory_changed(int64_t delta_bytes) {
+  if (active == nullptr || delta_bytes == 0) return;
+  active->events.push_back({Event::Type::Memory, delta_bytes < 0 ? releasing : -1, delta_bytes});
+}
+
 }  // namespace tessera::kernel_log
 
 namespace tessera::meta_kernels {
@@ -297,13 +317,12 @@ namespace tessera::meta_kernels {
 namespace kl = kernel_log;
 
 namespace {
-bool native_dtypes = false;
 DType compute_dtype(KernelFamily family, DType dtype) {
-  return native_dtypes ? dtype : cpu::compute_dtype(family, dtype);
+  return kl::native_dtypes ? dtype : cpu::compute_dtype(family, dtype);
 }
 }  // namespace
 
-void set_native_dtypes(bool native) { native_dtypes = native; }
+void set_native_dtypes(bool native) { kl::native_dtypes = native; }
 
 const KernelTable kTable = {
     .compute_dtype = compute_dtype,  // the CPU's, or native (a GPU's)

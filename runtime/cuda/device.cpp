@@ -58,6 +58,13 @@ std::string device_name(int index) {
   return prop.name;
 }
 
+double free_memory(int index) {
+  use_device(index);
+  size_t free = 0, total = 0;
+  TS_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return static_cast<double>(free);
+}
+
 int process_device() {
   std::lock_guard<std::mutex> lk(device_mu);
   return the_device;

@@ -187,8 +187,12 @@ class SimulatedWork final : public Work {
 
  private:
   void done() {
-    held_.clear();
-    kernel_log::collective_waited(std::exchange(logged_, -1));
+    kernel_log::collective_waited(logged_);
+    {
+      kernel_log::Releasing releasing(logged_);
+      held_.clear();
+    }
+    logged_ = -1;
   }
   std::vector<Tensor> held_;
   int64_t logged_;
@@ -279,8 +283,9 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
   // Peers' chunks for this rank land in `staged` (slot p from rank p); the sum
   // runs on the engine, over ranks in order, so every rank rounds alike.
   Device host = simulated() ? Device::meta() : Device::cpu();
-  Tensor staged = empty({size() * n}, rdt, host);
-  Tensor result = upcast ? empty(output.shape(), DType::F32, host) : output;
+  const bool nccl = simulated() && simulated_like_nccl();  // reduces on the device, into output
+  Tensor staged = nccl ? Tensor() : empty({size() * n}, rdt, host);
+  Tensor result = upcast && !nccl ? empty(output.shape(), DType::F32, host) : output;
   auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
                 static_cast<int64_t>(send.nbytes()));
   c->keep_alive = {input, output, send, staged, result};
@@ -501,10 +506,13 @@ namespace tessera::dist {
 
 namespace {
 std::atomic<bool> g_buffers_until_wait{true};
+std::atomic<bool> g_like_nccl{false};
 }
 
 void set_simulated_buffers_until_wait(bool until_wait) { g_buffers_until_wait = until_wait; }
 bool simulated_buffers_until_wait() { return g_buffers_until_wait; }
+void set_simulated_like_nccl(bool like_nccl) { g_like_nccl = like_nccl; }
+bool simulated_like_nccl() { return g_like_nccl; }
 
 ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name) {
   TS_CHECK(!global_ranks.empty() && rank >= 0 && rank < static_cast<int>(global_ranks.size()),

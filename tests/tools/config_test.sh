@@ -12,6 +12,7 @@
 set -euo pipefail
 bin=$1      # build/tools
 work=$2
+src=$(cd "$(dirname "$0")/../.." && pwd)  # the source tree (hardware/)
 here=$(cd "$(dirname "$0")" && pwd)
 python=${TESSERA_PYTHON:-python3}
 rm -rf "$work"
@@ -89,6 +90,18 @@ out=$("$bin/tessera-plan" "${base[@]}" --ranks 1,4 --rank 0)
 $out"
 expect_error "--ranks: expected an integer from 1" "$bin/tessera-plan" --ranks 0
 expect_error "training.batch_size (8) must be a multiple" "$bin/tessera-plan" "${base[@]}" --ranks 3
+expect_error "reshard_after_forward_degree (3) must divide the shard degree (4 at 4 ranks)" \
+  "$bin/tessera-plan" "${base[@]}" --ranks 4 --parallelism.reshard_after_forward_degree 3
+# The step time: without this machine's collective fits, the command that makes them.
+expect_error "bench_collectives 16 --save" env TESSERA_CACHE_DIR="$work/no-cache" "$bin/tessera-plan" \
+  "${base[@]}" --ranks 2 --time
+out=$(TESSERA_CACHE_DIR="$work/cache" "$bin/tessera-plan" "${base[@]}" --time 2>&1)
+grep -q "^step time (this machine" <<< "$out" || fail "tessera-plan --time printed:
+$out"
+out=$("$bin/tessera-plan" "${base[@]}" --ranks 8 --hardware "$src/hardware/h100-sxm-node.toml")
+grep -q "the planned peak fits" <<< "$out" || fail "tessera-plan --hardware printed:
+$out"
+expect_error "hardware file 'nothing.toml' does not exist" "$bin/tessera-plan" --hardware nothing.toml
 
 # A configuration file is a regular file of a few KiB (toml++ read these as empty).
 bad "config file '$work' is not a regular file but a directory" --config "$work"

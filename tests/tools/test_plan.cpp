@@ -60,6 +60,7 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     for (int step = 0; step < 2; ++step) {
       if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        for (const auto& g : tools::post_forward_groups(*model)) g->reset_stats();
         profiler::reset();
         profiler::enable(true);
       }
@@ -77,6 +78,8 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     m.products = profiler::kernel_time("gemm").calls;
     for (int64_t d = 0; d < mesh->ndim(); ++d)
       m.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+    for (const auto& g : tools::post_forward_groups(*model))
+      m.collectives[fmt::format("dp_shard/post-forward{}", g->size())] += g->stats();
   }
   m.peak = memory_stats().peak_allocated_bytes - base;
   return m;
@@ -94,11 +97,21 @@ void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
   CHECK(products == m.products);
   std::map<std::string, int64_t> issued, waited;
   for (const auto& e : log.events)
-    if (e.type != kernel_log::Event::Type::Kernel) {
+    if (e.type == kernel_log::Event::Type::Issue || e.type == kernel_log::Event::Type::Wait) {
       const auto& c = log.collectives[static_cast<size_t>(e.index)];
       (e.type == kernel_log::Event::Type::Issue ? issued : waited)[c.group]++;
     }
   CHECK(issued == waited);
+  // The log's bytes replayed: collectives that never complete before their
+  // wait give the predicted peak, collectives that take no time its lower
+  // bound (the step's peak is the plan's at these sizes).
+  tools::CommModel never, instant;
+  for (const char* kind : {"all_gather", "reduce_scatter", "all_reduce"})
+    for (int w = 2; w <= 4; ++w) never.fits[kind][w] = {1e6, 0}, instant.fits[kind][w] = {0, 0};
+  const std::vector<double> kernels(log.kernels.size(), 1e-6);
+  CHECK(tools::timed_peak(log, tools::simulate_step(log, kernels, never)) == plan.peak);
+  CHECK(tools::timed_peak(log, tools::simulate_step(log, kernels, instant)) ==
+        plan.peak_if_collectives_complete_at_once);
   INFO("predicted peak " << plan.peak << " bytes (" << plan.peak_if_collectives_complete_at_once
                           << " if collectives completed at once), measured " << m.peak);
   // The measured peak lies between the two bounds, within 10%; where they are
@@ -151,6 +164,9 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
     c = small_config();
     c.parallelism.data_parallel_replicate_degree = 2;
     check_plan(c, "HSDP 2 x 2");
+    c = small_config();
+    c.parallelism.reshard_after_forward_degree = 2;
+    check_plan(c, "reshard_after_forward 2 (hpZ)");
   }
 }
 
@@ -166,6 +182,16 @@ TEST_CASE("a plan counts nothing on the device and needs no memory", "[plan]") {
   CHECK(plan.peak > 4 * plan.sharded_parameters);     // weights, grads, two Adam moments at least
   CHECK(memory_stats(Device::meta()).allocated_bytes == 0);
   CHECK_THROWS_WITH(tools::plan_run(c, 5, 0), Catch::Contains("training.batch_size"));
+  // The full-size model exists on meta only until it is sharded, and is not
+  // in the plan: at 64 ranks a step holds far less than one f32 copy of it.
+  c = small_config();
+  c.model.n_layer = 32;
+  c.model.n_embd = 96;
+  c.training.batch_size = 64;
+  c.activation_checkpoint.mode = "full";
+  tools::Plan many = tools::plan_run(c, 64, 0, false);
+  CHECK(many.peak < many.parameters * 4 / 2);  // 3.8 MiB of 13.8
+  CHECK(many.peak > 0);
 }
 
 TEST_CASE("every kernel of a step's log runs on the CPU as logged, and its time is cached", "[plan][time]") {
