@@ -174,9 +174,11 @@ CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collectiv
   for (const auto& c : collectives) {
     const int w = c.group_size;
     if (w <= 1) continue;
-    // A group of consecutive ranks within a node uses NVLink; any other
-    // (HSDP's replicas, a shard group larger than a node) crosses nodes.
-    const bool intra = c.group == "dp_shard" ? w <= hw.devices_per_node : false;
+    // A group of consecutive ranks (the shard group, hpZ's post-forward
+    // groups, the world) that fits in a node uses NVLink; any other (HSDP's
+    // replicas, strided across nodes; a larger group) crosses nodes.
+    const bool consecutive = c.group.rfind("dp_shard", 0) == 0 || c.group == "world";
+    const bool intra = consecutive && w <= hw.devices_per_node;
     const double bw = intra ? hw.intra_node_bandwidth : hw.inter_node_bandwidth;
     const double lat = intra ? hw.intra_node_latency_s : hw.inter_node_latency_s;
     const double factor = c.kind == "all_reduce" ? 2 : 1;

@@ -64,14 +64,17 @@ struct Hardware {
 };
 Hardware load_hardware(const std::string& path);
 // Collectives on described hardware: a ring over the node's links when the
-// group fits in a node, else over the slower inter-node links.
+// group is of consecutive ranks (dp_shard, its hpZ groups, the world) that
+// fit in a node, else over the slower inter-node links (HSDP's replicas).
 CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collective>& collectives);
 
 // Seconds of each kernel in `log` (by index), measured on this CPU as a rank
 // runs it: with `threads` threads, while `concurrent` ranks (this node's) run
 // it at once, so that they share the cores, caches and memory bandwidth as
-// the ranks of a run do. Each distinct signature is measured once and cached
-// in `cache_path` ("" for no cache).
+// the ranks of a run do. Memory-bound kernels (no FLOPs logged) rotate over
+// copies of their buffers larger than the last-level cache; products run on
+// one set. Each distinct signature is measured once and cached in
+// `cache_path` ("" for no cache).
 struct Calibration {
   std::vector<double> seconds;
   int64_t measured = 0, cached = 0;  // distinct signatures

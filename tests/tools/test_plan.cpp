@@ -337,6 +337,13 @@ latency_us = 5
   tools::CommModel m = tools::comm_model(hw, cs);
   CHECK(m.seconds("all_gather", 4, 4e9) == Approx(3 * 2e-6 + 0.75 * 4e9 / 100e9));  // in the node
   CHECK(m.seconds("all_gather", 8, 8e9) == Approx(7 * 5e-6 + 0.875 * 8e9 / 10e9));  // across nodes
+  // hpZ's groups and the world are consecutive ranks too; HSDP's replicas are strided.
+  tools::CommModel groups = tools::comm_model(
+      hw, {{"all_gather", "dp_shard/post-forward2", 2, 1e9}, {"all_reduce", "dp_replicate", 2, 1e9},
+           {"all_reduce", "world", 4, 1e9}});
+  CHECK(groups.seconds("all_gather", 2, 1e9) == Approx(2e-6 + 0.5 * 1e9 / 100e9));
+  CHECK(groups.fits.at("all_reduce").at(2).beta_s_per_byte == Approx(2 * 0.5 / 10e9));
+  CHECK(groups.seconds("all_reduce", 4, 1e9) == Approx(2 * (3 * 2e-6 + 0.75 * 1e9 / 100e9)));
   write("name = \"x\"\n[node]\ndevices = 4\n");
   CHECK_THROWS_WITH(tools::load_hardware(path), Catch::Contains("[device] memory_gib is missing"));
   write("[node]\ndevices = 4\n[device]\nmemory_gib = -1\n");
