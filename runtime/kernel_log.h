@@ -9,8 +9,9 @@
 // writes, its FLOPs, and a way to run the same CPU kernel on CPU tensors laid
 // out as the step's, so that its time can be measured. Simulated process
 // groups (dist::simulated_group) log each collective as issued and as waited
-// for. Nothing here allocates a meta tensor, so a recorded step's memory plan
-// is the same as an unrecorded one's.
+// for, and MetaAccounting each change of the bytes held. Logging keeps no
+// meta tensor alive, so a recorded step's memory plan is the same as an
+// unrecorded one's.
 #pragma once
 
 #include <cstdint>

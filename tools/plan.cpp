@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
@@ -57,6 +59,21 @@ int64_t storage_bytes(const TensorList& tensors) {
 std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
 
 }  // namespace
+
+PlanAsGpu::PlanAsGpu() {
+  meta_kernels::set_native_dtypes(true);
+  dist::set_simulated_like_nccl(true);
+}
+PlanAsGpu::~PlanAsGpu() {
+  meta_kernels::set_native_dtypes(false);
+  dist::set_simulated_like_nccl(false);
+}
+
+int threads_per_rank(int ranks_here) {
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp != nullptr && std::atoi(omp) > 0) return std::atoi(omp);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_here));
+}
 
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
   std::vector<dist::ProcessGroupPtr> out;
@@ -166,9 +183,9 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
         recording = true;
       }
       int64_t steady = held();
-      auto log = std::make_shared<kernel_log::Log>();
+      std::shared_ptr<kernel_log::Log> log;
       std::optional<kernel_log::Recording> recording_kernels;
-      if (step == 1 && log_step) recording_kernels.emplace(*log);
+      if (step == 1 && log_step) recording_kernels.emplace(*(log = std::make_shared<kernel_log::Log>()));
       Tensor loss_sum = forward_backward(*model, T.grad_accum, batch);
       Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T.grad_accum)), {1});
       if (world_size > 1) world->all_reduce(mean, {dist::ReduceOp::Sum})->wait();

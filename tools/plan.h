@@ -84,6 +84,21 @@ struct Plan {
   std::shared_ptr<const kernel_log::Log> step_log;
 };
 
+// While alive, plans are made as for a GPU: the meta device computes bf16
+// and f16 natively (no f32 copies, as the CUDA backend) and simulated
+// collectives allocate NCCL's buffers (no MPI staging).
+class PlanAsGpu {
+ public:
+  PlanAsGpu();
+  ~PlanAsGpu();
+  PlanAsGpu(const PlanAsGpu&) = delete;
+  PlanAsGpu& operator=(const PlanAsGpu&) = delete;
+};
+
+// tessera-train's OpenMP threads per rank when `ranks_here` ranks share this
+// node: OMP_NUM_THREADS when set, else the cores divided among the ranks.
+int threads_per_rank(int ranks_here);
+
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
 // lower_bound false skips the second simulation (the peak if collectives

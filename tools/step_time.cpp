@@ -215,6 +215,68 @@ std::string kernel_cache_path(const std::string& dir, int threads, int concurren
 // common server core complex (32 MiB).
 constexpr double kColdBytes = 64.0 * 1048576.0;
 
+namespace {
+
+// Seconds of one call of `k` as a rank runs it: alongside the node's other
+// ranks (`concurrent` workers, each running it too on buffers of its own,
+// with `threads` threads). Once to warm caches and pages, then three batches
+// of at least 2 ms, each started together on every worker and timed until the
+// last worker finishes (the workers share the cores); the fastest batch (the
+// others met interference).
+double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent) {
+  // A memory-bound kernel (no FLOPs logged) seldom finds its operands in
+  // cache in a step, as it would run again and again on the same buffers:
+  // each worker rotates over copies of them that together exceed the
+  // last-level cache. Products (GEMM, attention) are timed on one set: their
+  // time is the arithmetic, and in a step their operands (the activations
+  // just made, the parameters just gathered) are mostly in cache. (Both
+  // choices measured: benchmarks/README.md, the planner.)
+  const int copies =
+      k.flops > 0 ? 1 : static_cast<int>(std::clamp(std::ceil(kColdBytes / std::max(k.bytes, 1.0)), 1.0, 16.0));
+  std::vector<std::vector<std::function<void()>>> runs(static_cast<size_t>(concurrent));
+  for (auto& mine : runs)
+    for (int i = 0; i < copies; ++i) mine.push_back(k.prepare());
+  double once = 0;
+  {
+    for (auto& run : runs[0]) run();
+    const double t0 = now_s();
+    for (auto& run : runs[0]) run();
+    once = std::max((now_s() - t0) / copies, 1e-7);
+  }
+  const int reps = static_cast<int>(std::clamp(2e-3 / once, 1.0, 1000.0));
+  constexpr int kBatches = 3;
+  std::vector<double> starts(static_cast<size_t>(concurrent * kBatches)), ends(starts.size());
+  std::barrier sync(concurrent);
+  auto worker = [&](int c) {
+    set_num_threads(threads);
+    const auto& mine = runs[static_cast<size_t>(c)];
+    for (const auto& run : mine) run();
+    for (int batch = 0; batch < kBatches; ++batch) {
+      sync.arrive_and_wait();
+      const auto slot = static_cast<size_t>(batch * concurrent + c);
+      starts[slot] = now_s();
+      for (int i = 0; i < reps; ++i) mine[static_cast<size_t>(i % copies)]();
+      ends[slot] = now_s();
+    }
+  };
+  if (concurrent == 1) {
+    worker(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int c = 0; c < concurrent; ++c) pool.emplace_back(worker, c);
+    for (auto& t : pool) t.join();
+  }
+  double best = std::numeric_limits<double>::infinity();
+  for (int batch = 0; batch < kBatches; ++batch) {
+    const auto first = starts.begin() + batch * concurrent, last = ends.begin() + batch * concurrent;
+    const double wall = *std::max_element(last, last + concurrent) - *std::min_element(first, first + concurrent);
+    best = std::min(best, wall / reps);
+  }
+  return best;
+}
+
+}  // namespace
+
 Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path) {
   TS_CHECK(threads >= 1 && concurrent >= 1, "measure_kernels: expected positive thread and rank counts, got {} and {}",
            threads, concurrent);
@@ -249,62 +311,10 @@ Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurr
       continue;
     }
     seen.insert(k.signature);
-    // As the rank will run it: alongside the node's other ranks, each running
-    // it too on buffers of its own. Once to warm caches and pages, then three
-    // batches of at least 2 ms, each started together on every worker and
-    // timed until the last worker finishes (the workers share the cores); the
-    // fastest batch (the others met interference).
-    // A memory-bound kernel (no FLOPs logged) seldom finds its operands in
-    // cache in a step, as it would run again and again on the same buffers:
-    // each worker rotates over copies of them that together exceed the
-    // last-level cache. Products (GEMM, attention) are timed on one set:
-    // their time is the arithmetic, and in a step their operands (the
-    // activations just made, the parameters just gathered) are mostly in
-    // cache. (Both choices measured: benchmarks/README.md, the planner.)
-    const int copies =
-        k.flops > 0 ? 1 : static_cast<int>(std::clamp(std::ceil(kColdBytes / std::max(k.bytes, 1.0)), 1.0, 16.0));
-    std::vector<std::vector<std::function<void()>>> runs(static_cast<size_t>(concurrent));
-    for (auto& mine : runs)
-      for (int i = 0; i < copies; ++i) mine.push_back(k.prepare());
-    double once = 0;
-    {
-      for (auto& run : runs[0]) run();
-      const double t0 = now_s();
-      for (auto& run : runs[0]) run();
-      once = std::max((now_s() - t0) / copies, 1e-7);
-    }
-    const int reps = static_cast<int>(std::clamp(2e-3 / once, 1.0, 1000.0));
-    constexpr int kBatches = 3;
-    std::vector<double> starts(static_cast<size_t>(concurrent * kBatches)), ends(starts.size());
-    std::barrier sync(concurrent);
-    auto worker = [&](int c) {
-      set_num_threads(threads);
-      const auto& mine = runs[static_cast<size_t>(c)];
-      for (const auto& run : mine) run();
-      for (int batch = 0; batch < kBatches; ++batch) {
-        sync.arrive_and_wait();
-        const auto slot = static_cast<size_t>(batch * concurrent + c);
-        starts[slot] = now_s();
-        for (int i = 0; i < reps; ++i) mine[static_cast<size_t>(i % copies)]();
-        ends[slot] = now_s();
-      }
-    };
-    if (concurrent == 1) {
-      worker(0);
-    } else {
-      std::vector<std::thread> pool;
-      for (int c = 0; c < concurrent; ++c) pool.emplace_back(worker, c);
-      for (auto& t : pool) t.join();
-    }
-    double mean = std::numeric_limits<double>::infinity();
-    for (int batch = 0; batch < kBatches; ++batch) {
-      const auto first = starts.begin() + batch * concurrent, last = ends.begin() + batch * concurrent;
-      const double wall = *std::max_element(last, last + concurrent) - *std::min_element(first, first + concurrent);
-      mean = std::min(mean, wall / reps);
-    }
-    known[k.signature] = mean;
+    const double seconds = time_kernel(k, threads, concurrent);
+    known[k.signature] = seconds;
     ++cal.measured;
-    cal.seconds.push_back(mean);
+    cal.seconds.push_back(seconds);
   }
   if (!cache_path.empty() && cal.measured > 0) {
     std::error_code ec;

@@ -13,8 +13,8 @@
 // on one node).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,8 +22,6 @@
 #include <fmt/format.h>
 
 #include "runtime/check.h"
-#include "runtime/distributed.h"
-#include "runtime/kernel_log.h"
 #include "tools/config.h"
 #include "tools/plan.h"
 #include "tools/step_time.h"
@@ -100,12 +98,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     const tools::Hardware hw = hardware.empty() ? tools::Hardware{} : tools::load_hardware(hardware);
-    // A GPU computes bf16/f16 natively (its plan makes no f32 copies of
-    // them), and NCCL reduces on the device (no staging buffers).
-    if (!hardware.empty()) {
-      meta_kernels::set_native_dtypes(true);
-      dist::set_simulated_like_nccl(true);
-    }
+    std::optional<tools::PlanAsGpu> as_gpu;
+    if (!hardware.empty()) as_gpu.emplace();
     for (int world : worlds) {
       const bool timed = time || !hardware.empty();
       tools::Plan plan = tools::plan_run(cfg, world, rank, /*lower_bound=*/true, /*log_step=*/timed);
@@ -123,12 +117,9 @@ int main(int argc, char** argv) {
           std::printf("device memory %.1f GiB: the planned peak %s\n", hw.memory_bytes / 1073741824.0,
                       static_cast<double>(plan.peak) <= hw.memory_bytes ? "fits" : "does NOT fit");
         } else {
-          // tessera-train's threads: the node's cores shared by its ranks,
-          // unless OMP_NUM_THREADS says otherwise.
           const int here = per_node > 0 ? std::min(per_node, world) : world;
           const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-          const char* omp = std::getenv("OMP_NUM_THREADS");
-          const int threads = omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp) : std::max(1, cores / here);
+          const int threads = tools::threads_per_rank(here);  // as tessera-train sets them
           if (world > 1) comm = tools::load_comm_fits(tools::cache_dir());  // before measuring: it may throw
           const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here);
           tools::Calibration cal = tools::measure_kernels(log, threads, here, cache);

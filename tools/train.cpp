@@ -23,7 +23,6 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
-#include <thread>
 
 #include "dtensor/dtensor.h"
 #include "fsdp/checkpoint.h"
@@ -35,7 +34,6 @@
 #include "nn/safetensors.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
-#include "runtime/kernel_log.h"
 #include "runtime/parallel.h"
 #include "runtime/random.h"
 #include "runtime/trace.h"
@@ -833,9 +831,8 @@ int ranks_on_this_node() {
 // OpenMP/BLAS threads per rank: the cores of this node shared by its ranks,
 // unless OMP_NUM_THREADS says otherwise.
 void set_threads_per_rank() {
-  if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  set_num_threads(std::max(1, cores / ranks_on_this_node()));
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) return;  // OpenMP already took it
+  set_num_threads(tools::threads_per_rank(ranks_on_this_node()));
 }
 
 }  // namespace
@@ -871,12 +868,9 @@ int main(int argc, char** argv) {
       // Each rank has a GPU of its own: planned as a GPU computes (native
       // bf16) and NCCL reduces (no staging buffers), against its free memory.
       // (Without a GPU, building the mesh says why, below.)
-      meta_kernels::set_native_dtypes(true);
-      dist::set_simulated_like_nccl(true);
+      tools::PlanAsGpu as_gpu;
       const int gpu = dist::local_rank() % std::max(1, cuda::device_count());
       if (cuda::is_available()) tools::check_planned_memory(cfg, dist::world_size(), 1, cuda::free_memory(gpu));
-      meta_kernels::set_native_dtypes(false);
-      dist::set_simulated_like_nccl(false);
     } else {
       // The plan (with its table) first; a model so deep that even planning it
       // takes long (milliseconds a block) is refused on the lower bound alone.

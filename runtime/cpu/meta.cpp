@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -47,7 +46,11 @@ struct TensorSpec {
   size_t storage_bytes = 0;
 };
 
-TensorSpec spec(const Tensor& t) {
+// Each kind of kernel argument has a spec (spec_of), is rebuilt from it on
+// the CPU (rebuild), and has bytes (bytes_in) and a part of the signature
+// (text_of). A tensor's spec is a TensorSpec; a list of tensors' or a result
+// struct's, a SpecList; a scalar or an option struct is its own spec.
+TensorSpec spec_of(const Tensor& t) {
   if (!t.defined()) return {};
   return {true, t.shape(), t.strides(), t.storage_offset(), t.dtype(), t.storage() ? t.storage()->nbytes() : 0};
 }
@@ -65,68 +68,35 @@ Tensor make(const TensorSpec& s) {
   return make_tensor(std::move(storage), s.shape, s.strides, s.offset, s.dtype);
 }
 
-double bytes_of(const TensorSpec& s) {
+double bytes_in(const TensorSpec& s) {
   return s.defined ? static_cast<double>(shape_numel(s.shape)) * static_cast<double>(dtype_size(s.dtype)) : 0;
 }
-std::string describe(const TensorSpec& s) {
+std::string text_of(const TensorSpec& s) {
   if (!s.defined) return "-";
   return fmt::format("{}{}/{}", dtype_name(s.dtype), shape_str(s.shape), shape_str(s.strides));
 }
 
-// Each kind of kernel argument: its spec, the argument rebuilt from the spec
-// on the CPU, its bytes and its part of the signature.
-TensorSpec spec_of(const Tensor& t) { return spec(t); }
-Tensor make_of(const TensorSpec& s) { return make(s); }
-double bytes_in(const TensorSpec& s) { return bytes_of(s); }
-std::string text_of(const TensorSpec& s) { return describe(s); }
-
 using SpecList = std::vector<TensorSpec>;
 SpecList spec_of(const std::vector<Tensor>& ts) {
   SpecList out;
-  for (const Tensor& t : ts) out.push_back(spec(t));
+  for (const Tensor& t : ts) out.push_back(spec_of(t));
   return out;
 }
-std::vector<Tensor> make_of(const SpecList& ss) {
-  std::vector<Tensor> out;
-  for (const TensorSpec& s : ss) out.push_back(make(s));
-  return out;
-}
+SpecList spec_of(const ops::NormResult& r) { return {spec_of(r.y), spec_of(r.mean), spec_of(r.rstd)}; }
+SpecList spec_of(const ops::NormGrads& g) { return {spec_of(g.dx), spec_of(g.dweight), spec_of(g.dbias)}; }
+SpecList spec_of(const ops::AttentionResult& r) { return {spec_of(r.out), spec_of(r.lse)}; }
+SpecList spec_of(const ops::AttentionGrads& g) { return {spec_of(g.dq), spec_of(g.dk), spec_of(g.dv)}; }
 double bytes_in(const SpecList& ss) {
   double b = 0;
-  for (const TensorSpec& s : ss) b += bytes_of(s);
+  for (const TensorSpec& s : ss) b += bytes_in(s);
   return b;
 }
 std::string text_of(const SpecList& ss) {
   std::string out = "{";
-  for (const TensorSpec& s : ss) out += describe(s) + " ";
+  for (const TensorSpec& s : ss) out += text_of(s) + " ";
   return out + "}";
 }
 
-template <size_t N>
-using Specs = std::array<TensorSpec, N>;
-Specs<3> spec_of(const ops::NormResult& r) { return {spec(r.y), spec(r.mean), spec(r.rstd)}; }
-Specs<3> spec_of(const ops::NormGrads& g) { return {spec(g.dx), spec(g.dweight), spec(g.dbias)}; }
-Specs<2> spec_of(const ops::AttentionResult& r) { return {spec(r.out), spec(r.lse)}; }
-struct GradSpecs {
-  Specs<3> s;
-};
-GradSpecs spec_of(const ops::AttentionGrads& g) { return {{spec(g.dq), spec(g.dk), spec(g.dv)}}; }
-template <size_t N>
-double bytes_in(const Specs<N>& ss) {
-  double b = 0;
-  for (const TensorSpec& s : ss) b += bytes_of(s);
-  return b;
-}
-double bytes_in(const GradSpecs& g) { return bytes_in(g.s); }
-template <size_t N>
-std::string text_of(const Specs<N>& ss) {
-  std::string out = "(";
-  for (const TensorSpec& s : ss) out += describe(s) + " ";
-  return out + ")";
-}
-std::string text_of(const GradSpecs& g) { return text_of(g.s); }
-
-// Scalars and option structs stand for themselves.
 template <class T>
 T spec_of(const T& value) {
   return value;
@@ -146,12 +116,19 @@ std::string text_of(const T& value) {
 template <class A, class S>
 std::decay_t<A> rebuild(const S& s) {
   using T = std::decay_t<A>;
-  if constexpr (std::is_same_v<T, ops::NormResult>) return {make(s[0]), make(s[1]), make(s[2])};
-  else if constexpr (std::is_same_v<T, ops::NormGrads>) return {make(s[0]), make(s[1]), make(s[2])};
-  else if constexpr (std::is_same_v<T, ops::AttentionResult>) return {make(s[0]), make(s[1])};
-  else if constexpr (std::is_same_v<T, ops::AttentionGrads>) return {make(s.s[0]), make(s.s[1]), make(s.s[2])};
-  else if constexpr (std::is_same_v<S, TensorSpec> || std::is_same_v<S, SpecList>) return make_of(s);
-  else return s;
+  if constexpr (std::is_same_v<T, Tensor>) {
+    return make(s);
+  } else if constexpr (std::is_same_v<T, std::vector<Tensor>>) {
+    std::vector<Tensor> out;
+    for (const TensorSpec& one : s) out.push_back(make(one));
+    return out;
+  } else if constexpr (std::is_same_v<T, ops::AttentionResult>) {
+    return {make(s[0]), make(s[1])};
+  } else if constexpr (std::is_same_v<S, SpecList>) {  // NormResult, NormGrads, AttentionGrads: three tensors
+    return {make(s[0]), make(s[1]), make(s[2])};
+  } else {
+    return s;
+  }
 }
 
 void add(Kernel k) {
@@ -264,14 +241,14 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
                double scale) {
   if (active == nullptr) return;
   attention_logged(r, q, k, v, causal, scale);
-  active->kernels.back().flops = attention_flops(spec(q), spec(k), causal);
+  active->kernels.back().flops = attention_flops(spec_of(q), spec_of(k), causal);
 }
 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
   if (active == nullptr) return;
   attention_backward_logged(g, dout, q, k, v, out, lse, causal, scale);
-  active->kernels.back().flops = 2.5 * attention_flops(spec(q), spec(k), causal);
+  active->kernels.back().flops = 2.5 * attention_flops(spec_of(q), spec_of(k), causal);
 }
 
 }  // namespace
