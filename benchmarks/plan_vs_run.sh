@@ -2,10 +2,7 @@
 # The planner's predicted peak per rank (tessera-plan) beside the peak that
 # tessera-train measures (the allocator's peak, max over ranks), for two steps
 # of the default model and llama-small at 1-4 ranks: f32 and bf16 parameters,
-# activation checkpointing, reshard_after_forward false and 2, HSDP 2 x 2:
-# the predicted peak (collectives hold their buffers until waited for), the
-# lower bound (they complete at once) and the peak with each completing when
-# the step-time model has it complete (tessera-plan --time).
+# activation checkpointing, reshard_after_forward false and 2, HSDP 2 x 2.
 # Not a test: the table in benchmarks/README.md.
 #   benchmarks/plan_vs_run.sh [build]        (default build/)
 set -euo pipefail
@@ -21,23 +18,14 @@ measure() {
     --training.steps 2 --metrics.log_interval 1 --training.eval_interval 1000 --metrics.plot "" \
     --metrics.progress off --sample.max_new_tokens 0 --training.data_dir "$PWD/data" \
     --job.dump_folder "$work/out" "$@" >"$work/log" 2>&1 || { cat "$work/log"; exit 1; }
-  local measured plan predicted lower timed
+  local measured predicted
   measured=$(grep -o '"peak_mem_mib_max_rank":[0-9.]*' "$work/out/metrics.jsonl" | tail -1 | cut -d: -f2)
-  plan=$("$bin/tessera-plan" --ranks "$np" --time "$@" 2>/dev/null)
-  predicted=$(awk '/predicted peak/ {print $3}' <<< "$plan")
-  lower=$(awk '/predicted peak/ {gsub(/\(/, "", $5); print $5}' <<< "$plan")
-  timed=$(awk '/freed when it completes/ {print $(NF-1)}' <<< "$plan")
-  awk -v np="$np" -v m="$measured" -v p="$predicted" -v l="$lower" -v t="$timed" -v cfg="$*" \
-    'BEGIN { printf "| %s | %d | %.2f | %.1f (%+.1f%%) | %.1f | %.1f (%+.1f%%) |\n", (cfg == "" ? "default" : cfg), np, m,
-             p, 100 * (p - m) / m, l, t, 100 * (t - m) / m }'
+  predicted=$("$bin/tessera-plan" --ranks "$np" "$@" 2>/dev/null | awk '/predicted peak/ {print $3}')
+  awk -v np="$np" -v m="$measured" -v p="$predicted" -v cfg="$*" \
+    'BEGIN { printf "| %s | %d | %.2f | %.1f | %+.1f%% |\n", (cfg == "" ? "default" : cfg), np, m, p, 100 * (p - m) / m }'
 }
-cache=${TESSERA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tessera}
-for np in 2 3 4; do  # tessera-plan --time needs this machine's collectives
-  [[ -f "$cache/collectives-$np.tsv" ]] ||
-    mpirun -np "$np" --oversubscribe --bind-to none "${root[@]}" "$build/benchmarks/bench_collectives" 16 --save >/dev/null
-done
-echo "| config | ranks | measured MiB | predicted peak (error) | if collectives completed at once | as timed (error) |"
-echo "|---|---|---|---|---|---|"
+echo "| config | ranks | measured MiB | predicted MiB | error |"
+echo "|---|---|---|---|---|"
 # Each model in each setting at 1-4 ranks (3 ranks: 24 sequences, 8 per rank,
 # as at 2 ranks; the defaults' 16 do not divide by 3).
 ranks() {

@@ -8,7 +8,6 @@
 
 #include "runtime/check.h"
 #include "runtime/cuda_backend.h"
-#include "runtime/kernel_log.h"
 #include "runtime/stream.h"
 
 namespace tessera {
@@ -187,7 +186,6 @@ void meta_account(int64_t delta_bytes) {
     meta_stats.reserved_bytes = meta_stats.allocated_bytes;
     update_peaks(meta_stats);
   }
-  kernel_log::memory_changed(delta_bytes);  // a recorded step's timeline of its bytes
 }
 }  // namespace detail
 

@@ -109,16 +109,10 @@ using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 // without any communication, for planning a run (tools/plan.h): collectives
 // check their tensors (meta tensors allowed), count in stats() as the real
 // group counts them (mpi_calls and bytes where the real one would call MPI),
-// allocate the buffers the real one allocates (on meta) and complete at once,
-// leaving their outputs untouched.
+// allocate the buffers the real one allocates (on meta) and hold them until
+// waited for, as the real one does, complete at once and leave their outputs
+// untouched.
 ProcessGroupPtr simulated_group(int rank, const std::vector<int>& global_ranks, const std::string& name);
-// How long a simulated collective holds the buffers the real one allocates (a
-// reduce-scatter's staging buffer): until it is waited for (true, the
-// default: the longest a real one can hold them, as the engine frees them at
-// completion), or not past the call (false: a collective that completes at
-// once). A planned peak is the first; the second is its lower bound.
-void set_simulated_buffers_until_wait(bool until_wait);
-bool simulated_buffers_until_wait();
 // Simulated collectives allocate NCCL's buffers instead of MPI's (true: for
 // the plan of a GPU run): a reduce-scatter reduces on the device into its
 // output, with no staging buffer for the peers' chunks and no f32 result

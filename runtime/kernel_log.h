@@ -9,7 +9,7 @@
 // writes, its FLOPs, and a way to run the same CPU kernel on CPU tensors laid
 // out as the step's, so that its time can be measured. Simulated process
 // groups (dist::simulated_group) log each collective as issued and as waited
-// for, and MetaAccounting each change of the bytes held. Logging keeps no
+// for. Logging keeps no
 // meta tensor alive, so a recorded step's memory plan is the same as an
 // unrecorded one's.
 #pragma once
@@ -43,13 +43,9 @@ struct Collective {
 };
 
 struct Event {
-  // Memory: meta bytes allocated (bytes > 0) or freed (< 0) by the step, as
-  // MetaAccounting counts them; index is the collective whose buffers a wait
-  // released, else -1.
-  enum class Type { Kernel, Issue, Wait, Memory };
+  enum class Type { Kernel, Issue, Wait };
   Type type;
   int64_t index;  // into Log::kernels or Log::collectives
-  int64_t bytes = 0;
 };
 
 struct Log {
@@ -60,7 +56,6 @@ struct Log {
   // spent logging (what the framework costs around the kernels: autograd,
   // FSDP's bookkeeping, allocation, shape checks).
   double host_seconds = 0;
-  int64_t held_at_start = 0;  // meta bytes held when the recording began
 };
 
 // Logs the calling thread's meta kernels and simulated collectives into `log`
@@ -77,20 +72,6 @@ class Recording {
 // -1 when nothing is being recorded.
 int64_t collective_issued(const std::string& kind, const std::string& group, int group_size, double bytes);
 void collective_waited(int64_t index);
-// A wait of collective `index` releases its buffers while alive: the frees
-// are logged as that collective's.
-class Releasing {
- public:
-  explicit Releasing(int64_t index);
-  ~Releasing();
-  Releasing(const Releasing&) = delete;
-  Releasing& operator=(const Releasing&) = delete;
-
- private:
-  int64_t previous_;
-};
-// Called by MetaAccounting (runtime/allocator.cpp) for every counted change.
-void memory_changed(int64_t delta_bytes);
 
 }  // namespace tessera::kernel_log
 

@@ -231,28 +231,16 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
 
 }  // namespace
 
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool lower_bound, bool log_step) {
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
   validate(cfg);
   validate_for_world(cfg, world_size);
   TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
-  // Collectives that hold their buffers until waited for (the plan), then
-  // collectives that complete at once (its lower bound).
-  struct Restore {
-    bool was = dist::simulated_buffers_until_wait();
-    ~Restore() { dist::set_simulated_buffers_until_wait(was); }
-  } restore;
-  dist::set_simulated_buffers_until_wait(true);
-  Plan plan = plan_once(cfg, world_size, rank, log_step);
-  if (lower_bound) {
-    dist::set_simulated_buffers_until_wait(false);
-    plan.peak_if_collectives_complete_at_once = plan_once(cfg, world_size, rank, false).peak;
-  }
-  return plan;
+  return plan_once(cfg, world_size, rank, log_step);
 }
 
 void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes) {
   if (!cfg.job.check_memory) return;
-  const Plan plan = plan_run(cfg, world_size, 0, /*lower_bound=*/false);
+  const Plan plan = plan_run(cfg, world_size, 0);
   const double need = static_cast<double>(plan.peak) * ranks_here;
   if (need <= available_bytes) return;
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); };
@@ -262,7 +250,7 @@ void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here
     try {
       validate(c);
       validate_for_world(c, world);
-      const double peak = static_cast<double>(plan_run(c, world, 0, /*lower_bound=*/false).peak);
+      const double peak = static_cast<double>(plan_run(c, world, 0).peak);
       options += fmt::format("\n  {:<48} {} per rank{}", flags, gib(peak),
                              peak * ranks_here <= available_bytes ? "  (fits)" : "");
     } catch (const std::exception&) {
@@ -311,11 +299,7 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
       blocks += fmt::format("{}{}", i ? ", " : "", mib(static_cast<double>(p.after_block[i])));
     line(fmt::format("    held after each block's forward: {}", blocks));
   }
-  line(fmt::format("  predicted peak              {:>12}{}", mib(static_cast<double>(p.peak)),
-                   p.peak_if_collectives_complete_at_once == 0
-                       ? ""
-                       : fmt::format("  ({} if every collective completed at once)",
-                                     mib(static_cast<double>(p.peak_if_collectives_complete_at_once)))));
+  line(fmt::format("  predicted peak              {:>12}", mib(static_cast<double>(p.peak))));
   line("communication per step (this rank):");
   for (const auto& [group, s] : p.collectives)
     line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} sent", group,

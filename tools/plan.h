@@ -59,12 +59,10 @@ struct Plan {
   int64_t optimizer_state = 0;     // after the first step
   int64_t gradients = 0;           // sharded gradients, before the optimizer step
   int64_t forward_peak = 0;        // peak above the steady state in forward + backward
-  int64_t peak = 0;                // the predicted peak over two steps
-  // The same if every collective completed as it was issued: its buffers (a
-  // reduce-scatter's staging) freed at once instead of when waited for. A
-  // real run's peak lies between the two: the engine frees them when the
-  // collective completes, which depends on the other ranks.
-  int64_t peak_if_collectives_complete_at_once = 0;
+  // The predicted peak over two steps. A collective's buffers go when it is
+  // waited for, in the plan as in a run (however early it completed), so a
+  // run's peak does not depend on the timing of the other ranks.
+  int64_t peak = 0;
   // Bytes held after each transformer block's forward (saved for backward
   // and, with reshard_after_forward false, the block's gathered parameters),
   // above what was held before the first block. One entry per block.
@@ -101,9 +99,8 @@ int threads_per_rank(int ranks_here);
 
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
-// lower_bound false skips the second simulation (the peak if collectives
-// completed at once; left 0); log_step records Plan::step_log.
-Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool lower_bound = true, bool log_step = false);
+// log_step records Plan::step_log.
+Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool log_step = false);
 
 // Refuses, before anything is allocated, a run whose planned peak (rank 0's,
 // the largest shards) times the ranks on this node exceeds available_bytes:

@@ -345,13 +345,9 @@ StepTime simulate_step(const kernel_log::Log& log, const std::vector<double>& ke
     const auto& c = log.collectives[i];
     return comm.seconds(c.kind, c.group_size, c.bytes);
   };
-  t.event_times.reserve(log.events.size());
   for (const auto& e : log.events) {
-    t.event_times.push_back(clock);
     const auto i = static_cast<size_t>(e.index);
     switch (e.type) {
-      case kernel_log::Event::Type::Memory:
-        break;
       case kernel_log::Event::Type::Kernel: {
         const double s = kernel_seconds[i] * compute_scale;
         clock += s + host_per_kernel;
@@ -388,43 +384,7 @@ StepTime simulate_step(const kernel_log::Log& log, const std::vector<double>& ke
   }
   for (size_t j : pending) ends[j] = channel_free = std::max(clock, channel_free) + duration(j);
   t.step_s = std::max(clock, channel_free);
-  t.collective_ends = std::move(ends);
   return t;
-}
-
-int64_t timed_peak(const kernel_log::Log& log, const StepTime& t) {
-  TS_CHECK(t.event_times.size() == log.events.size() && t.collective_ends.size() == log.collectives.size(),
-           "timed_peak: the schedule is not of this log ({} event times for {} events)", t.event_times.size(),
-           log.events.size());
-  // The frees a wait released, each moved to when its collective completes
-  // if that is earlier (a collective is never waited for before it completes
-  // in the plan's order, so it is never later).
-  struct Early {
-    double at;
-    size_t event;
-  };
-  std::vector<Early> early;
-  for (size_t i = 0; i < log.events.size(); ++i) {
-    const auto& e = log.events[i];
-    if (e.type == kernel_log::Event::Type::Memory && e.index >= 0 && e.bytes < 0)
-      early.push_back({t.collective_ends[static_cast<size_t>(e.index)], i});
-  }
-  std::stable_sort(early.begin(), early.end(), [](const Early& a, const Early& b) { return a.at < b.at; });
-  std::vector<bool> applied(log.events.size(), false);
-  int64_t held = log.held_at_start, peak = held;
-  size_t next = 0;
-  for (size_t i = 0; i < log.events.size(); ++i) {
-    for (; next < early.size() && early[next].at <= t.event_times[i]; ++next)
-      if (early[next].event > i) {
-        held += log.events[early[next].event].bytes;
-        applied[early[next].event] = true;
-      }
-    const auto& e = log.events[i];
-    if (e.type != kernel_log::Event::Type::Memory || applied[i]) continue;
-    held += e.bytes;
-    peak = std::max(peak, held);
-  }
-  return peak;
 }
 
 std::string format_step_time(const StepTime& t, const std::string& how) {

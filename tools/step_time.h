@@ -92,9 +92,6 @@ struct StepTime {
   double communication_s = 0;  // collectives, overlapped or not
   double exposed_s = 0;        // compute waiting for communication
   std::map<std::string, double> compute_by_kernel;  // kernel name -> seconds
-  // When each event of the log happens (the compute stream's time) and when
-  // each collective completes, for timed_peak.
-  std::vector<double> event_times, collective_ends;
 };
 // Plays the log's events on one compute stream and one communication channel;
 // the host's time is spread evenly over the kernels. compute_scale multiplies
@@ -103,12 +100,6 @@ struct StepTime {
 // the thread that moves a collective gets a core only when its rank waits).
 StepTime simulate_step(const kernel_log::Log& log, const std::vector<double>& kernel_seconds,
                        const CommModel& comm, double compute_scale = 1.0, bool overlap = true);
-
-// The bytes a rank holds at the step's peak (the log's held_at_start plus the
-// step's allocations and frees) when every collective frees the buffers that
-// its wait released at the time `t` has it complete instead: between the
-// plan's two bounds (tools/plan.h), where the schedule puts it.
-int64_t timed_peak(const kernel_log::Log& log, const StepTime& t);
 
 std::string format_step_time(const StepTime& t, const std::string& how);
 

@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
     if (!hardware.empty()) as_gpu.emplace();
     for (int world : worlds) {
       const bool timed = time || !hardware.empty();
-      tools::Plan plan = tools::plan_run(cfg, world, rank, /*lower_bound=*/true, /*log_step=*/timed);
+      tools::Plan plan = tools::plan_run(cfg, world, rank, /*log_step=*/timed);
       std::fputs(tools::format_plan(plan, cfg).c_str(), stdout);
       if (timed) {
         const auto& log = *plan.step_log;
@@ -134,10 +134,6 @@ int main(int argc, char** argv) {
         }
         const tools::StepTime t = tools::simulate_step(log, seconds, comm, 1.0, overlap);
         std::fputs(tools::format_step_time(t, how).c_str(), stdout);
-        // Memory with each collective's buffers freed when it would complete
-        // (its own time from issue: the engine moves it beside the compute).
-        const int64_t timed = tools::timed_peak(log, tools::simulate_step(log, seconds, comm, 1.0, true));
-        std::printf("  peak with each collective's buffers freed when it completes: %.1f MiB\n", timed / 1048576.0);
         // MFU counts the model's FLOPs (forward and backward, not the recompute)
         // against the peak of every rank: the file's, or metrics.peak_tflops
         // (this machine's, for all its ranks).

@@ -25,7 +25,6 @@ namespace {
 
 thread_local Log* active = nullptr;
 thread_local double recording_started = 0, logging_seconds = 0;
-thread_local int64_t releasing = -1;  // the collective whose wait is releasing buffers
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -256,7 +255,6 @@ void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const 
 Recording::Recording(Log& log) {
   TS_CHECK(active == nullptr, "kernel_log::Recording: a recording is already active on this thread");
   active = &log;
-  log.held_at_start = memory_stats(Device::meta()).allocated_bytes;
   logging_seconds = 0;
   recording_started = now_s();
 }
@@ -279,13 +277,6 @@ void collective_waited(int64_t index) {
   active->events.push_back({Event::Type::Wait, index});
 }
 
-Releasing::Releasing(int64_t index) : previous_(std::exchange(releasing, index)) {}
-Releasing::~Releasing() { releasing = previous_; }
-
-void memory_changed(int64_t delta_bytes) {
-  if (active == nullptr || delta_bytes == 0) return;
-  active->events.push_back({Event::Type::Memory, delta_bytes < 0 ? releasing : -1, delta_bytes});
-}
 
 }  // namespace tessera::kernel_log
 

@@ -48,9 +48,12 @@ void complete(Collective& op, Collective::Stage stage, std::string error = "") {
                   trace::now_us());
   op.stage = stage;
   op.error = std::move(error);
-  // Every buffer goes before the waiter can see `done`: memory is released at
-  // the same point of the program on every run (the lambdas hold buffers too).
-  op.keep_alive.clear();
+  // The lambdas' references go now; keep_alive's stay until the collective is
+  // waited for (release_buffers), so that memory is released at the same
+  // point of the program on every run, however early the transfer finished
+  // (PyTorch's FSDP2 holds its reduce-scatter input until the next group's
+  // post-backward for the same reason). A collective nobody waits for
+  // releases them when the last reference to it goes.
   op.start = nullptr;
   op.finish = nullptr;
   op.ready = nullptr;
@@ -89,6 +92,10 @@ std::string Collective::describe() const {
 
 std::atomic<int64_t> g_wait_ns{0};
 
+void Collective::release_buffers() {
+  if (!released.exchange(true, std::memory_order_acq_rel)) keep_alive.clear();
+}
+
 void Collective::wait() {
   if (!done.load(std::memory_order_acquire)) {
     trace::Scope waiting(trace::Lane::Wait, "wait");
@@ -108,6 +115,7 @@ void Collective::wait() {
           describe(), std::chrono::duration<double>(timeout()).count()));
     }
   }
+  release_buffers();
   if (!error.empty()) throw Error(error);
 }
 
@@ -120,6 +128,7 @@ void Collective::wait(Stream& stream) {
     if (!Engine::get().wait_for_on_stream(*self, Clock::now() + timeout()))
       throw Error(fmt::format("{} did not complete within {:.1f} s", self->describe(),
                               std::chrono::duration<double>(timeout()).count()));
+    self->release_buffers();
     if (!self->error.empty()) throw Error(self->error);
   });
 }

@@ -41,7 +41,8 @@ void check_mpi(int code, const char* call, const char* file, int line);
 
 class GroupState;
 
-// One collective in flight. Its Tensors stay referenced until it completes.
+// One collective in flight. Its Tensors stay referenced until it is waited
+// for (or, if nobody waits, until the last reference to it goes).
 struct Collective : public Work {
   enum class Stage { Queued, Checking, Running, Done, Failed };
 
@@ -63,8 +64,11 @@ struct Collective : public Work {
   std::atomic<bool> done{false};
   double issued_us = -1;  // for the trace: issue to completion on the collective's lane
 
+  std::atomic<bool> released{false};  // keep_alive cleared (once, by the first waiter)
+
   void wait() override;
   void wait(Stream& stream) override;
+  void release_buffers();  // after done: drops keep_alive
   bool is_completed() override;
   std::string describe() const;  // "all_reduce (seq 17) on group 'world' [ranks 0, 1, 2, 3]"
 };

@@ -1,8 +1,9 @@
 // ProcessGroup over an MPI communicator. Each collective checks its tensors,
-// prepares buffers on the calling thread (bf16/f16 reductions go through f32:
-// MPI has no such types, and one rounding at the end is more exact than one
-// per hop), and hands a nonblocking MPI call to the engine. Groups of size 1
-// never call MPI.
+// prepares buffers on the calling thread and hands nonblocking MPI calls to
+// the engine. bf16/f16 reductions sum in f32 and round once at the end (more
+// exact than once per hop): reduce-scatter moves the chunks as they are and
+// sums them on the engine; all-reduce goes through an f32 copy (MPI has no
+// such types). Groups of size 1 never call MPI.
 #include <atomic>
 #include <climits>
 #include <cstring>
@@ -112,12 +113,12 @@ struct Exchange {
   size_t bytes;                 // per message
   const char* send;             // send buffer of peer p: send + p * send_stride
   size_t send_stride;           // 0: the same buffer to every peer
-  char* recv;                   // receive buffer of peer p: recv + p * bytes
+  std::vector<char*> recv;      // where peer p's message lands (recv[rank] is not received)
   void post(std::vector<MPI_Request>& reqs) const {
     if (count == 0) return;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
-      TS_MPI(MPI_Irecv(recv + static_cast<size_t>(p) * bytes, count, type, p, tag, comm,
+      TS_MPI(MPI_Irecv(recv[static_cast<size_t>(p)], count, type, p, tag, comm,
                        &reqs.emplace_back(MPI_REQUEST_NULL)));
     }
     for (int k = 1; k < size; ++k) {  // staggered: rank r sends to r+1 first, spreading the load
@@ -128,23 +129,65 @@ struct Exchange {
   }
 };
 
+// Consecutive slots of `bytes` from base, one per rank (nullptr for an empty buffer).
+std::vector<char*> slots(void* base, size_t bytes, int size) {
+  std::vector<char*> at(static_cast<size_t>(size), nullptr);
+  if (base)
+    for (int p = 0; p < size; ++p) at[static_cast<size_t>(p)] = static_cast<char*>(base) + bytes * static_cast<size_t>(p);
+  return at;
+}
+
 int tag_of(int64_t seq) { return static_cast<int>(seq % 32768); }
 
-// out[i] = reduce over ranks p (in rank order) of chunk(p)[i]; serial (engine side).
-template <class T>
-void reduce_chunks(T* out, int size, int64_t n, ReduceOp op, const std::function<const T*(int)>& chunk) {
-  const T* first = chunk(0);
-  for (int64_t i = 0; i < n; ++i) out[i] = first[i];
-  for (int p = 1; p < size; ++p) {
-    const T* c = chunk(p);
-    if (op == ReduceOp::Max) {
-      for (int64_t i = 0; i < n; ++i) out[i] = c[i] > out[i] ? c[i] : out[i];
-    } else if (op == ReduceOp::Min) {
-      for (int64_t i = 0; i < n; ++i) out[i] = c[i] < out[i] ? c[i] : out[i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) out[i] += c[i];
+// out[i] = the reduction over ranks p, in rank order, of chunk[p][i], in the
+// compute type Acc (f32 for bf16/f16, rounding once at the end), each term
+// scaled by `scale` (PremulSum) and the result divided by the rank count (Avg),
+// as ops::mul_ and ops::div_ would in Acc. Serial (engine side). `out` may be
+// one of the chunks: a block is read whole before it is written.
+template <class T, class Acc>
+void reduce_chunks(T* out, int64_t n, ReduceOp op, Acc scale, const std::vector<const T*>& chunk) {
+  constexpr int64_t kBlock = 256;
+  Acc acc[kBlock];
+  const bool premul = op == ReduceOp::PremulSum;
+  auto load = [&](const T* c, int64_t i) {
+    Acc v;
+    if constexpr (std::is_same_v<T, BFloat16>) v = bf16_to_float(c[i]);
+    else if constexpr (std::is_same_v<T, Half>) v = f16_to_float(c[i]);
+    else v = static_cast<Acc>(c[i]);
+    if constexpr (std::is_floating_point_v<Acc>)
+      if (premul) v *= scale;
+    return v;
+  };
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t m = std::min(kBlock, n - b);
+    for (int64_t i = 0; i < m; ++i) acc[i] = load(chunk[0], b + i);
+    for (size_t p = 1; p < chunk.size(); ++p) {
+      const T* c = chunk[p];
+      if (op == ReduceOp::Max) {
+        for (int64_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], load(c, b + i));
+      } else if (op == ReduceOp::Min) {
+        for (int64_t i = 0; i < m; ++i) acc[i] = std::min(acc[i], load(c, b + i));
+      } else if constexpr (!std::is_same_v<Acc, bool>) {  // bool sums are refused before
+        for (int64_t i = 0; i < m; ++i) acc[i] += load(c, b + i);
+      }
+    }
+    if constexpr (std::is_floating_point_v<Acc>)
+      if (op == ReduceOp::Avg)
+        for (int64_t i = 0; i < m; ++i) acc[i] /= static_cast<Acc>(chunk.size());
+    for (int64_t i = 0; i < m; ++i) {
+      if constexpr (std::is_same_v<T, BFloat16>) out[b + i] = float_to_bf16(acc[i]);
+      else if constexpr (std::is_same_v<T, Half>) out[b + i] = float_to_f16(acc[i]);
+      else out[b + i] = static_cast<T>(acc[i]);
     }
   }
+}
+
+// Whether two contiguous tensors share bytes (meta tensors too: by storage and offset).
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.storage() != b.storage()) return false;
+  const size_t es = dtype_size(a.dtype());
+  const size_t a0 = static_cast<size_t>(a.storage_offset()) * es, b0 = static_cast<size_t>(b.storage_offset()) * es;
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 }  // namespace
@@ -175,9 +218,8 @@ void MpiGroup::count(int64_t kind) {
 
 namespace {
 // A simulated collective: complete at once; the buffers the real one would
-// hold are released when it is waited for, the latest point at which the real
-// one releases them (the engine frees them at completion). A recorded step
-// (runtime/kernel_log.h) logs the issue and the first wait.
+// hold are released when it is waited for, as the real one releases them. A
+// recorded step (runtime/kernel_log.h) logs the issue and the first wait.
 class SimulatedWork final : public Work {
  public:
   SimulatedWork(std::vector<Tensor> held, int64_t logged) : held_(std::move(held)), logged_(logged) {}
@@ -188,10 +230,7 @@ class SimulatedWork final : public Work {
  private:
   void done() {
     kernel_log::collective_waited(logged_);
-    {
-      kernel_log::Releasing releasing(logged_);
-      held_.clear();
-    }
+    held_.clear();
     logged_ = -1;
   }
   std::vector<Tensor> held_;
@@ -202,7 +241,6 @@ class SimulatedWork final : public Work {
 WorkPtr MpiGroup::simulate(std::shared_ptr<Collective> c, double full_bytes) {
   // Counted (make) and checked like a real collective; nothing moves.
   int64_t logged = kernel_log::collective_issued(c->kind, state_->name, size(), full_bytes);
-  if (!simulated_buffers_until_wait()) return std::make_shared<SimulatedWork>(std::vector<Tensor>{}, logged);
   return std::make_shared<SimulatedWork>(std::move(c->keep_alive), logged);
 }
 
@@ -250,7 +288,7 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
   c->keep_alive = {input, output};
   const char* src = n ? static_cast<const char*>(input.data_ptr()) : nullptr;
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), bytes,
-              src, 0, output.numel() ? static_cast<char*>(output.data_ptr()) : nullptr};
+              src, 0, slots(output.numel() ? output.data_ptr() : nullptr, bytes, size())};
   c->start = [ex, in_place, slot, src, bytes](std::vector<MPI_Request>& reqs) {
     ex.post(reqs);
     if (!in_place && bytes > 0) std::memcpy(slot, src, bytes);  // own chunk, while the messages move
@@ -275,46 +313,66 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
     if (!src.is_same(output)) ops::copy_(dst, ops::reshape(src, output.shape()));
     return std::make_shared<DoneWork>();
   }
-  Tensor send = reduction_input(input, o, false);
-  bool upcast = needs_upcast(output.dtype());
-  DType rdt = send.dtype();
-  TS_CHECK(rdt != DType::Bool || o.op == ReduceOp::Max || o.op == ReduceOp::Min,
+  DType dt = input.dtype();
+  TS_CHECK(dt != DType::Bool || o.op == ReduceOp::Max || o.op == ReduceOp::Min,
            "{}: {} is not defined on bool tensors (use max or min)", op, reduce_op_name(o.op));
-  // Peers' chunks for this rank land in `staged` (slot p from rank p); the sum
-  // runs on the engine, over ranks in order, so every rank rounds alike.
+  // Chunks move in the tensors' dtype (bf16 moves half of what f32 would) and
+  // are reduced on the engine, over ranks in order in the compute type (f32
+  // for bf16/f16, rounding once; scaled there for PremulSum), so every rank
+  // rounds alike and no copy of the input is made. The first peer's chunk
+  // lands in the output itself (unless the output lies inside the input, whose
+  // chunks are still being sent); the others in `staged`: no buffer at all at
+  // 2 ranks, W - 2 chunks beyond.
   Device host = simulated() ? Device::meta() : Device::cpu();
   const bool nccl = simulated() && simulated_like_nccl();  // reduces on the device, into output
-  Tensor staged = nccl ? Tensor() : empty({size() * n}, rdt, host);
-  Tensor result = upcast && !nccl ? empty(output.shape(), DType::F32, host) : output;
-  auto c = make(kReduceScatter, "reduce_scatter", input.dtype(), input.numel(), n, o.op, -1,
-                static_cast<int64_t>(send.nbytes()));
-  c->keep_alive = {input, output, send, staged, result};
-  if (simulated()) return simulate(c, static_cast<double>(send.nbytes()));
-  size_t chunk = static_cast<size_t>(n) * dtype_size(rdt);
-  Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(rdt), chunk,
-              n ? static_cast<const char*>(send.data_ptr()) : nullptr, chunk,
-              n ? static_cast<char*>(staged.data_ptr()) : nullptr};
+  const bool land_in_output = !overlaps(output, input);
+  const int staged_slots = nccl ? 0 : size() - 1 - (land_in_output ? 1 : 0);
+  Tensor staged = staged_slots > 0 ? empty({staged_slots * n}, dt, host) : Tensor();
+  auto c = make(kReduceScatter, "reduce_scatter", dt, input.numel(), n, o.op, -1,
+                static_cast<int64_t>(input.nbytes()));
+  c->keep_alive = {input, output};
+  if (staged.defined()) c->keep_alive.push_back(staged);
+  if (simulated()) return simulate(c, static_cast<double>(input.nbytes()));
+  const int world = size(), me = rank();
+  const size_t chunk = static_cast<size_t>(n) * dtype_size(dt);
+  std::vector<char*> recv(static_cast<size_t>(world), nullptr);
+  if (n > 0) {
+    const int first_peer = me == 0 ? 1 : 0;
+    int slot = 0;
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      recv[static_cast<size_t>(p)] = land_in_output && p == first_peer
+                                         ? static_cast<char*>(output.data_ptr())
+                                         : static_cast<char*>(staged.data_ptr()) + chunk * static_cast<size_t>(slot++);
+    }
+  }
+  Exchange ex{state_->comm, me, world, tag_of(c->seq), count_of(n, op), transfer_type(dt), chunk,
+              n ? static_cast<const char*>(input.data_ptr()) : nullptr, chunk, recv};
   c->start = [ex](std::vector<MPI_Request>& reqs) { ex.post(reqs); };
-  int world = size(), me = rank();
+  const double factor = o.factor;
+  const ReduceOp rop = o.op;
   c->finish = [=] {
     if (n == 0) return;
-    auto run = [&](auto tag) {
+    auto run = [&](auto tag, auto acc_tag) {
       using T = decltype(tag);
-      const T* own = static_cast<const T*>(send.data_ptr()) + static_cast<int64_t>(me) * n;
-      const T* peers = static_cast<const T*>(staged.data_ptr());
-      reduce_chunks<T>(static_cast<T*>(result.data_ptr()), world, n, o.op,
-                       [&](int p) { return p == me ? own : peers + static_cast<int64_t>(p) * n; });
+      using Acc = decltype(acc_tag);
+      std::vector<const T*> chunks(static_cast<size_t>(world));
+      for (int p = 0; p < world; ++p)
+        chunks[static_cast<size_t>(p)] = p == me ? static_cast<const T*>(input.data_ptr()) + static_cast<int64_t>(me) * n
+                                                 : reinterpret_cast<const T*>(recv[static_cast<size_t>(p)]);
+      Acc scale{};
+      if constexpr (std::is_floating_point_v<Acc>) scale = static_cast<Acc>(factor);
+      reduce_chunks<T, Acc>(static_cast<T*>(output.data_ptr()), n, rop, scale, chunks);
     };
-    switch (rdt) {
-      case DType::F32: run(float{}); break;
-      case DType::F64: run(double{}); break;
-      case DType::I32: run(int32_t{}); break;
-      case DType::I64: run(int64_t{}); break;
-      case DType::Bool: run(bool{}); break;
-      default: TS_ASSERT(false);
+    switch (dt) {
+      case DType::F32: run(float{}, float{}); break;
+      case DType::F64: run(double{}, double{}); break;
+      case DType::BF16: run(BFloat16{}, float{}); break;
+      case DType::F16: run(Half{}, float{}); break;
+      case DType::I32: run(int32_t{}, int32_t{}); break;
+      case DType::I64: run(int64_t{}, int64_t{}); break;
+      case DType::Bool: run(bool{}, bool{}); break;
     }
-    if (o.op == ReduceOp::Avg) divide_serial(result, world);  // once, after the sum
-    if (upcast) narrow_serial(output, result);
   };
   return submit(c);
 }
@@ -401,11 +459,11 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   size_t chunk = static_cast<size_t>(n) * dtype_size(input.dtype());
   Exchange ex{state_->comm, rank(), size(), tag_of(c->seq), count_of(n, op), transfer_type(input.dtype()), chunk,
               n ? static_cast<const char*>(input.data_ptr()) : nullptr, chunk,
-              n ? static_cast<char*>(output.data_ptr()) : nullptr};
+              slots(n ? output.data_ptr() : nullptr, chunk, size())};
   c->start = [ex](std::vector<MPI_Request>& reqs) {
     ex.post(reqs);
     if (ex.count > 0)  // this rank's own chunk stays local
-      std::memcpy(ex.recv + ex.bytes * static_cast<size_t>(ex.rank),
+      std::memcpy(ex.recv[static_cast<size_t>(ex.rank)],
                   ex.send + ex.send_stride * static_cast<size_t>(ex.rank), ex.bytes);
   };
   return submit(c);
@@ -505,12 +563,9 @@ std::shared_ptr<ProcessGroup> local_group(const std::string& name) {
 namespace tessera::dist {
 
 namespace {
-std::atomic<bool> g_buffers_until_wait{true};
 std::atomic<bool> g_like_nccl{false};
 }
 
-void set_simulated_buffers_until_wait(bool until_wait) { g_buffers_until_wait = until_wait; }
-bool simulated_buffers_until_wait() { return g_buffers_until_wait; }
 void set_simulated_like_nccl(bool like_nccl) { g_like_nccl = like_nccl; }
 bool simulated_like_nccl() { return g_like_nccl; }
 

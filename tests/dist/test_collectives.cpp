@@ -15,6 +15,7 @@
 
 using namespace tessera;
 using dist::ReduceOp;
+using ops::BinaryOp;
 
 namespace {
 
@@ -146,6 +147,42 @@ TEST_CASE("all_gather_into_tensor and reduce_scatter_tensor",
                       Catch::Contains("input is f64 but output is f32"));
     CHECK_THROWS_WITH(pg->all_reduce(ops::transpose(empty({2, 3}), 0, 1)),
                       Catch::Contains("must be contiguous"));
+  }
+}
+
+TEST_CASE("reduce_scatter_tensor sums in rank order in the compute type, rounding once, in place or not",
+          "[dist][reduce_scatter]") {
+  // Values that round (randn, a factor of 1/3): every rank must get the sum
+  // over ranks 0..W-1 in order in f32 (f64 for f64), scaled per term for
+  // PremulSum and divided at the end for Avg, rounded to the dtype once.
+  for (auto& [pg, unused] : groups_to_test()) {
+    int W = pg->size(), r = pg->rank();
+    for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+      DType acc_dt = dt == DType::F64 ? DType::F64 : DType::F32;
+      for (int64_t n : {int64_t{1}, int64_t{255}, int64_t{4099}}) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::PremulSum, ReduceOp::Max}) {
+          INFO(dist::reduce_op_name(op) << " " << dtype_name(dt) << " n=" << n << " world " << W);
+          const double factor = 1.0 / 3.0;
+          auto input_of = [&](int k) { return randn({W * n}, 1000 + static_cast<uint64_t>(k), dt); };
+          Tensor want;
+          for (int k = 0; k < W; ++k) {
+            Tensor term = ops::to(ops::narrow(input_of(k), 0, r * n, n), acc_dt);
+            if (op == ReduceOp::PremulSum) term = ops::mul(term, factor);
+            want = !want.defined() ? term : ops::binary(op == ReduceOp::Max ? BinaryOp::Maximum : BinaryOp::Add, want, term);
+          }
+          if (op == ReduceOp::Avg) want = ops::binary(BinaryOp::Div, want, static_cast<double>(W));
+          want = ops::to(want, dt);
+          Tensor res = empty({n}, dt);
+          pg->reduce_scatter_tensor(res, input_of(r), {op, factor})->wait();
+          CHECK(testing::equal(res, want));
+          // In place: the output is this rank's chunk of the input.
+          Tensor in = input_of(r);
+          Tensor mine = ops::narrow(in, 0, r * n, n);
+          pg->reduce_scatter_tensor(mine, in, {op, factor})->wait();
+          CHECK(testing::equal(mine, want));
+        }
+      }
+    }
   }
 }
 
@@ -422,7 +459,7 @@ TEST_CASE("a rank that never arrives becomes a timeout exception, not a hang", "
   pg->barrier()->wait();
 }
 
-TEST_CASE("a collective keeps its tensors alive until it completes", "[dist][async]") {
+TEST_CASE("a collective keeps its tensors alive until it is waited for", "[dist][async]") {
   auto pg = world();
   int W = pg->size(), r = pg->rank();
   if (W == 1) return;
@@ -448,7 +485,14 @@ TEST_CASE("a collective keeps its tensors alive until it completes", "[dist][asy
     INFO("tensor " << i);
     CHECK_FALSE(held[i].expired());
   }
+  // Complete (in the background), not yet waited for: still held, so that
+  // memory goes at the same point of the program whenever the peers arrive.
+  for (auto& w : works)
+    while (!w->is_completed()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (size_t i = 0; i < held.size(); ++i) {
+    INFO("tensor " << i << " after completion");
+    CHECK_FALSE(held[i].expired());
+  }
   for (auto& w : works) w->wait();
-  works.clear();
-  for (auto& h : held) CHECK(h.expired());  // released once complete and dropped
+  for (auto& h : held) CHECK(h.expired());  // released by the wait, while the works live on
 }
