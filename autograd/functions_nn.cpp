@@ -37,20 +37,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     bool gx = x.requires_grad(), gw = weight.requires_grad();
     bool gb = bias.defined() && bias.requires_grad();
     record("linear", {x, weight, bias}, {y}, [x, weight, gx, gw, gb](const TensorList& g) {
-      int64_t in = weight.size(1), out = weight.size(0);
-      Tensor g2 = ops::reshape(g[0], {leading_numel(g[0].shape()), out});
-      Tensor dx, dw, db;
-      if (gx) {
-        dx = empty({g2.size(0), in}, x.dtype(), x.device());
-        ops::gemm_into(dx, g2, weight);  // [N, out] @ [out, in]
-        dx = ops::reshape(dx, x.shape());
-      }
-      if (gw) {
-        dw = empty(weight.shape(), weight.dtype(), weight.device());
-        ops::gemm_into(dw, ops::transpose(g2, 0, 1), ops::reshape(x, {leading_numel(x.shape()), in}));  // [out, N] @ [N, in]
-      }
-      if (gb) db = ops::sum(g2, {0});
-      return TensorList{dx, dw, db};
+      return ops::linear_backward(g[0], x, weight, {gx, gw, gb});
     });
   }
   return y;

@@ -40,13 +40,18 @@ int64_t DeviceMesh::get_local_rank(int64_t dim) const {
   return coordinate_[static_cast<size_t>(wrap_dim(dim, ndim(), "DeviceMesh::get_local_rank"))];
 }
 
-MeshPtr DeviceMesh::slice(const std::vector<std::string>& names) const {
+MeshPtr DeviceMesh::root() const {
+  return root_ ? root_ : std::const_pointer_cast<DeviceMesh>(shared_from_this());
+}
+
+MeshPtr DeviceMesh::slice(const std::vector<std::string>& names, bool any_order) const {
   TS_CHECK(!names.empty(), "mesh slice: give at least one dim name");
   std::vector<int64_t> dims;
   for (const auto& n : names) dims.push_back(dim_index(n));
   for (size_t i = 1; i < dims.size(); ++i)
-    TS_CHECK(dims[i] > dims[i - 1], "mesh slice: dims ({}) must follow the mesh's order ({})",
-             fmt::join(names, ", "), fmt::join(names_, ", "));
+    TS_CHECK(any_order ? std::count(dims.begin(), dims.end(), dims[i]) == 1 : dims[i] > dims[i - 1],
+             "mesh slice: dims ({}) must {} ({})", fmt::join(names, ", "),
+             any_order ? "be distinct dims of the mesh" : "follow the mesh's order", fmt::join(names_, ", "));
   Shape shape;
   std::vector<dist::ProcessGroupPtr> groups;
   std::vector<int64_t> coord;
@@ -70,7 +75,9 @@ MeshPtr DeviceMesh::slice(const std::vector<std::string>& names) const {
     for (size_t d = 0; d < c.size(); ++d) linear += c[d] * strides[d];
     ranks.push_back(ranks_[static_cast<size_t>(linear)]);
   }
-  return std::make_shared<DeviceMesh>(device_type_, shape, ranks, names, groups, coord);
+  auto sliced = std::make_shared<DeviceMesh>(device_type_, shape, ranks, names, groups, coord);
+  sliced->root_ = root();
+  return sliced;
 }
 
 dist::ProcessGroupPtr DeviceMesh::flat_group() const {

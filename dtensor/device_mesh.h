@@ -39,9 +39,13 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   int64_t get_local_rank(const std::string& name) const { return get_local_rank(dim_index(name)); }
   const std::vector<int64_t>& get_coordinate() const { return coordinate_; }
 
-  // Submesh of one or several dims (in this mesh's order), for this rank's slice.
+  // Submesh of one or several dims (in this mesh's order), for this rank's
+  // slice. any_order: the dims in the order given (FSDP over tensor
+  // parallelism nests its shards inside the tensor-parallel ones).
   MeshPtr operator[](const std::string& name) const { return slice({name}); }
-  MeshPtr slice(const std::vector<std::string>& names) const;
+  MeshPtr slice(const std::vector<std::string>& names, bool any_order = false) const;
+  // The mesh this one was sliced from (itself for a mesh made by init_device_mesh).
+  MeshPtr root() const;
   // A 1-D mesh over all ranks of this mesh with a new process group (collective
   // over the world: every rank calls it). Named `name` (default "a_b").
   MeshPtr flatten(const std::string& name = "") const;
@@ -61,6 +65,7 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   std::vector<dist::ProcessGroupPtr> groups_;
   std::vector<int64_t> coordinate_;
   mutable dist::ProcessGroupPtr flat_;
+  MeshPtr root_;  // null: this mesh is a root
 };
 
 // An n-D mesh over all ranks (product of shape == world size), row-major as

@@ -10,7 +10,8 @@
 //   sum / mean         a reduced sharded dim becomes Partial(sum)
 //   linear / matmul    Replicate x Shard(0) weight [out, in] -> Shard(-1) (column-wise),
 //                      Shard(-1) x Shard(1) weight -> Partial (row-wise), batch-sharded
-//                      input x Replicate weight -> same batch shard
+//                      input x Replicate weight -> same batch shard; linear's backward
+//                      follows the forward's split (linear_backward_rule)
 //   normal_/uniform_   each local element draws the counter of its global position
 #include "dtensor/redistribute.h"
 #include "runtime/dtensor_hook.h"
@@ -135,6 +136,29 @@ Placement at(const Tensor& t, size_t i) {
   return dtensor_spec(t).placements[i];
 }
 
+// How a linear / matmul is split along one mesh dim, from its operands' placements.
+enum class Split {
+  Replicated,  // R x R -> R
+  Colwise,     // R x S(out) -> S(-1): each rank computes some output features
+  Rowwise,     // S(-1) x S(in) -> P: each rank sums over some input features
+  Rows,        // S(batch) x R -> S(batch): each rank computes some rows
+};
+
+// The split of mesh dim i; a_dims/w_dims are the operands' ranks, w_out/w_in
+// the weight's output- and input-feature dims.
+Split split_of(const DistCall& call, const Placement& pa, const Placement& pw, size_t i, int64_t a_dims, int64_t w_dims,
+               int64_t w_out, int64_t w_in) {
+  if (is_replicate(pa) && is_replicate(pw)) return Split::Replicated;
+  if (is_replicate(pa) && w_dims == 2 && is_shard(pw, w_out)) return Split::Colwise;
+  if (is_shard(pa, a_dims - 1) && w_dims == 2 && is_shard(pw, w_in)) return Split::Rowwise;
+  if (is_shard(pa) && shard_dim(pa) < a_dims - 1 && is_replicate(pw)) return Split::Rows;
+  TS_CHECK(false,
+           "{}: no sharding rule for input {} and weight {} on mesh dim {} (supported: R x S(out) -> S(-1), "
+           "S(-1) x S(in) -> P, S(batch) x R -> S(batch), R x R -> R)",
+           call.name, placement_str(pa), placement_str(pw), i);
+  return Split::Replicated;
+}
+
 std::vector<Tensor> linear_rule(DistCall& call) {
   const Tensor& a = call.inputs[0];
   const Tensor& w = call.inputs[1];
@@ -146,36 +170,39 @@ std::vector<Tensor> linear_rule(DistCall& call) {
   TS_CHECK(*sa.mesh == *sw.mesh, "{}: operands on different meshes", call.name);
   int64_t ad = static_cast<int64_t>(sa.global_shape.size());
   int64_t wd = static_cast<int64_t>(sw.global_shape.size());
-  // Output rank and the placement of each mesh dim under the supported rules.
-  Shape out_shape = call.is_linear
-                        ? ops::linear(empty(sa.global_shape, a.dtype(), Device::meta()),
-                                      empty(sw.global_shape, w.dtype(), Device::meta()))
-                              .shape()
-                        : ops::matmul(empty(sa.global_shape, a.dtype(), Device::meta()),
-                                      empty(sw.global_shape, w.dtype(), Device::meta()))
-                              .shape();
+  // The output's global shape (worked out here, not by running the op on meta:
+  // a planned step logs every meta kernel it runs).
+  TS_CHECK(ad >= 1 && wd >= 1, "{}: operands must have at least one dim ({} and {})", call.name,
+           shape_str(sa.global_shape), shape_str(sw.global_shape));
+  Shape out_shape;
+  if (call.is_linear) {
+    TS_CHECK(wd == 2 && sa.global_shape.back() == sw.global_shape[1], "linear: input {} does not fit weight {}",
+             shape_str(sa.global_shape), shape_str(sw.global_shape));
+    out_shape = sa.global_shape;
+    out_shape.back() = sw.global_shape[0];
+  } else {
+    const Shape& as = sa.global_shape;
+    const Shape& ws = sw.global_shape;
+    TS_CHECK(as.back() == ws[static_cast<size_t>(wd >= 2 ? wd - 2 : 0)], "matmul: shapes {} and {} do not align",
+             shape_str(as), shape_str(ws));
+    Shape batch = ops::broadcast_shapes(ad > 2 ? Shape(as.begin(), as.end() - 2) : Shape{},
+                                        wd > 2 ? Shape(ws.begin(), ws.end() - 2) : Shape{}, "matmul");
+    out_shape = batch;
+    if (ad >= 2) out_shape.push_back(as[static_cast<size_t>(ad - 2)]);
+    if (wd >= 2) out_shape.push_back(ws.back());
+  }
   int64_t od = static_cast<int64_t>(out_shape.size());
   // In linear, w is [out, in]: its "output features" dim is 0 and "input" dim is 1;
   // in matmul(a [.., k], b [k, n]) they are 1 and 0.
   int64_t w_out = call.is_linear ? 0 : wd - 1, w_in = call.is_linear ? 1 : wd - 2;
   Placements out_p;
-  bool partial_any = false;
   for (size_t i = 0; i < sa.placements.size(); ++i) {
-    Placement pa = sa.placements[i], pw = sw.placements[i];
-    if (is_replicate(pa) && is_replicate(pw)) {
-      out_p.push_back(Replicate{});
-    } else if (is_replicate(pa) && wd == 2 && is_shard(pw, w_out)) {
-      out_p.push_back(Shard{od - 1});  // column-wise
-    } else if (is_shard(pa, ad - 1) && wd == 2 && is_shard(pw, w_in)) {
-      out_p.push_back(Partial{dist::ReduceOp::Sum});  // row-wise
-      partial_any = true;
-    } else if (is_shard(pa) && shard_dim(pa) < ad - 1 && is_replicate(pw)) {
-      out_p.push_back(Shard{shard_dim(pa) + (od - ad)});  // batch / row sharded input
-    } else {
-      TS_CHECK(false,
-               "{}: no sharding rule for input {} and weight {} on mesh dim {} (supported: R x S(out) -> S(-1), "
-               "S(-1) x S(in) -> P, S(batch) x R -> S(batch), R x R -> R)",
-               call.name, placement_str(pa), placement_str(pw), i);
+    const Placement& pa = sa.placements[i];
+    switch (split_of(call, pa, sw.placements[i], i, ad, wd, w_out, w_in)) {
+      case Split::Replicated: out_p.push_back(Replicate{}); break;
+      case Split::Colwise: out_p.push_back(Shard{od - 1}); break;
+      case Split::Rowwise: out_p.push_back(Partial{dist::ReduceOp::Sum}); break;
+      case Split::Rows: out_p.push_back(Shard{shard_dim(pa) + (od - ad)}); break;
     }
     if (bias) {
       Placement pb = at(*bias, i);
@@ -194,9 +221,55 @@ std::vector<Tensor> linear_rule(DistCall& call) {
   } else if (call.is_linear) {
     locals.push_back(Tensor());
   }
-  (void)partial_any;
   Tensor local = call.local(locals)[0];
   return {make_dtensor(local, sa.mesh, out_p, out_shape)};
+}
+
+// linear's backward, mesh dim by mesh dim from the forward's split: the
+// output gradient is first laid out as the forward output was (a Partial
+// output's gradient as Replicate), then each rank's local products give
+//              dx          dw      db
+//   Replicated R           R       R
+//   Colwise    P(sum)      S(0)    S(0)    (each rank's features feed all of x)
+//   Rowwise    S(-1)       S(1)    R
+//   Rows       S(batch)    P(sum)  P(sum)  (each rank saw some rows)
+std::vector<Tensor> linear_backward_rule(DistCall& call) {
+  const Tensor& g = call.inputs[0];
+  const Tensor& x = call.inputs[1];
+  const Tensor& w = call.inputs[2];
+  for (const Tensor* t : {&g, &x, &w})
+    TS_CHECK(t->is_distributed(), "{}: mixes DTensors and plain tensors; distribute every operand", call.name);
+  const DTensorSpec& sx = dtensor_spec(x);
+  const DTensorSpec& sw = dtensor_spec(w);
+  TS_CHECK(*sx.mesh == *sw.mesh && *dtensor_spec(g).mesh == *sx.mesh, "{}: operands on different meshes", call.name);
+  const int64_t xd = static_cast<int64_t>(sx.global_shape.size());
+  Placements gp, dx_p, dw_p, db_p;
+  for (size_t i = 0; i < sx.placements.size(); ++i) {
+    const Placement& px = sx.placements[i];
+    switch (split_of(call, px, sw.placements[i], i, xd, 2, 0, 1)) {
+      case Split::Replicated:
+        gp.push_back(Replicate{}), dx_p.push_back(Replicate{}), dw_p.push_back(Replicate{}), db_p.push_back(Replicate{});
+        break;
+      case Split::Colwise:
+        gp.push_back(Shard{xd - 1}), dx_p.push_back(Partial{}), dw_p.push_back(Shard{0}), db_p.push_back(Shard{0});
+        break;
+      case Split::Rowwise:
+        gp.push_back(Replicate{}), dx_p.push_back(Shard{xd - 1}), dw_p.push_back(Shard{1}), db_p.push_back(Replicate{});
+        break;
+      case Split::Rows:
+        gp.push_back(px), dx_p.push_back(px), dw_p.push_back(Partial{}), db_p.push_back(Partial{});
+        break;
+    }
+  }
+  const Tensor& g_local = dtensor_spec(g).placements == gp ? dtensor_spec(g).local
+                                                           : local_tensor(redistribute_local(g, gp));
+  TensorList local = call.local({g_local, sx.local, sw.local});
+  const int64_t out_features = sw.global_shape[0];
+  std::vector<Tensor> d(3);
+  if (local[0].defined()) d[0] = make_dtensor(local[0], sx.mesh, dx_p, sx.global_shape);
+  if (local[1].defined()) d[1] = make_dtensor(local[1], sx.mesh, dw_p, sw.global_shape);
+  if (local[2].defined()) d[2] = make_dtensor(local[2], sx.mesh, db_p, Shape{out_features});
+  return d;
 }
 
 std::vector<Tensor> random(DistCall& call) {
@@ -228,6 +301,7 @@ std::vector<Tensor> handle(DistCall& call) {
     case OpClass::InPlace: return inplace(call);
     case OpClass::Reduction: return reduction(call);
     case OpClass::Linear: return linear_rule(call);
+    case OpClass::LinearBackward: return linear_backward_rule(call);
     case OpClass::Random: return random(call);
     case OpClass::Like: return like(call);
   }

@@ -97,7 +97,9 @@ namespace {
 
 // Writes the chunks this rank owns into tmp_dir/file_name (fsynced) and
 // returns their descriptions. A DTensor's shard is owned by the rank at
-// coordinate 0 of every replicate dim; a plain tensor by rank 0.
+// coordinate 0 of every replicate dim, and of every dim of the mesh it was
+// sliced from that its own mesh leaves out (FSDP's plain parameters hold the
+// same shard on every tensor-parallel rank); a plain tensor by rank 0.
 json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int rank,
                       const nn::StateDict& tensors) {
   json chunks = json::array();
@@ -114,6 +116,12 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
             spec.mesh->get_local_rank(static_cast<int64_t>(i)) != 0)
           owner = false;
       }
+      const MeshPtr root = spec.mesh->root();
+      const auto& spanned = spec.mesh->dim_names();
+      for (int64_t d = 0; d < root->ndim(); ++d)
+        if (std::find(spanned.begin(), spanned.end(), root->dim_names()[static_cast<size_t>(d)]) == spanned.end() &&
+            root->get_local_rank(d) != 0)
+          owner = false;
     }
     if (!owner) continue;
     LocalBox box = local_box(t);

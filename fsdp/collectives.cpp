@@ -80,7 +80,7 @@ BufferState foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FS
       Tensor chunks = ops::view(p->unsharded_buffer, {w, p->padded_numel});
       for (int64_t q = 0; q < w; ++q) {
         Tensor piece = ops::view(ops::select(chunks, 0, q), p->padded_sharded_size);
-        Tensor target = ops::narrow(p->unsharded_param, p->shard_dim, q * c, c);
+        Tensor target = ops::narrow(p->unsharded_local, p->shard_dim, q * c, c);
         ops::copy_(target, piece);
       }
     }

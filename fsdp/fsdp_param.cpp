@@ -1,15 +1,45 @@
 #include "fsdp/fsdp_param.h"
 
-#include "dtensor/dtensor.h"
+#include <algorithm>
+
+#include "dtensor/redistribute.h"
 
 namespace tessera::fsdp {
 
-FSDPParam::FSDPParam(const Tensor& param, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
+namespace {
+// The parameter FSDP shards: a plain parameter, or a tensor-parallel DTensor's local tensor.
+Tensor local_of(const Tensor& param) { return param.is_distributed() ? dtensor_spec(param).local : param; }
+}  // namespace
+
+FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
                      std::string fqn_in)
     : fqn(std::move(fqn_in)), slots_(std::move(slots)), mesh_info_(mesh_info) {
-  TS_CHECK(!param.is_distributed(), "fully_shard: parameter {} is already a DTensor ({}); FSDP over tensor "
-           "parallelism is not supported yet",
-           fqn, param.impl()->dist->str());
+  const Tensor param = local_of(param_in);
+  MeshPtr sharded_mesh = mesh_info.mesh;
+  Placements outer;  // the tensor-parallel placement, outside FSDP's
+  Shape global = param.shape();
+  if (param_in.is_distributed()) {
+    const DTensorSpec& spec = dtensor_spec(param_in);
+    TS_CHECK(spec.mesh->ndim() == 1 && !is_partial(spec.placements[0]),
+             "fully_shard: parameter {} is a DTensor {}; FSDP composes with tensor parallelism (Shard or Replicate "
+             "over a 1-D mesh from parallelize_module)",
+             fqn, spec.str());
+    const std::string& tp_dim = spec.mesh->dim_names()[0];
+    const auto& fsdp_dims = mesh_info.mesh->dim_names();
+    TS_CHECK(*spec.mesh->root() == *mesh_info.mesh->root() &&
+                 std::find(fsdp_dims.begin(), fsdp_dims.end(), tp_dim) == fsdp_dims.end(),
+             "fully_shard: parameter {} is tensor-parallel over {}, which is not another dim of the mesh FSDP "
+             "shards over ({}); slice both from one init_device_mesh (mesh[\"tp\"], mesh[\"dp\"])",
+             fqn, spec.mesh->str(), mesh_info.mesh->str());
+    tp_mesh = spec.mesh;
+    tp_placements = spec.placements;
+    tp_shape = spec.global_shape;
+    std::vector<std::string> names{tp_dim};
+    names.insert(names.end(), fsdp_dims.begin(), fsdp_dims.end());
+    sharded_mesh = mesh_info.mesh->root()->slice(names, /*any_order=*/true);
+    outer = spec.placements;
+    global = spec.global_shape;
+  }
   TS_CHECK(param.dim() > 0, "fully_shard doesn't support scalar parameters. Change {} to a 1D tensor with numel "
            "equal to 1.",
            fqn);
@@ -18,7 +48,7 @@ FSDPParam::FSDPParam(const Tensor& param, std::vector<ParamSlot> slots, const Me
   orig_size = param.shape();
   orig_dtype = param.dtype();
   param_dtype = reduce_dtype = orig_dtype;
-  requires_grad = param.requires_grad();
+  requires_grad = param_in.requires_grad();
   shard_dim = wrap_dim(placement.dim, param.dim(), "fully_shard (shard_placement_fn)");
   const int64_t w = mesh_info.shard_size, n = orig_size[static_cast<size_t>(shard_dim)];
   TS_CHECK(shard_dim == 0 || n % w == 0,
@@ -40,9 +70,10 @@ FSDPParam::FSDPParam(const Tensor& param, std::vector<ParamSlot> slots, const Me
     Tensor dst = local;
     ops::copy_(dst, ops::narrow(param, shard_dim, start, len));
   }
-  Placements placements{Shard{shard_dim}};
-  if (mesh_info.hsdp()) placements = {Replicate{}, Shard{shard_dim}};
-  sharded_param = make_dtensor(local, mesh_info.mesh, placements, orig_size);
+  Placements placements = outer;
+  if (mesh_info.hsdp()) placements.push_back(Replicate{});
+  placements.push_back(Shard{shard_dim});
+  sharded_param = make_dtensor(local, sharded_mesh, placements, global);
   sharded_param.set_requires_grad(requires_grad);
   // The full parameter is no longer needed: release its bytes, and leave a note
   // for whoever still holds it (an optimizer built before fully_shard).
@@ -73,20 +104,27 @@ void FSDPParam::alloc_unsharded() {
     unsharded_buffer = empty({w * padded_numel}, param_dtype, sharded_data.device());
     // Shard(0): the real rows come first and all padding last, so the full
     // parameter is simply the buffer's first numel elements.
-    unsharded_param = shard_dim == 0
+    unsharded_local = shard_dim == 0
                           ? ops::view(ops::narrow(unsharded_buffer, 0, 0, shape_numel(orig_size)), orig_size)
                           : empty(orig_size, param_dtype, sharded_data.device());
+    unsharded_param = tp_mesh ? make_dtensor(unsharded_local, tp_mesh, tp_placements, tp_shape) : unsharded_local;
     if (requires_grad) unsharded_param.set_requires_grad(true);
     return;
   }
   unsharded_buffer.storage()->allocate();
-  unsharded_param.storage()->allocate();
+  unsharded_local.storage()->allocate();
 }
 
 void FSDPParam::free_unsharded() {
   if (!unsharded_buffer.defined()) return;
   unsharded_buffer.storage()->release();
-  unsharded_param.storage()->release();
+  unsharded_local.storage()->release();
+}
+
+Tensor FSDPParam::local_grad(const Tensor& grad) const {
+  if (!grad.defined() || !grad.is_distributed()) return grad;
+  const DTensorSpec& spec = dtensor_spec(grad);
+  return spec.placements == tp_placements ? spec.local : local_tensor(redistribute_local(grad, tp_placements));
 }
 
 void FSDPParam::register_all(const Tensor& value) {
@@ -143,6 +181,7 @@ void FSDPParam::reset_sharded_param() {
   sharded_param.set_requires_grad(requires_grad);
   unsharded_buffer = Tensor();  // re-created in the (possibly new) dtype and device on next unshard
   unsharded_param = Tensor();
+  unsharded_local = Tensor();
   register_all(sharded_param);
 }
 

@@ -11,6 +11,14 @@
 //   unsharded_param   the full parameter registered during compute: a leaf viewing
 //                     unsharded_buffer (Shard(0)), created once, so tensors autograd
 //                     saved during forward see the bytes gathered again in backward
+//
+// Over tensor parallelism (a parameter that parallelize_module made a DTensor
+// on a 1-D tensor-parallel mesh) FSDP shards, gathers and reduces that
+// DTensor's local tensor: unsharded_local is the gathered local tensor, and
+// unsharded_param wraps it as the tensor-parallel DTensor again, so the
+// module computes with it as without FSDP. The sharded parameter lives on the
+// mesh (tp, FSDP's dims), its shards nested inside the tensor-parallel ones
+// (PyTorch's 2-D FSDP + TP; its _StridedShard).
 #pragma once
 
 #include "fsdp/policies.h"
@@ -61,6 +69,14 @@ class FSDPParam {
   Tensor sharded_param;
   Tensor unsharded_buffer;
   Tensor unsharded_param;
+  Tensor unsharded_local;  // unsharded_param's bytes (unsharded_param itself without TP)
+
+  // Tensor parallelism: the parameter's DTensor layout before fully_shard (null mesh: a plain parameter).
+  MeshPtr tp_mesh;
+  Placements tp_placements;
+  Shape tp_shape;
+  // A gradient of unsharded_param as a local tensor (a DTensor's, laid out as the parameter).
+  Tensor local_grad(const Tensor& grad) const;
   Tensor unsharded_accumulated_grad;  // reduce_dtype, across no-sync micro-batches
   Tensor post_forward_data;           // int reshard_after_forward: this rank's 1/k slice
 

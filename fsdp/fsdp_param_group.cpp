@@ -184,7 +184,7 @@ void FSDPParamGroup::post_backward() {
   // Fold a fresh gradient into the reduce-dtype accumulator of earlier no-sync micro-batches.
   for (auto& p : fsdp_params) {
     if (!p->unsharded_param.defined()) continue;
-    Tensor g = p->unsharded_param.grad();
+    Tensor g = p->local_grad(p->unsharded_param.grad());
     if (!g.defined()) continue;
     if (p->unsharded_accumulated_grad.defined()) {
       ops::add_(p->unsharded_accumulated_grad, ops::to(g, p->unsharded_accumulated_grad.dtype()));
@@ -207,7 +207,7 @@ void FSDPParamGroup::post_backward() {
       p->unsharded_accumulated_grad = Tensor();
     } else if (p->unsharded_param.defined() && p->unsharded_param.grad().defined()) {
       with_grad.push_back(p.get());
-      grads.push_back(p->unsharded_param.grad());
+      grads.push_back(p->local_grad(p->unsharded_param.grad()));
       p->unsharded_param.set_grad(Tensor());
     }
   }

@@ -86,10 +86,11 @@ CausalSelfAttention::CausalSelfAttention(const TransformerConfig& cfg, Device de
 }
 
 namespace {
-// [B, T, H*D] -> [B, H, T, D]
-Tensor split_heads(const Tensor& x, int64_t heads) {
-  int64_t b = x.size(0), t = x.size(1), d = x.size(2) / heads;
-  return transpose(reshape(x, {b, t, heads, d}), 1, 2);
+// [B, T, H*D] -> [B, H, T, D], H from the width: under tensor parallelism a
+// rank's projections hold only its own heads.
+Tensor split_heads(const Tensor& x, int64_t head_dim) {
+  int64_t b = x.size(0), t = x.size(1);
+  return transpose(reshape(x, {b, t, x.size(2) / head_dim, head_dim}), 1, 2);
 }
 // [B, H, T, D] -> [B, T, H*D]
 Tensor merge_heads(const Tensor& x) {
@@ -102,7 +103,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3 && x.size(2) == n_embd, "CausalSelfAttention: expected [B, T, {}], got {}",
            n_embd, shape_str(x.shape()));
   auto qkv = split((*c_attn)(x), n_embd, 2);
-  Tensor q = split_heads(qkv[0], n_head), k = split_heads(qkv[1], n_head);
+  const int64_t head_dim = n_embd / n_head;
+  Tensor q = split_heads(qkv[0], head_dim), k = split_heads(qkv[1], head_dim);
   if (use_rope) {
     auto [cos, sin] = rotary_.get(x.size(1), n_embd / n_head, rope_theta,
                                   ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
@@ -110,7 +112,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
     q = rope(contiguous(q), cos, sin);
     k = rope(contiguous(k), cos, sin);
   }
-  Tensor y = scaled_dot_product_attention(q, k, split_heads(qkv[2], n_head), /*causal=*/true);
+  Tensor y = scaled_dot_product_attention(q, k, split_heads(qkv[2], head_dim), /*causal=*/true);
   return (*resid_dropout)((*c_proj)(merge_heads(y)));
 }
 
@@ -131,9 +133,9 @@ Tensor LlamaAttention::forward(const Tensor& x) {
   auto [cos, sin] = rotary_.get(x.size(1), head_dim, rope_theta,
                                 ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
                                 x.device());
-  Tensor q = rope(contiguous(split_heads((*q_proj)(x), n_head)), cos, sin);
-  Tensor k = rope(contiguous(split_heads((*k_proj)(x), n_kv_head)), cos, sin);
-  Tensor v = split_heads((*v_proj)(x), n_kv_head);
+  Tensor q = rope(contiguous(split_heads((*q_proj)(x), head_dim)), cos, sin);
+  Tensor k = rope(contiguous(split_heads((*k_proj)(x), head_dim)), cos, sin);
+  Tensor v = split_heads((*v_proj)(x), head_dim);
   return (*o_proj)(merge_heads(scaled_dot_product_attention(q, k, v, /*causal=*/true)));
 }
 

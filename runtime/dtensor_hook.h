@@ -6,6 +6,7 @@
 // collective or local computation gives the result) and returns DTensors.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <initializer_list>
 #include <vector>
@@ -21,6 +22,7 @@ enum class OpClass {
   InPlace,           // mutates inputs[0]; every DTensor operand must share its spec
   Reduction,         // sum/mean over `dims` (empty: all) with `keepdim`
   Linear,            // linear(x, w, b) or matmul(a, b)
+  LinearBackward,    // linear_backward(grad, x, w) -> {dx, dw, db} where `need`
   Random,            // fills inputs[0] (random_fill with the shard's RandomSpec)
   Like,              // a new tensor shaped like inputs[0] (zeros_like, to(dtype), clone)
 };
@@ -36,6 +38,8 @@ struct DistCall {
   bool keepdim = false;
   // Linear: true for linear(x, w[, b]) (w is [out, in]); false for matmul(a, b).
   bool is_linear = false;
+  // LinearBackward: which of dx, dw, db to compute.
+  std::array<bool, 3> need{};
   // Random: fills a local tensor given the counters of its elements.
   std::function<void(Tensor& local, const RandomSpec& spec)> random_fill;
   RandomSpec spec;  // the spec the full tensor would use

@@ -3,6 +3,7 @@
 // calls live in autograd/functions.h and are built on these.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <utility>
 
@@ -125,6 +126,10 @@ double sum_squares(const Tensor& x);  // the same for one tensor, read on the ho
 Tensor matmul(const Tensor& a, const Tensor& b);
 // y = x @ w^T + b for x [..., in], w [out, in], b [out] (optional).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {});
+// The gradients of y = linear(x, w, b) given dy = grad: {dx, dw, db}, each
+// computed only where `need` says (undefined otherwise). On DTensors the
+// placements follow the forward's rule (dtensor/ops.cpp).
+TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w, std::array<bool, 3> need);
 // out (+)= alpha * a @ b for 2-D a, b; a and b may be transposed views.
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha = 1.0,
                bool accumulate = false);

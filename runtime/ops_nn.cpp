@@ -151,6 +151,36 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return to(reshape(out, out_shape), x.dtype());
 }
 
+TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w, std::array<bool, 3> need) {
+  if (any_distributed({&grad, &x, &w})) {
+    DistCall call;
+    call.name = "linear_backward";
+    call.cls = OpClass::LinearBackward;
+    call.inputs = {grad, x, w};
+    call.need = need;
+    call.local = [need](const TensorList& l) { return linear_backward(l[0], l[1], l[2], need); };
+    return dispatch_distributed(call);
+  }
+  TS_CHECK(w.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == w.size(0) && x.dim() >= 1 && x.size(-1) == w.size(1) &&
+               leading_numel(grad.shape()) == leading_numel(x.shape()),
+           "linear_backward: gradient {}, input {} and weight {} do not belong to one linear", shape_str(grad.shape()),
+           shape_str(x.shape()), shape_str(w.shape()));
+  const int64_t in = w.size(1), out = w.size(0), rows = leading_numel(grad.shape());
+  Tensor g2 = reshape(grad, {rows, out});
+  TensorList d(3);
+  if (need[0]) {
+    d[0] = empty({rows, in}, x.dtype(), x.device());
+    gemm_into(d[0], g2, w);  // [N, out] @ [out, in]
+    d[0] = reshape(d[0], x.shape());
+  }
+  if (need[1]) {
+    d[1] = empty(w.shape(), w.dtype(), w.device());
+    gemm_into(d[1], transpose(g2, 0, 1), reshape(x, {rows, in}));  // [out, N] @ [N, in]
+  }
+  if (need[2]) d[2] = sum(g2, {0});
+  return d;
+}
+
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool accumulate) {
   TS_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
                out.size(0) == a.size(0) && out.size(1) == b.size(1),

@@ -197,6 +197,8 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
               "replica groups (> 1: HSDP on a 2-D mesh)"),
       bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
                "free gathered parameters after forward (false: keep them for backward)"),
+      int_key("parallelism.tensor_parallel_degree", c.parallelism.tensor_parallel_degree,
+              "ranks each layer is split over (Megatron tensor parallelism, llama; 1 = none)"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -569,6 +571,18 @@ void validate(const TrainConfig& c) {
                c.parallelism.data_parallel_shard_degree >= 1,
            "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
            c.parallelism.data_parallel_shard_degree);
+  if (const int64_t tp = c.parallelism.tensor_parallel_degree; tp != 1) {
+    TS_CHECK(tp >= 1, "parallelism.tensor_parallel_degree must be >= 1, got {}", tp);
+    TS_CHECK(c.model.arch == "llama",
+             "parallelism.tensor_parallel_degree {} needs model.arch llama (GPT-2's fused c_attn cannot be split "
+             "yet: docs/tensor-parallel.md)",
+             tp);
+    TS_CHECK(c.model.n_head % tp == 0, "model.n_head ({}) must be divisible by parallelism.tensor_parallel_degree "
+             "({}): each rank computes whole heads", c.model.n_head, tp);
+    const int64_t kv = c.model.n_kv_head > 0 ? c.model.n_kv_head : c.model.n_head;
+    TS_CHECK(kv % tp == 0, "model.n_kv_head ({}) must be divisible by parallelism.tensor_parallel_degree ({}): "
+             "each rank needs whole key/value heads", kv, tp);
+  }
 
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
@@ -595,19 +609,18 @@ void validate(const TrainConfig& c) {
 }
 
 void validate_for_world(const TrainConfig& c, int world_size) {
-  const int64_t shard = mesh_shape(c, world_size).second;
+  const int64_t shard = mesh_shape(c, world_size).second, dp = data_parallel_ranks(c, world_size);
   const int64_t n = c.parallelism.reshard_after_forward_degree;
   TS_CHECK(n == 0 || (n >= 1 && shard % n == 0),
            "parallelism.reshard_after_forward_degree ({}) must divide the shard degree ({} at {} ranks), or be 0",
            n, shard, world_size);
-  int64_t unit =
-      (key("training.grad_accum", c.training.grad_accum) * key("ranks", world_size)).value;
+  int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", dp)).value;
   int64_t below = c.training.batch_size / unit * unit, above = 0;
   if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
   TS_CHECK(c.training.batch_size % unit == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x ranks ({}): "
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x {} ({}): "
            "e.g. --training.batch_size {}",
-           c.training.batch_size, c.training.grad_accum, world_size,
+           c.training.batch_size, c.training.grad_accum, dp == world_size ? "ranks" : "data-parallel ranks", dp,
            below > 0 && above != below ? fmt::format("{} or {}", below, above)
                                        : fmt::format("{}", below > 0 ? below : above));
   TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
@@ -642,18 +655,24 @@ std::vector<int64_t> trace_steps(const TrainConfig& c) {
 std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
   int64_t rep = c.parallelism.data_parallel_replicate_degree;
   int64_t shard = c.parallelism.data_parallel_shard_degree;
+  const int64_t tp = std::max<int64_t>(c.parallelism.tensor_parallel_degree, 1);
   if (shard == -1) {
-    TS_CHECK(world_size % rep == 0,
-             "parallelism.data_parallel_replicate_degree ({}) must divide the number of ranks ({})",
-             rep, world_size);
-    shard = world_size / rep;
+    TS_CHECK(world_size % (rep * tp) == 0,
+             "parallelism.data_parallel_replicate_degree ({}){} must divide the number of ranks ({})", rep,
+             tp > 1 ? fmt::format(" x tensor_parallel_degree ({})", tp) : "", world_size);
+    shard = world_size / (rep * tp);
   }
   TS_CHECK((key("parallelism.data_parallel_replicate_degree", rep) *
-            key("parallelism.data_parallel_shard_degree", shard))
+            key("parallelism.data_parallel_shard_degree", shard) * key("parallelism.tensor_parallel_degree", tp))
                    .value == world_size,
-           "parallelism: replicate degree {} x shard degree {} = {} ranks, but the job has {}", rep,
-           shard, rep * shard, world_size);
+           "parallelism: replicate degree {} x shard degree {}{} = {} ranks, but the job has {}", rep, shard,
+           tp > 1 ? fmt::format(" x tensor-parallel degree {}", tp) : "", rep * shard * tp, world_size);
   return {rep, shard};
+}
+
+int64_t data_parallel_ranks(const TrainConfig& c, int world_size) {
+  auto [rep, shard] = mesh_shape(c, world_size);
+  return rep * shard;
 }
 
 int64_t parameter_count(const TrainConfig& c) {
@@ -683,13 +702,14 @@ int64_t parameter_count(const TrainConfig& c) {
 MemoryFloor memory_floor(const TrainConfig& c, int world_size, bool training) {
   MemoryFloor f;
   f.parameters = parameter_count(c);
-  f.shard_degree = training ? mesh_shape(c, world_size).second : 1;
+  // Tensor parallelism splits most of the rest (a lower bound: not norms and embeddings).
+  f.shard_degree = training ? mesh_shape(c, world_size).second * std::max<int64_t>(c.parallelism.tensor_parallel_degree, 1) : 1;
   // f32 shards of the weights and their gradients, and the optimizer's state
   // per weight; for inference (one process) the f32 weights alone.
   double state_bytes = c.optimizer.name == "adamw" ? 8.0 : (c.optimizer.momentum > 0 ? 4.0 : 0.0);
   f.state_bytes = static_cast<double>(f.parameters) * (training ? 8.0 + state_bytes : 4.0) /
                   static_cast<double>(f.shard_degree);
-  f.micro_batch = training ? c.training.batch_size / c.training.grad_accum / world_size : 1;
+  f.micro_batch = training ? c.training.batch_size / c.training.grad_accum / data_parallel_ranks(c, world_size) : 1;
   double logit_bytes = c.mixed_precision.param_dtype == "float32" ? 4.0 : 2.0;
   f.logits_bytes = static_cast<double>(f.micro_batch) * static_cast<double>(c.training.seq_len) *
                    static_cast<double>(c.model.vocab_size) * logit_bytes;

@@ -78,6 +78,10 @@ struct TrainConfig {
     // ranks (PyTorch's reshard_after_forward=N, ZeRO++'s hpZ): backward's
     // all-gather stays within them. Divides the shard degree; overrides the above.
     int64_t reshard_after_forward_degree = 0;
+    // > 1: Megatron tensor parallelism (tp/parallelize.h, Llama) over groups of
+    // this many consecutive ranks, the mesh's innermost dim; the data-parallel
+    // degrees share the rest. The ranks of one group train on the same rows.
+    int64_t tensor_parallel_degree = 1;
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params
@@ -184,6 +188,8 @@ void check_memory(const TrainConfig& cfg, int world_size, int ranks_here, double
 double available_host_memory();
 // The data-parallel mesh {replicate, shard} for world_size ranks (-1 resolved).
 std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
+// The data-parallel ranks (replicate x shard): the world over the tensor-parallel degree.
+int64_t data_parallel_ranks(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object
 // of strings, stored in checkpoints and exported files so tools can rebuild
 // the model; and back (unknown keys are errors).

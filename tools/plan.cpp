@@ -15,6 +15,7 @@
 #include "nn/layers.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
+#include "tp/parallelize.h"
 
 namespace tessera::tools {
 
@@ -23,24 +24,29 @@ namespace {
 int64_t held() { return memory_stats(Device::meta()).allocated_bytes; }
 int64_t peak() { return memory_stats(Device::meta()).peak_allocated_bytes; }
 
-// The data-parallel mesh of `rank` in a world of world_size, over simulated
-// groups named as tessera-train's mesh dims.
-MeshPtr simulated_mesh(int world_size, int rank, int64_t replicate, int64_t shard) {
+// The mesh of `rank` in a world of world_size, over simulated groups named
+// as tessera-train's mesh dims (dp_replicate if > 1, dp_shard, tp if > 1).
+MeshPtr simulated_mesh(int world_size, int rank, int64_t replicate, int64_t shard, int64_t tp) {
   std::vector<int> all(static_cast<size_t>(world_size));
   std::iota(all.begin(), all.end(), 0);
-  if (replicate == 1)
-    return std::make_shared<DeviceMesh>("meta", Shape{shard}, all, std::vector<std::string>{"dp_shard"},
-                                        std::vector<dist::ProcessGroupPtr>{dist::simulated_group(rank, all, "dp_shard")},
-                                        std::vector<int64_t>{rank});
-  const int64_t row = rank / shard, col = rank % shard;
-  std::vector<int> replicas, shards;
-  for (int64_t i = 0; i < replicate; ++i) replicas.push_back(static_cast<int>(i * shard + col));
-  for (int64_t j = 0; j < shard; ++j) shards.push_back(static_cast<int>(row * shard + j));
-  return std::make_shared<DeviceMesh>(
-      "meta", Shape{replicate, shard}, all, std::vector<std::string>{"dp_replicate", "dp_shard"},
-      std::vector<dist::ProcessGroupPtr>{dist::simulated_group(static_cast<int>(row), replicas, "dp_replicate"),
-                                         dist::simulated_group(static_cast<int>(col), shards, "dp_shard")},
-      std::vector<int64_t>{row, col});
+  Shape shape;
+  std::vector<std::string> names;
+  auto dim = [&](int64_t size, const char* name, bool keep) {
+    if (keep) shape.push_back(size), names.emplace_back(name);
+  };
+  dim(replicate, "dp_replicate", replicate > 1);
+  dim(shard, "dp_shard", true);
+  dim(tp, "tp", tp > 1);
+  const Shape strides = contiguous_strides(shape);
+  std::vector<int64_t> coord(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) coord[d] = rank / strides[d] % shape[d];
+  std::vector<dist::ProcessGroupPtr> groups;
+  for (size_t d = 0; d < shape.size(); ++d) {  // the ranks that differ from this one along d only
+    std::vector<int> members;
+    for (int64_t i = 0; i < shape[d]; ++i) members.push_back(static_cast<int>(rank + (i - coord[d]) * strides[d]));
+    groups.push_back(dist::simulated_group(static_cast<int>(coord[d]), members, names[d]));
+  }
+  return std::make_shared<DeviceMesh>("meta", shape, all, names, groups, coord);
 }
 
 // Bytes of the storages behind tensors (local shards of DTensors), each once.
@@ -85,8 +91,15 @@ std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
 }
 
 void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh) {
+  // Tensor parallelism first, over the innermost dim; FSDP over the others.
+  MeshPtr dp = mesh;
+  const auto& names = mesh->dim_names();
+  if (names.back() == "tp") {
+    tp::parallelize_module(model, (*mesh)["tp"], tp::tensor_parallel_plan(model, mesh->size(-1)));
+    dp = mesh->slice(std::vector<std::string>(names.begin(), names.end() - 1));
+  }
   fsdp::FullyShardOptions opt{
-      .mesh = mesh,
+      .mesh = dp,
       // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
       .reshard_after_forward =
           cfg.parallelism.reshard_after_forward_degree > 0
@@ -140,10 +153,11 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   plan.rank = rank;
   std::tie(plan.replicate, plan.shard) = mesh_shape(cfg, world_size);
   plan.parameters = parameter_count(cfg);
-  plan.micro_batch = T.batch_size / T.grad_accum / world_size;
+  plan.micro_batch = T.batch_size / T.grad_accum / data_parallel_ranks(cfg, world_size);
 
   MetaAccounting accounting;
-  MeshPtr mesh = simulated_mesh(world_size, rank, plan.replicate, plan.shard);
+  MeshPtr mesh = simulated_mesh(world_size, rank, plan.replicate, plan.shard,
+                                std::max<int64_t>(cfg.parallelism.tensor_parallel_degree, 1));
   std::vector<int> all(static_cast<size_t>(world_size));
   std::iota(all.begin(), all.end(), 0);
   dist::ProcessGroupPtr world = dist::simulated_group(rank, all, "world");

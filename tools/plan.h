@@ -27,8 +27,9 @@
 
 namespace tessera::tools {
 
-// tessera-train's FSDP: every block, then the root, with the config's mesh,
-// reshard_after_forward and mixed precision.
+// tessera-train's parallelism: tensor parallelism over the mesh's "tp" dim
+// when it has one (its innermost), then FSDP over the others (every block,
+// then the root), with the config's reshard_after_forward and mixed precision.
 void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh);
 
 // The groups that parallelism.reshard_after_forward_degree N gives each FSDP

@@ -256,7 +256,12 @@ void install_stop_handlers() {
 class Trainer {
  public:
   explicit Trainer(tools::TrainConfig cfg)
-      : cfg_(std::move(cfg)), T_(cfg_.training), allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
+      : cfg_(std::move(cfg)),
+        T_(cfg_.training),
+        tp_(std::max<int64_t>(cfg_.parallelism.tensor_parallel_degree, 1)),
+        dp_(world_ / tp_),
+        dp_rank_(rank_ / tp_),
+        allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
 
  private:
@@ -288,6 +293,9 @@ class Trainer {
   tools::TrainConfig cfg_;
   const tools::TrainConfig::Training& T_;
   int rank_ = dist::rank(), world_ = dist::world_size();
+  // Tensor parallelism: groups of tp_ consecutive ranks train on the same rows
+  // (data-parallel rank dp_rank_ of dp_).
+  int64_t tp_ = 1, dp_ = 1, dp_rank_ = 0;
   MeshPtr mesh_;
   Device device_ = Device::cpu();  // job.device
   dist::ProcessGroupPtr control_group_;  // host-only agreements (stop requests) beside the device's collectives
@@ -332,8 +340,13 @@ void Trainer::build_model() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   const std::string device_type =
       cfg_.job.device != "auto" ? cfg_.job.device : (cuda::is_available() ? "cuda" : "cpu");
-  mesh_ = rep > 1 ? init_device_mesh(device_type, {rep, shard}, {"dp_replicate", "dp_shard"})
-                  : init_device_mesh(device_type, {shard}, {"dp_shard"});
+  // (dp_replicate,) dp_shard (, tp): tensor-parallel groups are consecutive ranks.
+  Shape shape;
+  std::vector<std::string> names;
+  if (rep > 1) shape.push_back(rep), names.emplace_back("dp_replicate");
+  shape.push_back(shard), names.emplace_back("dp_shard");
+  if (tp_ > 1) shape.push_back(tp_), names.emplace_back("tp");
+  mesh_ = init_device_mesh(device_type, shape, names);
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
   const int64_t built = model_->num_parameters(false), predicted = tools::parameter_count(cfg_);
@@ -511,7 +524,7 @@ void Trainer::load_initial_weights(const std::string& path) {
 Tensor Trainer::train_step(int64_t step) {
   opt_->set_lr(schedule_.lr_at(step));
   Tensor loss_sum = tools::forward_backward(*model_, T_.grad_accum, [&](int64_t m) {
-    auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, rank_, world_);
+    auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, dp_rank_, dp_);
     return std::pair{x.to(device_), y.to(device_)};
   });
   Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
@@ -547,8 +560,8 @@ double Trainer::evaluate() {
   double total = 0;
   for (int64_t i = 0; i < T_.eval_batches; ++i) {
     auto [x, y] = val_->eval_batch(i, micro_global_);  // the same windows at any world size
-    Tensor lx = ops::contiguous(ops::narrow(x, 0, rank_ * micro_local_, micro_local_)).to(device_);
-    Tensor ly = ops::contiguous(ops::narrow(y, 0, rank_ * micro_local_, micro_local_)).to(device_);
+    Tensor lx = ops::contiguous(ops::narrow(x, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
+    Tensor ly = ops::contiguous(ops::narrow(y, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
     total += nn::cross_entropy((*model_)(lx), ly).item();
   }
   model_->train();
@@ -613,7 +626,7 @@ void Trainer::open_outputs() {
 
 void Trainer::prepare_data() {
   micro_global_ = T_.batch_size / T_.grad_accum;
-  micro_local_ = micro_global_ / world_;
+  micro_local_ = micro_global_ / dp_;
   auto [train_tokens, val_tokens] = load_data(cfg_);
   for (auto [split, toks] : {std::pair{"training", &train_tokens}, {"validation", &val_tokens}}) {
     TS_CHECK(static_cast<int64_t>(toks->size()) > T_.seq_len + 1,
@@ -638,8 +651,8 @@ void Trainer::report_setup() {
       "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
       "param {} reduce {}",
       cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
-      rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard)
-              : fmt::format("FSDP over {}", shard),
+      (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
+          (tp_ > 1 ? fmt::format(" x tensor parallel {}", tp_) : ""),
       num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
   say(fmt::format(
       "data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "

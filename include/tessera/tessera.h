@@ -31,6 +31,7 @@
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 #include "nn/transformer.h"
+#include "tp/parallelize.h"
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/checkpoint.h"

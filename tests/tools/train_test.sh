@@ -2,7 +2,8 @@
 # End-to-end tests of the command-line tools on the tiny preset:
 #   tessera-train under mpirun at 1, 2 and 4 ranks (and a 2x2 HSDP mesh): the
 #     loss falls, and every rank count gives the same losses (f32 tolerance),
-#     every thread count bitwise the same;
+#     every thread count bitwise the same; Llama with tensor parallelism 2
+#     (alone, and under FSDP 2 x TP 2) the same losses as on one rank;
 #   resume from a checkpoint equals the straight run (bitwise at the same
 #     rank count, with dropout: the RNG is restored; f32 tolerance on another);
 #     a changed batch or seed is refused, a changed schedule warned about;
@@ -95,6 +96,19 @@ close w1.losses w2.losses 1e-5 || fail "2 ranks drifted from 1 rank"
 close w1.losses w4.losses 1e-5 || fail "4 ranks drifted from 1 rank"
 close w1.losses hsdp.losses 1e-5 || fail "HSDP drifted from 1 rank"
 grep -q "FSDP over 4" w4.log || fail "w4 run did not report its mesh"
+echo "== Llama with tensor parallelism 2, alone and under FSDP"
+llama=(--model.arch llama --model.bias false --model.tie_embeddings false --training.steps 20)
+train 1 "${llama[@]}" --job.dump_folder l1 > l1.log
+train 2 "${llama[@]}" --job.dump_folder tp2 --parallelism.tensor_parallel_degree 2 > tp2.log
+train 4 "${llama[@]}" --job.dump_folder tp2x2 --parallelism.tensor_parallel_degree 2 > tp2x2.log
+for d in l1 tp2 tp2x2; do losses $d > $d.losses; done
+close l1.losses tp2.losses 1e-5 || fail "tensor parallelism 2 drifted from 1 rank"
+close l1.losses tp2x2.losses 1e-5 || fail "FSDP 2 x TP 2 drifted from 1 rank"
+grep -q "FSDP over 1 x tensor parallel 2" tp2.log || fail "tp2 run did not report its mesh"
+grep -q "FSDP over 2 x tensor parallel 2" tp2x2.log || fail "tp2x2 run did not report its mesh"
+expect_error "needs model.arch llama" train 2 --parallelism.tensor_parallel_degree 2
+expect_error "parallelism: replicate degree 1 x shard degree 3 x tensor-parallel degree 2 = 6 ranks, but the job has 4" \
+  train 4 "${llama[@]}" --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 3
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
 grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
 python3 -c '

@@ -1,0 +1,448 @@
+// Tensor parallelism (tp/parallelize.h) under mpirun with 1-4 ranks, the
+// tensor-parallel degree being the world size: every rank sees the whole
+// batch, and the split model must give the single process's outputs,
+// gradients and AdamW steps (f64), with Megatron's count of collectives.
+#include <filesystem>
+
+#include "fsdp/checkpoint.h"
+#include "tests/fsdp/fsdp_helpers.h"
+#include "tp/parallelize.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+MeshPtr tp_mesh() { return init_device_mesh("cpu", {world()}, {"tp"}); }
+
+// A parameter's whole value on every rank (a DTensor gathered, a plain tensor as is).
+Tensor whole(const Tensor& t) {
+  autograd::NoGradGuard no_grad;
+  return t.is_distributed() ? full_tensor(t) : t;
+}
+
+// Every parameter (and, with grads, its gradient) of the split model against
+// the reference's, by name.
+void check_parity(nn::Module& split, nn::Module& ref, double rtol, bool grads) {
+  auto want = ref.named_parameters();
+  auto got = split.named_parameters();
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO(got[i].first);
+    REQUIRE(got[i].first == want[i].first);
+    CHECK_CLOSE(whole(got[i].second), whole(want[i].second), rtol, 1e-13);
+    if (!grads) continue;
+    REQUIRE(got[i].second.grad().defined() == want[i].second.grad().defined());
+    if (want[i].second.grad().defined())
+      CHECK_CLOSE(whole(got[i].second.grad()), whole(want[i].second.grad()), rtol, 1e-13);
+  }
+}
+
+dist::CollectiveStats stats(const MeshPtr& mesh) { return mesh->get_group(0)->stats(); }
+
+// After both backwards: the clipped norms, every gradient, then a step of each.
+void clip_compare_and_step(nn::Module& split, nn::Module& ref, optim::AdamW& split_opt, optim::AdamW& ref_opt) {
+  double rn = nn::clip_grad_norm_(ref.parameters(), 0.5).item();
+  double tn = nn::clip_grad_norm_(split.parameters(), 0.5).item();
+  CHECK(tn == Approx(rn).epsilon(1e-12));
+  check_parity(split, ref, 1e-10, true);
+  ref_opt.step();
+  split_opt.step();
+  ref_opt.zero_grad();
+  split_opt.zero_grad();
+}
+
+nn::TransformerConfig llama_config(int w) {
+  nn::TransformerConfig c;
+  c.vocab_size = 19;
+  c.block_size = 7;
+  c.n_layer = 2;
+  c.n_head = 12;
+  c.n_kv_head = w == 4 ? 4 : 6;  // GQA, whole key/value heads on every rank
+  c.n_embd = 24;
+  c.ffn_hidden = 50;  // 25 per rank at 2, 17+17+16 at 3, 13+13+13+11 at 4
+  c.bias = false;
+  c.tie_embeddings = false;
+  return c;
+}
+
+std::shared_ptr<nn::Llama> tp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed) {
+  auto model = nn::Llama::on_meta(c);
+  tp::parallelize_module(*model, mesh, tp::tensor_parallel_plan(*model, mesh->size()));
+  model->to_empty(Device::cpu());
+  model->init_weights(seed);
+  model->to(DType::F64);
+  return model;
+}
+
+void train_step(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t vocab) {
+  Tensor x = randint({3, 7}, 0, vocab, seed), y = randint({3, 7}, 0, vocab, seed + 1);
+  autograd::backward(nn::cross_entropy(model(x), y));
+  opt.step();
+  opt.zero_grad();
+}
+
+// A directory every rank agrees on, removed at scope exit.
+struct SharedDir {
+  std::string path;
+  SharedDir() {
+    std::string mine;
+    if (dist::rank() == 0) {
+      char tmpl[] = "/tmp/tessera-tp-XXXXXX";
+      REQUIRE(mkdtemp(tmpl) != nullptr);
+      mine = tmpl;
+    }
+    path = dist::all_gather_strings(dist::world(), mine)[0];
+  }
+  ~SharedDir() {
+    dist::world()->barrier()->wait();
+    if (dist::rank() == 0) std::filesystem::remove_all(path);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a column-wise then a row-wise Linear give the unsplit MLP's values and gradients", "[tp]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  // 13 hidden features split torch.chunk-wise: 7+6, 5+5+3, 4+4+4+1.
+  MLP ref(7, 13, 5);
+  ref.init_weights(3);
+  ref.to(DType::F64);
+  auto model = std::make_shared<MLP>(7, 13, 5, Device::meta());
+  tp::parallelize_module(*model, mesh, {{"fc1", tp::style(tp::ColwiseParallel{})},
+                                        {"fc2", tp::style(tp::RowwiseParallel{})}});
+  CHECK(dtensor_spec(model->fc1->weight).placements == Placements{Shard{0}});
+  CHECK(dtensor_spec(model->fc2->weight).placements == Placements{Shard{1}});
+  CHECK(dtensor_spec(model->fc2->bias).placements == Placements{Replicate{}});
+  model->to_empty(Device::cpu());
+  model->init_weights(3);  // each shard draws its own elements of the full init
+  model->to(DType::F64);
+  check_parity(*model, ref, 0, false);
+
+  Tensor x0 = randn({4, 3, 7}, 11, DType::F64), probe = randn({4, 3, 5}, 12, DType::F64);
+  Tensor xr = ops::clone(x0), xt = ops::clone(x0);
+  xr.set_requires_grad(true);
+  xt.set_requires_grad(true);
+  Tensor yr = ref(xr);
+  autograd::backward(sum(yr * probe));
+
+  mesh->get_group(0)->reset_stats();
+  Tensor yt = (*model)(xt);
+  CHECK_FALSE(yt.is_distributed());  // use_local_output: the model sees a plain tensor
+  // Forward: the row-wise output's Partial -> Replicate, one all-reduce (none
+  // on one rank, where nothing is split).
+  const int64_t one = w > 1 ? 1 : 0;
+  CHECK(stats(mesh).all_reduce == one);
+  autograd::backward(sum(yt * probe));
+  // Backward: the column-wise input's gradient, Partial -> Replicate.
+  const auto s = stats(mesh);
+  CHECK(s.all_reduce == 2 * one);
+  CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
+  CHECK(s.mpi_calls == s.all_reduce);
+  CHECK_CLOSE(yt, yr, 1e-12, 1e-14);
+  CHECK_CLOSE(xt.grad(), xr.grad(), 1e-12, 1e-14);
+  check_parity(*model, ref, 1e-12, true);
+}
+
+TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, with Megatron's collectives",
+          "[tp][parity]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  const nn::TransformerConfig c = llama_config(w);
+  nn::Llama ref(c);
+  ref.init_weights(5);
+  ref.to(DType::F64);
+  auto model = tp_llama(c, mesh, 5);
+  for (const char* p : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"}) {
+    INFO(p);  // this rank's share of the heads or features
+    Tensor t = *nn::find_in(model->state_dict(), p);
+    auto [shape, offset] = local_shape_and_offset(t.shape(), *mesh, dtensor_spec(t).placements, mesh->get_coordinate());
+    CHECK(local_tensor(t).shape() == shape);
+    CHECK((w == 1) == (shape_numel(shape) == t.numel()));
+  }
+  check_parity(*model, ref, 0, false);
+
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  optim::AdamW ropt(ref.parameters(), o), topt(model->parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    Tensor x = randint({3, 7}, 0, c.vocab_size, 40 + step), y = randint({3, 7}, 0, c.vocab_size, 50 + step);
+    Tensor rloss = nn::cross_entropy(ref(x), y);
+    autograd::backward(rloss);
+    mesh->get_group(0)->reset_stats();
+    Tensor tloss = nn::cross_entropy((*model)(x), y);
+    const int64_t per_layer = w > 1 ? 2 * c.n_layer : 0;
+    CHECK(stats(mesh).all_reduce == per_layer);  // attention's and the MLP's outputs
+    autograd::backward(tloss);
+    const auto s = stats(mesh);
+    CHECK(s.all_reduce == 2 * per_layer);  // and their inputs' gradients
+    CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
+    CHECK(s.mpi_calls == s.all_reduce);
+    CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
+    clip_compare_and_step(*model, ref, topt, ropt);
+  }
+  check_parity(*model, ref, 1e-10, false);
+}
+
+TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, naming it", "[tp][errors]") {
+  MeshPtr mesh = tp_mesh();
+  nn::TransformerConfig c;
+  c.vocab_size = 11;
+  c.block_size = 4;
+  c.n_layer = 1;
+  c.n_head = 6;
+  c.n_kv_head = 3;
+  c.n_embd = 12;
+  auto llama = nn::Llama::on_meta(c);
+  CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 4), Catch::Contains("model.n_head 6 is not divisible by the degree 4"));
+  CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 2), Catch::Contains("model.n_kv_head 3 is not divisible by the degree 2"));
+  CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::GPT::on_meta(c), 1), Catch::Contains("GPT-2's fused c_attn"));
+  CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp", tp::style(tp::ColwiseParallel{})}}),
+                    Catch::Contains("ColwiseParallel applies to Linear layers, but 'model.layers.0.mlp' is a LlamaMLP"));
+  CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp.fc9", tp::style(tp::RowwiseParallel{})}}),
+                    Catch::Contains("'model.layers.*.mlp.fc9' (RowwiseParallel) matches no module"));
+  CHECK_THROWS_WITH(tp::parallelize_module(*llama, init_device_mesh("cpu", {1, world()}, {"dp", "tp"}), {}),
+                    Catch::Contains("expected a 1-D mesh"));
+  // Twice on one layer: its weight is already a DTensor.
+  tp::parallelize_module(*llama, mesh, {{"model.layers.0.mlp.up_proj", tp::style(tp::ColwiseParallel{})}});
+  CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.0.mlp.up_proj", tp::style(tp::ColwiseParallel{})}}),
+                    Catch::Contains("already a DTensor"));
+  // A linear whose operands' placements have no rule names the op and the placements.
+  Tensor a = distribute_tensor(randn({4, 6}, 1), mesh, {Shard{0}});
+  Tensor b = distribute_tensor(randn({5, 6}, 2), mesh, {Shard{1}});
+  if (world() > 1) CHECK_THROWS_WITH(ops::linear(a, b), Catch::Contains("linear: no sharding rule for input S(0) and weight S(1)"));
+}
+
+TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as tensor-parallel", "[tp][checkpoint]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  const nn::TransformerConfig c = llama_config(w);
+  SharedDir dir;
+  auto model = tp_llama(c, mesh, 5);
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  optim::AdamW opt(model->parameters(), o);
+  train_step(*model, opt, 60, c.vocab_size);
+  fsdp::save_checkpoint(dir.path, 1, *model, &opt);
+
+  // One process (every rank reads every chunk), FSDP over the same ranks, and
+  // tensor parallelism again: the same values, bit for bit, and the same
+  // AdamW moments (the next step agrees within rounding).
+  nn::Llama plain(c);
+  plain.to(DType::F64);
+  optim::AdamW plain_opt(plain.parameters(), o);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), plain, &plain_opt);
+  auto sharded = nn::Llama::on_meta(c);
+  MeshPtr dp = init_device_mesh("cpu", {w}, {"dp"});
+  for (auto& b : sharded->blocks) fsdp::fully_shard(*b, {.mesh = dp});
+  fsdp::fully_shard(*sharded, {.mesh = dp});
+  sharded->to_empty(Device::cpu());
+  sharded->to(DType::F64);
+  optim::AdamW sharded_opt(sharded->parameters(), o);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), *sharded, &sharded_opt);
+  auto again = tp_llama(c, mesh, 99);
+  optim::AdamW again_opt(again->parameters(), o);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), *again, &again_opt);
+  auto want = model->named_parameters();
+  for (nn::Module* loaded : {static_cast<nn::Module*>(&plain), static_cast<nn::Module*>(sharded.get()),
+                             static_cast<nn::Module*>(again.get())}) {
+    auto got = loaded->named_parameters();
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO(loaded->type_name() << " " << got[i].first);
+      CHECK(equal(whole(got[i].second), whole(want[i].second)));
+    }
+  }
+  train_step(*model, opt, 70, c.vocab_size);
+  train_step(plain, plain_opt, 70, c.vocab_size);
+  train_step(*again, again_opt, 70, c.vocab_size);
+  check_parity(plain, *model, 1e-10, false);
+  check_parity(*again, *model, 0, false);
+}
+
+namespace {
+// FSDP over tensor parallelism on a (dp, tp) mesh ((replicate, shard, tp) for
+// HSDP): every block and the root fully_shard over the data-parallel dims of
+// a Llama that parallelize_module split over tp.
+void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& names) {
+  INFO("mesh " << shape_str(shape));
+  MeshPtr mesh = init_device_mesh("cpu", shape, names);
+  const int64_t tp = mesh->size(-1), dp = mesh->size() / tp;
+  std::vector<std::string> dp_names(names.begin(), names.end() - 1);
+  MeshPtr dp_mesh = mesh->slice(dp_names);
+  nn::TransformerConfig c = llama_config(static_cast<int>(tp));
+  nn::Llama ref(c);
+  ref.init_weights(5);
+  ref.to(DType::F64);
+  auto model = nn::Llama::on_meta(c);
+  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, tp));
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = dp_mesh});
+  fsdp::fully_shard(*model, {.mesh = dp_mesh});
+  model->to_empty(Device::cpu());
+  model->init_weights(5);
+  model->to(DType::F64);
+  // A column-wise weight: tensor-parallel rows, FSDP's chunk of them inside.
+  const Tensor q = *nn::find_in(model->state_dict(), "model.layers.0.self_attn.q_proj.weight");
+  CHECK(dtensor_spec(q).mesh->dim_names().front() == "tp");
+  CHECK(dtensor_spec(q).placements.front() == Placement{Shard{0}});
+  CHECK(dtensor_spec(q).placements.back() == Placement{Shard{0}});
+  check_parity(*model, ref, 0, false);
+
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  optim::AdamW ropt(ref.parameters(), o), topt(model->parameters(), o);
+  // Each data-parallel rank takes its rows of the global batch; the ranks of
+  // one tensor-parallel group take the same rows.
+  const int64_t rows = 2, global_rows = rows * dp;
+  int64_t dp_rank = 0;
+  for (size_t d = 0; d + 1 < names.size(); ++d) dp_rank = dp_rank * mesh->size(static_cast<int64_t>(d)) + mesh->get_local_rank(static_cast<int64_t>(d));
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    Tensor x = randint({global_rows, 7}, 0, c.vocab_size, 80 + step);
+    Tensor y = randint({global_rows, 7}, 0, c.vocab_size, 90 + step);
+    Tensor rloss = nn::cross_entropy(ref(x), y);
+    autograd::backward(rloss);
+    Tensor tloss = nn::cross_entropy((*model)(ops::narrow(x, 0, dp_rank * rows, rows)),
+                                     ops::narrow(y, 0, dp_rank * rows, rows));
+    autograd::backward(tloss);
+    Tensor mean = ops::reshape(ops::clone(detach(tloss)), {1});
+    dp_mesh->flat_group()->all_reduce(mean, {dist::ReduceOp::Avg})->wait();
+    CHECK(mean.item() == Approx(rloss.item()).epsilon(1e-12));
+    clip_compare_and_step(*model, ref, topt, ropt);
+  }
+  check_parity(*model, ref, 1e-10, false);
+}
+}  // namespace
+
+TEST_CASE("FSDP over tensor parallelism (2-D) and HSDP over it (3-D) follow one process", "[tp][fsdp][parity]") {
+  const int w = world();
+  for (int tp : {1, 2, 3, 4}) {
+    if (w % tp != 0 || (tp == 4 && w != 4)) continue;
+    run_fsdp_tp_parity({w / tp, tp}, {"dp", "tp"});
+  }
+  if (w == 4) run_fsdp_tp_parity({2, 1, 2}, {"replicate", "shard", "tp"});
+}
+
+namespace {
+// One AdamW step on this data-parallel rank's rows of a global batch of 12.
+void train_rows(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t dp_rank, int64_t dp, int64_t vocab) {
+  const int64_t rows = 12 / dp;
+  Tensor x = randint({12, 7}, 0, vocab, seed), y = randint({12, 7}, 0, vocab, seed + 1);
+  autograd::backward(nn::cross_entropy(model(ops::narrow(x, 0, dp_rank * rows, rows)), ops::narrow(y, 0, dp_rank * rows, rows)));
+  opt.step();
+  opt.zero_grad();
+}
+
+std::shared_ptr<nn::Llama> fsdp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed) {
+  // Tensor parallelism over the mesh's tp dim, FSDP over its dp dim.
+  auto model = nn::Llama::on_meta(c);
+  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, mesh->size(1)));
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = (*mesh)["dp"]});
+  fsdp::fully_shard(*model, {.mesh = (*mesh)["dp"]});
+  model->to_empty(Device::cpu());
+  model->init_weights(seed);
+  model->to(DType::F64);
+  return model;
+}
+
+void check_equal_params(nn::Module& a, nn::Module& b) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    INFO(pa[i].first);
+    CHECK(equal(whole(pa[i].second), whole(pb[i].second)));
+  }
+}
+}  // namespace
+
+TEST_CASE("checkpoints move between FSDP, FSDP x TP and one process", "[tp][fsdp][checkpoint]") {
+  const int w = world();
+  const int64_t tp = w == 4 ? 2 : w;
+  const nn::TransformerConfig c = llama_config(static_cast<int>(tp));
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  // FSDP over all ranks (tensor parallelism of degree 1), one step, saved.
+  MeshPtr flat = init_device_mesh("cpu", {w, 1}, {"dp", "tp"});
+  auto fsdp_only = fsdp_llama(c, flat, 5);
+  optim::AdamW fsdp_opt(fsdp_only->parameters(), o);
+  train_rows(*fsdp_only, fsdp_opt, 100, flat->get_local_rank(0), w, c.vocab_size);
+  SharedDir a, b;
+  fsdp::save_checkpoint(a.path, 1, *fsdp_only, &fsdp_opt);
+  // Loaded at dp x tp: the same values, and the same moments (the next steps agree).
+  MeshPtr mesh = init_device_mesh("cpu", {w / tp, tp}, {"dp", "tp"});
+  auto two_d = fsdp_llama(c, mesh, 77);
+  optim::AdamW two_d_opt(two_d->parameters(), o);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(a.path), *two_d, &two_d_opt);
+  check_equal_params(*two_d, *fsdp_only);
+  train_rows(*fsdp_only, fsdp_opt, 110, flat->get_local_rank(0), w, c.vocab_size);
+  train_rows(*two_d, two_d_opt, 110, mesh->get_local_rank(0), w / tp, c.vocab_size);
+  check_parity(*two_d, *fsdp_only, 1e-10, false);
+  // Saved at dp x tp: every element written exactly once (a shard that the
+  // tensor-parallel ranks share, by one of them), and read back by one process.
+  fsdp::save_checkpoint(b.path, 2, *two_d, &two_d_opt);
+  const std::string dir = fsdp::latest_checkpoint(b.path);
+  for (const auto& t : fsdp::read_metadata(dir).tensors) {
+    INFO(t.name);
+    int64_t covered = 0;
+    for (const auto& ch : t.chunks) covered += shape_numel(ch.shape);
+    CHECK(covered == shape_numel(t.shape));
+  }
+  nn::Llama plain(c);
+  plain.to(DType::F64);
+  optim::AdamW plain_opt(plain.parameters(), o);
+  fsdp::load_checkpoint(dir, plain, &plain_opt);
+  check_equal_params(plain, *two_d);
+}
+
+TEST_CASE("FSDP over tensor parallelism in bf16: gathered as bf16 DTensors, training as FSDP alone does",
+          "[tp][fsdp][mixed_precision]") {
+  const int w = world();
+  const int64_t tp = w == 4 ? 2 : w;
+  const nn::TransformerConfig c = llama_config(static_cast<int>(tp));
+  fsdp::MixedPrecisionPolicy mp{.param_dtype = DType::BF16, .reduce_dtype = DType::F32};
+  auto build = [&](const MeshPtr& mesh) {
+    auto model = nn::Llama::on_meta(c);
+    tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, mesh->size(1)));
+    for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = (*mesh)["dp"], .mp_policy = mp});
+    fsdp::fully_shard(*model, {.mesh = (*mesh)["dp"], .mp_policy = mp});
+    model->to_empty(Device::cpu());
+    model->init_weights(5);
+    return model;
+  };
+  MeshPtr flat = init_device_mesh("cpu", {w, 1}, {"dp", "tp"}), mesh = init_device_mesh("cpu", {w / tp, tp}, {"dp", "tp"});
+  auto alone = build(flat), two_d = build(mesh);
+  // In forward a column-wise weight is this rank's bf16 rows, as a tensor-parallel DTensor.
+  nn::Module& q_proj = two_d->submodule("model.layers.0.self_attn.q_proj");
+  bool seen = false;
+  q_proj.register_forward_pre_hook([&](nn::Module& m, TensorList&) {
+    const Tensor& weight = m.find_parameter_slot("weight")->value;
+    CHECK(weight.dtype() == DType::BF16);
+    CHECK(dtensor_spec(weight).mesh->dim_names() == std::vector<std::string>{"tp"});
+    CHECK(local_tensor(weight).size(0) * tp >= c.n_embd);
+    seen = true;
+  });
+  // SGD: Adam would turn bf16 noise in near-zero gradients into full-size steps.
+  optim::SGDOptions o{.lr = 0.1, .momentum = 0.9};
+  optim::SGD opt_alone(alone->parameters(), o), opt_two_d(two_d->parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    Tensor x = randint({12, 7}, 0, c.vocab_size, 120 + step), y = randint({12, 7}, 0, c.vocab_size, 130 + step);
+    auto loss_of = [&](nn::Module& model, const MeshPtr& m, optim::SGD& opt) {
+      const int64_t dp = m->size(0), rows = 12 / dp, r = m->get_local_rank(0);
+      Tensor loss = nn::cross_entropy(model(ops::narrow(x, 0, r * rows, rows)), ops::narrow(y, 0, r * rows, rows));
+      autograd::backward(loss);
+      opt.step();
+      opt.zero_grad();
+      Tensor mean = ops::reshape(ops::to(detach(loss), DType::F64), {1});
+      (*m)["dp"]->get_group(0)->all_reduce(mean, {dist::ReduceOp::Avg})->wait();
+      return mean.item();
+    };
+    const double a = loss_of(*alone, flat, opt_alone), b = loss_of(*two_d, mesh, opt_two_d);
+    CHECK(b == Approx(a).epsilon(2e-2));  // bf16 products in another order
+  }
+  CHECK(seen);
+  auto pa = alone->named_parameters(), pb = two_d->named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    INFO(pa[i].first);
+    CHECK(whole(pb[i].second).dtype() == DType::F32);  // the sharded parameters stay f32
+    CHECK_CLOSE(whole(pb[i].second), whole(pa[i].second), 2e-2, 1e-3);
+  }
+}
