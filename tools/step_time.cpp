@@ -74,8 +74,12 @@ CollectiveFit fit_alpha_beta(const std::vector<double>& bytes, const std::vector
   return f;
 }
 
-double CommModel::seconds(const std::string& kind, int group_size, double bytes) const {
+double CommModel::seconds(const std::string& kind, int group_size, double bytes, const std::string& group) const {
   if (group_size <= 1) return 0;
+  if (auto g = group_fits.find(group); g != group_fits.end())
+    if (auto k = g->second.find(kind); k != g->second.end())
+      if (auto f = k->second.find(group_size); f != k->second.end())
+        return f->second.alpha_s + f->second.beta_s_per_byte * bytes;
   // A barrier moves nothing; collectives without a fit of their own are
   // priced as the nearest kind that has one.
   std::string k = kind;
@@ -171,19 +175,27 @@ CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collectiv
   // Ring collectives: an all-gather or reduce-scatter of B bytes moves
   // (W-1)/W x B over each device's link in W-1 steps; an all-reduce twice that.
   CommModel m;
+  // Tensor-parallel groups are the innermost mesh dim: consecutive ranks,
+  // and the shard groups' ranks lie tp apart.
+  int tp = 1;
+  for (const auto& c : collectives)
+    if (c.group == "tp") tp = c.group_size;
   for (const auto& c : collectives) {
     const int w = c.group_size;
     if (w <= 1) continue;
-    // A group of consecutive ranks (the shard group, hpZ's post-forward
-    // groups, the world) that fits in a node uses NVLink; any other (HSDP's
-    // replicas, strided across nodes; a larger group) crosses nodes.
-    const bool consecutive = c.group.rfind("dp_shard", 0) == 0 || c.group == "world";
-    const bool intra = consecutive && w <= hw.devices_per_node;
+    // A group whose ranks lie within a node uses NVLink: the tensor-parallel
+    // group, the world, the shard group (hpZ's post-forward groups) when its
+    // w x tp ranks fit; any other (HSDP's replicas, strided across nodes; a
+    // larger group) crosses nodes.
+    const int64_t span = c.group == "tp" || c.group == "world" ? w
+                         : c.group.rfind("dp_shard", 0) == 0 ? int64_t{w} * tp
+                                                              : std::numeric_limits<int64_t>::max();
+    const bool intra = span <= hw.devices_per_node;
     const double bw = intra ? hw.intra_node_bandwidth : hw.inter_node_bandwidth;
     const double lat = intra ? hw.intra_node_latency_s : hw.inter_node_latency_s;
     const double factor = c.kind == "all_reduce" ? 2 : 1;
     // Expressed as the fit at this size: alpha = (W-1) lat, beta = (W-1)/W / bw.
-    m.fits[c.kind][w] = {factor * (w - 1) * lat, factor * (w - 1.0) / w / bw};
+    m.fits[c.kind][w] = m.group_fits[c.group][c.kind][w] = {factor * (w - 1) * lat, factor * (w - 1.0) / w / bw};
   }
   return m;
 }
@@ -343,7 +355,7 @@ StepTime simulate_step(const kernel_log::Log& log, const std::vector<double>& ke
       log.kernels.empty() ? 0 : log.host_seconds * compute_scale / static_cast<double>(log.kernels.size());
   auto duration = [&](size_t i) {
     const auto& c = log.collectives[i];
-    return comm.seconds(c.kind, c.group_size, c.bytes);
+    return comm.seconds(c.kind, c.group_size, c.bytes, c.group);
   };
   for (const auto& e : log.events) {
     const auto i = static_cast<size_t>(e.index);

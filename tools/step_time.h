@@ -38,10 +38,14 @@ struct CollectiveFit {
 };
 struct CommModel {
   std::map<std::string, std::map<int, CollectiveFit>> fits;  // kind -> group size -> fit
+  // Described hardware: each group's own links (HSDP's replicas across nodes,
+  // a tensor-parallel group within one, at the same size): group -> kind -> size -> fit.
+  std::map<std::string, std::map<std::string, std::map<int, CollectiveFit>>> group_fits;
   // Seconds for `kind` over `group_size` ranks moving a buffer of `bytes`
-  // (nccl-tests' size). A size without a fit uses the nearest fitted one,
-  // carried along the ring algorithm: alpha grows as W-1, beta as (W-1)/W.
-  double seconds(const std::string& kind, int group_size, double bytes) const;
+  // (nccl-tests' size): the group's own fit when there is one, else the
+  // kind's. A size without a fit uses the nearest fitted one, carried along
+  // the ring algorithm: alpha grows as W-1, beta as (W-1)/W.
+  double seconds(const std::string& kind, int group_size, double bytes, const std::string& group = "") const;
 };
 // Fits written by bench_collectives --save: one file per group size in
 // cache_dir(). Throws, naming the command to run, when none is there.

@@ -344,6 +344,16 @@ latency_us = 5
   CHECK(groups.seconds("all_gather", 2, 1e9) == Approx(2e-6 + 0.5 * 1e9 / 100e9));
   CHECK(groups.fits.at("all_reduce").at(2).beta_s_per_byte == Approx(2 * 0.5 / 10e9));
   CHECK(groups.seconds("all_reduce", 4, 1e9) == Approx(2 * (3 * 2e-6 + 0.75 * 1e9 / 100e9)));
+  // HSDP x TP: the tensor-parallel pairs within a node, the replicas of the
+  // same size across nodes; shard groups strided by tp fit in a node only
+  // while shard x tp does.
+  tools::CommModel tp = tools::comm_model(hw, {{"all_reduce", "tp", 2, 1e9}, {"all_reduce", "dp_replicate", 2, 1e9},
+                                                {"all_gather", "dp_shard", 2, 1e9}});
+  CHECK(tp.seconds("all_reduce", 2, 1e9, "tp") == Approx(2 * (2e-6 + 0.5 * 1e9 / 100e9)));
+  CHECK(tp.seconds("all_reduce", 2, 1e9, "dp_replicate") == Approx(2 * (5e-6 + 0.5 * 1e9 / 10e9)));
+  CHECK(tp.seconds("all_gather", 2, 1e9, "dp_shard") == Approx(2e-6 + 0.5 * 1e9 / 100e9));
+  tools::CommModel wide = tools::comm_model(hw, {{"all_reduce", "tp", 4, 1e9}, {"all_gather", "dp_shard", 2, 1e9}});
+  CHECK(wide.seconds("all_gather", 2, 1e9, "dp_shard") == Approx(5e-6 + 0.5 * 1e9 / 10e9));
   write("name = \"x\"\n[node]\ndevices = 4\n");
   CHECK_THROWS_WITH(tools::load_hardware(path), Catch::Contains("[device] memory_gib is missing"));
   write("[node]\ndevices = 4\n[device]\nmemory_gib = -1\n");
