@@ -467,3 +467,28 @@ TEST_CASE("activation checkpointing recomputes tensor-parallel blocks, all-reduc
   CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
   check_parity(*model, ref, 1e-10, true);
 }
+
+TEST_CASE("a column-wise layer may hand on its DTensor: elementwise ops follow its placements, both ways",
+          "[tp]") {
+  MeshPtr mesh = tp_mesh();
+  MLP ref(7, 13, 5);
+  ref.init_weights(3);
+  ref.to(DType::F64);
+  auto model = std::make_shared<MLP>(7, 13, 5, Device::meta());
+  tp::parallelize_module(*model, mesh, {{"fc1", tp::style(tp::ColwiseParallel{.use_local_output = false})},
+                                        {"fc2", tp::style(tp::RowwiseParallel{})}});
+  bool sharded = false;  // what fc1 hands to ReLU
+  model->fc1->register_forward_hook([&](nn::Module&, const TensorList&, TensorList& out) {
+    sharded = out[0].is_distributed() && dtensor_spec(out[0]).placements == Placements{Shard{2}};
+  });
+  model->to_empty(Device::cpu());
+  model->init_weights(3);
+  model->to(DType::F64);
+  Tensor x = randn({4, 3, 7}, 21, DType::F64), probe = randn({4, 3, 5}, 22, DType::F64);
+  autograd::backward(sum(ref(x) * probe));
+  Tensor y = (*model)(x);
+  CHECK(sharded);
+  autograd::backward(sum(y * probe));
+  CHECK_CLOSE(y, ref(x), 1e-12, 1e-14);
+  check_parity(*model, ref, 1e-12, true);
+}
