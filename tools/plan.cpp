@@ -234,7 +234,10 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   }
   // PaLM's estimate (appendix B): 2N per token forward for the matmuls, plus
   // 4 x layers x width x seq_len for the attention scores and values.
-  const double tokens = static_cast<double>(plan.micro_batch * T.grad_accum * T.seq_len);
+  // This rank's share: its data-parallel group's tokens, split among its
+  // tensor-parallel ranks (the model's FLOPs counted once, as MFU does).
+  const double tokens = static_cast<double>(plan.micro_batch * T.grad_accum * T.seq_len) /
+                        static_cast<double>(std::max<int64_t>(cfg.parallelism.tensor_parallel_degree, 1));
   const double per_token = 2.0 * static_cast<double>(plan.parameters) +
                            4.0 * static_cast<double>(cfg.model.n_layer * cfg.model.n_embd * T.seq_len);
   plan.flops_forward = per_token * tokens;

@@ -75,7 +75,8 @@ struct Plan {
   std::map<std::string, dist::CollectiveStats> collectives;
   // FLOPs per step on this rank: matmuls and attention (PaLM's estimate),
   // forward, backward (twice forward) and the forward recomputed in backward
-  // under activation checkpointing.
+  // under activation checkpointing. The model's FLOPs are counted once: a
+  // tensor-parallel rank gets 1/degree of its group's.
   double flops_forward = 0, flops_backward = 0, flops_recompute = 0;
   // The steady step's kernels and collectives in program order, from the
   // forward to the optimizer (for the step-time model, tools/step_time.h);

@@ -170,6 +170,22 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
   }
 }
 
+TEST_CASE("a plan's FLOPs count the model once: a tensor-parallel rank gets its share", "[plan]") {
+  dist::init();
+  tools::TrainConfig c = small_config();
+  c.model.arch = "llama";
+  c.model.n_head = 4;
+  c.model.n_kv_head = 2;
+  c.model.bias = false;
+  c.training.batch_size = 8;
+  const tools::Plan fsdp = tools::plan_run(c, 4, 0);
+  c.parallelism.tensor_parallel_degree = 2;
+  const tools::Plan two_d = tools::plan_run(c, 4, 0);
+  CHECK(two_d.micro_batch == 2 * fsdp.micro_batch);  // 2 data-parallel ranks share the batch
+  CHECK(two_d.flops_forward == Approx(fsdp.flops_forward));
+  CHECK(two_d.flops_backward == Approx(fsdp.flops_backward));
+}
+
 TEST_CASE("a plan counts nothing on the device and needs no memory", "[plan]") {
   dist::init();
   tools::TrainConfig c = small_config();
