@@ -170,27 +170,10 @@ std::vector<Tensor> linear_rule(DistCall& call) {
   TS_CHECK(*sa.mesh == *sw.mesh, "{}: operands on different meshes", call.name);
   int64_t ad = static_cast<int64_t>(sa.global_shape.size());
   int64_t wd = static_cast<int64_t>(sw.global_shape.size());
-  // The output's global shape (worked out here, not by running the op on meta:
-  // a planned step logs every meta kernel it runs).
-  TS_CHECK(ad >= 1 && wd >= 1, "{}: operands must have at least one dim ({} and {})", call.name,
-           shape_str(sa.global_shape), shape_str(sw.global_shape));
-  Shape out_shape;
-  if (call.is_linear) {
-    TS_CHECK(wd == 2 && sa.global_shape.back() == sw.global_shape[1], "linear: input {} does not fit weight {}",
-             shape_str(sa.global_shape), shape_str(sw.global_shape));
-    out_shape = sa.global_shape;
-    out_shape.back() = sw.global_shape[0];
-  } else {
-    const Shape& as = sa.global_shape;
-    const Shape& ws = sw.global_shape;
-    TS_CHECK(as.back() == ws[static_cast<size_t>(wd >= 2 ? wd - 2 : 0)], "matmul: shapes {} and {} do not align",
-             shape_str(as), shape_str(ws));
-    Shape batch = ops::broadcast_shapes(ad > 2 ? Shape(as.begin(), as.end() - 2) : Shape{},
-                                        wd > 2 ? Shape(ws.begin(), ws.end() - 2) : Shape{}, "matmul");
-    out_shape = batch;
-    if (ad >= 2) out_shape.push_back(as[static_cast<size_t>(ad - 2)]);
-    if (wd >= 2) out_shape.push_back(ws.back());
-  }
+  // The output's global shape, from the op's own shape rule (not by running
+  // it on meta: a planned step logs every meta kernel it runs).
+  const Shape out_shape = call.is_linear ? ops::linear_shape(sa.global_shape, sw.global_shape)
+                                         : ops::matmul_shape(sa.global_shape, sw.global_shape);
   int64_t od = static_cast<int64_t>(out_shape.size());
   // In linear, w is [out, in]: its "output features" dim is 0 and "input" dim is 1;
   // in matmul(a [.., k], b [k, n]) they are 1 and 0.

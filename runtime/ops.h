@@ -126,6 +126,10 @@ double sum_squares(const Tensor& x);  // the same for one tensor, read on the ho
 Tensor matmul(const Tensor& a, const Tensor& b);
 // y = x @ w^T + b for x [..., in], w [out, in], b [out] (optional).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {});
+// The shapes matmul(a, b) and linear(x, w) give for operands of these shapes
+// (throwing as the ops do when they do not fit).
+Shape matmul_shape(const Shape& a, const Shape& b);
+Shape linear_shape(const Shape& x, const Shape& w);
 // The gradients of y = linear(x, w, b) given dy = grad: {dx, dw, db}, each
 // computed only where `need` says (undefined otherwise). On DTensors the
 // placements follow the forward's rule (dtensor/ops.cpp).

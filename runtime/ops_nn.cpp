@@ -77,6 +77,28 @@ void gemm2d(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, d
 
 }  // namespace
 
+Shape matmul_shape(const Shape& a_in, const Shape& b_in) {
+  TS_CHECK(!a_in.empty() && !b_in.empty(), "matmul: both operands need at least 1 dim, got {} and {}",
+           shape_str(a_in), shape_str(b_in));
+  Shape a = a_in.size() == 1 ? Shape{1, a_in[0]} : a_in;
+  Shape b = b_in.size() == 1 ? Shape{b_in[0], 1} : b_in;
+  const int64_t m = a[a.size() - 2], k = a.back(), k2 = b[b.size() - 2], n = b.back();
+  TS_CHECK(k == k2, "matmul: shapes {} and {} do not align ({} != {})", shape_str(a_in), shape_str(b_in), k, k2);
+  Shape out = broadcast_shapes(Shape(a.begin(), a.end() - 2), Shape(b.begin(), b.end() - 2), "matmul");
+  if (a_in.size() > 1) out.push_back(m);
+  if (b_in.size() > 1) out.push_back(n);
+  return out;
+}
+
+Shape linear_shape(const Shape& x, const Shape& w) {
+  TS_CHECK(w.size() == 2, "linear: weight must be 2-D [out, in], got {}", shape_str(w));
+  TS_CHECK(!x.empty() && x.back() == w[1], "linear: input {} has {} features but weight {} expects {}", shape_str(x),
+           x.empty() ? 0 : x.back(), shape_str(w), w[1]);
+  Shape out = x;
+  out.back() = w[0];
+  return out;
+}
+
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   if (any_distributed({&a_in, &b_in})) {
     DistCall call;
@@ -88,22 +110,15 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   }
   check_pair(a_in, b_in, "matmul");
   check_float(a_in, "matmul", "inputs");
-  TS_CHECK(a_in.dim() >= 1 && b_in.dim() >= 1, "matmul: both operands need at least 1 dim, got {} and {}",
-           shape_str(a_in.shape()), shape_str(b_in.shape()));
+  const Shape final_shape = matmul_shape(a_in.shape(), b_in.shape());
   // 1-D operands become matrices and lose that dim again at the end (torch.matmul rules).
   Tensor a = a_in.dim() == 1 ? unsqueeze(a_in, 0) : a_in;
   Tensor b = b_in.dim() == 1 ? unsqueeze(b_in, 1) : b_in;
-  int64_t m = a.size(-2), k = a.size(-1), k2 = b.size(-2), n = b.size(-1);
-  TS_CHECK(k == k2, "matmul: shapes {} and {} do not align ({} != {})", shape_str(a_in.shape()),
-           shape_str(b_in.shape()), k, k2);
-  Shape batch_a(a.shape().begin(), a.shape().end() - 2), batch_b(b.shape().begin(), b.shape().end() - 2);
-  Shape batch = broadcast_shapes(batch_a, batch_b, "matmul");
+  int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  Shape batch(final_shape.begin(), final_shape.end() - (a_in.dim() > 1) - (b_in.dim() > 1));
   Shape out_shape = batch;
   out_shape.push_back(m);
   out_shape.push_back(n);
-  Shape final_shape = batch;
-  if (a_in.dim() > 1) final_shape.push_back(m);
-  if (b_in.dim() > 1) final_shape.push_back(n);
   // On meta the same tensors are made (a planned step counts them) and no kernel runs.
   Tensor ac = upcast(a, kMatmul), bc = upcast(b, kMatmul);
   Tensor out = empty(out_shape, ac.dtype(), a.device());
@@ -130,17 +145,12 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   }
   check_pair(x, w, "linear");
   check_float(x, "linear", "input");
-  TS_CHECK(w.dim() == 2, "linear: weight must be 2-D [out, in], got {}", shape_str(w.shape()));
-  TS_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1),
-           "linear: input {} has {} features but weight {} expects {}", shape_str(x.shape()),
-           x.dim() >= 1 ? x.size(-1) : 0, shape_str(w.shape()), w.size(1));
+  const Shape out_shape = linear_shape(x.shape(), w.shape());
   if (b.defined()) {
     check_pair(x, b, "linear (bias)");
     TS_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: bias {} does not match weight {}",
              shape_str(b.shape()), shape_str(w.shape()));
   }
-  Shape out_shape = x.shape();
-  out_shape.back() = w.size(0);
   Tensor x2 = reshape(upcast(x, kMatmul), {leading_numel(x.shape()), w.size(1)});
   Tensor out = empty({x2.size(0), w.size(0)}, x2.dtype(), x.device());
   if (b.defined()) {
@@ -161,9 +171,8 @@ TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w,
     call.local = [need](const TensorList& l) { return linear_backward(l[0], l[1], l[2], need); };
     return dispatch_distributed(call);
   }
-  TS_CHECK(w.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == w.size(0) && x.dim() >= 1 && x.size(-1) == w.size(1) &&
-               leading_numel(grad.shape()) == leading_numel(x.shape()),
-           "linear_backward: gradient {}, input {} and weight {} do not belong to one linear", shape_str(grad.shape()),
+  TS_CHECK(linear_shape(x.shape(), w.shape()) == grad.shape(),
+           "linear_backward: gradient {} is not the output of input {} and weight {}", shape_str(grad.shape()),
            shape_str(x.shape()), shape_str(w.shape()));
   const int64_t in = w.size(1), out = w.size(0), rows = leading_numel(grad.shape());
   Tensor g2 = reshape(grad, {rows, out});

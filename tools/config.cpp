@@ -675,6 +675,17 @@ int64_t data_parallel_ranks(const TrainConfig& c, int world_size) {
   return rep * shard;
 }
 
+MeshDims mesh_dims(const TrainConfig& c, int world_size) {
+  auto [rep, shard] = mesh_shape(c, world_size);
+  const int64_t tp = c.parallelism.tensor_parallel_degree;
+  MeshDims d;
+  auto dim = [&](int64_t size, const char* name) { d.shape.push_back(size), d.names.emplace_back(name); };
+  if (rep > 1) dim(rep, "dp_replicate");
+  dim(shard, "dp_shard");
+  if (tp > 1) dim(tp, "tp");
+  return d;
+}
+
 int64_t parameter_count(const TrainConfig& c) {
   const auto& m = c.model;
   Size C = key("model.n_embd", m.n_embd), V = key("model.vocab_size", m.vocab_size);

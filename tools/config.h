@@ -190,6 +190,13 @@ double available_host_memory();
 std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The data-parallel ranks (replicate x shard): the world over the tensor-parallel degree.
 int64_t data_parallel_ranks(const TrainConfig& cfg, int world_size);
+// tessera-train's mesh, outermost dim first: dp_replicate (when > 1), dp_shard,
+// tp (when > 1), as sizes and names.
+struct MeshDims {
+  Shape shape;
+  std::vector<std::string> names;
+};
+MeshDims mesh_dims(const TrainConfig& cfg, int world_size);
 // The [model] section (and training.seq_len, the block size) as a JSON object
 // of strings, stored in checkpoints and exported files so tools can rebuild
 // the model; and back (unknown keys are errors).

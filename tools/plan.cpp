@@ -24,29 +24,21 @@ namespace {
 int64_t held() { return memory_stats(Device::meta()).allocated_bytes; }
 int64_t peak() { return memory_stats(Device::meta()).peak_allocated_bytes; }
 
-// The mesh of `rank` in a world of world_size, over simulated groups named
-// as tessera-train's mesh dims (dp_replicate if > 1, dp_shard, tp if > 1).
-MeshPtr simulated_mesh(int world_size, int rank, int64_t replicate, int64_t shard, int64_t tp) {
+// tessera-train's mesh (mesh_dims) as rank `rank` of world_size sees it, over simulated groups.
+MeshPtr simulated_mesh(const TrainConfig& cfg, int world_size, int rank) {
+  const MeshDims dims = mesh_dims(cfg, world_size);
   std::vector<int> all(static_cast<size_t>(world_size));
   std::iota(all.begin(), all.end(), 0);
-  Shape shape;
-  std::vector<std::string> names;
-  auto dim = [&](int64_t size, const char* name, bool keep) {
-    if (keep) shape.push_back(size), names.emplace_back(name);
-  };
-  dim(replicate, "dp_replicate", replicate > 1);
-  dim(shard, "dp_shard", true);
-  dim(tp, "tp", tp > 1);
-  const Shape strides = contiguous_strides(shape);
-  std::vector<int64_t> coord(shape.size());
-  for (size_t d = 0; d < shape.size(); ++d) coord[d] = rank / strides[d] % shape[d];
+  const Shape strides = contiguous_strides(dims.shape);
+  std::vector<int64_t> coord(dims.shape.size());
+  for (size_t d = 0; d < dims.shape.size(); ++d) coord[d] = rank / strides[d] % dims.shape[d];
   std::vector<dist::ProcessGroupPtr> groups;
-  for (size_t d = 0; d < shape.size(); ++d) {  // the ranks that differ from this one along d only
+  for (size_t d = 0; d < dims.shape.size(); ++d) {  // the ranks that differ from this one along d only
     std::vector<int> members;
-    for (int64_t i = 0; i < shape[d]; ++i) members.push_back(static_cast<int>(rank + (i - coord[d]) * strides[d]));
-    groups.push_back(dist::simulated_group(static_cast<int>(coord[d]), members, names[d]));
+    for (int64_t i = 0; i < dims.shape[d]; ++i) members.push_back(static_cast<int>(rank + (i - coord[d]) * strides[d]));
+    groups.push_back(dist::simulated_group(static_cast<int>(coord[d]), members, dims.names[d]));
   }
-  return std::make_shared<DeviceMesh>("meta", shape, all, names, groups, coord);
+  return std::make_shared<DeviceMesh>("meta", dims.shape, all, dims.names, groups, coord);
 }
 
 // Bytes of the storages behind tensors (local shards of DTensors), each once.
@@ -156,8 +148,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   plan.micro_batch = T.batch_size / T.grad_accum / data_parallel_ranks(cfg, world_size);
 
   MetaAccounting accounting;
-  MeshPtr mesh = simulated_mesh(world_size, rank, plan.replicate, plan.shard,
-                                std::max<int64_t>(cfg.parallelism.tensor_parallel_degree, 1));
+  MeshPtr mesh = simulated_mesh(cfg, world_size, rank);
   std::vector<int> all(static_cast<size_t>(world_size));
   std::iota(all.begin(), all.end(), 0);
   dist::ProcessGroupPtr world = dist::simulated_group(rank, all, "world");
@@ -237,7 +228,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   // This rank's share: its data-parallel group's tokens, split among its
   // tensor-parallel ranks (the model's FLOPs counted once, as MFU does).
   const double tokens = static_cast<double>(plan.micro_batch * T.grad_accum * T.seq_len) /
-                        static_cast<double>(std::max<int64_t>(cfg.parallelism.tensor_parallel_degree, 1));
+                        static_cast<double>(cfg.parallelism.tensor_parallel_degree);  // validated >= 1
   const double per_token = 2.0 * static_cast<double>(plan.parameters) +
                            4.0 * static_cast<double>(cfg.model.n_layer * cfg.model.n_embd * T.seq_len);
   plan.flops_forward = per_token * tokens;

@@ -195,7 +195,7 @@ CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collectiv
     const double lat = intra ? hw.intra_node_latency_s : hw.inter_node_latency_s;
     const double factor = c.kind == "all_reduce" ? 2 : 1;
     // Expressed as the fit at this size: alpha = (W-1) lat, beta = (W-1)/W / bw.
-    m.fits[c.kind][w] = m.group_fits[c.group][c.kind][w] = {factor * (w - 1) * lat, factor * (w - 1.0) / w / bw};
+    m.group_fits[c.group][c.kind][w] = {factor * (w - 1) * lat, factor * (w - 1.0) / w / bw};
   }
   return m;
 }

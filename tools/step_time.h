@@ -37,7 +37,8 @@ struct CollectiveFit {
   double alpha_s = 0, beta_s_per_byte = 0;
 };
 struct CommModel {
-  std::map<std::string, std::map<int, CollectiveFit>> fits;  // kind -> group size -> fit
+  // This machine's (bench_collectives --save): kind -> group size -> fit, for any group.
+  std::map<std::string, std::map<int, CollectiveFit>> fits;
   // Described hardware: each group's own links (HSDP's replicas across nodes,
   // a tensor-parallel group within one, at the same size): group -> kind -> size -> fit.
   std::map<std::string, std::map<std::string, std::map<int, CollectiveFit>>> group_fits;

@@ -258,8 +258,8 @@ class Trainer {
   explicit Trainer(tools::TrainConfig cfg)
       : cfg_(std::move(cfg)),
         T_(cfg_.training),
-        tp_(std::max<int64_t>(cfg_.parallelism.tensor_parallel_degree, 1)),
-        dp_(world_ / tp_),
+        tp_(cfg_.parallelism.tensor_parallel_degree),
+        dp_(tools::data_parallel_ranks(cfg_, world_)),
         dp_rank_(rank_ / tp_),
         allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
@@ -337,16 +337,10 @@ class Trainer {
 };
 
 void Trainer::build_model() {
-  auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   const std::string device_type =
       cfg_.job.device != "auto" ? cfg_.job.device : (cuda::is_available() ? "cuda" : "cpu");
-  // (dp_replicate,) dp_shard (, tp): tensor-parallel groups are consecutive ranks.
-  Shape shape;
-  std::vector<std::string> names;
-  if (rep > 1) shape.push_back(rep), names.emplace_back("dp_replicate");
-  shape.push_back(shard), names.emplace_back("dp_shard");
-  if (tp_ > 1) shape.push_back(tp_), names.emplace_back("tp");
-  mesh_ = init_device_mesh(device_type, shape, names);
+  const tools::MeshDims dims = tools::mesh_dims(cfg_, world_);  // tensor-parallel groups: consecutive ranks
+  mesh_ = init_device_mesh(device_type, dims.shape, dims.names);
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
   const int64_t built = model_->num_parameters(false), predicted = tools::parameter_count(cfg_);

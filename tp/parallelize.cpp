@@ -70,48 +70,35 @@ void check_mesh(const MeshPtr& mesh) {
            mesh ? mesh->str() : std::string("none"));
 }
 
-class Colwise final : public ParallelStyle {
+// A Linear split Megatron's way: its weight and bias laid out over the mesh,
+// its input moved from the user's layout to the one the split needs, its
+// output from the split's to the user's (ColwiseParallel, RowwiseParallel).
+class LinearSplit final : public ParallelStyle {
  public:
-  explicit Colwise(ColwiseParallel o) : o_(std::move(o)) {}
-  std::string name() const override { return "ColwiseParallel"; }
+  struct Layout {
+    const char* name;
+    Placement weight, bias, input;  // the split's
+    Placement input_layout, output_layout;  // the user's
+    bool use_local_output;
+  };
+  explicit LinearSplit(Layout l) : l_(std::move(l)) {}
+  std::string name() const override { return l_.name; }
   void apply(nn::Module& m, const MeshPtr& mesh, const std::string& fqn) const override {
-    nn::Linear& linear = as_linear(m, fqn, "ColwiseParallel");
-    shard_parameter(m, "weight", mesh, Shard{0});
-    shard_parameter(m, "bias", mesh, Shard{0});
-    const ColwiseParallel o = o_;
+    nn::Linear& linear = as_linear(m, fqn, l_.name);
+    shard_parameter(m, "weight", mesh, l_.weight);
+    shard_parameter(m, "bias", mesh, l_.bias);
+    const Layout l = l_;
     const int64_t in = linear.in_features;
-    m.register_forward_pre_hook([mesh, o, in](nn::Module&, TensorList& inputs) {
-      inputs[0] = prepare_input(inputs[0], mesh, o.input_layout, Replicate{}, in);
+    m.register_forward_pre_hook([mesh, l, in](nn::Module&, TensorList& inputs) {
+      inputs[0] = prepare_input(inputs[0], mesh, l.input_layout, l.input, in);
     });
-    m.register_forward_hook([mesh, o](nn::Module&, const TensorList&, TensorList& outputs) {
-      outputs[0] = prepare_output(outputs[0], mesh, o.output_layout, o.use_local_output);
+    m.register_forward_hook([mesh, l](nn::Module&, const TensorList&, TensorList& outputs) {
+      outputs[0] = prepare_output(outputs[0], mesh, l.output_layout, l.use_local_output);
     });
   }
 
  private:
-  ColwiseParallel o_;
-};
-
-class Rowwise final : public ParallelStyle {
- public:
-  explicit Rowwise(RowwiseParallel o) : o_(std::move(o)) {}
-  std::string name() const override { return "RowwiseParallel"; }
-  void apply(nn::Module& m, const MeshPtr& mesh, const std::string& fqn) const override {
-    nn::Linear& linear = as_linear(m, fqn, "RowwiseParallel");
-    shard_parameter(m, "weight", mesh, Shard{1});
-    shard_parameter(m, "bias", mesh, Replicate{});
-    const RowwiseParallel o = o_;
-    const int64_t in = linear.in_features;
-    m.register_forward_pre_hook([mesh, o, in](nn::Module&, TensorList& inputs) {
-      inputs[0] = prepare_input(inputs[0], mesh, o.input_layout, Shard{-1}, in);
-    });
-    m.register_forward_hook([mesh, o](nn::Module&, const TensorList&, TensorList& outputs) {
-      outputs[0] = prepare_output(outputs[0], mesh, o.output_layout, o.use_local_output);
-    });
-  }
-
- private:
-  RowwiseParallel o_;
+  Layout l_;
 };
 
 class PrepareInput final : public ParallelStyle {
@@ -166,8 +153,14 @@ bool matches(const std::string& pattern, const std::string& path) {
 
 }  // namespace
 
-StylePtr style(ColwiseParallel options) { return std::make_shared<Colwise>(std::move(options)); }
-StylePtr style(RowwiseParallel options) { return std::make_shared<Rowwise>(std::move(options)); }
+StylePtr style(ColwiseParallel o) {
+  return std::make_shared<LinearSplit>(LinearSplit::Layout{"ColwiseParallel", Shard{0}, Shard{0}, Replicate{},
+                                                           o.input_layout, o.output_layout, o.use_local_output});
+}
+StylePtr style(RowwiseParallel o) {
+  return std::make_shared<LinearSplit>(LinearSplit::Layout{"RowwiseParallel", Shard{1}, Replicate{}, Shard{-1},
+                                                           o.input_layout, o.output_layout, o.use_local_output});
+}
 StylePtr style(PrepareModuleInput options) { return std::make_shared<PrepareInput>(std::move(options)); }
 StylePtr style(PrepareModuleOutput options) { return std::make_shared<PrepareOutput>(std::move(options)); }
 

@@ -12,6 +12,7 @@
 #include "runtime/mpi/engine.h"
 #include "runtime/mpi/group.h"
 
+#include "runtime/cpu/dispatch.h"
 #include "runtime/kernel_log.h"
 #include "runtime/ops.h"
 #include "runtime/stream.h"
@@ -140,45 +141,40 @@ std::vector<char*> slots(void* base, size_t bytes, int size) {
 int tag_of(int64_t seq) { return static_cast<int>(seq % 32768); }
 
 // out[i] = the reduction over ranks p, in rank order, of chunk[p][i], in the
-// compute type Acc (f32 for bf16/f16, rounding once at the end), each term
-// scaled by `scale` (PremulSum) and the result divided by the rank count (Avg),
-// as ops::mul_ and ops::div_ would in Acc. Serial (engine side). `out` may be
-// one of the chunks: a block is read whole before it is written.
-template <class T, class Acc>
-void reduce_chunks(T* out, int64_t n, ReduceOp op, Acc scale, const std::vector<const T*>& chunk) {
+// kernels' compute type (cpu::Compute: f32 for bf16/f16, rounding once at
+// the end), each term scaled by `scale` (PremulSum) and the result divided by
+// the rank count (Avg), as ops::mul_ and ops::div_ would. Serial (engine
+// side). `out` may be one of the chunks: a block is read whole before it is
+// written.
+template <class T>
+void reduce_chunks(T* out, int64_t n, ReduceOp op, double scale, const std::vector<const T*>& chunk) {
+  using Acc = cpu::Compute<T>;
   constexpr int64_t kBlock = 256;
   Acc acc[kBlock];
   const bool premul = op == ReduceOp::PremulSum;
-  auto load = [&](const T* c, int64_t i) {
-    Acc v;
-    if constexpr (std::is_same_v<T, BFloat16>) v = bf16_to_float(c[i]);
-    else if constexpr (std::is_same_v<T, Half>) v = f16_to_float(c[i]);
-    else v = static_cast<Acc>(c[i]);
+  auto term = [&](const T* c, int64_t i) {
+    Acc v = cpu::load(c[i]);
     if constexpr (std::is_floating_point_v<Acc>)
-      if (premul) v *= scale;
+      if (premul) v *= static_cast<Acc>(scale);
     return v;
   };
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t m = std::min(kBlock, n - b);
-    for (int64_t i = 0; i < m; ++i) acc[i] = load(chunk[0], b + i);
+    for (int64_t i = 0; i < m; ++i) acc[i] = term(chunk[0], b + i);
     for (size_t p = 1; p < chunk.size(); ++p) {
       const T* c = chunk[p];
       if (op == ReduceOp::Max) {
-        for (int64_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], load(c, b + i));
+        for (int64_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], term(c, b + i));
       } else if (op == ReduceOp::Min) {
-        for (int64_t i = 0; i < m; ++i) acc[i] = std::min(acc[i], load(c, b + i));
+        for (int64_t i = 0; i < m; ++i) acc[i] = std::min(acc[i], term(c, b + i));
       } else if constexpr (!std::is_same_v<Acc, bool>) {  // bool sums are refused before
-        for (int64_t i = 0; i < m; ++i) acc[i] += load(c, b + i);
+        for (int64_t i = 0; i < m; ++i) acc[i] += term(c, b + i);
       }
     }
     if constexpr (std::is_floating_point_v<Acc>)
       if (op == ReduceOp::Avg)
         for (int64_t i = 0; i < m; ++i) acc[i] /= static_cast<Acc>(chunk.size());
-    for (int64_t i = 0; i < m; ++i) {
-      if constexpr (std::is_same_v<T, BFloat16>) out[b + i] = float_to_bf16(acc[i]);
-      else if constexpr (std::is_same_v<T, Half>) out[b + i] = float_to_f16(acc[i]);
-      else out[b + i] = static_cast<T>(acc[i]);
-    }
+    for (int64_t i = 0; i < m; ++i) out[b + i] = cpu::store<T>(acc[i]);
   }
 }
 
@@ -353,26 +349,14 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
   const ReduceOp rop = o.op;
   c->finish = [=] {
     if (n == 0) return;
-    auto run = [&](auto tag, auto acc_tag) {
+    cpu::dispatch_all(dt, [&](auto tag) {
       using T = decltype(tag);
-      using Acc = decltype(acc_tag);
       std::vector<const T*> chunks(static_cast<size_t>(world));
       for (int p = 0; p < world; ++p)
         chunks[static_cast<size_t>(p)] = p == me ? static_cast<const T*>(input.data_ptr()) + static_cast<int64_t>(me) * n
                                                  : reinterpret_cast<const T*>(recv[static_cast<size_t>(p)]);
-      Acc scale{};
-      if constexpr (std::is_floating_point_v<Acc>) scale = static_cast<Acc>(factor);
-      reduce_chunks<T, Acc>(static_cast<T*>(output.data_ptr()), n, rop, scale, chunks);
-    };
-    switch (dt) {
-      case DType::F32: run(float{}, float{}); break;
-      case DType::F64: run(double{}, double{}); break;
-      case DType::BF16: run(BFloat16{}, float{}); break;
-      case DType::F16: run(Half{}, float{}); break;
-      case DType::I32: run(int32_t{}, int32_t{}); break;
-      case DType::I64: run(int64_t{}, int64_t{}); break;
-      case DType::Bool: run(bool{}, bool{}); break;
-    }
+      reduce_chunks<T>(static_cast<T*>(output.data_ptr()), n, rop, factor, chunks);
+    });
   };
   return submit(c);
 }

@@ -3,6 +3,8 @@
 // local shard against the matching slice of the reference.
 #pragma once
 
+#include <cstdlib>
+#include <filesystem>
 #include <optional>
 
 #include "dtensor/dtensor.h"
@@ -12,6 +14,24 @@
 #include "tests/helpers.h"
 
 namespace tessera::testing {
+
+// A directory every rank agrees on (rank 0 creates it), removed at scope exit.
+struct SharedDir {
+  std::filesystem::path path;
+  SharedDir() {
+    std::string mine;
+    if (dist::rank() == 0) {
+      char tmpl[] = "/tmp/tessera-ckpt-XXXXXX";
+      REQUIRE(mkdtemp(tmpl) != nullptr);
+      mine = tmpl;
+    }
+    path = dist::all_gather_strings(dist::world(), mine)[0];
+  }
+  ~SharedDir() {
+    dist::world()->barrier()->wait();
+    if (dist::rank() == 0) std::filesystem::remove_all(path);
+  }
+};
 
 inline int world() {
   dist::init();

@@ -52,24 +52,6 @@ void train_steps(nn::GPT& model, optim::AdamW& opt, int steps) {
   }
 }
 
-// A directory every rank agrees on (rank 0 creates it), removed at scope exit.
-struct SharedDir {
-  fs::path path;
-  SharedDir() {
-    std::string mine;
-    if (dist::rank() == 0) {
-      char tmpl[] = "/tmp/tessera-ckpt-XXXXXX";
-      REQUIRE(mkdtemp(tmpl) != nullptr);
-      mine = tmpl;
-    }
-    path = dist::all_gather_strings(dist::world(), mine)[0];
-  }
-  ~SharedDir() {
-    dist::world()->barrier()->wait();
-    if (dist::rank() == 0) fs::remove_all(path);
-  }
-};
-
 void barrier() {
   dist::world()->barrier()->wait();
 }

@@ -35,6 +35,17 @@ tools::TrainConfig small_config() {
   return c;
 }
 
+// The same as Llama with grouped-query attention (4 heads, 2 key/value heads).
+tools::TrainConfig small_llama() {
+  tools::TrainConfig c = small_config();
+  c.model.arch = "llama";
+  c.model.n_head = 4;
+  c.model.n_kv_head = 2;
+  c.model.bias = false;
+  c.model.ffn_hidden = 100;
+  return c;
+}
+
 struct Measured {
   int64_t peak = 0;
   std::map<std::string, dist::CollectiveStats> collectives;  // of the second step
@@ -45,14 +56,9 @@ struct Measured {
 // Two steps as tessera-train runs them, on the CPU over the world.
 Measured run_two_steps(const tools::TrainConfig& cfg) {
   const int world = dist::world_size(), rank = dist::rank();
-  auto [rep, shard] = tools::mesh_shape(cfg, world);
+  const tools::MeshDims dims = tools::mesh_dims(cfg, world);
   const int64_t tp = cfg.parallelism.tensor_parallel_degree;
-  Shape shape;
-  std::vector<std::string> names;
-  if (rep > 1) shape.push_back(rep), names.emplace_back("dp_replicate");
-  shape.push_back(shard), names.emplace_back("dp_shard");
-  if (tp > 1) shape.push_back(tp), names.emplace_back("tp");
-  MeshPtr mesh = init_device_mesh("cpu", shape, names);
+  MeshPtr mesh = init_device_mesh("cpu", dims.shape, dims.names);
   Measured m;
   const int64_t base = memory_stats().allocated_bytes;
   reset_peak_memory_stats();
@@ -148,13 +154,8 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
   c.training.grad_accum = 2;
   c.training.batch_size = 24;
   check_plan(c, "grad_accum 2");
-  c = small_config();
-  c.model.arch = "llama";
-  c.model.n_head = 4;
-  c.model.n_kv_head = 2;
-  c.model.bias = false;
+  c = small_llama();
   c.model.tie_embeddings = false;
-  c.model.ffn_hidden = 100;
   check_plan(c, "llama, GQA");
   if (dist::world_size() % 2 == 0) {  // tensor parallelism 2 alone, and under FSDP at 4 ranks
     c.parallelism.tensor_parallel_degree = 2;
@@ -172,11 +173,7 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
 
 TEST_CASE("a plan's FLOPs count the model once: a tensor-parallel rank gets its share", "[plan]") {
   dist::init();
-  tools::TrainConfig c = small_config();
-  c.model.arch = "llama";
-  c.model.n_head = 4;
-  c.model.n_kv_head = 2;
-  c.model.bias = false;
+  tools::TrainConfig c = small_llama();
   c.training.batch_size = 8;
   const tools::Plan fsdp = tools::plan_run(c, 4, 0);
   c.parallelism.tensor_parallel_degree = 2;
@@ -212,13 +209,7 @@ TEST_CASE("a plan counts nothing on the device and needs no memory", "[plan]") {
 
 TEST_CASE("every kernel of a step's log runs on the CPU as logged, and its time is cached", "[plan][time]") {
   dist::init();
-  tools::TrainConfig c = small_config();
-  c.model.arch = "llama";
-  c.model.n_head = 4;
-  c.model.n_kv_head = 2;
-  c.model.bias = false;
-  c.model.ffn_hidden = 100;
-  tools::Plan plan = tools::plan_run(c, 1, 0, /*log_step=*/true);
+  tools::Plan plan = tools::plan_run(small_llama(), 1, 0, /*log_step=*/true);
   const kernel_log::Log& log = *plan.step_log;
   REQUIRE(log.kernels.size() > 50);
   std::set<std::string> names;
@@ -351,15 +342,15 @@ latency_us = 5
   CHECK(s[1] == Approx(0.001));
   std::vector<kernel_log::Collective> cs = {{"all_gather", "dp_shard", 4, 4e9}, {"all_gather", "dp_shard", 8, 8e9}};
   tools::CommModel m = tools::comm_model(hw, cs);
-  CHECK(m.seconds("all_gather", 4, 4e9) == Approx(3 * 2e-6 + 0.75 * 4e9 / 100e9));  // in the node
-  CHECK(m.seconds("all_gather", 8, 8e9) == Approx(7 * 5e-6 + 0.875 * 8e9 / 10e9));  // across nodes
+  CHECK(m.seconds("all_gather", 4, 4e9, "dp_shard") == Approx(3 * 2e-6 + 0.75 * 4e9 / 100e9));  // in the node
+  CHECK(m.seconds("all_gather", 8, 8e9, "dp_shard") == Approx(7 * 5e-6 + 0.875 * 8e9 / 10e9));  // across nodes
   // hpZ's groups and the world are consecutive ranks too; HSDP's replicas are strided.
   tools::CommModel groups = tools::comm_model(
       hw, {{"all_gather", "dp_shard/post-forward2", 2, 1e9}, {"all_reduce", "dp_replicate", 2, 1e9},
            {"all_reduce", "world", 4, 1e9}});
-  CHECK(groups.seconds("all_gather", 2, 1e9) == Approx(2e-6 + 0.5 * 1e9 / 100e9));
-  CHECK(groups.fits.at("all_reduce").at(2).beta_s_per_byte == Approx(2 * 0.5 / 10e9));
-  CHECK(groups.seconds("all_reduce", 4, 1e9) == Approx(2 * (3 * 2e-6 + 0.75 * 1e9 / 100e9)));
+  CHECK(groups.seconds("all_gather", 2, 1e9, "dp_shard/post-forward2") == Approx(2e-6 + 0.5 * 1e9 / 100e9));
+  CHECK(groups.group_fits.at("dp_replicate").at("all_reduce").at(2).beta_s_per_byte == Approx(2 * 0.5 / 10e9));
+  CHECK(groups.seconds("all_reduce", 4, 1e9, "world") == Approx(2 * (3 * 2e-6 + 0.75 * 1e9 / 100e9)));
   // HSDP x TP: the tensor-parallel pairs within a node, the replicas of the
   // same size across nodes; shard groups strided by tp fit in a node only
   // while shard x tp does.

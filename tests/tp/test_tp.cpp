@@ -82,23 +82,6 @@ void train_step(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t voc
   opt.zero_grad();
 }
 
-// A directory every rank agrees on, removed at scope exit.
-struct SharedDir {
-  std::string path;
-  SharedDir() {
-    std::string mine;
-    if (dist::rank() == 0) {
-      char tmpl[] = "/tmp/tessera-tp-XXXXXX";
-      REQUIRE(mkdtemp(tmpl) != nullptr);
-      mine = tmpl;
-    }
-    path = dist::all_gather_strings(dist::world(), mine)[0];
-  }
-  ~SharedDir() {
-    dist::world()->barrier()->wait();
-    if (dist::rank() == 0) std::filesystem::remove_all(path);
-  }
-};
 
 }  // namespace
 
@@ -223,7 +206,7 @@ TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as t
   optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
   optim::AdamW opt(model->parameters(), o);
   train_step(*model, opt, 60, c.vocab_size);
-  fsdp::save_checkpoint(dir.path, 1, *model, &opt);
+  fsdp::save_checkpoint(dir.path.string(), 1, *model, &opt);
 
   // One process (every rank reads every chunk), FSDP over the same ranks, and
   // tensor parallelism again: the same values, bit for bit, and the same
@@ -231,7 +214,7 @@ TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as t
   nn::Llama plain(c);
   plain.to(DType::F64);
   optim::AdamW plain_opt(plain.parameters(), o);
-  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), plain, &plain_opt);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path.string()), plain, &plain_opt);
   auto sharded = nn::Llama::on_meta(c);
   MeshPtr dp = init_device_mesh("cpu", {w}, {"dp"});
   for (auto& b : sharded->blocks) fsdp::fully_shard(*b, {.mesh = dp});
@@ -239,10 +222,10 @@ TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as t
   sharded->to_empty(Device::cpu());
   sharded->to(DType::F64);
   optim::AdamW sharded_opt(sharded->parameters(), o);
-  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), *sharded, &sharded_opt);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path.string()), *sharded, &sharded_opt);
   auto again = tp_llama(c, mesh, 99);
   optim::AdamW again_opt(again->parameters(), o);
-  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path), *again, &again_opt);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path.string()), *again, &again_opt);
   auto want = model->named_parameters();
   for (nn::Module* loaded : {static_cast<nn::Module*>(&plain), static_cast<nn::Module*>(sharded.get()),
                              static_cast<nn::Module*>(again.get())}) {
@@ -365,20 +348,20 @@ TEST_CASE("checkpoints move between FSDP, FSDP x TP and one process", "[tp][fsdp
   optim::AdamW fsdp_opt(fsdp_only->parameters(), o);
   train_rows(*fsdp_only, fsdp_opt, 100, flat->get_local_rank(0), w, c.vocab_size);
   SharedDir a, b;
-  fsdp::save_checkpoint(a.path, 1, *fsdp_only, &fsdp_opt);
+  fsdp::save_checkpoint(a.path.string(), 1, *fsdp_only, &fsdp_opt);
   // Loaded at dp x tp: the same values, and the same moments (the next steps agree).
   MeshPtr mesh = init_device_mesh("cpu", {w / tp, tp}, {"dp", "tp"});
   auto two_d = fsdp_llama(c, mesh, 77);
   optim::AdamW two_d_opt(two_d->parameters(), o);
-  fsdp::load_checkpoint(fsdp::latest_checkpoint(a.path), *two_d, &two_d_opt);
+  fsdp::load_checkpoint(fsdp::latest_checkpoint(a.path.string()), *two_d, &two_d_opt);
   check_equal_params(*two_d, *fsdp_only);
   train_rows(*fsdp_only, fsdp_opt, 110, flat->get_local_rank(0), w, c.vocab_size);
   train_rows(*two_d, two_d_opt, 110, mesh->get_local_rank(0), w / tp, c.vocab_size);
   check_parity(*two_d, *fsdp_only, 1e-10, false);
   // Saved at dp x tp: every element written exactly once (a shard that the
   // tensor-parallel ranks share, by one of them), and read back by one process.
-  fsdp::save_checkpoint(b.path, 2, *two_d, &two_d_opt);
-  const std::string dir = fsdp::latest_checkpoint(b.path);
+  fsdp::save_checkpoint(b.path.string(), 2, *two_d, &two_d_opt);
+  const std::string dir = fsdp::latest_checkpoint(b.path.string());
   for (const auto& t : fsdp::read_metadata(dir).tensors) {
     INFO(t.name);
     int64_t covered = 0;
