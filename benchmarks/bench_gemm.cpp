@@ -11,9 +11,15 @@
 // gradient dY^T X (TN).
 // Peak: a register-only FMA loop on every thread (AVX-512 where the CPU has
 // it, else AVX2+FMA), the most f32 FLOP/s the cores can issue.
+// bf16 (where oneDNN has bf16 kernels for this CPU): the same products on bf16
+// operands through ops::matmul (f32 accumulation, bf16 result), against two
+// measured bf16 peaks: AVX512-BF16's dot product (vdpbf16ps) on both FMA
+// pipes, and AMX's tile multiply (tdpbf16ps) where the CPU has AMX.
 #include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -64,10 +70,91 @@ __attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iters) {
   return sink;
 }
 
+// vdpbf16ps: 16 f32 lanes, each += two bf16 products (4 FLOPs per lane).
+__attribute__((target("avx512f,avx512bf16"))) float dpbf16_loop(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
+  __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, x);
+  float sink = 0, lanes[16];
+  for (int i = 0; i < 12; ++i) {
+    _mm512_storeu_ps(lanes, acc[i]);
+    sink += lanes[0];
+  }
+  return sink;
+}
+
+// tdpbf16ps on full tiles: C (16 x 16 f32) += A (16 x 32 bf16) B (32 x 16, as
+// 16 rows of 16 pairs): 16 * 16 * 32 * 2 FLOPs per instruction, four
+// independent accumulators. Linux hands out AMX's tile state on request only.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+bool amx_permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+}
+__attribute__((target("amx-tile,amx-bf16"))) void amx_loop(int64_t iters) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) static thread_local uint16_t ab[16 * 32];
+  alignas(64) static thread_local float c[16 * 16];
+  for (auto& v : ab) v = 0x3a83;  // bf16 1e-3
+  _tile_loadd(4, ab, 64);
+  _tile_loadd(5, ab, 64);
+  _tile_zero(0);  // tile numbers are immediates
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, c, 64);
+  _tile_release();
+}
+
 struct Peak {
   double gflops;  // all threads
   const char* isa;
 };
+
+// The best of 3 rounds of `loop(iters)` on every thread, as GFLOP/s.
+template <class F>
+double parallel_peak(int64_t iters, double flops_per_iter, F&& loop) {
+  double best = 0;
+  for (int round = 0; round < 3; ++round) {
+    auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+    loop(iters);
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * num_threads() / seconds_since(t0) / 1e9);
+  }
+  return best;
+}
+
+// bf16 peaks: vdpbf16ps (0 without AVX512-BF16) and AMX (0 without AMX).
+std::pair<double, double> measure_bf16_peaks() {
+  double dp = 0, amx = 0;
+  if (__builtin_cpu_supports("avx512bf16")) {
+    static float sink;
+    dp = parallel_peak(10'000'000, 16 * 4 * 12, [](int64_t n) { sink += dpbf16_loop(n); });
+  }
+  bool has_amx = false;
+#if defined(__GNUC__) && !defined(__clang__)
+  has_amx = __builtin_cpu_supports("amx-bf16");
+#endif
+  if (has_amx && amx_permitted()) amx = parallel_peak(5'000'000, 4.0 * 16 * 16 * 32 * 2, amx_loop);
+  return {dp, amx};
+}
 
 Peak measure_peak() {
   bool avx512 = __builtin_cpu_supports("avx512f");
@@ -129,11 +216,21 @@ int main(int argc, char** argv) {
   Peak peak = measure_peak();
   std::printf("threads %d; measured peak %.1f GFLOP/s f32 (%s FMA loop, %.1f per thread)\n",
               num_threads(), peak.gflops, peak.isa, peak.gflops / num_threads());
-  std::printf("%-8s %2s %5s %5s %5s %12s %8s %8s %8s %9s %8s\n", "product", "op", "m", "n", "k",
-              "tessera GF/s", "of peak", "oneDNN", "of peak", "OpenBLAS", "of peak");
-  double worst = 1e9, ratio_sum = 0;
+  const bool bf16 = cpu::bf16_gemm_native();
+  auto [dp_peak, amx_peak] = measure_bf16_peaks();
+  if (bf16)
+    std::printf("bf16 peaks: %.1f GFLOP/s AVX512-BF16 dot products (%.1f per thread), %.1f AMX tiles (%.1f per thread)\n",
+                dp_peak, dp_peak / num_threads(), amx_peak, amx_peak / num_threads());
+  else
+    std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on f32 copies): not measured\n");
+  std::printf("%-8s %2s %5s %5s %5s %12s %8s %8s %8s %9s %8s %9s %7s %7s\n", "product", "op", "m", "n", "k",
+              "tessera GF/s", "of peak", "oneDNN", "of peak", "OpenBLAS", "of peak", "bf16", "of dp", "of AMX");
+  double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9;
   for (const Shape3& s : shapes) {
     Tensor a = operand(s.m, s.k, s.ta, 1), b = operand(s.k, s.n, s.tb, 2);
+    Tensor a16 = operand(s.m, s.k, s.ta, 1), b16 = operand(s.k, s.n, s.tb, 2);
+    a16 = s.ta ? ops::transpose(ops::to(ops::transpose(a16, 0, 1), DType::BF16), 0, 1) : ops::to(a16, DType::BF16);
+    b16 = s.tb ? ops::transpose(ops::to(ops::transpose(b16, 0, 1), DType::BF16), 0, 1) : ops::to(b16, DType::BF16);
     Tensor c = empty({s.m, s.n});
     // The stored buffers as BLAS sees them.
     const float* ap = a.data<float>();
@@ -142,7 +239,7 @@ int main(int argc, char** argv) {
     double flops =
         2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
     int reps = std::max<int>(3, static_cast<int>(1e10 / flops));
-    std::vector<double> ours, onednn, direct;
+    std::vector<double> ours, onednn, direct, low;
     for (int round = 0; round < 5; ++round) {
       auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r) Tensor out = ops::matmul(a, b);
@@ -158,16 +255,24 @@ int main(int argc, char** argv) {
                     s.tb ? CblasTrans : CblasNoTrans, s.m, s.n, s.k, 1.0f, ap, lda, bp, ldb, 0.0f,
                     c.data<float>(), s.n);
       direct.push_back(flops * reps / seconds_since(t0) / 1e9);
+      if (bf16) {
+        t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < 2 * reps; ++r) Tensor out = ops::matmul(a16, b16);
+        low.push_back(flops * 2 * reps / seconds_since(t0) / 1e9);
+      }
     }
-    double mo = median(ours), mn = median(onednn), md = median(direct);
+    double mo = median(ours), mn = median(onednn), md = median(direct), ml = bf16 ? median(low) : 0;
     worst = std::min(worst, mo / peak.gflops);
+    if (bf16) worst_bf16 = std::min(worst_bf16, ml / dp_peak);
     ratio_sum += mo / md;
-    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f\n", s.what,
+    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f\n", s.what,
                 s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m),
                 static_cast<long long>(s.n), static_cast<long long>(s.k), mo, mo / peak.gflops, mn,
-                mn / peak.gflops, md, md / peak.gflops);
+                mn / peak.gflops, md, md / peak.gflops, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
+                amx_peak > 0 ? ml / amx_peak : 0.0);
   }
   std::printf(
-      "lowest fraction of peak through Tessera: %.2f; Tessera / OpenBLAS direct, mean: %.3f\n",
+      "lowest fraction of peak through Tessera: %.2f f32; Tessera / OpenBLAS direct, mean: %.3f\n",
       worst, ratio_sum / static_cast<double>(shapes.size()));
+  if (bf16) std::printf("lowest fraction of the AVX512-BF16 peak, bf16 through Tessera: %.2f\n", worst_bf16);
 }

@@ -5,6 +5,9 @@
 # (steady state) from its JSONL metrics; PyTorch's the median step.
 #   benchmarks/compare_train.sh [build-dir] [steps]
 # PyTorch is optional: a PyTorch 2.x at $TORCH2 (default /opt/torch2/bin/python).
+# PRESETS (default "default gpt-medium") and RANKS (default "1 2 4") choose the
+# rows; PARAM_DTYPE=bfloat16 runs Tessera with bf16 parameters and f32
+# gradient reduction (mixed_precision.*) against PyTorch's f32 run.
 set -u
 build=${1:-build}
 steps=${2:-30}
@@ -15,13 +18,16 @@ mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 printf "%-12s %5s %16s %10s %16s %10s %8s\n" preset ranks "tessera tok/s" "MFU" "torch tok/s" "MFU" ratio
-for preset in default gpt-medium; do
+param_dtype=${PARAM_DTYPE:-float32}
+echo "tessera param_dtype $param_dtype, pytorch float32"
+for preset in ${PRESETS:-default gpt-medium}; do
   case $preset in
     default) shape="4 256 4 128 16" ;;
     gpt-medium) shape="8 384 6 128 16" ;;
   esac
-  for w in 1 2 4; do
+  for w in ${RANKS:-1 2 4}; do
     $mpi -np "$w" "$build/tools/tessera-train" --preset "$preset" --training.steps "$steps" \
+      --mixed_precision.param_dtype "$param_dtype" \
       --metrics.log_interval 10 --training.eval_interval 100000 --sample.max_new_tokens 0 --metrics.plot "" \
       --metrics.progress off --job.dump_folder "$work/$preset-$w" --training.data_dir "$work/data" >/dev/null
     read -r tt tm < <(python3 -c '

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "runtime/check.h"
+#include "runtime/parallel.h"
 #include "tools/config.h"
 #include "tools/plan.h"
 #include "tools/step_time.h"
@@ -102,6 +103,8 @@ int main(int argc, char** argv) {
     if (!hardware.empty()) as_gpu.emplace();
     for (int world : worlds) {
       const bool timed = time || !hardware.empty();
+      // Threads per rank as tessera-train sets them (the CPU's attention takes scratch per thread).
+      if (hardware.empty()) set_num_threads(tools::threads_per_rank(per_node > 0 ? std::min(per_node, world) : world));
       tools::Plan plan = tools::plan_run(cfg, world, rank, /*log_step=*/timed);
       std::fputs(tools::format_plan(plan, cfg).c_str(), stdout);
       if (timed) {

@@ -12,6 +12,7 @@
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/kernels_cpu.h"
 #include "runtime/cpu/sums.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
@@ -20,8 +21,8 @@ namespace tessera::cpu::TS_CPU_ISA {
 
 namespace {
 
-constexpr int64_t kBq = 64;  // queries per block
-constexpr int64_t kBk = 64;  // keys per block
+constexpr int64_t kBq = kAttentionBq;
+constexpr int64_t kBk = kAttentionBk;
 
 // Row-major C = alpha * op(A) op(B) + beta * C on one thread (runtime/cpu/blas.h
 // runs single-threaded when called inside an OpenMP parallel region).
@@ -54,7 +55,7 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
   int64_t qblocks = (t + kBq - 1) / kBq;
   // Per-thread scratch, through the allocator (so memory_stats sees it): one
   // block of scores, the output accumulator, running max and sum.
-  const int64_t per_thread = kBq * kBk + kBq * d + 2 * kBq;
+  const int64_t per_thread = attention_scratch_per_thread(d);
   Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
   parallel_for(0, b * h * qblocks, 1, [&](int64_t w0, int64_t w1) {
     T* mine = scratch.data<T>() + detail::omp_thread_num() * per_thread;
@@ -117,7 +118,7 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
   T *dq = g.dq.data<T>(), *dk = g.dk.data<T>(), *dv = g.dv.data<T>();
   T scale = static_cast<T>(scale_d);
   // One work item per (batch, kv head): it owns dK/dV of that head and dQ of its query heads.
-  const int64_t per_thread = 2 * kBq * kBk + t;
+  const int64_t per_thread = attention_backward_scratch_per_thread(t);
   Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
   parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
     T* p = scratch.data<T>() + detail::omp_thread_num() * per_thread;

@@ -10,6 +10,13 @@
 // below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
 // dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
 //
+// bf16 x bf16 with f32 accumulation is oneDNN's matmul primitive, on CPUs where
+// oneDNN has bf16 kernels (AVX512-BF16; AMX tiles where the CPU has them:
+// measured 500-800 GFLOP/s on one core against 150 for f32). oneDNN 2.6 has no
+// bf16 sgemm-style call, and a primitive costs 0.1-5 ms to create, so each
+// piece's primitive is made once per shape and cached. Elsewhere bf16 products
+// run on f32 copies (bf16_gemm_native() is false; the ops layer converts).
+//
 // Threads never change a result. oneDNN's own threading splits the k
 // dimension when it likes, so its results change with the number of threads
 // (measured: 32x32x8192 differs in 923 of 1024 elements between 1 and 2
@@ -24,10 +31,17 @@
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 
+#include <oneapi/dnnl/dnnl.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/isa.h"
@@ -51,11 +65,13 @@ void check_leading_dims(const char* name, bool trans_a, bool trans_b, int64_t m,
 
 std::atomic<SgemmPath> forced_path{SgemmPath::Auto};
 
-// Both libraries size their teams by omp_get_max_threads() outside a parallel
-// region (one thread inside one): this holds them to the calling thread.
+// Both libraries size their teams by omp_get_max_threads(), and oneDNN plans
+// a primitive for that many threads when it makes one, inside a parallel
+// region too (where it then runs on the calling thread alone): this holds them
+// to the calling thread, so a result never depends on the thread count.
 class OneLibraryThread {
  public:
-  OneLibraryThread() : saved_(omp_in_parallel() ? 1 : omp_get_max_threads()) {
+  OneLibraryThread() : saved_(omp_get_max_threads()) {
     if (saved_ != 1) omp_set_num_threads(1);
   }
   ~OneLibraryThread() {
@@ -68,26 +84,113 @@ class OneLibraryThread {
   int saved_;
 };
 
+// Where a piece of a product writes: into C itself (in the operands' dtype)
+// or into f32 partial products that are summed afterwards.
+struct PieceOut {
+  void* c;
+  int64_t ldc;
+  bool f32;
+};
+
 // One piece through OpenBLAS, on the calling thread alone.
 void openblas_piece(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                    int64_t ldc) {
+                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, PieceOut out) {
   OneLibraryThread one;
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
               static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
-              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+              static_cast<blasint>(ldb), beta, static_cast<float*>(out.c), static_cast<blasint>(out.ldc));
 }
 
 // One piece through oneDNN, on the calling thread alone.
 void onednn_piece(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                  int64_t ldc) {
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, PieceOut out) {
   OneLibraryThread one;
   dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a,
-                                    lda, b, ldb, beta, c, ldc);
+                                    lda, b, ldb, beta, static_cast<float*>(out.c), out.ldc);
   TS_CHECK(status == dnnl_success, "gemm: oneDNN's sgemm failed ({}) on {}x{}x{}",
            static_cast<int>(status), m, n, k);
+}
+
+// ---- bf16: oneDNN's matmul primitives, one per piece shape ----------------------
+
+// Everything a primitive is made for: alpha is an output scale and beta a sum
+// post-op, fixed at creation (a scale given at run time moves oneDNN 2.6 off
+// its AMX kernel onto a generic one: measured 370 vs 510 GFLOP/s).
+struct MatmulKey {
+  bool trans_a, trans_b, f32_out;
+  int64_t m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  auto operator<=>(const MatmulKey&) const = default;
+};
+
+struct Matmul {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a, b, c, scratchpad;
+};
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+Matmul make_matmul(const MatmulKey& key) {
+  using dims = dnnl::memory::dims;
+  using dt = dnnl::memory::data_type;
+  // Row-major operands: op(A) is m x k, stored k x m (strides swapped) when transposed.
+  dnnl::memory::desc a({key.m, key.k}, dt::bf16, key.trans_a ? dims{1, key.lda} : dims{key.lda, 1});
+  dnnl::memory::desc b({key.k, key.n}, dt::bf16, key.trans_b ? dims{1, key.ldb} : dims{key.ldb, 1});
+  dnnl::memory::desc c({key.m, key.n}, key.f32_out ? dt::f32 : dt::bf16, dims{key.ldc, 1});
+  dnnl::primitive_attr attr;
+  if (key.alpha != 1.f) attr.set_output_scales(0, {key.alpha});
+  if (key.beta != 0.f) {
+    dnnl::post_ops sum;
+    sum.append_sum(key.beta);
+    attr.set_post_ops(sum);
+  }
+  // The caller hands each execution its own scratchpad, so pieces run concurrently.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+  return {dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()};
+}
+
+// Primitives by shape, made on first use and kept for the process (a training
+// run has a few dozen distinct pieces).
+const Matmul& cached_matmul(const MatmulKey& key) {
+  static std::mutex mutex;
+  static std::map<MatmulKey, std::unique_ptr<Matmul>> cache;
+  std::lock_guard lock(mutex);
+  auto [it, fresh] = cache.try_emplace(key);
+  if (fresh) {
+    try {
+      it->second = std::make_unique<Matmul>(make_matmul(key));
+    } catch (const dnnl::error& e) {
+      cache.erase(it);
+      TS_CHECK(false, "gemm: oneDNN has no bf16 matmul for {}x{}x{} (transposed: {}, {}): {}", key.m, key.n,
+               key.k, key.trans_a, key.trans_b, e.what());
+    }
+  }
+  return *it->second;
+}
+
+// One piece through a cached bf16 primitive, on the calling thread alone.
+void bf16_piece(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, PieceOut out) {
+  OneLibraryThread one;
+  const Matmul& mm = cached_matmul({trans_a, trans_b, out.f32, m, n, k, lda, ldb, out.ldc, alpha, beta});
+  thread_local std::vector<std::byte> scratchpad;
+  scratchpad.resize(std::max(scratchpad.size(), mm.scratchpad.get_size()));
+  thread_local dnnl::stream stream(cpu_engine());
+  dnnl::engine& engine = cpu_engine();
+  try {
+    mm.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(mm.a, engine, const_cast<BFloat16*>(a))},
+                                  {DNNL_ARG_WEIGHTS, dnnl::memory(mm.b, engine, const_cast<BFloat16*>(b))},
+                                  {DNNL_ARG_DST, dnnl::memory(mm.c, engine, out.c)},
+                                  {DNNL_ARG_SCRATCHPAD, dnnl::memory(mm.scratchpad, engine, scratchpad.data())}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    TS_CHECK(false, "gemm: oneDNN's bf16 matmul failed on {}x{}x{}: {}", m, n, k, e.what());
+  }
 }
 
 // How a product is cut: tiles of mb x nb over C, and `chunks` pieces of k.
@@ -124,39 +227,33 @@ Grid grid_for(int64_t m, int64_t n, int64_t k, double flops) {
   return {mb, nb, chunks};
 }
 
-}  // namespace
-
-int64_t sgemm_scratch_elements(int64_t m, int64_t n, int64_t k) {
-  if (m == 0 || n == 0 || k == 0) return 0;
-  Grid g = grid_for(m, n, k, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
-  return g.chunks > 1 ? g.chunks * m * n : 0;
+float to_float(float x) { return x; }
+float to_float(BFloat16 x) { return bf16_to_float(x); }
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, BFloat16>) return float_to_bf16(x);
+  else return x;
 }
 
-SgemmPath set_sgemm_path(SgemmPath path) {
-  return forced_path.exchange(path);
-}
-
-void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  check_leading_dims("sgemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
+// C = alpha op(A) op(B) + beta C in pieces of the shape's grid, each through
+// `piece` on one thread. Split k: chunk p's partial product goes to f32
+// parts[p], then C = sum over p in order (+ beta C), rounded once.
+template <class T, class Piece>
+void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
+                  int64_t lda, const T* b, int64_t ldb, float beta, T* c, int64_t ldc, Piece piece) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // C = beta * C, which oneDNN skips (it returns early on k == 0)
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
+      for (int64_t j = 0; j < n; ++j)
+        c[i * ldc + j] = from_float<T>(beta == 0.f ? 0.f : beta * to_float(c[i * ldc + j]));
     return;
   }
   // Where op(X)'s block (row r0, col c0) starts in X's storage.
-  auto at = [](const float* x, int64_t ld, bool trans, int64_t r0, int64_t c0) {
+  auto at = [](const T* x, int64_t ld, bool trans, int64_t r0, int64_t c0) {
     return trans ? x + c0 * ld + r0 : x + r0 * ld + c0;
   };
   double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   Grid g = grid_for(m, n, k, flops);
-  // The library for every piece of this product: by the CPU (its kernels'
-  // instruction set, runtime/cpu/isa.h) and the shape alone.
-  bool avx512 = active_isa() == Isa::Avx512;
-  SgemmPath path = forced_path.load(std::memory_order_relaxed);
-  bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
-  auto piece = onednn ? onednn_piece : openblas_piece;
   int64_t tiles_m = ceil_div(m, g.mb), tiles_n = ceil_div(n, g.nb), tiles = tiles_m * tiles_n;
   if (g.chunks == 1) {
     parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -164,12 +261,11 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
         int64_t i0 = (t / tiles_n) * g.mb, j0 = (t % tiles_n) * g.nb;
         piece(trans_a, trans_b, std::min(g.mb, m - i0), std::min(g.nb, n - j0), k, alpha,
               at(a, lda, trans_a, i0, 0), lda, at(b, ldb, trans_b, 0, j0), ldb, beta,
-              c + i0 * ldc + j0, ldc);
+              PieceOut{c + i0 * ldc + j0, ldc, std::is_same_v<T, float>});
       }
     });
     return;
   }
-  // Split k: chunk p's partial product into parts[p], then C = sum over p in order (+ beta C).
   int64_t kc = ceil_div(k, g.chunks);
   Tensor parts = empty({g.chunks, m, n}, DType::F32);
   float* pp = parts.data<float>();
@@ -179,19 +275,61 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
       int64_t i0 = (t / tiles_n) * g.mb, j0 = (t % tiles_n) * g.nb, k0 = p * kc;
       piece(trans_a, trans_b, std::min(g.mb, m - i0), std::min(g.nb, n - j0), std::min(kc, k - k0),
             alpha, at(a, lda, trans_a, i0, k0), lda, at(b, ldb, trans_b, k0, j0), ldb, 0.f,
-            pp + (p * m + i0) * n + j0, n);
+            PieceOut{pp + (p * m + i0) * n + j0, n, true});
     }
   });
   parallel_for(0, m, std::max<int64_t>(1, 4096 / n), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      float* ci = c + i * ldc;
+      T* ci = c + i * ldc;
       for (int64_t j = 0; j < n; ++j) {
         float sum = pp[i * n + j];
         for (int64_t p = 1; p < g.chunks; ++p) sum += pp[(p * m + i) * n + j];
-        ci[j] = beta == 0.f ? sum : sum + beta * ci[j];
+        ci[j] = from_float<T>(beta == 0.f ? sum : sum + beta * to_float(ci[j]));
       }
     }
   });
+}
+
+}  // namespace
+
+int64_t gemm_scratch_elements(int64_t m, int64_t n, int64_t k) {
+  if (m == 0 || n == 0 || k == 0) return 0;
+  Grid g = grid_for(m, n, k, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
+  return g.chunks > 1 ? g.chunks * m * n : 0;
+}
+
+SgemmPath set_sgemm_path(SgemmPath path) {
+  return forced_path.exchange(path);
+}
+
+bool bf16_gemm_native() {
+  static const bool native = [] {
+    (void)active_isa();  // TESSERA_CPU_ISA caps oneDNN's kernels before their first use
+    auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    return (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+  }();
+  return native;
+}
+
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  check_leading_dims("sgemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
+  // The library for every piece of this product: by the CPU (its kernels'
+  // instruction set, runtime/cpu/isa.h) and the shape alone.
+  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  bool avx512 = active_isa() == Isa::Avx512;
+  SgemmPath path = forced_path.load(std::memory_order_relaxed);
+  bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
+  gemm_on_grid(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+               onednn ? onednn_piece : openblas_piece);
+}
+
+void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
+              int64_t lda, const BFloat16* b, int64_t ldb, float beta, BFloat16* c, int64_t ldc) {
+  check_leading_dims("bf16gemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
+  TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX); "
+           "bf16 products run on f32 copies here (cpu::bf16_gemm_native() is false)");
+  gemm_on_grid(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_piece);
 }
 
 void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
@@ -214,11 +352,14 @@ void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
   if (dtype == DType::F32) {
     sgemm(trans_a, trans_b, m, n, k, static_cast<float>(alpha), static_cast<const float*>(a), lda,
           static_cast<const float*>(b), ldb, static_cast<float>(beta), static_cast<float*>(c), ldc);
+  } else if (dtype == DType::BF16) {
+    bf16gemm(trans_a, trans_b, m, n, k, static_cast<float>(alpha), static_cast<const BFloat16*>(a), lda,
+             static_cast<const BFloat16*>(b), ldb, static_cast<float>(beta), static_cast<BFloat16*>(c), ldc);
   } else if (dtype == DType::F64) {
     dgemm(trans_a, trans_b, m, n, k, alpha, static_cast<const double*>(a), lda,
           static_cast<const double*>(b), ldb, beta, static_cast<double*>(c), ldc);
   } else {
-    TS_CHECK(false, "gemm: expected f32 or f64, got {}", dtype_name(dtype));
+    TS_CHECK(false, "gemm: expected f32, bf16 or f64, got {}", dtype_name(dtype));
   }
   if (timed)
     profiler::record_kernel(

@@ -20,6 +20,20 @@ void gemm(DType, bool, bool, int64_t, int64_t, int64_t, double, const void*, int
 void uniform(const Tensor&, double, double, const RandomSpec&);
 void normal(const Tensor&, double, double, const RandomSpec&);
 
+// Attention's blocks (attention.cpp) and the scratch each thread takes from
+// the allocator for them, in elements of the kernel's dtype: a planned step
+// (meta.cpp) allocates as much as a run does.
+constexpr int64_t kAttentionBq = 64;  // queries per block
+constexpr int64_t kAttentionBk = 64;  // keys per block
+// One block of scores, the output accumulator, running max and sum.
+inline int64_t attention_scratch_per_thread(int64_t head_dim) {
+  return kAttentionBq * kAttentionBk + kAttentionBq * head_dim + 2 * kAttentionBq;
+}
+// Two blocks (probabilities and their gradient) and a row of deltas per query.
+inline int64_t attention_backward_scratch_per_thread(int64_t queries) {
+  return 2 * kAttentionBq * kAttentionBk + queries;
+}
+
 // The kernels every instruction-set copy defines.
 #define TS_CPU_ISA_KERNELS                                                                       \
   void copy(const Tensor&, const Tensor&);                                                       \

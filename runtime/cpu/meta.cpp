@@ -17,6 +17,7 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/kernels_cpu.h"
 #include "runtime/kernel_log.h"
+#include "runtime/parallel.h"
 #include "runtime/storage.h"
 
 namespace tessera::kernel_log {
@@ -174,8 +175,8 @@ void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double
           const void*, int64_t ldb, double beta, void*, int64_t ldc) {
   // The CPU's split-k partial products come from the allocator: a planned
   // step holds them for the product's length, as a run does.
-  if (!native_dtypes && dtype == DType::F32)
-    if (int64_t scratch = cpu::sgemm_scratch_elements(m, n, k); scratch > 0)
+  if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16))
+    if (int64_t scratch = cpu::gemm_scratch_elements(m, n, k); scratch > 0)
       (void)empty({scratch}, DType::F32, Device::meta());
   if (active == nullptr) return;
   LoggingTime timed;
@@ -235,9 +236,14 @@ TS_LOGGED(uniform)
 TS_LOGGED(normal)
 #undef TS_LOGGED
 
-// Attention logs its FLOPs too (from q's and k's shapes).
+// Attention logs its FLOPs too (from q's and k's shapes). The CPU's attention
+// takes per-thread scratch from the allocator, for as many threads as this
+// process runs (tessera-train and tessera-plan set them per rank alike); a
+// GPU's kernel takes none.
 void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                double scale) {
+  if (!native_dtypes)
+    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_scratch_per_thread(q.size(3))}, q.dtype(), Device::meta());
   if (active == nullptr) return;
   attention_logged(r, q, k, v, causal, scale);
   active->kernels.back().flops = attention_flops(spec_of(q), spec_of(k), causal);
@@ -245,6 +251,8 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
+  if (!native_dtypes)
+    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_backward_scratch_per_thread(q.size(2))}, q.dtype(), Device::meta());
   if (active == nullptr) return;
   attention_backward_logged(g, dout, q, k, v, out, lse, causal, scale);
   active->kernels.back().flops = 2.5 * attention_flops(spec_of(q), spec_of(k), causal);

@@ -1,5 +1,10 @@
 // Fused neural-network kernels over rows of the last dim: softmax, layer/RMS
-// norm, embedding, cross-entropy, rotary embedding.
+// norm, embedding, cross-entropy, rotary embedding. Softmax, the norms and
+// cross-entropy take bf16/f16 as they are: each element is read into
+// an f32 register and each result rounded once on store, so they equal the f32
+// kernel on a widened copy rounded afterwards, bit for bit, without the copy
+// (the norms' statistics and the per-row losses stay f32). RoPE computes on
+// f32 copies (its cos/sin tables would be rounded to bf16 otherwise).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,24 +28,33 @@ int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 8192 / std::max<int64
 
 void softmax(const Tensor& out, const Tensor& x, bool log) {
   int64_t rows = rows_of(x), n = x.size(-1);
-  dispatch_float(x.dtype(), log ? "log_softmax" : "softmax", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = x.data<T>();
-    T* po = out.data<T>();
+  dispatch_floating(x.dtype(), log ? "log_softmax" : "softmax", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* px = x.data<S>();
+    S* po = out.data<S>();
     parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* xr = px + r * n;
-        T* o = po + r * n;
-        T m = lane_max(n, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return xr[j]; });
+        const S* xr = px + r * n;
+        S* o = po + r * n;
+        T m = lane_max(n, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return load(xr[j]); });
         if (m == -std::numeric_limits<T>::infinity()) m = 0;  // all -inf: avoid inf - inf
-        for (int64_t j = 0; j < n; ++j) o[j] = fast_exp(xr[j] - m);
-        T sum = lane_sum<T>(n, [o](int64_t j) { return o[j]; });
+        T sum;
+        if constexpr (std::is_same_v<S, T>) {  // the exponentials kept in the output
+          for (int64_t j = 0; j < n; ++j) o[j] = fast_exp(xr[j] - m);
+          sum = lane_sum<T>(n, [o](int64_t j) { return o[j]; });
+        } else {  // computed twice rather than rounded in between
+          sum = lane_sum<T>(n, [xr, m](int64_t j) { return fast_exp(load(xr[j]) - m); });
+        }
         if (log) {
           T lse = m + std::log(sum);
-          for (int64_t j = 0; j < n; ++j) o[j] = xr[j] - lse;
+          for (int64_t j = 0; j < n; ++j) o[j] = store<S>(load(xr[j]) - lse);
         } else {
           T inv = T(1) / sum;
-          for (int64_t j = 0; j < n; ++j) o[j] *= inv;
+          if constexpr (std::is_same_v<S, T>)
+            for (int64_t j = 0; j < n; ++j) o[j] *= inv;
+          else
+            for (int64_t j = 0; j < n; ++j) o[j] = store<S>(fast_exp(load(xr[j]) - m) * inv);
         }
       }
     });
@@ -49,25 +63,26 @@ void softmax(const Tensor& out, const Tensor& x, bool log) {
 
 void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool log) {
   int64_t rows = rows_of(y), n = y.size(-1);
-  dispatch_float(y.dtype(), "softmax_backward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* pg = gy.data<T>();
-    const T* py = y.data<T>();
-    T* po = gx.data<T>();
+  dispatch_floating(y.dtype(), "softmax_backward", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* pg = gy.data<S>();
+    const S* py = y.data<S>();
+    S* po = gx.data<S>();
     parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* g = pg + r * n;
-        const T* yr = py + r * n;
-        T* o = po + r * n;
+        const S* g = pg + r * n;
+        const S* yr = py + r * n;
+        S* o = po + r * n;
         if (log) {
           T dot = static_cast<T>(
-              lane_sum<double>(n, [g](int64_t j) { return static_cast<double>(g[j]); }));
-          for (int64_t j = 0; j < n; ++j) o[j] = g[j] - fast_exp(yr[j]) * dot;
+              lane_sum<double>(n, [g](int64_t j) { return static_cast<double>(load(g[j])); }));
+          for (int64_t j = 0; j < n; ++j) o[j] = store<S>(load(g[j]) - fast_exp(load(yr[j])) * dot);
         } else {
           T dot = static_cast<T>(lane_sum<double>(n, [g, yr](int64_t j) {
-            return static_cast<double>(g[j]) * static_cast<double>(yr[j]);
+            return static_cast<double>(load(g[j])) * static_cast<double>(load(yr[j]));
           }));
-          for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (g[j] - dot);
+          for (int64_t j = 0; j < n; ++j) o[j] = store<S>(load(yr[j]) * (load(g[j]) - dot));
         }
       }
     });
@@ -77,24 +92,25 @@ void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool 
 void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, const Tensor& b,
                 double eps, bool rms) {
   int64_t rows = rows_of(x), n = x.size(-1);
-  dispatch_float(x.dtype(), rms ? "rms_norm" : "layer_norm", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = x.data<T>();
-    const T* pw = w.defined() ? w.data<T>() : nullptr;
-    const T* pb = b.defined() ? b.data<T>() : nullptr;
-    T* py = res.y.data<T>();
+  dispatch_floating(x.dtype(), rms ? "rms_norm" : "layer_norm", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* px = x.data<S>();
+    const S* pw = w.defined() ? w.data<S>() : nullptr;
+    const S* pb = b.defined() ? b.data<S>() : nullptr;
+    S* py = res.y.data<S>();
     T* pmean = rms ? nullptr : res.mean.data<T>();
     T* prstd = res.rstd.data<T>();
     parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* xr = px + r * n;
-        T* yr = py + r * n;
+        const S* xr = px + r * n;
+        S* yr = py + r * n;
         double mean = 0;
         if (!rms)
-          mean = lane_sum<double>(n, [xr](int64_t j) { return static_cast<double>(xr[j]); }) /
+          mean = lane_sum<double>(n, [xr](int64_t j) { return static_cast<double>(load(xr[j])); }) /
                  static_cast<double>(n);
         double var = lane_sum<double>(n, [xr, mean](int64_t j) {
-                       double d = static_cast<double>(xr[j]) - mean;
+                       double d = static_cast<double>(load(xr[j])) - mean;
                        return d * d;
                      }) /
                      static_cast<double>(n);
@@ -103,10 +119,10 @@ void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, co
         if (pmean) pmean[r] = m;
         prstd[r] = rstd;
         for (int64_t j = 0; j < n; ++j) {
-          T v = (xr[j] - m) * rstd;
-          if (pw) v *= pw[j];
-          if (pb) v += pb[j];
-          yr[j] = v;
+          T v = (load(xr[j]) - m) * rstd;
+          if (pw) v *= load(pw[j]);
+          if (pb) v += load(pb[j]);
+          yr[j] = store<S>(v);
         }
       }
     });
@@ -116,14 +132,15 @@ void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, co
 void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor& x,
                          const Tensor& w, const Tensor& mean, const Tensor& rstd, bool rms) {
   int64_t rows = rows_of(x), n = x.size(-1);
-  dispatch_float(x.dtype(), rms ? "rms_norm_backward" : "layer_norm_backward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = x.data<T>();
-    const T* pdy = dy.data<T>();
-    const T* pw = w.defined() ? w.data<T>() : nullptr;
+  dispatch_floating(x.dtype(), rms ? "rms_norm_backward" : "layer_norm_backward", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* px = x.data<S>();
+    const S* pdy = dy.data<S>();
+    const S* pw = w.defined() ? w.data<S>() : nullptr;
     const T* pmean = rms ? nullptr : mean.data<T>();
     const T* prstd = rstd.data<T>();
-    T* pdx = g.dx.data<T>();
+    S* pdx = g.dx.data<S>();
     bool want_w = g.dweight.defined(), want_b = g.dbias.defined();
     // Weight and bias gradients: partial sums over fixed blocks of rows (at
     // most 64 blocks), added in block order at the end: no atomics, and the
@@ -134,39 +151,39 @@ void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor
     // of ones: the row loop then has no branch and vectorises.
     std::vector<double> part_w(static_cast<size_t>(parts * n), 0.0);
     std::vector<double> part_b(static_cast<size_t>(parts * n), 0.0);
-    std::vector<T> ones(pw ? 0 : static_cast<size_t>(n), T(1));
+    std::vector<S> ones(pw ? 0 : static_cast<size_t>(n), store<S>(T(1)));
     if (!pw) pw = ones.data();
     parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         double* aw = part_w.data() + t * n;
         double* ab = part_b.data() + t * n;
         for (int64_t r = t * per_part; r < std::min(rows, (t + 1) * per_part); ++r) {
-          const T* xr = px + r * n;
-          const T* gr = pdy + r * n;
-          T* dxr = pdx + r * n;
+          const S* xr = px + r * n;
+          const S* gr = pdy + r * n;
+          S* dxr = pdx + r * n;
           T m = pmean ? pmean[r] : T(0), rs = prstd[r];
-          auto xhat = [=](int64_t j) { return (xr[j] - m) * rs; };
-          auto ghat = [=](int64_t j) { return gr[j] * pw[j]; };
+          auto xhat = [=](int64_t j) { return (load(xr[j]) - m) * rs; };
+          auto ghat = [=](int64_t j) { return load(gr[j]) * load(pw[j]); };
           // sum(g_hat) and sum(g_hat * x_hat) of the row; the weight and bias
           // gradients' partial sums in the same pass.
           SumPair<double> sums = lane_sum2<double>(n, [&](int64_t j) {
             double xh = static_cast<double>(xhat(j)), gh = static_cast<double>(ghat(j));
-            aw[j] += static_cast<double>(gr[j]) * xh;
-            ab[j] += static_cast<double>(gr[j]);
+            aw[j] += static_cast<double>(load(gr[j])) * xh;
+            ab[j] += static_cast<double>(load(gr[j]));
             return SumPair<double>{gh, gh * xh};
           });
           T mg = rms ? T(0) : static_cast<T>(sums.a / static_cast<double>(n));
           T mgx = static_cast<T>(sums.b / static_cast<double>(n));
-          for (int64_t j = 0; j < n; ++j) dxr[j] = rs * (ghat(j) - mg - xhat(j) * mgx);
+          for (int64_t j = 0; j < n; ++j) dxr[j] = store<S>(rs * (ghat(j) - mg - xhat(j) * mgx));
         }
       }
     });
     auto finish = [&](const std::vector<double>& part, const Tensor& out) {
-      T* po = out.data<T>();
+      S* po = out.data<S>();
       for (int64_t j = 0; j < n; ++j) {
         double s = 0;
         for (int64_t t = 0; t < parts; ++t) s += part[static_cast<size_t>(t * n + j)];
-        po[j] = static_cast<T>(s);
+        po[j] = store<S>(static_cast<T>(s));
       }
     };
     if (want_w) finish(part_w, g.dweight);
@@ -226,19 +243,20 @@ void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits
   for (int64_t r = 0; r < rows; ++r)
     TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
              "cross_entropy: target {} at position {} is out of range for {} classes", pt[r], r, c);
-  dispatch_float(logits.dtype(), "cross_entropy", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = logits.data<T>();
+  dispatch_floating(logits.dtype(), "cross_entropy", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* px = logits.data<S>();
     T* pl = losses.data<T>();
     T* plse = lse.data<T>();
     parallel_for(0, rows, row_grain(c), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* xr = px + r * c;
-        T m = lane_max(c, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return xr[j]; });
-        T sum = lane_sum<T>(c, [xr, m](int64_t j) { return fast_exp(xr[j] - m); });
+        const S* xr = px + r * c;
+        T m = lane_max(c, -std::numeric_limits<T>::infinity(), [xr](int64_t j) { return load(xr[j]); });
+        T sum = lane_sum<T>(c, [xr, m](int64_t j) { return fast_exp(load(xr[j]) - m); });
         T l = m + std::log(sum);
         plse[r] = l;
-        pl[r] = pt[r] == ignore_index ? T(0) : l - xr[pt[r]];
+        pl[r] = pt[r] == ignore_index ? T(0) : l - load(xr[pt[r]]);
       }
     });
   });
@@ -249,23 +267,25 @@ void cross_entropy_backward(const Tensor& glogits, const Tensor& scale_tensor, c
   int64_t rows = logits.size(0), c = logits.size(1);
   const double scale = scale_tensor.data<double>()[0];
   const int64_t* pt = target.data<int64_t>();
-  dispatch_float(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = logits.data<T>();
+  dispatch_floating(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    const S* px = logits.data<S>();
     const T* plse = lse.data<T>();
-    T* pg = glogits.data<T>();
+    S* pg = glogits.data<S>();
     T s = static_cast<T>(scale);
     parallel_for(0, rows, row_grain(c), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        T* g = pg + r * c;
+        S* g = pg + r * c;
         if (pt[r] == ignore_index) {
-          std::fill(g, g + c, T(0));
+          std::fill(g, g + c, store<S>(T(0)));
           continue;
         }
-        const T* xr = px + r * c;
+        const S* xr = px + r * c;
         T l = plse[r];
-        for (int64_t j = 0; j < c; ++j) g[j] = s * fast_exp(xr[j] - l);
-        g[pt[r]] -= s;
+        const int64_t target = pt[r];
+        for (int64_t j = 0; j < c; ++j) g[j] = store<S>(s * fast_exp(load(xr[j]) - l));
+        g[target] = store<S>(s * fast_exp(load(xr[target]) - l) - s);  // rounded once
       }
     });
   });

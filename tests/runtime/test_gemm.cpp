@@ -1,10 +1,12 @@
-// The CPU GEMMs (runtime/cpu/blas.h: oneDNN or OpenBLAS for f32, OpenBLAS for f64) against
-// an f64 loop, at awkward sizes, every transpose, padded leading dimensions,
-// alpha/beta, and from inside a parallel region (one thread per call).
+// The CPU GEMMs (runtime/cpu/blas.h: oneDNN or OpenBLAS for f32, oneDNN's
+// matmul for bf16, OpenBLAS for f64) against an f64 loop, at awkward sizes,
+// every transpose, padded leading dimensions, alpha/beta, and from inside a
+// parallel region (one thread per call).
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -22,6 +24,15 @@ struct Case {
   int64_t pad_a, pad_b, pad_c;  // extra columns of each stored matrix
   double alpha, beta;
 };
+
+double value(double x) { return x; }
+double value(float x) { return x; }
+double value(BFloat16 x) { return bf16_to_float(x); }
+template <class T>
+T make(double x) {
+  if constexpr (std::is_same_v<T, BFloat16>) return float_to_bf16(static_cast<float>(x));
+  else return static_cast<T>(x);
+}
 
 template <class T>
 struct Operands {
@@ -41,37 +52,41 @@ Operands<T> make_operands(const Case& cs, std::mt19937& gen) {
   o.a.resize(static_cast<size_t>(std::max<int64_t>(a_rows * o.lda, 1)));
   o.b.resize(static_cast<size_t>(std::max<int64_t>(b_rows * o.ldb, 1)));
   o.c.resize(static_cast<size_t>(cs.m * o.ldc));
-  for (auto& x : o.a) x = static_cast<T>(dist(gen));
-  for (auto& x : o.b) x = static_cast<T>(dist(gen));
-  for (auto& x : o.c) x = static_cast<T>(dist(gen));
+  for (auto& x : o.a) x = make<T>(dist(gen));
+  for (auto& x : o.b) x = make<T>(dist(gen));
+  for (auto& x : o.c) x = make<T>(dist(gen));
   return o;
 }
 
 // Checks c against the f64 product of o's operands, element by element, with
 // the bound of a k-term dot product in T: |error| <= gamma * (|alpha| sum |a||b| + |beta c0|).
+// bf16 accumulates in f32 and rounds the result once: gamma of f32, plus half
+// a bf16 ulp of the result (2^-8 relative).
 // beta == 0 ignores c0 entirely (BLAS: C need not be set), NaN included.
 template <class T>
 void check_product(const Case& cs, const Operands<T>& o, const std::vector<T>& c) {
-  double eps = std::numeric_limits<T>::epsilon();
-  double gamma = 2.0 * static_cast<double>(cs.k + 2) * eps;
+  constexpr bool bf16 = std::is_same_v<T, BFloat16>;
+  double eps = std::numeric_limits<std::conditional_t<bf16, float, T>>::epsilon();
+  double gamma = 2.0 * static_cast<double>(cs.k + 2) * eps, rounding = bf16 ? std::ldexp(1.0, -8) : 0.0;
   int bad = 0;
   for (int64_t i = 0; i < cs.m; ++i) {
     for (int64_t j = 0; j < o.ldc; ++j) {
-      double got = c[i * o.ldc + j], c0 = o.c[i * o.ldc + j];
+      double got = value(c[i * o.ldc + j]), c0 = value(o.c[i * o.ldc + j]);
       if (j >= cs.n) {  // padding of C is never written
-        if (!(got == c0) && bad++ < 5) FAIL_CHECK("C padding written at (" << i << "," << j << ")");
+        if (!(got == c0 || (std::isnan(got) && std::isnan(c0))) && bad++ < 5)
+          FAIL_CHECK("C padding written at (" << i << "," << j << ")");
         continue;
       }
       double sum = 0, mag = 0;
       for (int64_t p = 0; p < cs.k; ++p) {
-        double av = cs.ta ? o.a[p * o.lda + i] : o.a[i * o.lda + p];
-        double bv = cs.tb ? o.b[j * o.ldb + p] : o.b[p * o.ldb + j];
+        double av = value(cs.ta ? o.a[p * o.lda + i] : o.a[i * o.lda + p]);
+        double bv = value(cs.tb ? o.b[j * o.ldb + p] : o.b[p * o.ldb + j]);
         sum += av * bv;
         mag += std::fabs(av * bv);
       }
       double beta_c0 = cs.beta == 0 ? 0.0 : cs.beta * c0;
       double want = cs.alpha * sum + beta_c0;
-      double bound = gamma * (std::fabs(cs.alpha) * mag + std::fabs(beta_c0)) + 1e-300;
+      double bound = gamma * (std::fabs(cs.alpha) * mag + std::fabs(beta_c0)) + rounding * std::fabs(want) + 1e-300;
       if (!(std::fabs(got - want) <= bound) && bad++ < 5)
         FAIL_CHECK("C(" << i << "," << j << ") = " << got << ", want " << want << " +- " << bound
                         << " (ta " << cs.ta << " tb " << cs.tb << " m " << cs.m << " n " << cs.n
@@ -86,9 +101,12 @@ void run_case(const Case& cs, std::mt19937& gen, bool nan_c = false) {
   Operands<T> o = make_operands<T>(cs, gen);
   if (nan_c)
     for (int64_t i = 0; i < cs.m; ++i)
-      for (int64_t j = 0; j < cs.n; ++j) o.c[i * o.ldc + j] = std::numeric_limits<T>::quiet_NaN();
+      for (int64_t j = 0; j < cs.n; ++j) o.c[i * o.ldc + j] = make<T>(std::numeric_limits<double>::quiet_NaN());
   std::vector<T> c = o.c;
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, BFloat16>)
+    cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
+                  o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
+  else if constexpr (std::is_same_v<T, float>)
     cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
                o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
   else
@@ -223,4 +241,96 @@ TEST_CASE("CPU sgemm gives the same bits at 1, 2 and 3 threads", "[gemm][determi
             0);
     }
   });
+}
+
+// bf16 x bf16 -> f32 accumulation -> bf16 through oneDNN's matmul (AMX where the
+// CPU has it), on the same thread-independent grid as sgemm. Where oneDNN has
+// no bf16 kernels the products run on f32 copies, and bf16gemm says so.
+TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the same bits at any thread count",
+          "[gemm][bf16]") {
+  std::vector<BFloat16> a(64), b(64), c(64);
+  if (!cpu::bf16_gemm_native()) {
+    CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::F32);
+    CHECK_THROWS_WITH(cpu::bf16gemm(false, false, 4, 4, 4, 1.f, a.data(), 4, b.data(), 4, 0.f, c.data(), 4),
+                      Catch::Contains("no bf16 matrix kernels"));
+    WARN("oneDNN has no bf16 kernels for this CPU: the bf16 GEMM was not run");
+    return;
+  }
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::BF16);
+  CHECK_THROWS_WITH(cpu::bf16gemm(false, false, 4, 4, 4, 1.f, a.data(), 3, b.data(), 4, 0.f, c.data(), 4),
+                    Catch::Contains("bf16gemm: expected leading dimensions lda >= 4"));
+  std::mt19937 gen(20261201);
+  for (const Case& cs : random_cases(gen, 80)) run_case<BFloat16>(cs, gen);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      run_case<BFloat16>({ta, tb, 37, 29, 101, 3, 0, 2, 1.0, 0.5}, gen);
+      run_case<BFloat16>({ta, tb, 300, 270, 190, 1, 2, 3, -1.5, 0.5}, gen);
+      run_case<BFloat16>({ta, tb, 40, 150, 2600, 0, 1, 0, 1.0, 1.0}, gen);  // chunks of k
+    }
+  run_case<BFloat16>({true, false, 64, 48, 3000, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
+  run_case<BFloat16>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
+  run_case<BFloat16>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
+
+  std::vector<Case> cases = {
+      {true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
+      {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
+      {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
+  };
+  int saved = num_threads();
+  for (const Case& cs : cases) {
+    Operands<BFloat16> o = make_operands<BFloat16>(cs, gen);
+    std::vector<std::vector<BFloat16>> results;
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      std::vector<BFloat16> out = o.c;
+      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
+                    o.ldb, static_cast<float>(cs.beta), out.data(), o.ldc);
+      results.push_back(std::move(out));
+    }
+    set_num_threads(saved);
+    check_product(cs, o, results[0]);
+    INFO("m " << cs.m << " n " << cs.n << " k " << cs.k);
+    CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(BFloat16)) == 0);
+    CHECK(std::memcmp(results[0].data(), results[2].data(), results[0].size() * sizeof(BFloat16)) == 0);
+  }
+
+  // From every thread of a parallel loop, each call on its own thread.
+  std::vector<Case> many = random_cases(gen, 24);
+  std::vector<Operands<BFloat16>> operands;
+  for (const Case& cs : many) operands.push_back(make_operands<BFloat16>(cs, gen));
+  std::vector<std::vector<BFloat16>> out(many.size());
+  for (size_t i = 0; i < many.size(); ++i) out[i] = operands[i].c;
+  parallel_for(0, static_cast<int64_t>(many.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Case& cs = many[i];
+      const Operands<BFloat16>& o = operands[i];
+      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
+                    o.ldb, static_cast<float>(cs.beta), out[i].data(), o.ldc);
+    }
+  });
+  for (size_t i = 0; i < many.size(); ++i) check_product(many[i], operands[i], out[i]);
+}
+
+TEST_CASE("bf16 matmul and linear compute natively where oneDNN can: the f32 result rounded once, within the "
+          "accumulation bound",
+          "[gemm][bf16]") {
+  // The ops on bf16 tensors against the same ops on f32 copies of the same
+  // (already rounded) values: forward, the linear's two backward products and
+  // a batched matmul with a broadcast operand, at awkward sizes.
+  Tensor x = ops::to(randn({3, 37, 70}, 1), DType::BF16), w = ops::to(randn({45, 70}, 2), DType::BF16);
+  Tensor bias = ops::to(randn({45}, 3), DType::BF16), g = ops::to(randn({3, 37, 45}, 4), DType::BF16);
+  Tensor y = ops::to(randn({70, 19}, 5), DType::BF16);
+  auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
+  auto close = [](const std::string& what, const Tensor& low, const Tensor& ref32, double k) {
+    INFO(what);
+    CHECK(low.dtype() == DType::BF16);
+    // One bf16 rounding of the result, plus f32 accumulation over k terms of N(0,1) products.
+    CHECK(testing::allclose(ops::to(low, DType::F32), ref32, std::ldexp(1.0, -8), 4 * k * 6e-8 * std::sqrt(k)));
+  };
+  close("linear", ops::linear(x, w, bias), ops::linear(f(x), f(w), f(bias)), 70);
+  TensorList d = ops::linear_backward(g, x, w, {true, true, false});
+  TensorList d32 = ops::linear_backward(f(g), f(x), f(w), {true, true, false});
+  close("linear dx", d[0], d32[0], 45);
+  close("linear dW", d[1], d32[1], 111);
+  close("batched matmul", ops::matmul(x, y), ops::matmul(f(x), f(y)), 70);
 }

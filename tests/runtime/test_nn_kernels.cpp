@@ -447,6 +447,83 @@ TEST_CASE("the CPU's elementwise kernels take bf16 and f16 natively: f32 math ro
   CHECK(memory_stats().peak_allocated_bytes - base == 2 * 1024 * 1024 * 2);
 }
 
+// Softmax, the norms and cross entropy on bf16/f16: the f32 kernel's result
+// rounded once, bit for bit, with statistics in f32.
+TEST_CASE("the CPU's row kernels take bf16 and f16 natively", "[dtype][kernels]") {
+  auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
+  for (DType dt : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(dt));
+    for (KernelFamily family : {KernelFamily::Softmax, KernelFamily::Norm, KernelFamily::CrossEntropy})
+      REQUIRE(ops::compute_dtype(Device::cpu(), family, dt) == dt);
+    auto same = [&](const std::string& what, const Tensor& low, const Tensor& ref32) {
+      INFO(what);
+      CHECK(low.dtype() == dt);
+      CHECK(testing::equal(ops::to(low, DType::F64), ops::to(ops::to(ref32, dt), DType::F64)));
+    };
+    auto same_f32 = [&](const std::string& what, const Tensor& stats, const Tensor& ref32) {
+      INFO(what);
+      CHECK(stats.dtype() == DType::F32);
+      CHECK(testing::equal(stats, ref32));
+    };
+    // Awkward widths (one vector and a tail, a single element), rows with -inf.
+    for (int64_t n : {1, 19, 67}) {
+      INFO("n=" << n);
+      Tensor x = ops::to(ops::mul(randn({2, 13, n}, 1), 3.0), dt), g = ops::to(randn({2, 13, n}, 2), dt);
+      Tensor w = ops::to(randn({n}, 3), dt), b = ops::to(randn({n}, 4), dt);
+      same("softmax", ops::softmax(x, -1), ops::softmax(f(x), -1));
+      same("softmax over dim 1", ops::softmax(x, 1), ops::softmax(f(x), 1));
+      same("log_softmax", ops::log_softmax(x, -1), ops::log_softmax(f(x), -1));
+      Tensor y = ops::softmax(x, -1), ly = ops::log_softmax(x, -1);
+      same("softmax_backward", ops::softmax_backward(g, y, -1), ops::softmax_backward(f(g), f(y), -1));
+      same("log_softmax_backward", ops::log_softmax_backward(g, ly, -1),
+           ops::log_softmax_backward(f(g), f(ly), -1));
+
+      ops::NormResult ln = ops::layer_norm(x, w, b, 1e-5), ln32 = ops::layer_norm(f(x), f(w), f(b), 1e-5);
+      same("layer_norm", ln.y, ln32.y);
+      same_f32("layer_norm mean", ln.mean, ln32.mean);
+      same_f32("layer_norm rstd", ln.rstd, ln32.rstd);
+      ops::NormGrads lg = ops::layer_norm_backward(g, x, w, ln.mean, ln.rstd, true);
+      ops::NormGrads lg32 = ops::layer_norm_backward(f(g), f(x), f(w), ln32.mean, ln32.rstd, true);
+      same("layer_norm dx", lg.dx, lg32.dx);
+      same("layer_norm dweight", lg.dweight, lg32.dweight);
+      same("layer_norm dbias", lg.dbias, lg32.dbias);
+      ops::NormResult rn = ops::rms_norm(x, w, 1e-6), rn32 = ops::rms_norm(f(x), f(w), 1e-6);
+      same("rms_norm", rn.y, rn32.y);
+      same_f32("rms_norm rstd", rn.rstd, rn32.rstd);
+      ops::NormGrads rg = ops::rms_norm_backward(g, x, w, rn.rstd, true);
+      ops::NormGrads rg32 = ops::rms_norm_backward(f(g), f(x), f(w), rn32.rstd, true);
+      same("rms_norm dx", rg.dx, rg32.dx);
+      same("rms_norm dweight", rg.dweight, rg32.dweight);
+      ops::NormResult nw = ops::layer_norm(x, Tensor(), Tensor(), 1e-5);
+      same("layer_norm without affine", nw.y, ops::layer_norm(f(x), Tensor(), Tensor(), 1e-5).y);
+
+      Tensor logits = ops::reshape(x, {26, n});
+      Tensor target = randint({26}, 0, n, 5);
+      ops::copy_(ops::narrow(target, 0, 3, 1), full({1}, -100.0, DType::I64));  // one ignored row
+      ops::CrossEntropyResult ce = ops::cross_entropy(logits, target), ce32 = ops::cross_entropy(f(logits), target);
+      same("cross_entropy", ce.loss, ce32.loss);
+      same_f32("cross_entropy lse", ce.lse, ce32.lse);
+      Tensor gl = ops::to(full({}, 0.7), dt);
+      same("cross_entropy_backward", ops::cross_entropy_backward(gl, logits, target, ce.lse, -100, ce.count),
+           ops::cross_entropy_backward(f(gl), f(logits), target, ce32.lse, -100, ce32.count));
+    }
+    // Masked entries, as a causal mask leaves them.
+    const double inf = std::numeric_limits<double>::infinity();
+    Tensor masked = ops::to(from_vector(std::vector<double>{-inf, 1.5, 2.25, -inf, 0.0, 3.0, -inf, -inf, -inf, -2.0},
+                                        {2, 5}),
+                            dt);
+    same("softmax with -inf entries", ops::softmax(masked, -1), ops::softmax(f(masked), -1));
+    same("log_softmax with -inf entries", ops::log_softmax(masked, -1), ops::log_softmax(f(masked), -1));
+  }
+  // No f32 copy: layer norm of a [512, 1024] bf16 tensor allocates its 1 MiB
+  // output and two f32 statistics rows, nothing more.
+  Tensor big = ops::to(randn({512, 1024}, 7), DType::BF16);
+  reset_peak_memory_stats();
+  int64_t base = memory_stats().allocated_bytes;
+  ops::NormResult r = ops::layer_norm(big, Tensor(), Tensor(), 1e-5);
+  CHECK(memory_stats().peak_allocated_bytes - base == 512 * 1024 * 2 + 2 * 512 * 4);
+}
+
 TEST_CASE("embedding takes i32 or i64 indices alike; other index dtypes are refused", "[kernels][embedding]") {
   Tensor weight = randn({17, 3}, 4);
   Tensor idx64 = randint({5, 7}, 0, 17, 5);

@@ -11,6 +11,7 @@
 #include "autograd/functions.h"
 #include "autograd/tape.h"
 #include "runtime/allocator.h"
+#include "runtime/cpu/blas.h"
 #include "runtime/kernels.h"
 #include "runtime/stream.h"
 
@@ -326,15 +327,21 @@ struct NativeBf16Backend {
 }  // namespace
 
 TEST_CASE("the ops layer hands each kernel family the dtype its table declares", "[stream][dtype]") {
-  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::F32);
+  // bf16 products are native where oneDNN has bf16 kernels for this CPU (AVX512-BF16, AMX).
+  const DType bf16_gemm = cpu::bf16_gemm_native() ? DType::BF16 : DType::F32;
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == bf16_gemm);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::F16) == DType::F32);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, DType::F16) == DType::F16);
-  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::BF16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::BF16) == DType::BF16);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Rope, DType::BF16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::BF16) == DType::F32);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::F64) == DType::F64);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::I64) == DType::I64);
 
-  // Odd sizes; bf16 inputs on the CPU (which widens every family but the
-  // elementwise one) and on a
-  // backend that takes bf16 natively for elementwise and softmax kernels.
+  // Odd sizes; bf16 inputs on the CPU (which takes bf16 natively in the
+  // elementwise, softmax, norm and cross-entropy kernels, and in matmul where
+  // it has a bf16 GEMM) and on a backend that takes bf16 natively for
+  // elementwise and softmax kernels.
   auto inputs = [](Device d) {
     return std::pair{ops::to(randn({7, 13}, 21, DType::F32, d), DType::BF16),
                      ops::to(randn({13, 5}, 22, DType::F32, d), DType::BF16)};
@@ -354,13 +361,13 @@ TEST_CASE("the ops layer hands each kernel family the dtype its table declares",
   CHECK(received == std::vector<std::string>{"binary:bf16"});
   received.clear();
   Tensor d_mm = matmul(a, b);
-  CHECK(received == std::vector<std::string>{"gemm:f32"});  // matmul is not native: widened
+  CHECK(received == std::vector<std::string>{fmt::format("gemm:{}", dtype_name(bf16_gemm))});  // as the CPU's
   received.clear();
   Tensor d_sm = softmax(a, -1);
   CHECK(received == std::vector<std::string>{"softmax:bf16"});
   received.clear();
   Tensor d_ln = layer_norm(a, Tensor(), Tensor(), 1e-5);
-  CHECK(received == std::vector<std::string>{"layer_norm:f32"});
+  CHECK(received == std::vector<std::string>{"layer_norm:bf16"});  // as the CPU's
   received.clear();
   Tensor d_acc = ops::clone(a);
   ops::add_(d_acc, a, 0.5);  // in place on the bf16 tensor itself
