@@ -97,7 +97,7 @@ bool amx_permitted() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
 }
-__attribute__((target("amx-tile,amx-bf16"))) void amx_loop(int64_t iters) {
+__attribute__((target("amx-tile,amx-bf16"))) float amx_loop(int64_t iters) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
@@ -121,6 +121,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_loop(int64_t iters) {
   }
   _tile_stored(0, c, 64);
   _tile_release();
+  return c[0];
 }
 
 struct Peak {
@@ -132,22 +133,25 @@ struct Peak {
 template <class F>
 double parallel_peak(int64_t iters, double flops_per_iter, F&& loop) {
   double best = 0;
+  float sink = 0;
   for (int round = 0; round < 3; ++round) {
     auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
-    loop(iters);
+    {
+      float s = loop(iters);
+#pragma omp atomic
+      sink += s;
+    }
     best = std::max(best, flops_per_iter * static_cast<double>(iters) * num_threads() / seconds_since(t0) / 1e9);
   }
+  if (sink == 42.0f) std::printf(" ");  // keeps the loops' results alive
   return best;
 }
 
 // bf16 peaks: vdpbf16ps (0 without AVX512-BF16) and AMX (0 without AMX).
 std::pair<double, double> measure_bf16_peaks() {
   double dp = 0, amx = 0;
-  if (__builtin_cpu_supports("avx512bf16")) {
-    static float sink;
-    dp = parallel_peak(10'000'000, 16 * 4 * 12, [](int64_t n) { sink += dpbf16_loop(n); });
-  }
+  if (__builtin_cpu_supports("avx512bf16")) dp = parallel_peak(10'000'000, 16 * 4 * 12, dpbf16_loop);
   bool has_amx = false;
 #if defined(__GNUC__) && !defined(__clang__)
   has_amx = __builtin_cpu_supports("amx-bf16");
@@ -157,24 +161,9 @@ std::pair<double, double> measure_bf16_peaks() {
 }
 
 Peak measure_peak() {
-  bool avx512 = __builtin_cpu_supports("avx512f");
-  int lanes = avx512 ? 16 : 8;
   const int64_t iters = 20'000'000;
-  double best = 0;
-  float sink = 0;
-  for (int round = 0; round < 3; ++round) {
-    auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel
-    {
-      float s = avx512 ? fma_loop_avx512(iters) : fma_loop_avx2(iters);
-#pragma omp atomic
-      sink += s;
-    }
-    double flops = 2.0 * lanes * 12 * static_cast<double>(iters) * num_threads();
-    best = std::max(best, flops / seconds_since(t0) / 1e9);
-  }
-  if (sink == 42.0f) std::printf(" ");  // keeps the loops' results alive
-  return {best, avx512 ? "AVX-512" : "AVX2+FMA"};
+  if (__builtin_cpu_supports("avx512f")) return {parallel_peak(iters, 2.0 * 16 * 12, fma_loop_avx512), "AVX-512"};
+  return {parallel_peak(iters, 2.0 * 8 * 12, fma_loop_avx2), "AVX2+FMA"};
 }
 
 struct Shape3 {

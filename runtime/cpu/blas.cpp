@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "runtime/cpu/blas.h"
+#include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/isa.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
@@ -227,14 +228,6 @@ Grid grid_for(int64_t m, int64_t n, int64_t k, double flops) {
   return {mb, nb, chunks};
 }
 
-float to_float(float x) { return x; }
-float to_float(BFloat16 x) { return bf16_to_float(x); }
-template <class T>
-T from_float(float x) {
-  if constexpr (std::is_same_v<T, BFloat16>) return float_to_bf16(x);
-  else return x;
-}
-
 // C = alpha op(A) op(B) + beta C in pieces of the shape's grid, each through
 // `piece` on one thread. Split k: chunk p's partial product goes to f32
 // parts[p], then C = sum over p in order (+ beta C), rounded once.
@@ -245,7 +238,7 @@ void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
   if (k == 0) {  // C = beta * C, which oneDNN skips (it returns early on k == 0)
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j)
-        c[i * ldc + j] = from_float<T>(beta == 0.f ? 0.f : beta * to_float(c[i * ldc + j]));
+        c[i * ldc + j] = store<T>(beta == 0.f ? 0.f : beta * load(c[i * ldc + j]));
     return;
   }
   // Where op(X)'s block (row r0, col c0) starts in X's storage.
@@ -284,7 +277,7 @@ void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
       for (int64_t j = 0; j < n; ++j) {
         float sum = pp[i * n + j];
         for (int64_t p = 1; p < g.chunks; ++p) sum += pp[(p * m + i) * n + j];
-        ci[j] = from_float<T>(beta == 0.f ? sum : sum + beta * to_float(ci[j]));
+        ci[j] = store<T>(beta == 0.f ? sum : sum + beta * load(ci[j]));
       }
     }
   });

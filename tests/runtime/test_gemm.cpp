@@ -12,6 +12,7 @@
 
 #include "helpers.h"
 #include "runtime/cpu/blas.h"
+#include "runtime/cpu/dispatch.h"
 #include "runtime/parallel.h"
 
 using namespace tessera;
@@ -24,15 +25,6 @@ struct Case {
   int64_t pad_a, pad_b, pad_c;  // extra columns of each stored matrix
   double alpha, beta;
 };
-
-double value(double x) { return x; }
-double value(float x) { return x; }
-double value(BFloat16 x) { return bf16_to_float(x); }
-template <class T>
-T make(double x) {
-  if constexpr (std::is_same_v<T, BFloat16>) return float_to_bf16(static_cast<float>(x));
-  else return static_cast<T>(x);
-}
 
 template <class T>
 struct Operands {
@@ -52,9 +44,9 @@ Operands<T> make_operands(const Case& cs, std::mt19937& gen) {
   o.a.resize(static_cast<size_t>(std::max<int64_t>(a_rows * o.lda, 1)));
   o.b.resize(static_cast<size_t>(std::max<int64_t>(b_rows * o.ldb, 1)));
   o.c.resize(static_cast<size_t>(cs.m * o.ldc));
-  for (auto& x : o.a) x = make<T>(dist(gen));
-  for (auto& x : o.b) x = make<T>(dist(gen));
-  for (auto& x : o.c) x = make<T>(dist(gen));
+  for (auto& x : o.a) x = cpu::from_double<T>(dist(gen));
+  for (auto& x : o.b) x = cpu::from_double<T>(dist(gen));
+  for (auto& x : o.c) x = cpu::from_double<T>(dist(gen));
   return o;
 }
 
@@ -71,7 +63,7 @@ void check_product(const Case& cs, const Operands<T>& o, const std::vector<T>& c
   int bad = 0;
   for (int64_t i = 0; i < cs.m; ++i) {
     for (int64_t j = 0; j < o.ldc; ++j) {
-      double got = value(c[i * o.ldc + j]), c0 = value(o.c[i * o.ldc + j]);
+      double got = cpu::to_double(c[i * o.ldc + j]), c0 = cpu::to_double(o.c[i * o.ldc + j]);
       if (j >= cs.n) {  // padding of C is never written
         if (!(got == c0 || (std::isnan(got) && std::isnan(c0))) && bad++ < 5)
           FAIL_CHECK("C padding written at (" << i << "," << j << ")");
@@ -79,8 +71,8 @@ void check_product(const Case& cs, const Operands<T>& o, const std::vector<T>& c
       }
       double sum = 0, mag = 0;
       for (int64_t p = 0; p < cs.k; ++p) {
-        double av = value(cs.ta ? o.a[p * o.lda + i] : o.a[i * o.lda + p]);
-        double bv = value(cs.tb ? o.b[j * o.ldb + p] : o.b[p * o.ldb + j]);
+        double av = cpu::to_double(cs.ta ? o.a[p * o.lda + i] : o.a[i * o.lda + p]);
+        double bv = cpu::to_double(cs.tb ? o.b[j * o.ldb + p] : o.b[p * o.ldb + j]);
         sum += av * bv;
         mag += std::fabs(av * bv);
       }
@@ -96,13 +88,9 @@ void check_product(const Case& cs, const Operands<T>& o, const std::vector<T>& c
   CHECK(bad == 0);
 }
 
+// c = alpha op(A) op(B) + beta c through the CPU GEMM of T.
 template <class T>
-void run_case(const Case& cs, std::mt19937& gen, bool nan_c = false) {
-  Operands<T> o = make_operands<T>(cs, gen);
-  if (nan_c)
-    for (int64_t i = 0; i < cs.m; ++i)
-      for (int64_t j = 0; j < cs.n; ++j) o.c[i * o.ldc + j] = make<T>(std::numeric_limits<double>::quiet_NaN());
-  std::vector<T> c = o.c;
+void gemm(const Case& cs, const Operands<T>& o, std::vector<T>& c) {
   if constexpr (std::is_same_v<T, BFloat16>)
     cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
                   o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
@@ -112,6 +100,16 @@ void run_case(const Case& cs, std::mt19937& gen, bool nan_c = false) {
   else
     cpu::dgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, cs.alpha, o.a.data(), o.lda, o.b.data(), o.ldb,
                cs.beta, c.data(), o.ldc);
+}
+
+template <class T>
+void run_case(const Case& cs, std::mt19937& gen, bool nan_c = false) {
+  Operands<T> o = make_operands<T>(cs, gen);
+  if (nan_c)
+    for (int64_t i = 0; i < cs.m; ++i)
+      for (int64_t j = 0; j < cs.n; ++j) o.c[i * o.ldc + j] = cpu::from_double<T>(std::numeric_limits<double>::quiet_NaN());
+  std::vector<T> c = o.c;
+  gemm(cs, o, c);
   check_product(cs, o, c);
 }
 
@@ -142,6 +140,42 @@ void for_each_path(F&& body) {
     } restore{cpu::set_sgemm_path(path)};
     body();
   }
+}
+
+// The same bits at 1, 2 and 3 threads (oneDNN's own threading changes them
+// with the thread count), and the right product.
+template <class T>
+void check_same_bits_at_any_thread_count(const std::vector<Case>& cases, std::mt19937& gen) {
+  int saved = num_threads();
+  for (const Case& cs : cases) {
+    Operands<T> o = make_operands<T>(cs, gen);
+    std::vector<std::vector<T>> results;
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      std::vector<T> c = o.c;
+      gemm(cs, o, c);
+      results.push_back(std::move(c));
+    }
+    set_num_threads(saved);
+    check_product(cs, o, results[0]);
+    INFO("m " << cs.m << " n " << cs.n << " k " << cs.k);
+    CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(results[0].data(), results[2].data(), results[0].size() * sizeof(T)) == 0);
+  }
+}
+
+// Products called from every thread of a parallel loop, each on its own thread.
+template <class T>
+void check_from_parallel_loop(std::mt19937& gen, int count) {
+  std::vector<Case> cases = random_cases(gen, count);
+  std::vector<Operands<T>> ops;
+  for (const Case& cs : cases) ops.push_back(make_operands<T>(cs, gen));
+  std::vector<std::vector<T>> out(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) out[i] = ops[i].c;
+  parallel_for(0, static_cast<int64_t>(cases.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) gemm(cases[i], ops[i], out[i]);
+  });
+  for (size_t i = 0; i < cases.size(); ++i) check_product(cases[i], ops[i], out[i]);
 }
 
 }  // namespace
@@ -176,20 +210,7 @@ TEMPLATE_TEST_CASE("CPU gemm with beta 0 ignores C, and k 0 scales C", "[gemm]",
 TEST_CASE("CPU gemm called from every thread of a parallel loop", "[gemm]") {
   for_each_path([] {
     std::mt19937 gen(11);
-    std::vector<Case> cases = random_cases(gen, 24);
-    std::vector<Operands<float>> ops;
-    for (const Case& cs : cases) ops.push_back(make_operands<float>(cs, gen));
-    std::vector<std::vector<float>> out(cases.size());
-    for (size_t i = 0; i < cases.size(); ++i) out[i] = ops[i].c;
-    parallel_for(0, static_cast<int64_t>(cases.size()), 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const Case& cs = cases[i];
-        const Operands<float>& o = ops[i];
-        cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
-                   o.b.data(), o.ldb, static_cast<float>(cs.beta), out[i].data(), o.ldc);
-      }
-    });
-    for (size_t i = 0; i < cases.size(); ++i) check_product(cases[i], ops[i], out[i]);
+    check_from_parallel_loop<float>(gen, 24);
   });
 }
 
@@ -208,8 +229,7 @@ TEST_CASE("CPU gemm refuses a leading dimension narrower than its matrix", "[gem
 }
 
 TEST_CASE("CPU sgemm gives the same bits at 1, 2 and 3 threads", "[gemm][determinism]") {
-  // Shapes on every path: one piece, tiles of C, and chunks of a deep k
-  // (oneDNN's own threading changes these bits with the thread count).
+  // Shapes on every path: one piece, tiles of C, and chunks of a deep k.
   std::mt19937 gen(3);
   std::vector<Case> cases = {
       {true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
@@ -220,32 +240,9 @@ TEST_CASE("CPU sgemm gives the same bits at 1, 2 and 3 threads", "[gemm][determi
       {false, false, 17, 300, 700, 0, 0, 0, 1.0, 0.0},
       {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
   };
-  int saved = num_threads();
-  for_each_path([&] {
-    for (const Case& cs : cases) {
-      Operands<float> o = make_operands<float>(cs, gen);
-      std::vector<std::vector<float>> results;
-      for (int threads : {1, 2, 3}) {
-        set_num_threads(threads);
-        std::vector<float> c = o.c;
-        cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda,
-                   o.b.data(), o.ldb, static_cast<float>(cs.beta), c.data(), o.ldc);
-        results.push_back(std::move(c));
-      }
-      set_num_threads(saved);
-      check_product(cs, o, results[0]);
-      INFO("m " << cs.m << " n " << cs.n << " k " << cs.k);
-      CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)) ==
-            0);
-      CHECK(std::memcmp(results[0].data(), results[2].data(), results[0].size() * sizeof(float)) ==
-            0);
-    }
-  });
+  for_each_path([&] { check_same_bits_at_any_thread_count<float>(cases, gen); });
 }
 
-// bf16 x bf16 -> f32 accumulation -> bf16 through oneDNN's matmul (AMX where the
-// CPU has it), on the same thread-independent grid as sgemm. Where oneDNN has
-// no bf16 kernels the products run on f32 copies, and bf16gemm says so.
 TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the same bits at any thread count",
           "[gemm][bf16]") {
   std::vector<BFloat16> a(64), b(64), c(64);
@@ -271,44 +268,11 @@ TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the sa
   run_case<BFloat16>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
   run_case<BFloat16>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
 
-  std::vector<Case> cases = {
-      {true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
-      {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
-      {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
-  };
-  int saved = num_threads();
-  for (const Case& cs : cases) {
-    Operands<BFloat16> o = make_operands<BFloat16>(cs, gen);
-    std::vector<std::vector<BFloat16>> results;
-    for (int threads : {1, 2, 3}) {
-      set_num_threads(threads);
-      std::vector<BFloat16> out = o.c;
-      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
-                    o.ldb, static_cast<float>(cs.beta), out.data(), o.ldc);
-      results.push_back(std::move(out));
-    }
-    set_num_threads(saved);
-    check_product(cs, o, results[0]);
-    INFO("m " << cs.m << " n " << cs.n << " k " << cs.k);
-    CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(BFloat16)) == 0);
-    CHECK(std::memcmp(results[0].data(), results[2].data(), results[0].size() * sizeof(BFloat16)) == 0);
-  }
-
-  // From every thread of a parallel loop, each call on its own thread.
-  std::vector<Case> many = random_cases(gen, 24);
-  std::vector<Operands<BFloat16>> operands;
-  for (const Case& cs : many) operands.push_back(make_operands<BFloat16>(cs, gen));
-  std::vector<std::vector<BFloat16>> out(many.size());
-  for (size_t i = 0; i < many.size(); ++i) out[i] = operands[i].c;
-  parallel_for(0, static_cast<int64_t>(many.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Case& cs = many[i];
-      const Operands<BFloat16>& o = operands[i];
-      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
-                    o.ldb, static_cast<float>(cs.beta), out[i].data(), o.ldc);
-    }
-  });
-  for (size_t i = 0; i < many.size(); ++i) check_product(many[i], operands[i], out[i]);
+  check_same_bits_at_any_thread_count<BFloat16>({{true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
+                                                 {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
+                                                 {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0}},
+                                                gen);
+  check_from_parallel_loop<BFloat16>(gen, 24);
 }
 
 TEST_CASE("bf16 matmul and linear compute natively where oneDNN can: the f32 result rounded once, within the "
