@@ -16,10 +16,6 @@
 // measured bf16 peaks: AVX512-BF16's dot product (vdpbf16ps) on both FMA
 // pipes, and AMX's tile multiply (tdpbf16ps) where the CPU has AMX.
 #include <cblas.h>
-#include <immintrin.h>
-#include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +25,7 @@
 #include <vector>
 
 #include "runtime/cpu/blas.h"
+#include "runtime/cpu/peak.h"
 #include "runtime/ops.h"
 #include "runtime/parallel.h"
 #include "runtime/random.h"
@@ -41,129 +38,19 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Twelve independent FMA chains hide the FMA latency on two pipes. The loops
-// are written out per ISA (a template would not inline across target attributes).
-__attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iters) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
-  __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
-  float sink = 0, lanes[16];
-  for (int i = 0; i < 12; ++i) {
-    _mm512_storeu_ps(lanes, acc[i]);
-    sink += lanes[0];
-  }
-  return sink;
-}
-__attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iters) {
-  __m256 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
-  __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], x, y);
-  float sink = 0, lanes[8];
-  for (int i = 0; i < 12; ++i) {
-    _mm256_storeu_ps(lanes, acc[i]);
-    sink += lanes[0];
-  }
-  return sink;
-}
-
-// vdpbf16ps: 16 f32 lanes, each += two bf16 products (4 FLOPs per lane).
-__attribute__((target("avx512f,avx512bf16"))) float dpbf16_loop(int64_t iters) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
-  __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, x);
-  float sink = 0, lanes[16];
-  for (int i = 0; i < 12; ++i) {
-    _mm512_storeu_ps(lanes, acc[i]);
-    sink += lanes[0];
-  }
-  return sink;
-}
-
-// tdpbf16ps on full tiles: C (16 x 16 f32) += A (16 x 32 bf16) B (32 x 16, as
-// 16 rows of 16 pairs): 16 * 16 * 32 * 2 FLOPs per instruction, four
-// independent accumulators. Linux hands out AMX's tile state on request only.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-bool amx_permitted() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-}
-__attribute__((target("amx-tile,amx-bf16"))) float amx_loop(int64_t iters) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-  alignas(64) static thread_local uint16_t ab[16 * 32];
-  alignas(64) static thread_local float c[16 * 16];
-  for (auto& v : ab) v = 0x3a83;  // bf16 1e-3
-  _tile_loadd(4, ab, 64);
-  _tile_loadd(5, ab, 64);
-  _tile_zero(0);  // tile numbers are immediates
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t it = 0; it < iters; ++it) {
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, c, 64);
-  _tile_release();
-  return c[0];
-}
-
+// The peaks (runtime/cpu/peak.h) on every thread of the pool.
 struct Peak {
   double gflops;  // all threads
   const char* isa;
 };
-
-// The best of 3 rounds of `loop(iters)` on every thread, as GFLOP/s.
-template <class F>
-double parallel_peak(int64_t iters, double flops_per_iter, F&& loop) {
-  double best = 0;
-  float sink = 0;
-  for (int round = 0; round < 3; ++round) {
-    auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel
-    {
-      float s = loop(iters);
-#pragma omp atomic
-      sink += s;
-    }
-    best = std::max(best, flops_per_iter * static_cast<double>(iters) * num_threads() / seconds_since(t0) / 1e9);
-  }
-  if (sink == 42.0f) std::printf(" ");  // keeps the loops' results alive
-  return best;
+Peak measure_peak() {
+  cpu::Peak p = cpu::measure_peak(cpu::PeakUnit::Fma, num_threads());
+  return {p.flops / 1e9, p.unit};
 }
-
 // bf16 peaks: vdpbf16ps (0 without AVX512-BF16) and AMX (0 without AMX).
 std::pair<double, double> measure_bf16_peaks() {
-  double dp = 0, amx = 0;
-  if (__builtin_cpu_supports("avx512bf16")) dp = parallel_peak(10'000'000, 16 * 4 * 12, dpbf16_loop);
-  bool has_amx = false;
-#if defined(__GNUC__) && !defined(__clang__)
-  has_amx = __builtin_cpu_supports("amx-bf16");
-#endif
-  if (has_amx && amx_permitted()) amx = parallel_peak(5'000'000, 4.0 * 16 * 16 * 32 * 2, amx_loop);
-  return {dp, amx};
-}
-
-Peak measure_peak() {
-  const int64_t iters = 20'000'000;
-  if (__builtin_cpu_supports("avx512f")) return {parallel_peak(iters, 2.0 * 16 * 12, fma_loop_avx512), "AVX-512"};
-  return {parallel_peak(iters, 2.0 * 8 * 12, fma_loop_avx2), "AVX2+FMA"};
+  return {cpu::measure_peak(cpu::PeakUnit::Bf16Dot, num_threads()).flops / 1e9,
+          cpu::measure_peak(cpu::PeakUnit::Amx, num_threads()).flops / 1e9};
 }
 
 struct Shape3 {
@@ -203,7 +90,7 @@ int main(int argc, char** argv) {
     }
   }
   Peak peak = measure_peak();
-  std::printf("threads %d; measured peak %.1f GFLOP/s f32 (%s FMA loop, %.1f per thread)\n",
+  std::printf("threads %d; measured peak %.1f GFLOP/s f32 (%s loop, %.1f per thread)\n",
               num_threads(), peak.gflops, peak.isa, peak.gflops / num_threads());
   const bool bf16 = cpu::bf16_gemm_native();
   auto [dp_peak, amx_peak] = measure_bf16_peaks();

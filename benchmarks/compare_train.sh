@@ -13,7 +13,7 @@ build=${1:-build}
 steps=${2:-30}
 here=$(cd "$(dirname "$0")" && pwd)
 torch2=${TORCH2:-/opt/torch2/bin/python}
-peak=0.2   # metrics.peak_tflops default: this 2-core machine's measured SGEMM rate
+peak=0.2   # PyTorch's MFU figure only (tessera-train measures this CPU's peak)
 mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -19,8 +19,8 @@ namespace tessera {
 
 struct KernelTable {
   // The dtype the float kernels of `family` compute in for tensors of `dtype`
-  // (which dtypes this backend takes natively, op family by op family): the
-  // CPU widens bf16/f16 to f32 for all of them.
+  // (which dtypes this backend takes natively, op family by op family; the
+  // CPU's: runtime/cpu/table.cpp).
   DType (*compute_dtype)(KernelFamily family, DType dtype);
   // Same shape, any strides, any dtypes (converting).
   void (*copy)(const Tensor& dst, const Tensor& src);
@@ -48,7 +48,8 @@ struct KernelTable {
   // x contiguous [rows, n] -> values [rows], i64 indices [rows] (first maximum).
   void (*argmax_rows)(const Tensor& values, const Tensor& indices, const Tensor& x);
   // out (one f64 element) = the sum of every x's squared elements (each x
-  // contiguous, f32 or f64): one pass over many tensors, e.g. all gradients.
+  // contiguous, of any floating dtype, squared in f64): one pass over many
+  // tensors, e.g. all gradients.
   void (*sum_squares)(const Tensor& out, const std::vector<Tensor>& xs);
   // C = alpha * op(A) op(B) + beta * C; row-major; A, B and C in `dtype`, a
   // compute dtype of KernelFamily::Matmul.
@@ -79,6 +80,8 @@ struct KernelTable {
   void (*attention_backward)(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor& lse, bool causal, double scale);
+  // out and x [..., t, d] contiguous; cos, sin [t, d / 2] in x's statistics
+  // dtype (f32 for bf16/f16 x, as attention's lse).
   void (*rope)(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin,
                bool inverse);
   // Random fills (see runtime/random.h); x contiguous float.

@@ -527,7 +527,7 @@ Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
              "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
     TS_CHECK(x.device() == device, "sum_squares: a tensor on {} among tensors on {}", x.device().str(),
              device.str());
-    if (x.numel() > 0) inputs.push_back(contiguous(upcast(x, kReduction)));
+    if (x.numel() > 0) inputs.push_back(contiguous(x));  // any floating dtype: the kernel squares in f64
   }
   Tensor out = zeros({}, DType::F64, device);
   if (!inputs.empty()) dispatch(device).sum_squares(out, inputs);

@@ -464,7 +464,9 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   Tensor out = empty(x.shape(), cd, x.device());
   {
     Tensor xc = kernel_input(x, kRope);
-    Tensor c = contiguous(to(narrow(cos, 0, 0, t), cd)), s = contiguous(to(narrow(sin, 0, 0, t), cd));
+    // The angles in the compute dtype's statistics dtype (f32 for bf16/f16).
+    DType ad = stats_dtype(cd);
+    Tensor c = contiguous(to(narrow(cos, 0, 0, t), ad)), s = contiguous(to(narrow(sin, 0, 0, t), ad));
     dispatch(x.device()).rope(out, xc, c, s, inverse);
   }
   return to(out, x.dtype());

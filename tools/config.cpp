@@ -232,7 +232,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("metrics.plot", c.metrics.plot,
                  "loss-curve PNG at the end (needs gnuplot; empty = off)"),
       float_key("metrics.peak_tflops", c.metrics.peak_tflops,
-                "peak TFLOP/s of all the job's hardware, for MFU"),
+                "peak TFLOP/s of all the job's hardware, for MFU (0 = this CPU's, measured at start)"),
       string_key("metrics.progress", c.metrics.progress,
                  "progress bar (auto: when stdout is a terminal and no MPI launcher forwards it)",
                  {"auto", "on", "off"}),
@@ -589,8 +589,8 @@ void validate(const TrainConfig& c) {
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
 
   at_least("metrics.log_interval", c.metrics.log_interval, 1);
-  TS_CHECK(c.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0, got {}",
-           c.metrics.peak_tflops);
+  TS_CHECK(c.metrics.peak_tflops >= 0,
+           "metrics.peak_tflops must be >= 0 (0 = this CPU's, measured), got {}", c.metrics.peak_tflops);
 
   for (int64_t s : trace_steps(c))
     TS_CHECK(s <= t.steps, "profiling.trace_steps names step {}, but training.steps is {}", s,

@@ -110,7 +110,7 @@ struct TrainConfig {
     int64_t log_interval = 25;
     std::string jsonl = "metrics.jsonl";  // inside dump_folder ("" = off)
     std::string plot = "loss.png";        // loss curve at the end ("" = off; needs gnuplot)
-    double peak_tflops = 0.2;             // the job's peak for MFU: all ranks' hardware together
+    double peak_tflops = 0;               // the job's peak for MFU, all ranks together (0 = measured)
     std::string progress =
         "auto";  // auto | on | off: the progress bar (auto: a terminal, no launcher)
   } metrics;

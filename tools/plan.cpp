@@ -15,6 +15,7 @@
 #include "nn/layers.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
+#include "runtime/cpu/peak.h"
 #include "tp/parallelize.h"
 
 namespace tessera::tools {
@@ -71,6 +72,13 @@ int threads_per_rank(int ranks_here) {
   if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp != nullptr && std::atoi(omp) > 0) return std::atoi(omp);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, ranks_here));
+}
+
+double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* unit) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const cpu::Peak core = cpu::measure_dtype_peak(param_dtype == "float32" ? DType::F32 : DType::BF16, 1);
+  if (unit != nullptr) *unit = core.unit;
+  return core.flops * std::min(cores, std::max(1, ranks_here) * std::max(1, threads));
 }
 
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {

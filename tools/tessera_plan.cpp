@@ -142,10 +142,22 @@ int main(int argc, char** argv) {
         // (this machine's, for all its ranks).
         const double flops = (plan.flops_forward + plan.flops_backward) * world;
         const bool bf16 = cfg.mixed_precision.param_dtype != "float32";
-        const double peak = hardware.empty() ? cfg.metrics.peak_tflops * 1e12
-                                             : world * hw.peak_flops.at(bf16 ? "bfloat16" : "float32");
+        double peak = 0;
+        std::string source;
+        if (!hardware.empty()) {
+          peak = world * hw.peak_flops.at(bf16 ? "bfloat16" : "float32");
+          source = "the file's peak x ranks";
+        } else if (cfg.metrics.peak_tflops > 0) {
+          peak = cfg.metrics.peak_tflops * 1e12;
+          source = "metrics.peak_tflops";
+        } else {  // as tessera-train measures it, on each node
+          const int here = per_node > 0 ? std::min(per_node, world) : world, nodes = (world + here - 1) / here;
+          std::string unit;
+          peak = nodes * tools::node_peak_flops(cfg.mixed_precision.param_dtype, here, tools::threads_per_rank(here), &unit);
+          source = fmt::format("{} loop, measured on this machine{}", unit, nodes > 1 ? fmt::format(", x {} nodes", nodes) : "");
+        }
         std::printf("  MFU at that step time: %.1f%% of %.4g TFLOP/s (%s)\n", 100 * flops / t.step_s / peak,
-                    peak / 1e12, hardware.empty() ? "metrics.peak_tflops" : "the file's peak x ranks");
+                    peak / 1e12, source.c_str());
       }
       std::fputs("\n", stdout);
     }

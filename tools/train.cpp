@@ -56,6 +56,13 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// The ranks the launcher started on this node (1 without a launcher).
+int ranks_on_this_node() {
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(s));
+  if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) return std::max(1, std::atoi(s));
+  return 1;
+}
+
 // A path inside job.dump_folder unless absolute.
 std::string out_path(const tools::TrainConfig& c, const std::string& p) {
   return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
@@ -292,6 +299,7 @@ class Trainer {
   void save(int64_t step);
   void open_outputs();
   void prepare_data();
+  void find_peak();
   void report_setup();
   int64_t restore_or_start();  // resume, initial weights or step 0; returns the first step
   void run_step(int64_t step, int64_t start, Clock::time_point run_start);
@@ -329,6 +337,8 @@ class Trainer {
   std::unique_ptr<tools::JsonlWriter> jsonl_;
   tools::LossCurve curve_;
   double flops_per_token_ = 0;
+  double peak_flops_ = 0;  // MFU's denominator (0: none known, MFU not reported)
+  std::string peak_how_;
   // The current log window.
   Clock::time_point window_start_;
   int64_t window_tokens_ = 0;
@@ -591,13 +601,13 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   double syncs = all_reduce(static_cast<double>(window_syncs_), dist::ReduceOp::Max);
   window_syncs_ = 0;
   double tok_s = static_cast<double>(window_tokens_) / window;
-  double mfu = 100.0 * tok_s * flops_per_token_ / (cfg_.metrics.peak_tflops * 1e12);
+  double mfu = peak_flops_ > 0 ? 100.0 * tok_s * flops_per_token_ / peak_flops_ : std::nan("");
   if (rank_ == 0) {
     say(fmt::format(
         "step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
-        "({:.0f}/rank) | MFU {:.1f}% | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
+        "({:.0f}/rank) | MFU {} | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
         step, T_.steps, loss, std::isnan(last_val_) ? "-     " : fmt::format("{:.4f}", last_val_),
-        lr, gnorm, tok_s, tok_s / world_, mfu, peak_mib, exposed));
+        lr, gnorm, tok_s, tok_s / world_, std::isnan(mfu) ? "-" : fmt::format("{:.1f}%", mfu), peak_mib, exposed));
     jsonl_->write(json{
         {"step", step},
         {"loss", loss},
@@ -658,6 +668,31 @@ void Trainer::prepare_data() {
   curve_.baseline = baseline_;
 }
 
+// MFU's denominator: metrics.peak_tflops, or where it is 0 (the default) on
+// CPU ranks, this CPU's peak for the run's products measured by each node's
+// first rank while the node's other ranks sleep (a computing neighbour would
+// take half the core), for the cores the node's ranks use, summed over nodes.
+// On a GPU nothing is measured: MFU is reported only with metrics.peak_tflops.
+void Trainer::find_peak() {
+  if (cfg_.metrics.peak_tflops > 0) {
+    peak_flops_ = cfg_.metrics.peak_tflops * 1e12;
+    peak_how_ = "metrics.peak_tflops";
+    return;
+  }
+  if (device_.is_cuda()) {
+    peak_how_ = "no peak for a GPU: set metrics.peak_tflops";
+    return;
+  }
+  double mine = 0;
+  std::string unit;
+  if (dist::local_rank() == 0)
+    mine = tools::node_peak_flops(cfg_.mixed_precision.param_dtype, ranks_on_this_node(), num_threads(), &unit);
+  else
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  peak_flops_ = all_reduce(mine, dist::ReduceOp::Sum);
+  peak_how_ = unit + " loop, measured";
+}
+
 void Trainer::report_setup() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   say(fmt::format(
@@ -672,6 +707,8 @@ void Trainer::report_setup() {
       "per micro-batch) | unigram baseline {:.4f}",
       train_->num_tokens(), val_->num_tokens(), T_.batch_size * T_.seq_len, T_.batch_size,
       micro_local_, baseline_));
+  say(peak_flops_ > 0 ? fmt::format("MFU against {:.3g} TFLOP/s ({})", peak_flops_ / 1e12, peak_how_)
+                      : fmt::format("MFU not reported ({})", peak_how_));
 }
 
 int64_t Trainer::restore_or_start() {
@@ -770,6 +807,7 @@ int Trainer::run() {
   prepare_data();
   build_model();
   build_optimizer();
+  find_peak();
   report_setup();
   trace_steps_ = tools::trace_steps(cfg_);
   int64_t start = restore_or_start();
@@ -845,13 +883,6 @@ void Trainer::finish(double total_s) {
     if (rank_ == 0) std::printf("\n---\n");
   }
   progress_->finish();
-}
-
-// The ranks the launcher started on this node (1 without a launcher).
-int ranks_on_this_node() {
-  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(s));
-  if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) return std::max(1, std::atoi(s));
-  return 1;
 }
 
 // OpenMP/BLAS threads per rank: the cores of this node shared by its ranks,

@@ -4,7 +4,8 @@
 // scores exists per thread. Backward: recompute each score block from Q, K
 // and the saved logsumexp instead of storing the probabilities. The block
 // products are small GEMMs (runtime/cpu/blas.h), one thread each inside the
-// parallel loop.
+// parallel loop. bf16 and f16 are computed in f32, widened a block or a head
+// at a time (never a whole tensor), and rounded once.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -40,44 +41,77 @@ inline int64_t visible_keys(int64_t i, int64_t s, bool causal) {
   return causal ? std::min(i + 1, s) : s;
 }
 
-template <class T>
+// Widens n elements of storage S into its compute type: a block or a head of
+// bf16/f16 at a time into the thread's scratch, never a whole tensor.
+template <class S>
+void widen(const S* src, int64_t n, Compute<S>* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load(src[i]);
+}
+
+// S is the storage type (f32, f64, or bf16/f16 computed in f32: T below); the
+// 16-bit inputs are widened a block (forward) or a head (backward) at a time
+// into per-thread scratch, so the products and the online softmax see the
+// same f32 values as on a widened copy of the whole tensor, and the outputs
+// are rounded once.
+template <class S>
 void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor& kt_,
                    const Tensor& vt, bool causal, double scale_d) {
+  using T = Compute<S>;
+  constexpr bool widened = !std::is_same_v<S, T>;
   int64_t b = qt.size(0), h = qt.size(1), t = qt.size(2), d = qt.size(3);
   int64_t hkv = kt_.size(1), s = kt_.size(2);
   int64_t group = h / hkv;
-  const T* q = qt.data<T>();
-  const T* k = kt_.data<T>();
-  const T* v = vt.data<T>();
-  T* out = r.out.data<T>();
+  const S* q = qt.data<S>();
+  const S* k = kt_.data<S>();
+  const S* v = vt.data<S>();
+  S* out = r.out.data<S>();
   T* lse = r.lse.data<T>();
   T scale = static_cast<T>(scale_d);
   int64_t qblocks = (t + kBq - 1) / kBq;
   // Per-thread scratch, through the allocator (so memory_stats sees it): one
-  // block of scores, the output accumulator, running max and sum.
-  const int64_t per_thread = attention_scratch_per_thread(d);
-  Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
+  // block of scores, the output accumulator, running max and sum (and the
+  // widened Q, K and V blocks).
+  const int64_t per_thread = attention_scratch_per_thread(d, widened);
+  Tensor scratch = empty({num_threads(), per_thread}, r.lse.dtype());
   parallel_for(0, b * h * qblocks, 1, [&](int64_t w0, int64_t w1) {
     T* mine = scratch.data<T>() + detail::omp_thread_num() * per_thread;
     T* sbuf = mine;
     T* acc = sbuf + kBq * kBk;
     T* m = acc + kBq * d;
     T* l = m + kBq;
+    T* wide = l + kBq;  // widened: Q block, K block, V block
     for (int64_t w = w0; w < w1; ++w) {
       int64_t bh = w / qblocks, qb = w % qblocks;
       int64_t bi = bh / h, hi = bh % h, kvh = hi / group;
       int64_t i0 = qb * kBq, nq = std::min(kBq, t - i0);
-      const T* qh = q + (bh * t + i0) * d;
-      const T* kh = k + (bi * hkv + kvh) * s * d;
-      const T* vh = v + (bi * hkv + kvh) * s * d;
+      const S* qs = q + (bh * t + i0) * d;
+      const S* ks = k + (bi * hkv + kvh) * s * d;
+      const S* vs = v + (bi * hkv + kvh) * s * d;
+      const T* qh;
+      if constexpr (widened) {
+        widen(qs, nq * d, wide);
+        qh = wide;
+      } else {
+        qh = qs;
+      }
       std::fill(m, m + kBq, -std::numeric_limits<T>::infinity());
       std::fill(l, l + kBq, T(0));
       std::fill(acc, acc + kBq * d, T(0));
       int64_t key_end = visible_keys(i0 + nq - 1, s, causal);
       for (int64_t j0 = 0; j0 < key_end; j0 += kBk) {
         int64_t nk = std::min(kBk, s - j0);
+        const T *kb, *vb;
+        if constexpr (widened) {
+          widen(ks + j0 * d, nk * d, wide + kBq * d);
+          widen(vs + j0 * d, nk * d, wide + (kBq + kBk) * d);
+          kb = wide + kBq * d;
+          vb = wide + (kBq + kBk) * d;
+        } else {
+          kb = ks + j0 * d;
+          vb = vs + j0 * d;
+        }
         // S = scale * Q_blk K_blk^T: the one block of scores this thread holds.
-        block_gemm<T>(false, true, nq, nk, d, scale, qh, d, kh + j0 * d, d, T(0), sbuf, kBk);
+        block_gemm<T>(false, true, nq, nk, d, scale, qh, d, kb, d, T(0), sbuf, kBk);
         for (int64_t i = 0; i < nq; ++i) {
           T* si = sbuf + i * kBk;
           int64_t lim = std::max<int64_t>(0, std::min(nk, visible_keys(i0 + i, s, causal) - j0));
@@ -94,54 +128,81 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
           }
         }
         // acc += P V_blk
-        block_gemm<T>(false, false, nq, d, nk, T(1), sbuf, kBk, vh + j0 * d, d, T(1), acc, d);
+        block_gemm<T>(false, false, nq, d, nk, T(1), sbuf, kBk, vb, d, T(1), acc, d);
       }
       for (int64_t i = 0; i < nq; ++i) {
-        T* o = out + (bh * t + i0 + i) * d;
+        S* o = out + (bh * t + i0 + i) * d;
         T inv = l[i] > T(0) ? T(1) / l[i] : T(0);  // a row that sees no key stays zero
-        for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+        for (int64_t c = 0; c < d; ++c) o[c] = store<S>(acc[i * d + c] * inv);
         lse[bh * t + i0 + i] = l[i] > T(0) ? m[i] + std::log(l[i]) : -std::numeric_limits<T>::infinity();
       }
     }
   });
 }
 
-template <class T>
+template <class S>
 void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Tensor& qt,
                     const Tensor& kt_, const Tensor& vt, const Tensor& out_t, const Tensor& lse_t,
                     bool causal, double scale_d) {
+  using T = Compute<S>;
+  constexpr bool widened = !std::is_same_v<S, T>;
   int64_t b = qt.size(0), h = qt.size(1), t = qt.size(2), d = qt.size(3);
   int64_t hkv = kt_.size(1), s = kt_.size(2);
   int64_t group = h / hkv;
-  const T *q = qt.data<T>(), *k = kt_.data<T>(), *v = vt.data<T>();
-  const T *dout = dout_t.data<T>(), *out = out_t.data<T>(), *lse = lse_t.data<T>();
-  T *dq = g.dq.data<T>(), *dk = g.dk.data<T>(), *dv = g.dv.data<T>();
+  const S *q = qt.data<S>(), *k = kt_.data<S>(), *v = vt.data<S>();
+  const S *dout = dout_t.data<S>(), *out = out_t.data<S>();
+  const T* lse = lse_t.data<T>();
+  S *dq = g.dq.data<S>(), *dk = g.dk.data<S>(), *dv = g.dv.data<S>();
   T scale = static_cast<T>(scale_d);
-  // One work item per (batch, kv head): it owns dK/dV of that head and dQ of its query heads.
-  const int64_t per_thread = attention_backward_scratch_per_thread(t);
-  Tensor scratch = empty({num_threads(), per_thread}, qt.dtype());
+  // One work item per (batch, kv head): it owns dK/dV of that head and dQ of
+  // its query heads (widened: K, V, Q and dO of the head in f32, and f32
+  // accumulators for dK, dV and dQ, rounded once at the end).
+  const int64_t per_thread = attention_backward_scratch_per_thread(t, s, d, widened);
+  Tensor scratch = empty({num_threads(), per_thread}, lse_t.dtype());
   parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
     T* p = scratch.data<T>() + detail::omp_thread_num() * per_thread;
     T* dp = p + kBq * kBk;
     T* delta = dp + kBq * kBk;
+    T* wide = delta + t;  // widened: K, V, dK, dV (s x d each), Q, dO, dQ (t x d each)
     for (int64_t w = w0; w < w1; ++w) {
       int64_t bi = w / hkv, kvh = w % hkv;
-      const T* kh = k + w * s * d;
-      const T* vh = v + w * s * d;
-      T* dkh = dk + w * s * d;
-      T* dvh = dv + w * s * d;
+      const T *kh, *vh;
+      T *dkh, *dvh;
+      if constexpr (widened) {
+        widen(k + w * s * d, s * d, wide);
+        widen(v + w * s * d, s * d, wide + s * d);
+        kh = wide;
+        vh = wide + s * d;
+        dkh = wide + 2 * s * d;
+        dvh = wide + 3 * s * d;
+      } else {
+        kh = k + w * s * d;
+        vh = v + w * s * d;
+        dkh = dk + w * s * d;
+        dvh = dv + w * s * d;
+      }
       std::fill(dkh, dkh + s * d, T(0));
       std::fill(dvh, dvh + s * d, T(0));
       for (int64_t hi = kvh * group; hi < (kvh + 1) * group; ++hi) {
         int64_t bh = bi * h + hi;
-        const T* qh = q + bh * t * d;
-        const T* doh = dout + bh * t * d;
-        const T* oh = out + bh * t * d;
+        const S* os = out + bh * t * d;
         const T* lh = lse + bh * t;
-        T* dqh = dq + bh * t * d;
+        const T *qh, *doh;
+        T* dqh;
+        if constexpr (widened) {
+          widen(q + bh * t * d, t * d, wide + 4 * s * d);
+          widen(dout + bh * t * d, t * d, wide + 4 * s * d + t * d);
+          qh = wide + 4 * s * d;
+          doh = wide + 4 * s * d + t * d;
+          dqh = wide + 4 * s * d + 2 * t * d;
+        } else {
+          qh = q + bh * t * d;
+          doh = dout + bh * t * d;
+          dqh = dq + bh * t * d;
+        }
         std::fill(dqh, dqh + t * d, T(0));
         for (int64_t i = 0; i < t; ++i)  // delta_i = dO_i . O_i
-          delta[i] = lane_sum<T>(d, [&](int64_t c) { return doh[i * d + c] * oh[i * d + c]; });
+          delta[i] = lane_sum<T>(d, [&](int64_t c) { return doh[i * d + c] * load(os[i * d + c]); });
         for (int64_t j0 = 0; j0 < s; j0 += kBk) {
           int64_t nk = std::min(kBk, s - j0);
           int64_t first_q = causal ? j0 / kBq * kBq : 0;  // earlier query blocks see none of these keys
@@ -169,7 +230,14 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
             block_gemm<T>(false, false, nq, d, nk, T(1), dp, kBk, kh + j0 * d, d, T(1), dqh + i0 * d, d);
           }
         }
+        if constexpr (widened)
+          for (int64_t i = 0; i < t * d; ++i) dq[bh * t * d + i] = store<S>(dqh[i]);
       }
+      if constexpr (widened)
+        for (int64_t i = 0; i < s * d; ++i) {
+          dk[w * s * d + i] = store<S>(dkh[i]);
+          dv[w * s * d + i] = store<S>(dvh[i]);
+        }
     }
   });
 }
@@ -178,7 +246,7 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
 
 void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v,
                bool causal, double scale) {
-  dispatch_float(q.dtype(), "attention", [&](auto tag) {
+  dispatch_floating(q.dtype(), "attention", [&](auto tag) {
     forward_typed<decltype(tag)>(r, q, k, v, causal, scale);
   });
 }
@@ -186,7 +254,7 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         bool causal, double scale) {
-  dispatch_float(q.dtype(), "attention_backward", [&](auto tag) {
+  dispatch_floating(q.dtype(), "attention_backward", [&](auto tag) {
     backward_typed<decltype(tag)>(g, dout, q, k, v, out, lse, causal, scale);
   });
 }

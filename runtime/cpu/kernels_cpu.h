@@ -21,17 +21,23 @@ void uniform(const Tensor&, double, double, const RandomSpec&);
 void normal(const Tensor&, double, double, const RandomSpec&);
 
 // Attention's blocks (attention.cpp) and the scratch each thread takes from
-// the allocator for them, in elements of the kernel's dtype: a planned step
-// (meta.cpp) allocates as much as a run does.
+// the allocator for them, in elements of the kernel's compute dtype (f32 for
+// bf16/f16, which are `widened` into it): a planned step (meta.cpp) allocates
+// as much as a run does.
 constexpr int64_t kAttentionBq = 64;  // queries per block
 constexpr int64_t kAttentionBk = 64;  // keys per block
-// One block of scores, the output accumulator, running max and sum.
-inline int64_t attention_scratch_per_thread(int64_t head_dim) {
-  return kAttentionBq * kAttentionBk + kAttentionBq * head_dim + 2 * kAttentionBq;
+// One block of scores, the output accumulator, running max and sum; widened,
+// the Q, K and V blocks.
+inline int64_t attention_scratch_per_thread(int64_t head_dim, bool widened) {
+  return kAttentionBq * kAttentionBk + kAttentionBq * head_dim + 2 * kAttentionBq +
+         (widened ? (kAttentionBq + 2 * kAttentionBk) * head_dim : 0);
 }
-// Two blocks (probabilities and their gradient) and a row of deltas per query.
-inline int64_t attention_backward_scratch_per_thread(int64_t queries) {
-  return 2 * kAttentionBq * kAttentionBk + queries;
+// Two blocks (probabilities and their gradient) and a row of deltas per query;
+// widened, one head's K, V, dK and dV (keys x head_dim each) and Q, dO and dQ
+// (queries x head_dim each).
+inline int64_t attention_backward_scratch_per_thread(int64_t queries, int64_t keys, int64_t head_dim,
+                                                     bool widened) {
+  return 2 * kAttentionBq * kAttentionBk + queries + (widened ? (4 * keys + 3 * queries) * head_dim : 0);
 }
 
 // The kernels every instruction-set copy defines.

@@ -240,10 +240,13 @@ TS_LOGGED(normal)
 // takes per-thread scratch from the allocator, for as many threads as this
 // process runs (tessera-train and tessera-plan set them per rank alike); a
 // GPU's kernel takes none.
+bool widened(const Tensor& q) { return tessera::compute_dtype(q.dtype()) != q.dtype(); }
+
 void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                double scale) {
   if (!native_dtypes)
-    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_scratch_per_thread(q.size(3))}, q.dtype(), Device::meta());
+    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_scratch_per_thread(q.size(3), widened(q))},
+                tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;
   attention_logged(r, q, k, v, causal, scale);
   active->kernels.back().flops = attention_flops(spec_of(q), spec_of(k), causal);
@@ -252,7 +255,9 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
   if (!native_dtypes)
-    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_backward_scratch_per_thread(q.size(2))}, q.dtype(), Device::meta());
+    (void)empty({static_cast<int64_t>(num_threads()),
+                 cpu::attention_backward_scratch_per_thread(q.size(2), k.size(2), q.size(3), widened(q))},
+                tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;
   attention_backward_logged(g, dout, q, k, v, out, lse, causal, scale);
   active->kernels.back().flops = 2.5 * attention_flops(spec_of(q), spec_of(k), causal);

@@ -294,24 +294,25 @@ void cross_entropy_backward(const Tensor& glogits, const Tensor& scale_tensor, c
 void rope(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
   int64_t t = x.size(-2), d = x.size(-1), half = d / 2;
   int64_t planes = t == 0 || d == 0 ? 0 : x.numel() / (t * d);
-  dispatch_float(x.dtype(), "rope", [&](auto tag) {
-    using T = decltype(tag);
-    const T* px = x.data<T>();
+  dispatch_floating(x.dtype(), "rope", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;  // cos and sin are in T
+    const S* px = x.data<S>();
     const T* pc = cos.data<T>();
     const T* ps = sin.data<T>();
-    T* po = out.data<T>();
+    S* po = out.data<S>();
     T sign = inverse ? T(-1) : T(1);
     parallel_for(0, planes * t, row_grain(d), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         int64_t pos = r % t;
-        const T* xr = px + r * d;
-        T* o = po + r * d;
+        const S* xr = px + r * d;
+        S* o = po + r * d;
         const T* cr = pc + pos * half;
         const T* sr = ps + pos * half;
         for (int64_t j = 0; j < half; ++j) {
-          T x1 = xr[j], x2 = xr[j + half], cs = cr[j], sn = sign * sr[j];
-          o[j] = x1 * cs - x2 * sn;
-          o[j + half] = x2 * cs + x1 * sn;
+          T x1 = load(xr[j]), x2 = load(xr[j + half]), cs = cr[j], sn = sign * sr[j];
+          o[j] = store<S>(x1 * cs - x2 * sn);
+          o[j + half] = store<S>(x2 * cs + x1 * sn);
         }
       }
     });

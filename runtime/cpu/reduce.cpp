@@ -142,11 +142,11 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
 namespace {
 double sum_squares_one(const Tensor& x) {
   double total = 0;
-  dispatch_float(x.dtype(), "sum_squares", [&](auto tag) {
-    using T = decltype(tag);
-    const T* p = x.numel() > 0 ? x.data<T>() : nullptr;
+  dispatch_floating(x.dtype(), "sum_squares", [&](auto tag) {
+    using S = decltype(tag);  // bf16/f16 read as they are: no f32 copy of the gradients
+    const S* p = x.numel() > 0 ? x.data<S>() : nullptr;
     total = chunked_sum<double>(x.numel(), [p](int64_t i) {
-      double v = static_cast<double>(p[i]);  // exact: a float's square fits a double
+      double v = static_cast<double>(load(p[i]));  // exact: a float's square fits a double
       return v * v;
     });
   });

@@ -15,15 +15,16 @@
 namespace tessera {
 namespace cpu {
 
-// The elementwise, softmax, norm and cross-entropy kernels take bf16/f16 as
-// they are (read into f32 registers, rounded once on store: no f32 copy of the
-// tensor; statistics in f32), and so do matrix products of bf16 where oneDNN
-// has bf16 kernels for this CPU (f32 accumulation, blas.cpp); the other
-// families (reductions, embedding gradients, attention, RoPE) compute bf16/f16
-// on f32 copies the ops layer makes (and f64 in f64).
+// The elementwise, softmax, norm, cross-entropy, attention and RoPE kernels take
+// bf16/f16 as they are (read into f32 registers, or widened a block at a time
+// into per-thread scratch, rounded once on store: no f32 copy of the tensor;
+// statistics in f32), and so do matrix products of bf16 where oneDNN has bf16
+// kernels for this CPU (f32 accumulation, blas.cpp); the other families
+// (reductions, embedding gradients) compute bf16/f16 on f32 copies the ops
+// layer makes (and f64 in f64).
 DType compute_dtype(KernelFamily family, DType dtype) {
   if (family == KernelFamily::Elementwise || family == KernelFamily::Softmax || family == KernelFamily::Norm ||
-      family == KernelFamily::CrossEntropy)
+      family == KernelFamily::CrossEntropy || family == KernelFamily::Attention || family == KernelFamily::Rope)
     return dtype;
   if (family == KernelFamily::Matmul && dtype == DType::BF16 && bf16_gemm_native()) return dtype;
   return tessera::compute_dtype(dtype);

@@ -225,7 +225,8 @@ __global__ void rope_kernel(void* out, const void* x, const void* cs, const void
     int64_t j = w % half, r = w / half, pos = r % t;
     int64_t base = r * 2 * half;
     C x1 = load<C>(x, dt, base + j), x2 = load<C>(x, dt, base + j + half);
-    C c = load<C>(cs, dt, pos * half + j), s = sign * load<C>(sn, dt, pos * half + j);
+    // cos and sin are in C (f32 for bf16/f16 inputs: the ops layer's statistics dtype).
+    C c = static_cast<const C*>(cs)[pos * half + j], s = sign * static_cast<const C*>(sn)[pos * half + j];
     store<C>(out, dt, base + j, x1 * c - x2 * s);
     store<C>(out, dt, base + j + half, x2 * c + x1 * s);
   }

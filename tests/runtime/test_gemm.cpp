@@ -12,6 +12,7 @@
 
 #include "helpers.h"
 #include "runtime/cpu/blas.h"
+#include "runtime/cpu/peak.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/parallel.h"
 
@@ -297,4 +298,24 @@ TEST_CASE("bf16 matmul and linear compute natively where oneDNN can: the f32 res
   close("linear dx", d[0], d32[0], 45);
   close("linear dW", d[1], d32[1], 111);
   close("batched matmul", ops::matmul(x, y), ops::matmul(f(x), f(y)), 70);
+}
+
+TEST_CASE("this CPU's measured peaks", "[gemm][peak]") {
+  using cpu::PeakUnit;
+  cpu::Peak fma = cpu::measure_peak(PeakUnit::Fma, 1);
+  INFO(fma.unit << " " << fma.flops / 1e9 << " GFLOP/s");
+  // Any x86-64 core of the last decade issues more than 4 and fewer than 1000 GFLOP/s of f32 FMAs.
+  CHECK(fma.flops > 4e9);
+  CHECK(fma.flops < 1e12);
+  for (PeakUnit unit : {PeakUnit::Bf16Dot, PeakUnit::Amx}) {
+    cpu::Peak p = cpu::measure_peak(unit, 1);
+    INFO(p.unit << " " << p.flops / 1e9 << " GFLOP/s");
+    CHECK((p.flops > 0) == cpu::has_peak_unit(unit));
+  }
+  // bf16's unit is the fastest the CPU has for bf16 products: never the FMA where a bf16 unit exists.
+  cpu::Peak bf16 = cpu::measure_dtype_peak(DType::BF16, 1);
+  bool bf16_unit = cpu::has_peak_unit(PeakUnit::Amx) || cpu::has_peak_unit(PeakUnit::Bf16Dot);
+  CHECK((std::string(bf16.unit).find("FMA") == std::string::npos) == bf16_unit);
+  if (cpu::has_peak_unit(PeakUnit::Amx)) CHECK(std::string(bf16.unit) == "AMX");
+  CHECK(std::string(cpu::measure_dtype_peak(DType::F32, 1).unit) == fma.unit);
 }

@@ -3,6 +3,8 @@
 #include <cmath>
 
 #include "runtime/allocator.h"
+#include "runtime/cpu/kernels_cpu.h"
+#include "runtime/parallel.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -522,6 +524,49 @@ TEST_CASE("the CPU's row kernels take bf16 and f16 natively", "[dtype][kernels]"
   int64_t base = memory_stats().allocated_bytes;
   ops::NormResult r = ops::layer_norm(big, Tensor(), Tensor(), 1e-5);
   CHECK(memory_stats().peak_allocated_bytes - base == 512 * 1024 * 2 + 2 * 512 * 4);
+}
+
+TEST_CASE("the CPU's attention and RoPE take bf16 and f16 natively", "[dtype][kernels][attention]") {
+  auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
+  for (DType dt : {DType::BF16, DType::F16}) {
+    REQUIRE(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, dt) == dt);
+    REQUIRE(ops::compute_dtype(Device::cpu(), KernelFamily::Rope, dt) == dt);
+    auto same = [&](const char* what, const Tensor& low, const Tensor& ref32) {
+      INFO(what);
+      CHECK(low.dtype() == dt);
+      CHECK(testing::equal(ops::to(low, DType::F64), ops::to(ops::to(ref32, dt), DType::F64)));
+    };
+    // RoPE with f32 angles (not rounded to bf16), forward and inverse, odd planes and positions.
+    Tensor x = ops::to(randn({3, 5, 11, 14}, 6), dt);
+    auto [cs, sn] = rope_tables(13, 14, 500.0, DType::F32);
+    for (bool inverse : {false, true}) same("rope", ops::rope(x, cs, sn, inverse), ops::rope(f(x), cs, sn, inverse));
+    // Bit for bit the f32 kernel on widened copies: awkward lengths (a single
+    // query, one block and a tail), grouped heads, keys longer than queries.
+    for (auto [t, s, hkv] : {std::tuple{1, 1, 3}, {67, 67, 1}, {130, 130, 3}, {19, 83, 1}}) {
+      for (bool causal : {true, false}) {
+        INFO(dtype_name(dt) << " T=" << t << " S=" << s << " kv heads=" << hkv << " causal=" << causal);
+        Tensor q = ops::to(randn({2, 3, t, 24}, 1), dt), k = ops::to(randn({2, hkv, s, 24}, 2), dt);
+        Tensor v = ops::to(randn({2, hkv, s, 24}, 3), dt), dout = ops::to(randn({2, 3, t, 24}, 4), dt);
+        ops::AttentionResult r = ops::attention(q, k, v, causal, 0.2), r32 = ops::attention(f(q), f(k), f(v), causal, 0.2);
+        same("out", r.out, r32.out);
+        CHECK(r.lse.dtype() == DType::F32);
+        CHECK(testing::equal(r.lse, r32.lse));
+        ops::AttentionGrads g = ops::attention_backward(dout, q, k, v, r.out, r.lse, causal, 0.2);
+        ops::AttentionGrads g32 = ops::attention_backward(f(dout), f(q), f(k), f(v), f(r.out), r.lse, causal, 0.2);
+        same("dq", g.dq, g32.dq);
+        same("dk", g.dk, g32.dk);
+        same("dv", g.dv, g32.dv);
+      }
+    }
+  }
+  // No f32 copy of a whole tensor: a bf16 forward over [2, 8, 1024, 64]
+  // allocates its output, the f32 logsumexp and per-thread block scratch.
+  Tensor q = ops::to(randn({2, 8, 1024, 64}, 5), DType::BF16);
+  reset_peak_memory_stats();
+  int64_t base = memory_stats().allocated_bytes;
+  ops::AttentionResult r = ops::attention(q, q, q, true, 0.125);
+  int64_t scratch = num_threads() * cpu::attention_scratch_per_thread(64, true) * 4;
+  CHECK(memory_stats().peak_allocated_bytes - base <= q.numel() * 2 + 2 * 8 * 1024 * 4 + scratch + 4096);
 }
 
 TEST_CASE("embedding takes i32 or i64 indices alike; other index dtypes are refused", "[kernels][embedding]") {

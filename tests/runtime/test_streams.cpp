@@ -333,13 +333,15 @@ TEST_CASE("the ops layer hands each kernel family the dtype its table declares",
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::F16) == DType::F32);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Elementwise, DType::F16) == DType::F16);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::BF16) == DType::BF16);
-  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Rope, DType::BF16) == DType::F32);
-  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::BF16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Rope, DType::BF16) == DType::BF16);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::F16) == DType::F16);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Reduction, DType::BF16) == DType::F32);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Embedding, DType::F16) == DType::F32);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Norm, DType::F64) == DType::F64);
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Attention, DType::I64) == DType::I64);
 
   // Odd sizes; bf16 inputs on the CPU (which takes bf16 natively in the
-  // elementwise, softmax, norm and cross-entropy kernels, and in matmul where
+  // elementwise, softmax, norm, cross-entropy, attention and RoPE kernels, and in matmul where
   // it has a bf16 GEMM) and on a backend that takes bf16 natively for
   // elementwise and softmax kernels.
   auto inputs = [](Device d) {

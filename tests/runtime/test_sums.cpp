@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/allocator.h"
 #include "runtime/parallel.h"
 #include "tests/helpers.h"
 
@@ -128,5 +129,26 @@ TEST_CASE("lane-ordered sums agree with f64 sums", "[kernels][threads]") {
     INFO("column " << j);
     CHECK(got_b[j] == static_cast<float>(db[j]));
     CHECK(std::abs(got_w[j] - dw[j]) <= 1e-5 * (1.0 + std::abs(dw[j])));
+  }
+}
+
+TEST_CASE("sum_squares reads bf16 and f16 as they are", "[sums][dtype]") {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(dt));
+    // Awkward lengths, a scale where f16 squares would overflow in f16 (not in f64).
+    std::vector<Tensor> xs = {ops::to(ops::mul(randn({1000003}, 1), 300.0), dt), ops::to(randn({7, 13}, 2), dt),
+                              ops::to(randn({1}, 3), dt)};
+    std::vector<Tensor> wide;
+    double expect = 0;
+    for (const Tensor& x : xs) {
+      wide.push_back(ops::to(x, DType::F32));
+      for (double v : x.to_vector<double>()) expect += v * v;
+    }
+    reset_peak_memory_stats();
+    const int64_t base = memory_stats().allocated_bytes;
+    const double got = ops::sum_squares(xs, Device::cpu()).item();
+    CHECK(memory_stats().peak_allocated_bytes - base <= 64);  // the f64 result, no f32 copy
+    CHECK(got == ops::sum_squares(wide, Device::cpu()).item());  // the same squares in the same order
+    CHECK(std::abs(got - expect) <= 1e-12 * expect);
   }
 }

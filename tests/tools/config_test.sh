@@ -184,7 +184,8 @@ bad "checkpoint.interval must be >= 1, got 0" --checkpoint.interval 0
 bad "checkpoint.keep must be >= 0" --checkpoint.keep -1
 bad "checkpoint.folder must not be empty" --checkpoint.folder ""
 bad "metrics.log_interval must be >= 1, got 0" --metrics.log_interval 0
-bad "metrics.peak_tflops must be > 0, got 0" --metrics.peak_tflops 0
+bad "config key 'metrics.peak_tflops' expects a finite number, got 'inf'" --metrics.peak_tflops inf
+bad "metrics.peak_tflops must be >= 0 (0 = this CPU's, measured), got -1" --metrics.peak_tflops -1
 bad "profiling.trace_steps names step 100, but training.steps is 50" --profiling.trace_steps 100
 bad "profiling.trace_steps expects step numbers >= 1" --profiling.trace_steps 0
 bad "parallelism.data_parallel_replicate_degree must be >= 1, got 0" \

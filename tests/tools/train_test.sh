@@ -111,6 +111,15 @@ expect_error "parallelism: replicate degree 1 x shard degree 3 x tensor-parallel
   train 4 "${llama[@]}" --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 3
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
 grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
+# MFU against this CPU's measured peak (FMA loop, for f32) unless one is given.
+grep -Eq "MFU against [0-9.e+-]+ TFLOP/s \(.*FMA loop, measured\)" w4.log || fail "no measured peak in:
+$(head -5 w4.log)"
+python3 -c '
+import json
+mfu = [json.loads(l)["mfu_pct"] for l in open("w4/metrics.jsonl") if "mfu_pct" in l]
+assert mfu and all(0 < m < 100 for m in mfu), mfu'
+train 1 --training.steps 10 --metrics.peak_tflops 1e-6 --job.dump_folder given > given.log
+grep -q "MFU against 1e-06 TFLOP/s (metrics.peak_tflops)" given.log || fail "peak_tflops not used: $(head -5 given.log)"
 python3 -c '
 import json
 rows = [json.loads(l) for l in open("w4/metrics.jsonl")]

@@ -1,0 +1,33 @@
+// This CPU's peak arithmetic rate, measured: a register-only loop of the
+// widest multiply-add the CPU issues, on several threads at once. The
+// denominator of MFU (tessera-train, tessera-plan) and of bench_gemm's
+// fractions. Units, by the products they bound:
+//   Fma:     f32 fused multiply-add, AVX-512 where the CPU has it, else AVX2+FMA
+//            (a scalar FMA loop elsewhere);
+//   Bf16Dot: AVX512-BF16's vdpbf16ps (two bf16 products into each f32 lane);
+//   Amx:     AMX's tdpbf16ps on full 16 x 32 tiles (bf16 in, f32 accumulators).
+#pragma once
+
+#include "runtime/dtype.h"
+
+namespace tessera::cpu {
+
+enum class PeakUnit { Fma, Bf16Dot, Amx };
+
+struct Peak {
+  double flops = 0;       // FLOP/s of all the threads together; 0 when the CPU lacks the unit
+  const char* unit = "";  // e.g. "AVX-512 FMA"
+};
+
+// Whether this CPU (and, for AMX, the kernel) lets the unit run.
+bool has_peak_unit(PeakUnit unit);
+// The best of 3 rounds (about 0.05-0.1 s each) of the unit's loop on `threads`
+// threads at once; {0, name} when the CPU lacks it.
+Peak measure_peak(PeakUnit unit, int threads);
+// The unit that bounds products of `dtype` on this CPU's hardware: AMX for
+// bf16 where the CPU has it, else AVX512-BF16, else the f32 FMA (bf16 then
+// computes in f32); the FMA for f32 (and f64, at half its rate: the loop is
+// f32, so the figure is halved).
+Peak measure_dtype_peak(DType dtype, int threads);
+
+}  // namespace tessera::cpu
