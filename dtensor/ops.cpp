@@ -13,6 +13,12 @@
 //                      input x Replicate weight -> same batch shard; linear's backward
 //                      follows the forward's split (linear_backward_rule)
 //   normal_/uniform_   each local element draws the counter of its global position
+//   cross_entropy      logits [N, C] Shard(1) on one mesh dim (loss parallelism:
+//                      three all-reduces of N values, the logits never gathered),
+//                      Shard(0) (rows) or Replicate on the others; its backward
+//                      needs no communication (cross_entropy_rule)
+#include <limits>
+
 #include "dtensor/redistribute.h"
 #include "runtime/dtensor_hook.h"
 #include "runtime/ops.h"
@@ -277,6 +283,158 @@ std::vector<Tensor> like(DistCall& call) {
   return {make_dtensor(local, ref.mesh, ref.placements, ref.global_shape)};
 }
 
+// ---- cross-entropy on sharded logits --------------------------------------------
+//
+// Megatron's vocabulary-parallel cross-entropy (PyTorch's loss_parallel): with
+// the classes of logits [N, C] split over a mesh dim, each rank holds some
+// columns of every row, and
+//   lse_r  = m_r + log sum_j exp(x_rj - m_r),  m_r = max_j x_rj
+//   loss_r = lse_r - x_r,target(r)
+// need, over that dim, the all-reduced row maximum, the all-reduced sum of
+// exponentials and the all-reduced target logit (held by one rank, 0 on the
+// others): three all-reduces of N values, against an all-gather of N x C to
+// gather the logits. Rows split over other mesh dims (Shard(0)) each give the
+// loss terms of their rows, summed (with the count of counted targets) over
+// those dims. The gradient, softmax - one-hot on the rank's own columns, needs
+// the all-reduced lse only: no communication.
+
+struct CrossEntropyLayout {
+  MeshPtr mesh;
+  Shape global;                   // [N, C]
+  Placements placements;          // the logits', any Partial reduced
+  Placements row_placements;      // Shard(0) where the logits split rows, Replicate elsewhere
+  int64_t class_dim = -1;         // the mesh dim that splits the classes (-1: none)
+  std::vector<int64_t> row_dims;  // the mesh dims that split the rows
+  Tensor x;                       // the local logits [n, c]
+  Tensor target;                  // the local targets [n], i64
+  int64_t row0 = 0, class0 = 0;   // where the local block starts
+};
+
+CrossEntropyLayout cross_entropy_layout(const DistCall& call, const Tensor& logits, const Tensor& target) {
+  TS_CHECK(logits.is_distributed(), "{}: the target is a DTensor but the logits are a plain tensor; distribute the "
+           "logits (or gather the target)", call.name);
+  const DTensorSpec& s = dtensor_spec(logits);
+  TS_CHECK(s.global_shape.size() == 2, "{}: logits must be [N, C], got {}", call.name, shape_str(s.global_shape));
+  CrossEntropyLayout l;
+  l.mesh = s.mesh;
+  l.global = s.global_shape;
+  l.placements = without_partial(s.placements);
+  for (size_t i = 0; i < l.placements.size(); ++i) {
+    const Placement& p = l.placements[i];
+    const int64_t dim = static_cast<int64_t>(i);
+    if (is_shard(p, 1)) {
+      TS_CHECK(l.class_dim < 0, "{}: logits {} split the classes over mesh dims {} and {}; loss parallelism takes "
+               "one (redistribute the others to Replicate or Shard(0))", call.name, s.str(), l.class_dim, dim);
+      l.class_dim = dim;
+      l.row_placements.push_back(Replicate{});
+    } else if (is_shard(p, 0)) {
+      l.row_dims.push_back(dim);
+      l.row_placements.push_back(Shard{0});
+    } else {
+      l.row_placements.push_back(Replicate{});
+    }
+  }
+  l.x = s.placements == l.placements ? s.local : local_tensor(redistribute_local(logits, l.placements));
+  auto [shape, offset] = local_shape_and_offset(l.global, *l.mesh, l.placements, l.mesh->get_coordinate());
+  l.row0 = offset[0];
+  l.class0 = offset[1];
+  if (target.is_distributed()) {
+    const DTensorSpec& t = dtensor_spec(target);
+    TS_CHECK(*t.mesh == *l.mesh && t.global_shape == Shape{l.global[0]},
+             "{}: target {} does not match logits {} (expected [{}] on the same mesh)", call.name, t.str(), s.str(),
+             l.global[0]);
+    l.target = t.placements == l.row_placements ? t.local : local_tensor(redistribute_local(target, l.row_placements));
+  } else {
+    TS_CHECK(target.dim() == 1 && target.size(0) == l.global[0],
+             "{}: targets {} do not match logits {} (expected [{}])", call.name, shape_str(target.shape()),
+             shape_str(l.global), l.global[0]);
+    l.target = ops::narrow(target, 0, l.row0, shape[0]);
+  }
+  TS_CHECK(l.target.dtype() == DType::I64 || l.target.dtype() == DType::I32,
+           "{}: targets must be i64 (class indices), got {}", call.name, dtype_name(l.target.dtype()));
+  l.target = ops::contiguous(ops::to(l.target, DType::I64));
+  return l;
+}
+
+// Sums (or maximises) t over mesh dim `dim` in place; nothing on a dim of one rank.
+Tensor all_reduce_over(const CrossEntropyLayout& l, Tensor t, int64_t dim, dist::ReduceOp op) {
+  if (l.mesh->size(dim) == 1) return t;
+  t = ops::contiguous(t);
+  l.mesh->get_group(dim)->all_reduce(t, {op})->wait();
+  return t;
+}
+
+// [n, c] bool: column j of row r is row r's target (none where the target lies
+// in another rank's columns or is ignored).
+Tensor target_columns(const CrossEntropyLayout& l) {
+  Tensor classes = arange(l.class0, l.class0 + l.x.size(1), 1, DType::I64, l.x.device());
+  return ops::binary(ops::BinaryOp::Eq, ops::unsqueeze(l.target, 1), ops::unsqueeze(classes, 0));
+}
+
+// A 0-dim operand's value on this rank (a Replicate or Partial DTensor reduced first).
+Tensor scalar_value(const Tensor& t) {
+  if (!t.is_distributed()) return t;
+  const DTensorSpec& s = dtensor_spec(t);
+  Placements r(s.placements.size(), Replicate{});
+  return s.placements == r ? s.local : local_tensor(redistribute_local(t, r));
+}
+
+std::vector<Tensor> cross_entropy_rule(DistCall& call) {
+  CrossEntropyLayout l = cross_entropy_layout(call, call.inputs[0], call.inputs[1]);
+  const DType logits_dtype = call.inputs[0].dtype(), sd = compute_dtype(logits_dtype);
+  const int64_t n = l.x.size(0), c = l.x.size(1);
+  const Device dev = l.x.device();
+  Tensor x = ops::to(l.x, sd);
+  // A rank may hold no columns (fewer classes than ranks): it adds -inf to the maximum and 0 to the sums.
+  Tensor m = c > 0 ? ops::max(x, 1, false).first : full({n}, -std::numeric_limits<double>::infinity(), sd, dev);
+  if (l.class_dim >= 0) m = all_reduce_over(l, m, l.class_dim, dist::ReduceOp::Max);
+  Tensor z = c > 0 ? ops::sum(ops::exp(ops::sub(x, ops::unsqueeze(m, 1))), {1}) : zeros({n}, sd, dev);
+  Tensor picked = c > 0 ? ops::sum(ops::where(target_columns(l), x, zeros({}, sd, dev)), {1}) : zeros({n}, sd, dev);
+  if (l.class_dim >= 0) {
+    z = all_reduce_over(l, z, l.class_dim, dist::ReduceOp::Sum);
+    picked = all_reduce_over(l, picked, l.class_dim, dist::ReduceOp::Sum);
+  }
+  Tensor lse = ops::add(m, ops::unary(ops::UnaryOp::Log, z));
+  Tensor counted = ops::binary(ops::BinaryOp::Ne, l.target, static_cast<double>(call.ignore_index));
+  Tensor losses = ops::where(counted, ops::sub(lse, picked), zeros({}, sd, dev));
+  Tensor total = ops::reshape(ops::sum(losses, {}, false, DType::F64), {1});
+  Tensor count = ops::reshape(ops::sum(counted, {}, false, DType::F64), {1});
+  for (int64_t d : l.row_dims) {
+    total = all_reduce_over(l, total, d, dist::ReduceOp::Sum);
+    count = all_reduce_over(l, count, d, dist::ReduceOp::Sum);
+  }
+  count = ops::reshape(count, {});
+  Tensor loss = ops::to(ops::div(ops::reshape(total, {}), ops::binary(ops::BinaryOp::Maximum, count, 1.0)), logits_dtype);
+  const Placements replicated(l.placements.size(), Replicate{});
+  return {make_dtensor(loss, l.mesh, replicated, {}), make_dtensor(lse, l.mesh, l.row_placements, {l.global[0]}),
+          make_dtensor(count, l.mesh, replicated, {})};
+}
+
+// d loss / d logits = (softmax - one-hot) x grad / count on the rank's own
+// block, 0 on ignored rows: from the all-reduced lse, without communication.
+std::vector<Tensor> cross_entropy_backward_rule(DistCall& call) {
+  const Tensor& grad = call.inputs[0];
+  const Tensor& lse = call.inputs[3];
+  CrossEntropyLayout l = cross_entropy_layout(call, call.inputs[1], call.inputs[2]);
+  const DType logits_dtype = call.inputs[1].dtype(), sd = compute_dtype(logits_dtype);
+  const Device dev = l.x.device();
+  Tensor lse_local;
+  if (lse.is_distributed()) {
+    const DTensorSpec& s = dtensor_spec(lse);
+    lse_local = s.placements == l.row_placements ? s.local : local_tensor(redistribute_local(lse, l.row_placements));
+  } else {
+    lse_local = ops::narrow(lse, 0, l.row0, l.x.size(0));
+  }
+  Tensor scale = ops::div(ops::to(scalar_value(grad), DType::F64),
+                          ops::binary(ops::BinaryOp::Maximum, ops::to(scalar_value(call.inputs[4]), DType::F64), 1.0));
+  Tensor x = ops::to(l.x, sd);
+  Tensor p = ops::exp(ops::sub(x, ops::unsqueeze(ops::to(lse_local, sd), 1)));
+  Tensor d = ops::mul(ops::sub(p, ops::to(target_columns(l), sd)), ops::to(scale, sd));
+  Tensor counted = ops::binary(ops::BinaryOp::Ne, l.target, static_cast<double>(call.ignore_index));
+  d = ops::where(ops::unsqueeze(counted, 1), d, zeros({}, sd, dev));
+  return {make_dtensor(ops::contiguous(ops::to(d, logits_dtype)), l.mesh, l.placements, l.global)};
+}
+
 std::vector<Tensor> handle(DistCall& call) {
   switch (call.cls) {
     case OpClass::Elementwise:
@@ -287,6 +445,8 @@ std::vector<Tensor> handle(DistCall& call) {
     case OpClass::LinearBackward: return linear_backward_rule(call);
     case OpClass::Random: return random(call);
     case OpClass::Like: return like(call);
+    case OpClass::CrossEntropy: return cross_entropy_rule(call);
+    case OpClass::CrossEntropyBackward: return cross_entropy_backward_rule(call);
   }
   TS_CHECK(false, "{}: unsupported on DTensors", call.name);
 }

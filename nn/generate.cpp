@@ -24,6 +24,7 @@ std::vector<int64_t> generate(LanguageModel& model, const std::vector<int64_t>& 
     int64_t t = std::min<int64_t>(static_cast<int64_t>(ctx.size()), model.config.block_size);
     std::vector<int64_t> window(ctx.end() - t, ctx.end());
     Tensor logits = model(from_vector(window, {1, t}, device));
+    if (logits.is_distributed()) logits = full_tensor(logits);  // a loss-parallel output layer's
     std::vector<double> last = ops::select(ops::select(logits, 0, 0), 0, t - 1).to_vector<double>();
     int64_t next = 0;
     if (opt.temperature == 0.0) {

@@ -1,5 +1,7 @@
 #include "nn/models.h"
 
+#include "dtensor/dtensor.h"
+
 namespace tessera::nn {
 
 int64_t LanguageModel::num_parameters(bool exclude_position_embedding) const {
@@ -88,9 +90,26 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   Shape expect(logits.shape().begin(), logits.shape().end() - 1);
   TS_CHECK(targets.shape() == expect, "cross_entropy: targets {} do not match logits {} (expected {})",
            shape_str(targets.shape()), shape_str(logits.shape()), shape_str(expect));
-  int64_t v = logits.size(-1);
-  return tessera::cross_entropy(reshape(logits, {leading_numel(logits.shape()), v}),
-                                ops::reshape(targets, {targets.numel()}), ignore_index);
+  const int64_t v = logits.size(-1), rows = leading_numel(logits.shape());
+  Tensor flat_targets = ops::reshape(targets, {targets.numel()});
+  if (logits.is_distributed()) {
+    // Loss parallelism (dtensor/ops.cpp): logits whose classes are split over
+    // a mesh dim, e.g. a column-wise output layer's. The leading dims are
+    // flattened on each rank's block (the classes, the last dim, stay split);
+    // the loss comes back as this rank's value of the Replicate result.
+    const DTensorSpec& s = dtensor_spec(logits);
+    Placements flat = s.placements;
+    for (auto& p : flat) {
+      TS_CHECK(!is_shard(p) || shard_dim(p) == logits.dim() - 1,
+               "cross_entropy: logits {} are split on a dim other than the classes (the last); supported: the "
+               "classes split over one mesh dim, Replicate on the others", s.str());
+      if (is_shard(p)) p = Shard{1};
+    }
+    Tensor local = to_local(logits);
+    Tensor block = from_local(reshape(local, {rows, local.size(-1)}), s.mesh, flat, Shape{rows, v});
+    return to_local(tessera::cross_entropy(block, flat_targets, ignore_index));
+  }
+  return tessera::cross_entropy(reshape(logits, {rows, v}), flat_targets, ignore_index);
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target) {

@@ -60,7 +60,10 @@ class Llama : public LanguageModel {
   std::shared_ptr<Linear> lm_head;
 };
 
-// Mean cross-entropy of logits [..., V] against targets [...] (i64).
+// Mean cross-entropy of logits [..., V] against targets [...] (i64). Logits
+// that are a DTensor with the classes split over a mesh dim (a loss-parallel
+// output layer's) are never gathered (dtensor/ops.cpp); the loss is then this
+// rank's copy of the replicated value.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
 // Mean squared error between input and target of the same shape and dtype.
 Tensor mse_loss(const Tensor& input, const Tensor& target);

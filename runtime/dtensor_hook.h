@@ -25,6 +25,8 @@ enum class OpClass {
   LinearBackward,    // linear_backward(grad, x, w) -> {dx, dw, db} where `need`
   Random,            // fills inputs[0] (random_fill with the shard's RandomSpec)
   Like,              // a new tensor shaped like inputs[0] (zeros_like, to(dtype), clone)
+  CrossEntropy,      // cross_entropy(logits [N, C], target) -> {loss, lse, count}
+  CrossEntropyBackward,  // cross_entropy_backward(grad, logits, target, lse, count) -> {dlogits}
 };
 
 struct DistCall {
@@ -40,6 +42,8 @@ struct DistCall {
   bool is_linear = false;
   // LinearBackward: which of dx, dw, db to compute.
   std::array<bool, 3> need{};
+  // CrossEntropy(Backward): the target value that counts for nothing.
+  int64_t ignore_index = -100;
   // Random: fills a local tensor given the counters of its elements.
   std::function<void(Tensor& local, const RandomSpec& spec)> random_fill;
   RandomSpec spec;  // the spec the full tensor would use

@@ -345,6 +345,19 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
 }
 
 CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {
+  if (any_distributed({&logits, &target})) {  // e.g. loss parallelism: logits sharded on the classes
+    DistCall call;
+    call.name = "cross_entropy";
+    call.cls = OpClass::CrossEntropy;
+    call.inputs = {logits, target};
+    call.ignore_index = ignore_index;
+    call.local = [ignore_index](const TensorList& l) {
+      CrossEntropyResult r = cross_entropy(l[0], l[1], ignore_index);
+      return TensorList{r.loss, r.lse, r.count};
+    };
+    TensorList r = dispatch_distributed(call);
+    return {r[0], r[1], r[2]};
+  }
   check_float(logits, "cross_entropy", "logits");
   TS_CHECK(logits.dim() == 2, "cross_entropy: logits must be [N, C], got {}",
            shape_str(logits.shape()));
@@ -371,6 +384,17 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               const Tensor& lse, int64_t ignore_index, const Tensor& count) {
+  if (any_distributed({&grad_loss, &logits, &target, &lse, &count})) {
+    DistCall call;
+    call.name = "cross_entropy_backward";
+    call.cls = OpClass::CrossEntropyBackward;
+    call.inputs = {grad_loss, logits, target, lse, count};
+    call.ignore_index = ignore_index;
+    call.local = [ignore_index](const TensorList& l) {
+      return TensorList{cross_entropy_backward(l[0], l[1], l[2], l[3], ignore_index, l[4])};
+    };
+    return dispatch_distributed(call)[0];
+  }
   DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   Tensor g = empty(logits.shape(), cd, logits.device());
   {

@@ -199,6 +199,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                "free gathered parameters after forward (false: keep them for backward)"),
       int_key("parallelism.tensor_parallel_degree", c.parallelism.tensor_parallel_degree,
               "ranks each layer is split over (Megatron tensor parallelism, llama; 1 = none)"),
+      bool_key("parallelism.disable_loss_parallel", c.parallelism.disable_loss_parallel,
+               "with tensor parallelism, gather the logits instead of splitting the output layer and the "
+               "loss over the vocabulary (loss parallelism needs model.tie_embeddings false)"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -710,6 +713,11 @@ int64_t parameter_count(const TrainConfig& c) {
   return (embeddings + L * block + norm + head).value;
 }
 
+bool loss_parallel(const TrainConfig& cfg) {
+  return cfg.parallelism.tensor_parallel_degree > 1 && !cfg.parallelism.disable_loss_parallel &&
+         !cfg.model.tie_embeddings;
+}
+
 MemoryFloor memory_floor(const TrainConfig& c, int world_size, bool training) {
   MemoryFloor f;
   f.parameters = parameter_count(c);
@@ -724,6 +732,7 @@ MemoryFloor memory_floor(const TrainConfig& c, int world_size, bool training) {
   double logit_bytes = c.mixed_precision.param_dtype == "float32" ? 4.0 : 2.0;
   f.logits_bytes = static_cast<double>(f.micro_batch) * static_cast<double>(c.training.seq_len) *
                    static_cast<double>(c.model.vocab_size) * logit_bytes;
+  if (training && loss_parallel(c)) f.logits_bytes /= static_cast<double>(c.parallelism.tensor_parallel_degree);
   return f;
 }
 

@@ -180,7 +180,7 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
   }
 }
 
-ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree) {
+ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel) {
   const nn::TransformerConfig& c = model.config;
   TS_CHECK(degree >= 1, "tensor parallelism: the degree must be at least 1, got {}", degree);
   TS_CHECK(c.n_head % degree == 0, "tensor parallelism: model.n_head {} is not divisible by the degree {} (each "
@@ -188,12 +188,19 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
   TS_CHECK(c.kv_heads() % degree == 0, "tensor parallelism: model.n_kv_head {} is not divisible by the degree {} "
            "(each rank needs whole key/value heads for its query heads)", c.kv_heads(), degree);
   const auto col = style(ColwiseParallel{}), row = style(RowwiseParallel{}), once = style(PrepareModuleInput{});
-  if (dynamic_cast<const nn::Llama*>(&model) != nullptr)
-    return {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
-            {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
-            {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row},
-            {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},
-            {"model.layers.*.mlp.down_proj", row}};
+  TS_CHECK(!loss_parallel || !c.tie_embeddings, "tensor parallelism: loss parallelism splits the output layer over "
+           "the vocabulary, but model.tie_embeddings ties it to the embedding table, which stays replicated; untie "
+           "them or turn loss parallelism off");
+  if (dynamic_cast<const nn::Llama*>(&model) != nullptr) {
+    ParallelizePlan plan = {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
+                            {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
+                            {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row},
+                            {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},
+                            {"model.layers.*.mlp.down_proj", row}};
+    if (loss_parallel)  // logits sharded on the vocabulary, for nn::cross_entropy
+      plan.push_back({"lm_head", style(ColwiseParallel{.output_layout = Shard{-1}, .use_local_output = false})});
+    return plan;
+  }
   TS_CHECK(false, "tensor parallelism: no plan for a {} yet (GPT-2's fused c_attn needs each of q, k and v split "
            "separately, a strided shard Tessera does not have); use model.arch llama", model.type_name());
   return {};

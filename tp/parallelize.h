@@ -97,6 +97,16 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
 // Replicate DTensor (PrepareModuleInput), so that a block costs two
 // all-reduces forward and two backward, Megatron's count. Throws naming the
 // field when a head count does not divide by the degree.
-ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree);
+//
+// loss_parallel (TorchTitan's default with tensor parallelism) also splits
+// the output layer column-wise over the vocabulary and hands on its logits
+// as a DTensor sharded on the classes, which nn::cross_entropy takes without
+// gathering them (three all-reduces of one value per token forward, one
+// all-reduce of the output layer's input gradient backward; the output
+// layer's weights and FLOPs, and each rank's logits, divided by the degree,
+// though the loss's own temporaries are a few blocks of the rank's logits).
+// The output layer must not be tied to the embedding table (that stays
+// replicated).
+ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel = false);
 
 }  // namespace tessera::tp

@@ -159,7 +159,9 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
   check_plan(c, "llama, GQA");
   if (dist::world_size() % 2 == 0) {  // tensor parallelism 2 alone, and under FSDP at 4 ranks
     c.parallelism.tensor_parallel_degree = 2;
-    check_plan(c, "llama, tensor parallel 2");
+    check_plan(c, "llama, tensor parallel 2 (loss parallel)");
+    c.parallelism.disable_loss_parallel = true;
+    check_plan(c, "llama, tensor parallel 2, replicated output layer");
   }
   if (dist::world_size() == 4) {
     c = small_config();

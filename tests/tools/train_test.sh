@@ -101,8 +101,13 @@ llama=(--model.arch llama --model.bias false --model.tie_embeddings false --trai
 train 1 "${llama[@]}" --job.dump_folder l1 > l1.log
 train 2 "${llama[@]}" --job.dump_folder tp2 --parallelism.tensor_parallel_degree 2 > tp2.log
 train 4 "${llama[@]}" --job.dump_folder tp2x2 --parallelism.tensor_parallel_degree 2 > tp2x2.log
-for d in l1 tp2 tp2x2; do losses $d > $d.losses; done
+train 2 "${llama[@]}" --job.dump_folder tp2r --parallelism.tensor_parallel_degree 2 \
+  --parallelism.disable_loss_parallel true > tp2r.log
+for d in l1 tp2 tp2x2 tp2r; do losses $d > $d.losses; done
 close l1.losses tp2.losses 1e-5 || fail "tensor parallelism 2 drifted from 1 rank"
+close l1.losses tp2r.losses 1e-5 || fail "tensor parallelism 2 without loss parallelism drifted from 1 rank"
+grep -q "tensor parallel 2 (loss parallel)" tp2.log || fail "tp2 run did not split its loss over the vocabulary"
+grep -q "tensor parallel 2 |" tp2r.log || fail "tp2r run still reports loss parallelism"
 close l1.losses tp2x2.losses 1e-5 || fail "FSDP 2 x TP 2 drifted from 1 rank"
 grep -q "FSDP over 1 x tensor parallel 2" tp2.log || fail "tp2 run did not report its mesh"
 grep -q "FSDP over 2 x tensor parallel 2" tp2x2.log || fail "tp2x2 run did not report its mesh"

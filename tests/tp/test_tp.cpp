@@ -66,9 +66,10 @@ nn::TransformerConfig llama_config(int w) {
   return c;
 }
 
-std::shared_ptr<nn::Llama> tp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed) {
+std::shared_ptr<nn::Llama> tp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed,
+                                    bool loss_parallel = false) {
   auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, mesh, tp::tensor_parallel_plan(*model, mesh->size()));
+  tp::parallelize_module(*model, mesh, tp::tensor_parallel_plan(*model, mesh->size(), loss_parallel));
   model->to_empty(Device::cpu());
   model->init_weights(seed);
   model->to(DType::F64);
@@ -133,10 +134,15 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
   MeshPtr mesh = tp_mesh();
   const int w = world();
   const nn::TransformerConfig c = llama_config(w);
+  // Loss parallelism: the output layer column-wise over the 19-token
+  // vocabulary (10+9, 7+6+6, 5+5+5+4), its logits never gathered.
+  const bool loss_parallel = GENERATE(false, true);
+  INFO("loss parallel " << loss_parallel);
   nn::Llama ref(c);
   ref.init_weights(5);
   ref.to(DType::F64);
-  auto model = tp_llama(c, mesh, 5);
+  auto model = tp_llama(c, mesh, 5, loss_parallel);
+  CHECK(model->lm_head->weight.is_distributed() == loss_parallel);
   for (const char* p : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"}) {
     INFO(p);  // this rank's share of the heads or features
     Tensor t = *nn::find_in(model->state_dict(), p);
@@ -156,10 +162,13 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
     mesh->get_group(0)->reset_stats();
     Tensor tloss = nn::cross_entropy((*model)(x), y);
     const int64_t per_layer = w > 1 ? 2 * c.n_layer : 0;
-    CHECK(stats(mesh).all_reduce == per_layer);  // attention's and the MLP's outputs
+    // The loss: the row maximum, the sum of exponentials, the target logit.
+    const int64_t loss = w > 1 && loss_parallel ? 3 : 0, head_input = loss > 0 ? 1 : 0;
+    CHECK(stats(mesh).all_reduce == per_layer + loss);  // attention's and the MLP's outputs
+    CHECK_FALSE(tloss.is_distributed());
     autograd::backward(tloss);
     const auto s = stats(mesh);
-    CHECK(s.all_reduce == 2 * per_layer);  // and their inputs' gradients
+    CHECK(s.all_reduce == 2 * per_layer + loss + head_input);  // and their inputs' gradients
     CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
     CHECK(s.mpi_calls == s.all_reduce);
     CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
@@ -181,6 +190,12 @@ TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, namin
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 4), Catch::Contains("model.n_head 6 is not divisible by the degree 4"));
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 2), Catch::Contains("model.n_kv_head 3 is not divisible by the degree 2"));
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::GPT::on_meta(c), 1), Catch::Contains("GPT-2's fused c_attn"));
+  {
+    nn::TransformerConfig tied = llama_config(2);
+    tied.tie_embeddings = true;
+    CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::Llama::on_meta(tied), 2, /*loss_parallel=*/true),
+                      Catch::Contains("model.tie_embeddings ties it to the embedding table"));
+  }
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp", tp::style(tp::ColwiseParallel{})}}),
                     Catch::Contains("ColwiseParallel applies to Linear layers, but 'model.layers.0.mlp' is a LlamaMLP"));
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp.fc9", tp::style(tp::RowwiseParallel{})}}),
@@ -474,4 +489,70 @@ TEST_CASE("a column-wise layer may hand on its DTensor: elementwise ops follow i
   autograd::backward(sum(y * probe));
   CHECK_CLOSE(y, ref(x), 1e-12, 1e-14);
   check_parity(*model, ref, 1e-12, true);
+}
+
+TEST_CASE("loss parallelism: cross-entropy on class-sharded logits, never gathered", "[tp][loss]") {
+  const int w = world();
+  // 13 classes: shards of 7+6, 5+5+3, 4+4+4+1; 2 classes: at 3 and 4 ranks some ranks hold none.
+  for (int64_t classes : {13, 2}) {
+    INFO(classes << " classes");
+    Tensor logits = ops::mul(randn({11, classes}, 31, DType::F64), 3.0);
+    Tensor target = randint({11}, 0, classes, 32);
+    ops::copy_(ops::narrow(target, 0, 4, 2), full({2}, -100.0, DType::I64));  // two ignored rows
+    Tensor ref = ops::clone(logits);
+    ref.set_requires_grad(true);
+    Tensor ref_loss = cross_entropy(ref, target);
+    autograd::backward(ref_loss);
+
+    MeshPtr mesh = tp_mesh();
+    Tensor x = ops::clone(logits);
+    x.set_requires_grad(true);
+    Tensor xs = distribute_tensor_local(x, mesh, {Shard{1}});  // a leaf: each rank its columns
+    mesh->get_group(0)->reset_stats();
+    Tensor loss = cross_entropy(xs, target);
+    // The row maximum, the sum of exponentials and the target logit: one all-reduce each (none on one rank).
+    auto s = stats(mesh);
+    CHECK(s.all_reduce == (w > 1 ? 3 : 0));
+    CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
+    REQUIRE(loss.is_distributed());
+    CHECK(dtensor_spec(loss).placements == Placements{Replicate{}});
+    CHECK(std::abs(local_tensor(loss).item() - ref_loss.item()) <= 1e-13 * std::abs(ref_loss.item()));
+    autograd::backward(loss);
+    CHECK(stats(mesh).all_reduce == s.all_reduce);  // the backward needs no communication
+    REQUIRE(xs.grad().defined());
+    CHECK(dtensor_spec(xs.grad()).placements == Placements{Shard{1}});
+    CHECK_CLOSE(full_tensor(xs.grad()), ref.grad(), 1e-12, 1e-15);
+  }
+}
+
+TEST_CASE("loss parallelism on a 2-D mesh: rows over one dim, classes over the other", "[tp][loss]") {
+  const int w = world();
+  if (w % 2 != 0) return;  // 2 x (w / 2) meshes only
+  for (auto [rows_ranks, class_ranks] : {std::pair{2, w / 2}, std::pair{w / 2, 2}}) {
+    INFO(rows_ranks << " x " << class_ranks);
+    MeshPtr mesh = init_device_mesh("cpu", {rows_ranks, class_ranks}, {"dp", "tp"});
+    Tensor logits = randn({9, 7}, 41, DType::F64), target = randint({9}, 0, 7, 42);
+    ops::copy_(ops::narrow(target, 0, 8, 1), full({1}, 3.0, DType::I64));
+    Tensor ref = ops::clone(logits);
+    ref.set_requires_grad(true);
+    Tensor ref_loss = cross_entropy(ref, target, /*ignore_index=*/3);  // a class as the ignored index
+    autograd::backward(ref_loss);
+    Tensor x = ops::clone(logits);
+    x.set_requires_grad(true);
+    Tensor xs = distribute_tensor_local(x, mesh, {Shard{0}, Shard{1}});
+    Tensor loss = cross_entropy(xs, target, 3);
+    CHECK(std::abs(local_tensor(loss).item() - ref_loss.item()) <= 1e-13 * std::abs(ref_loss.item()));
+    autograd::backward(loss);
+    CHECK_CLOSE(full_tensor(xs.grad()), ref.grad(), 1e-12, 1e-15);
+  }
+}
+
+TEST_CASE("loss parallelism refuses what it cannot split, naming it", "[tp][loss][errors]") {
+  if (world() < 2) return;
+  MeshPtr mesh = init_device_mesh("cpu", {world()}, {"tp"});
+  Tensor logits = distribute_tensor_local(randn({6, 8}, 1), mesh, {Shard{1}});
+  CHECK_THROWS_WITH(cross_entropy(logits, randint({5}, 0, 8, 2)), Catch::Contains("do not match logits"));
+  CHECK_THROWS_WITH(cross_entropy(logits, randn({6}, 2)), Catch::Contains("targets must be i64"));
+  Tensor cube = distribute_tensor_local(randn({2, 3, 8}, 1), mesh, {Shard{2}});
+  CHECK_THROWS_WITH(cross_entropy(cube, randint({2, 3}, 0, 8, 2)), Catch::Contains("logits must be [N, C]"));
 }
