@@ -17,6 +17,7 @@
 //                      three all-reduces of N values, the logits never gathered),
 //                      Shard(0) (rows) or Replicate on the others; its backward
 //                      needs no communication (cross_entropy_rule)
+#include <cmath>
 #include <limits>
 
 #include "dtensor/redistribute.h"
@@ -352,6 +353,8 @@ CrossEntropyLayout cross_entropy_layout(const DistCall& call, const Tensor& logi
   }
   TS_CHECK(l.target.dtype() == DType::I64 || l.target.dtype() == DType::I32,
            "{}: targets must be i64 (class indices), got {}", call.name, dtype_name(l.target.dtype()));
+  TS_CHECK(l.target.device() == l.x.device(), "{}: targets on {} but logits on {}", call.name,
+           l.target.device().str(), l.x.device().str());
   l.target = ops::contiguous(ops::to(l.target, DType::I64));
   return l;
 }
@@ -397,14 +400,26 @@ std::vector<Tensor> cross_entropy_rule(DistCall& call) {
   Tensor lse = ops::add(m, ops::unary(ops::UnaryOp::Log, z));
   Tensor counted = ops::binary(ops::BinaryOp::Ne, l.target, static_cast<double>(call.ignore_index));
   Tensor losses = ops::where(counted, ops::sub(lse, picked), zeros({}, sd, dev));
-  Tensor total = ops::reshape(ops::sum(losses, {}, false, DType::F64), {1});
-  Tensor count = ops::reshape(ops::sum(counted, {}, false, DType::F64), {1});
-  for (int64_t d : l.row_dims) {
-    total = all_reduce_over(l, total, d, dist::ReduceOp::Sum);
-    count = all_reduce_over(l, count, d, dist::ReduceOp::Sum);
+  // A target outside [0, C) would match no column and pass as a loss of lse:
+  // counted with the loss terms, so that every rank (whichever rows it
+  // holds) refuses together rather than leave the others in a collective.
+  auto f64 = [](const Tensor& b) { return ops::to(b, DType::F64); };
+  Tensor invalid = ops::mul(f64(counted), ops::add(f64(ops::binary(ops::BinaryOp::Lt, l.target, 0.0)),
+                                                   f64(ops::binary(ops::BinaryOp::Ge, l.target,
+                                                                   static_cast<double>(l.global[1])))));
+  Tensor sums = ops::cat({ops::reshape(ops::sum(losses, {}, false, DType::F64), {1}),
+                             ops::reshape(ops::sum(counted, {}, false, DType::F64), {1}),
+                             ops::reshape(ops::sum(invalid, {}, false, DType::F64), {1})}, 0);
+  for (int64_t d : l.row_dims) sums = all_reduce_over(l, sums, d, dist::ReduceOp::Sum);
+  Tensor total = ops::select(sums, 0, 0), count = ops::select(sums, 0, 1), bad = ops::select(sums, 0, 2);
+  if (dev.is_host_visible()) {  // as the CPU's kernel checks its targets
+    TS_CHECK(bad.item() == 0, "{}: {} target(s) out of range for {} classes (expected 0..{} or ignore_index {})",
+             call.name, static_cast<int64_t>(bad.item()), l.global[1], l.global[1] - 1, call.ignore_index);
+  } else {  // reading it on the host would sync the device: the loss becomes NaN instead
+    total = ops::where(ops::binary(ops::BinaryOp::Gt, bad, 0.0), full({}, std::nan(""), DType::F64, dev), total);
   }
-  count = ops::reshape(count, {});
-  Tensor loss = ops::to(ops::div(ops::reshape(total, {}), ops::binary(ops::BinaryOp::Maximum, count, 1.0)), logits_dtype);
+  Tensor loss = ops::to(ops::div(total, ops::binary(ops::BinaryOp::Maximum, count, 1.0)), logits_dtype);
+  count = ops::contiguous(count);
   const Placements replicated(l.placements.size(), Replicate{});
   return {make_dtensor(loss, l.mesh, replicated, {}), make_dtensor(lse, l.mesh, l.row_placements, {l.global[0]}),
           make_dtensor(count, l.mesh, replicated, {})};

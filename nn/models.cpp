@@ -98,14 +98,17 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     // flattened on each rank's block (the classes, the last dim, stay split);
     // the loss comes back as this rank's value of the Replicate result.
     const DTensorSpec& s = dtensor_spec(logits);
-    Placements flat = s.placements;
-    for (auto& p : flat) {
+    Placements summed = s.placements, flat = s.placements;
+    for (size_t i = 0; i < flat.size(); ++i) {
+      Placement& p = flat[i];
       TS_CHECK(!is_shard(p) || shard_dim(p) == logits.dim() - 1,
                "cross_entropy: logits {} are split on a dim other than the classes (the last); supported: the "
                "classes split over one mesh dim, Replicate on the others", s.str());
+      if (is_partial(p)) p = summed[i] = Replicate{};  // pending sums are reduced first (differentiably)
       if (is_shard(p)) p = Shard{1};
     }
-    Tensor local = to_local(logits);
+    Tensor whole = summed == s.placements ? logits : redistribute(logits, summed);
+    Tensor local = to_local(whole);
     Tensor block = from_local(reshape(local, {rows, local.size(-1)}), s.mesh, flat, Shape{rows, v});
     return to_local(tessera::cross_entropy(block, flat_targets, ignore_index));
   }

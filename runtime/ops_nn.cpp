@@ -449,9 +449,10 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
                    empty(v.shape(), cd, q.device())};
   {
-    Tensor dc = kernel_input(dout, kAttention), qc = kernel_input(q, kAttention);
+    // dout and out in q's dtype (a native kernel reads all five as one storage type).
+    Tensor dc = kernel_input(to(dout, q.dtype()), kAttention), qc = kernel_input(q, kAttention);
     Tensor kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
-    Tensor oc = kernel_input(out, kAttention), lc = contiguous(lse);
+    Tensor oc = kernel_input(to(out, q.dtype()), kAttention), lc = contiguous(to(lse, stats_dtype(cd)));
     dispatch(q.device()).attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
   }
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};

@@ -75,10 +75,13 @@ int threads_per_rank(int ranks_here) {
 }
 
 double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* unit) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const cpu::Peak core = cpu::measure_dtype_peak(param_dtype == "float32" ? DType::F32 : DType::BF16, 1);
-  if (unit != nullptr) *unit = core.unit;
-  return core.flops * std::min(cores, std::max(1, ranks_here) * std::max(1, threads));
+  // All the threads the ranks use at once: two hardware threads of one core
+  // (SMT) share its units, so a one-thread rate times the CPUs would double it.
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int used = std::min(cpus, std::max(1, ranks_here) * std::max(1, threads));
+  const cpu::Peak peak = cpu::measure_dtype_peak(param_dtype == "float32" ? DType::F32 : DType::BF16, used);
+  if (unit != nullptr) *unit = peak.unit;
+  return peak.flops;
 }
 
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {

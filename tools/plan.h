@@ -99,11 +99,11 @@ class PlanAsGpu {
 // node: OMP_NUM_THREADS when set, else the cores divided among the ranks.
 int threads_per_rank(int ranks_here);
 
-// MFU's denominator when metrics.peak_tflops is 0 (the default): this CPU's
-// peak FLOP/s for products of `param_dtype` ("float32" or "bfloat16"),
-// measured on one thread (runtime/cpu/peak.h: the FMA for f32; AMX, else
-// AVX512-BF16, for bf16), times the cores `ranks_here` ranks of `threads`
-// threads use on this node (at most its cores). `unit` gets the unit's name.
+// MFU's denominator when metrics.peak_tflops is 0 (the default): this node's
+// peak FLOP/s for products of `param_dtype` ("float32" or "bfloat16") on the
+// CPUs `ranks_here` ranks of `threads` threads use (at most all of them),
+// measured on that many threads at once (runtime/cpu/peak.h: the FMA for
+// f32; AMX, else AVX512-BF16, for bf16). `unit` gets the unit's name.
 double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* unit = nullptr);
 
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as

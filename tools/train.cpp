@@ -669,9 +669,9 @@ void Trainer::prepare_data() {
 }
 
 // MFU's denominator: metrics.peak_tflops, or where it is 0 (the default) on
-// CPU ranks, this CPU's peak for the run's products measured by each node's
-// first rank while the node's other ranks sleep (a computing neighbour would
-// take half the core), for the cores the node's ranks use, summed over nodes.
+// CPU ranks, this CPU's peak for the run's products, measured by each node's
+// first rank on as many threads as the node's ranks use while the other
+// ranks sleep (their own work would take the cores), summed over nodes.
 // On a GPU nothing is measured: MFU is reported only with metrics.peak_tflops.
 void Trainer::find_peak() {
   if (cfg_.metrics.peak_tflops > 0) {

@@ -72,9 +72,10 @@ void forward_typed(const ops::AttentionResult& r, const Tensor& qt, const Tensor
   // block of scores, the output accumulator, running max and sum (and the
   // widened Q, K and V blocks).
   const int64_t per_thread = attention_scratch_per_thread(d, widened);
-  Tensor scratch = empty({num_threads(), per_thread}, r.lse.dtype());
+  const int64_t rows = attention_scratch_rows(b * h * qblocks);
+  Tensor scratch = empty({rows, per_thread}, r.lse.dtype());
   parallel_for(0, b * h * qblocks, 1, [&](int64_t w0, int64_t w1) {
-    T* mine = scratch.data<T>() + detail::omp_thread_num() * per_thread;
+    T* mine = scratch.data<T>() + detail::omp_thread_num() % rows * per_thread;
     T* sbuf = mine;
     T* acc = sbuf + kBq * kBk;
     T* m = acc + kBq * d;
@@ -158,9 +159,10 @@ void backward_typed(const ops::AttentionGrads& g, const Tensor& dout_t, const Te
   // its query heads (widened: K, V, Q and dO of the head in f32, and f32
   // accumulators for dK, dV and dQ, rounded once at the end).
   const int64_t per_thread = attention_backward_scratch_per_thread(t, s, d, widened);
-  Tensor scratch = empty({num_threads(), per_thread}, lse_t.dtype());
+  const int64_t rows = attention_scratch_rows(b * hkv);
+  Tensor scratch = empty({rows, per_thread}, lse_t.dtype());
   parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
-    T* p = scratch.data<T>() + detail::omp_thread_num() * per_thread;
+    T* p = scratch.data<T>() + detail::omp_thread_num() % rows * per_thread;
     T* dp = p + kBq * kBk;
     T* delta = dp + kBq * kBk;
     T* wide = delta + t;  // widened: K, V, dK, dV (s x d each), Q, dO, dQ (t x d each)

@@ -10,7 +10,10 @@
 // kernels) and the random fills are compiled once.
 #pragma once
 
+#include <algorithm>
+
 #include "runtime/kernels.h"
+#include "runtime/parallel.h"
 
 namespace tessera::cpu {
 
@@ -38,6 +41,15 @@ inline int64_t attention_scratch_per_thread(int64_t head_dim, bool widened) {
 inline int64_t attention_backward_scratch_per_thread(int64_t queries, int64_t keys, int64_t head_dim,
                                                      bool widened) {
   return 2 * kAttentionBq * kAttentionBk + queries + (widened ? (4 * keys + 3 * queries) * head_dim : 0);
+}
+
+// The rows of scratch a kernel takes: one per thread that can have work (a
+// parallel loop of n items with grain 1 runs on at most n threads, numbered
+// from 0), not one per thread of the pool. A thread id beyond them (a loop
+// run on one thread inside another team) wraps around: that call's scratch
+// is its own.
+inline int64_t attention_scratch_rows(int64_t work_items) {
+  return std::max<int64_t>(1, std::min<int64_t>(num_threads(), work_items));
 }
 
 // The kernels every instruction-set copy defines.

@@ -245,7 +245,8 @@ bool widened(const Tensor& q) { return tessera::compute_dtype(q.dtype()) != q.dt
 void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                double scale) {
   if (!native_dtypes)
-    (void)empty({static_cast<int64_t>(num_threads()), cpu::attention_scratch_per_thread(q.size(3), widened(q))},
+    (void)empty({cpu::attention_scratch_rows(q.size(0) * q.size(1) * ((q.size(2) + cpu::kAttentionBq - 1) / cpu::kAttentionBq)),
+                 cpu::attention_scratch_per_thread(q.size(3), widened(q))},
                 tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;
   attention_logged(r, q, k, v, causal, scale);
@@ -255,7 +256,7 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
   if (!native_dtypes)
-    (void)empty({static_cast<int64_t>(num_threads()),
+    (void)empty({cpu::attention_scratch_rows(q.size(0) * k.size(1)),
                  cpu::attention_backward_scratch_per_thread(q.size(2), k.size(2), q.size(3), widened(q))},
                 tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;

@@ -20,8 +20,9 @@ namespace cpu {
 // into per-thread scratch, rounded once on store: no f32 copy of the tensor;
 // statistics in f32), and so do matrix products of bf16 where oneDNN has bf16
 // kernels for this CPU (f32 accumulation, blas.cpp); the other families
-// (reductions, embedding gradients) compute bf16/f16 on f32 copies the ops
-// layer makes (and f64 in f64).
+// (reductions, except sum_squares, which reads any floating dtype; embedding
+// gradients) compute bf16/f16 on f32 copies the ops layer makes (and f64 in
+// f64).
 DType compute_dtype(KernelFamily family, DType dtype) {
   if (family == KernelFamily::Elementwise || family == KernelFamily::Softmax || family == KernelFamily::Norm ||
       family == KernelFamily::CrossEntropy || family == KernelFamily::Attention || family == KernelFamily::Rope)

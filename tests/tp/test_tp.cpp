@@ -525,6 +525,34 @@ TEST_CASE("loss parallelism: cross-entropy on class-sharded logits, never gather
   }
 }
 
+TEST_CASE("nn::cross_entropy on DTensor logits: class-sharded [B, T, V], and pending sums", "[tp][loss]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  Tensor logits = randn({2, 3, 11}, 51, DType::F64), target = randint({2, 3}, 0, 11, 52);
+  Tensor ref = ops::clone(logits);
+  ref.set_requires_grad(true);
+  Tensor ref_loss = nn::cross_entropy(ref, target);
+  autograd::backward(ref_loss);
+  // Shard(2): the leading dims flattened on each rank's block.
+  Tensor x = ops::clone(logits);
+  x.set_requires_grad(true);
+  Tensor xs = distribute_tensor_local(x, mesh, {Shard{2}});
+  Tensor loss = nn::cross_entropy(xs, target);
+  CHECK_FALSE(loss.is_distributed());
+  CHECK(loss.item() == Approx(ref_loss.item()).epsilon(1e-13));
+  autograd::backward(loss);
+  CHECK_CLOSE(full_tensor(xs.grad()), ref.grad(), 1e-12, 1e-15);
+  // Partial: each rank holds 1/w of the logits; each part's gradient is the whole's.
+  Tensor part = ops::mul(logits, 1.0 / w);
+  part.set_requires_grad(true);
+  Tensor pending = from_local(part, mesh, {Partial{}}, logits.shape());
+  Tensor ploss = nn::cross_entropy(pending, target);
+  CHECK(ploss.item() == Approx(ref_loss.item()).epsilon(1e-12));
+  autograd::backward(ploss);
+  REQUIRE(part.grad().defined());
+  CHECK_CLOSE(part.grad(), ref.grad(), 1e-12, 1e-15);
+}
+
 TEST_CASE("loss parallelism on a 2-D mesh: rows over one dim, classes over the other", "[tp][loss]") {
   const int w = world();
   if (w % 2 != 0) return;  // 2 x (w / 2) meshes only
@@ -553,6 +581,14 @@ TEST_CASE("loss parallelism refuses what it cannot split, naming it", "[tp][loss
   Tensor logits = distribute_tensor_local(randn({6, 8}, 1), mesh, {Shard{1}});
   CHECK_THROWS_WITH(cross_entropy(logits, randint({5}, 0, 8, 2)), Catch::Contains("do not match logits"));
   CHECK_THROWS_WITH(cross_entropy(logits, randn({6}, 2)), Catch::Contains("targets must be i64"));
+  // A target out of range on one rank's rows only: every rank refuses (none is left in a collective).
+  MeshPtr grid = init_device_mesh("cpu", {world(), 1}, {"dp", "tp"});
+  Tensor rows = distribute_tensor_local(randn({12, 8}, 3), grid, {Shard{0}, Replicate{}});
+  Tensor bad = randint({12}, 0, 8, 4);
+  ops::copy_(ops::narrow(bad, 0, 11, 1), full({1}, 8.0, DType::I64));  // in the last rank's rows
+  CHECK_THROWS_WITH(cross_entropy(rows, bad), Catch::Contains("1 target(s) out of range for 8 classes"));
+  ops::copy_(ops::narrow(bad, 0, 0, 1), full({1}, -3.0, DType::I64));
+  CHECK_THROWS_WITH(cross_entropy(logits, ops::narrow(bad, 0, 0, 6)), Catch::Contains("out of range"));
   Tensor cube = distribute_tensor_local(randn({2, 3, 8}, 1), mesh, {Shard{2}});
   CHECK_THROWS_WITH(cross_entropy(cube, randint({2, 3}, 0, 8, 2)), Catch::Contains("logits must be [N, C]"));
 }
