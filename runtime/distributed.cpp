@@ -84,7 +84,9 @@ void init() {
     });
     w.mpi = true;
     w.initialized = true;  // make_child below asks for rank()
+    // The launcher's word for it: Open MPI's, MPICH's (Hydra) or Slurm's.
     if (const char* lr = env("OMPI_COMM_WORLD_LOCAL_RANK")) w.local_rank = std::atoi(lr);
+    else if (const char* hl = env("MPI_LOCALRANKID")) w.local_rank = std::atoi(hl);
     else if (const char* sl = env("SLURM_LOCALID")) w.local_rank = std::atoi(sl);
     if (w.size == 1) {
       // A job of one rank talks to nobody: not even a communicator is made,

@@ -56,10 +56,13 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// The ranks the launcher started on this node (1 without a launcher).
+// The ranks the launcher started on this node (1 without a launcher): Open
+// MPI's count, MPICH's (Hydra), or Slurm's (SLURM_TASKS_PER_NODE reads "4(x2)"
+// or "3,2": the first node's count, which is this node's when they are equal).
 int ranks_on_this_node() {
-  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(s));
-  if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) return std::max(1, std::atoi(s));
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE",
+                           "SLURM_TASKS_PER_NODE"})
+    if (const char* s = std::getenv(name); s != nullptr && std::atoi(s) > 0) return std::atoi(s);
   return 1;
 }
 

@@ -304,6 +304,15 @@ bool bf16_gemm_native() {
   return native;
 }
 
+bool bf16_gemm_amx() {
+  static const bool amx = [] {
+    if (!bf16_gemm_native()) return false;
+    auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    return (isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
+  }();
+  return amx;
+}
+
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   check_leading_dims("sgemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);

@@ -24,6 +24,8 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
               int64_t lda, const BFloat16* b, int64_t ldb, float beta, BFloat16* c, int64_t ldc);
 bool bf16_gemm_native();
+// Whether those kernels are oneDNN's AMX tile kernels (else AVX512-BF16's dot products).
+bool bf16_gemm_amx();
 // The f32 elements sgemm or bf16gemm takes from the allocator for a product
 // of this shape (partial products when it cuts k into chunks; 0 when it does
 // not): a planned step (runtime/kernel_log.h) counts them as a run does.

@@ -11,6 +11,9 @@
 #include <chrono>
 #include <cstdint>
 
+#include "runtime/cpu/blas.h"
+#include "runtime/cpu/isa.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -197,11 +200,11 @@ bool has_peak_unit(PeakUnit unit) {
 Peak measure_peak(PeakUnit unit, int threads) {
   threads = std::max(threads, 1);
   switch (unit) {
-    case PeakUnit::Fma:
+    case PeakUnit::Fma:  // as wide as the kernels run (TESSERA_CPU_ISA caps them, and oneDNN's)
 #if defined(__x86_64__)
-      if (__builtin_cpu_supports("avx512f"))
+      if (active_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512f"))
         return {best_rate(threads, 20'000'000, 2.0 * 16 * 12, fma_loop_avx512), "AVX-512 FMA"};
-      if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      if (active_isa() != Isa::Baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return {best_rate(threads, 20'000'000, 2.0 * 8 * 12, fma_loop_avx2), "AVX2 FMA"};
 #endif
       return {best_rate(threads, 20'000'000, 2.0 * 12, fma_loop_scalar), "scalar FMA"};
@@ -220,8 +223,8 @@ Peak measure_peak(PeakUnit unit, int threads) {
 }
 
 Peak measure_dtype_peak(DType dtype, int threads) {
-  if (dtype == DType::BF16) {
-    if (has_peak_unit(PeakUnit::Amx)) return measure_peak(PeakUnit::Amx, threads);
+  if (dtype == DType::BF16 && bf16_gemm_native()) {  // else bf16 products run in f32
+    if (bf16_gemm_amx() && has_peak_unit(PeakUnit::Amx)) return measure_peak(PeakUnit::Amx, threads);
     if (has_peak_unit(PeakUnit::Bf16Dot)) return measure_peak(PeakUnit::Bf16Dot, threads);
   }
   Peak p = measure_peak(PeakUnit::Fma, threads);

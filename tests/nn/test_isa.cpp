@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "nn/models.h"
+#include "runtime/cpu/blas.h"
 #include "runtime/cpu/isa.h"
+#include "runtime/cpu/peak.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -163,6 +165,11 @@ TEST_CASE("the instruction-set copy: names, refusals, and TESSERA_CPU_ISA as a c
   if (const char* cap = std::getenv("TESSERA_CPU_ISA"))
     expected = std::min(widest, cpu::parse_isa(cap));
   CHECK(cpu::isa_name(cpu::active_isa()) == std::string(cpu::isa_name(expected)));
+  // MFU's peak follows the copy (and oneDNN, capped alike): no AVX-512 loop under a cap below it,
+  // and bf16 products on f32 copies are measured as f32 FMAs.
+  const std::string fma = cpu::measure_peak(cpu::PeakUnit::Fma, 1).unit;
+  CHECK((fma == "AVX-512 FMA") == (expected == cpu::Isa::Avx512));
+  if (!cpu::bf16_gemm_native()) CHECK(cpu::measure_dtype_peak(DType::BF16, 1).unit == fma);
   // Switching works both ways and reaches the ops.
   Tensor x = randn({1000}, 3);
   cpu::Isa saved = cpu::set_isa(cpu::Isa::Baseline);

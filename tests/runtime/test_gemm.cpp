@@ -312,10 +312,10 @@ TEST_CASE("this CPU's measured peaks", "[gemm][peak]") {
     INFO(p.unit << " " << p.flops / 1e9 << " GFLOP/s");
     CHECK((p.flops > 0) == cpu::has_peak_unit(unit));
   }
-  // bf16's unit is the fastest the CPU has for bf16 products: never the FMA where a bf16 unit exists.
-  cpu::Peak bf16 = cpu::measure_dtype_peak(DType::BF16, 1);
-  bool bf16_unit = cpu::has_peak_unit(PeakUnit::Amx) || cpu::has_peak_unit(PeakUnit::Bf16Dot);
-  CHECK((std::string(bf16.unit).find("FMA") == std::string::npos) == bf16_unit);
-  if (cpu::has_peak_unit(PeakUnit::Amx)) CHECK(std::string(bf16.unit) == "AMX");
+  // bf16's unit is the one its products run on: oneDNN's AMX or AVX512-BF16 kernels, else f32 FMAs.
+  const std::string bf16 = cpu::measure_dtype_peak(DType::BF16, 1).unit;
+  if (cpu::bf16_gemm_amx()) CHECK(bf16 == "AMX");
+  else if (cpu::bf16_gemm_native()) CHECK(bf16 == "AVX512-BF16");
+  else CHECK(bf16 == fma.unit);
   CHECK(std::string(cpu::measure_dtype_peak(DType::F32, 1).unit) == fma.unit);
 }
