@@ -38,20 +38,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The peaks (runtime/cpu/peak.h) on every thread of the pool.
-struct Peak {
-  double gflops;  // all threads
-  const char* isa;
-};
-Peak measure_peak() {
-  cpu::Peak p = cpu::measure_peak(cpu::PeakUnit::Fma, num_threads());
-  return {p.flops / 1e9, p.unit};
-}
-// bf16 peaks: vdpbf16ps (0 without AVX512-BF16) and AMX (0 without AMX).
-std::pair<double, double> measure_bf16_peaks() {
-  return {cpu::measure_peak(cpu::PeakUnit::Bf16Dot, num_threads()).flops / 1e9,
-          cpu::measure_peak(cpu::PeakUnit::Amx, num_threads()).flops / 1e9};
-}
+// A peak (runtime/cpu/peak.h) on every thread of the pool, in GFLOP/s (0 where the CPU lacks the unit).
+double peak_gflops(cpu::PeakUnit unit) { return cpu::measure_peak(unit, num_threads()).flops / 1e9; }
 
 struct Shape3 {
   const char* what;
@@ -89,11 +77,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  Peak peak = measure_peak();
+  const cpu::Peak fma = cpu::measure_peak(cpu::PeakUnit::Fma, num_threads());
+  const double f32_peak = fma.flops / 1e9;
   std::printf("threads %d; measured peak %.1f GFLOP/s f32 (%s loop, %.1f per thread)\n",
-              num_threads(), peak.gflops, peak.isa, peak.gflops / num_threads());
+              num_threads(), f32_peak, fma.unit, f32_peak / num_threads());
   const bool bf16 = cpu::bf16_gemm_native();
-  auto [dp_peak, amx_peak] = measure_bf16_peaks();
+  const double dp_peak = peak_gflops(cpu::PeakUnit::Bf16Dot), amx_peak = peak_gflops(cpu::PeakUnit::Amx);
   if (bf16)
     std::printf("bf16 peaks: %.1f GFLOP/s AVX512-BF16 dot products (%.1f per thread), %.1f AMX tiles (%.1f per thread)\n",
                 dp_peak, dp_peak / num_threads(), amx_peak, amx_peak / num_threads());
@@ -138,13 +127,13 @@ int main(int argc, char** argv) {
       }
     }
     double mo = median(ours), mn = median(onednn), md = median(direct), ml = bf16 ? median(low) : 0;
-    worst = std::min(worst, mo / peak.gflops);
+    worst = std::min(worst, mo / f32_peak);
     if (bf16) worst_bf16 = std::min(worst_bf16, ml / dp_peak);
     ratio_sum += mo / md;
     std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f\n", s.what,
                 s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m),
-                static_cast<long long>(s.n), static_cast<long long>(s.k), mo, mo / peak.gflops, mn,
-                mn / peak.gflops, md, md / peak.gflops, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
+                static_cast<long long>(s.n), static_cast<long long>(s.k), mo, mo / f32_peak, mn,
+                mn / f32_peak, md, md / f32_peak, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
                 amx_peak > 0 ? ml / amx_peak : 0.0);
   }
   std::printf(

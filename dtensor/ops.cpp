@@ -67,7 +67,7 @@ std::vector<Tensor> locals_at(const DistCall& call, const DTensorSpec& ref, cons
     TS_CHECK(s.global_shape == ref.global_shape || t.dim() == 0,
              "{}: DTensor shapes {} and {} differ (broadcasting between DTensors is not supported)", call.name,
              shape_str(s.global_shape), shape_str(ref.global_shape));
-    locals.push_back(s.placements == placements ? s.local : local_tensor(redistribute_local(t, placements)));
+    locals.push_back(local_at(t, placements));
   }
   return locals;
 }
@@ -251,8 +251,7 @@ std::vector<Tensor> linear_backward_rule(DistCall& call) {
         break;
     }
   }
-  const Tensor& g_local = dtensor_spec(g).placements == gp ? dtensor_spec(g).local
-                                                           : local_tensor(redistribute_local(g, gp));
+  const Tensor g_local = local_at(g, gp);
   TensorList local = call.local({g_local, sx.local, sw.local});
   const int64_t out_features = sw.global_shape[0];
   std::vector<Tensor> d(3);
@@ -335,7 +334,7 @@ CrossEntropyLayout cross_entropy_layout(const DistCall& call, const Tensor& logi
       l.row_placements.push_back(Replicate{});
     }
   }
-  l.x = s.placements == l.placements ? s.local : local_tensor(redistribute_local(logits, l.placements));
+  l.x = local_at(logits, l.placements);
   auto [shape, offset] = local_shape_and_offset(l.global, *l.mesh, l.placements, l.mesh->get_coordinate());
   l.row0 = offset[0];
   l.class0 = offset[1];
@@ -344,7 +343,7 @@ CrossEntropyLayout cross_entropy_layout(const DistCall& call, const Tensor& logi
     TS_CHECK(*t.mesh == *l.mesh && t.global_shape == Shape{l.global[0]},
              "{}: target {} does not match logits {} (expected [{}] on the same mesh)", call.name, t.str(), s.str(),
              l.global[0]);
-    l.target = t.placements == l.row_placements ? t.local : local_tensor(redistribute_local(target, l.row_placements));
+    l.target = local_at(target, l.row_placements);
   } else {
     TS_CHECK(target.dim() == 1 && target.size(0) == l.global[0],
              "{}: targets {} do not match logits {} (expected [{}])", call.name, shape_str(target.shape()),
@@ -376,10 +375,7 @@ Tensor target_columns(const CrossEntropyLayout& l) {
 
 // A 0-dim operand's value on this rank (a Replicate or Partial DTensor reduced first).
 Tensor scalar_value(const Tensor& t) {
-  if (!t.is_distributed()) return t;
-  const DTensorSpec& s = dtensor_spec(t);
-  Placements r(s.placements.size(), Replicate{});
-  return s.placements == r ? s.local : local_tensor(redistribute_local(t, r));
+  return t.is_distributed() ? local_at(t, Placements(dtensor_spec(t).placements.size(), Replicate{})) : t;
 }
 
 std::vector<Tensor> cross_entropy_rule(DistCall& call) {
@@ -433,13 +429,7 @@ std::vector<Tensor> cross_entropy_backward_rule(DistCall& call) {
   CrossEntropyLayout l = cross_entropy_layout(call, call.inputs[1], call.inputs[2]);
   const DType logits_dtype = call.inputs[1].dtype(), sd = compute_dtype(logits_dtype);
   const Device dev = l.x.device();
-  Tensor lse_local;
-  if (lse.is_distributed()) {
-    const DTensorSpec& s = dtensor_spec(lse);
-    lse_local = s.placements == l.row_placements ? s.local : local_tensor(redistribute_local(lse, l.row_placements));
-  } else {
-    lse_local = ops::narrow(lse, 0, l.row0, l.x.size(0));
-  }
+  Tensor lse_local = lse.is_distributed() ? local_at(lse, l.row_placements) : ops::narrow(lse, 0, l.row0, l.x.size(0));
   Tensor scale = ops::div(ops::to(scalar_value(grad), DType::F64),
                           ops::binary(ops::BinaryOp::Maximum, ops::to(scalar_value(call.inputs[4]), DType::F64), 1.0));
   Tensor x = ops::to(l.x, sd);

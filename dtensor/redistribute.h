@@ -18,5 +18,10 @@ Tensor shard_to_shard(const Tensor& local, const dist::ProcessGroupPtr& g, int64
 
 // Redistribute without autograd: a new DTensor with the target placements.
 Tensor redistribute_local(const Tensor& dtensor, const Placements& placements);
+// This rank's local tensor of the DTensor laid out as `placements` (without
+// autograd; no communication when it already is).
+inline Tensor local_at(const Tensor& dtensor, const Placements& placements) {
+  return local_tensor(redistribute_local(dtensor, placements));
+}
 
 }  // namespace tessera

@@ -123,8 +123,7 @@ void FSDPParam::free_unsharded() {
 
 Tensor FSDPParam::local_grad(const Tensor& grad) const {
   if (!grad.defined() || !grad.is_distributed()) return grad;
-  const DTensorSpec& spec = dtensor_spec(grad);
-  return spec.placements == tp_placements ? spec.local : local_tensor(redistribute_local(grad, tp_placements));
+  return local_at(grad, tp_placements);
 }
 
 void FSDPParam::register_all(const Tensor& value) {

@@ -111,6 +111,15 @@ int rank() { return world_state().rank; }
 int world_size() { return world_state().size; }
 int local_rank() { return world_state().local_rank; }
 
+int local_size() {
+  // Slurm's SLURM_TASKS_PER_NODE reads "4(x2)" or "3,2": the first node's
+  // count, which is this node's when they are equal.
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE",
+                           "SLURM_TASKS_PER_NODE"})
+    if (const char* v = env(name); v != nullptr && std::atoi(v) > 0) return std::atoi(v);
+  return 1;
+}
+
 ProcessGroupPtr world() {
   if (!world_state().initialized) init();
   return world_state().group;

@@ -128,6 +128,9 @@ bool is_initialized();
 int rank();        // world rank
 int world_size();
 int local_rank();  // rank among the processes on this node
+// The processes the launcher started on this node, from its environment
+// (Open MPI, MPICH/Hydra, Slurm; 1 without a launcher); callable before init.
+int local_size();
 // The group of all ranks (available after init; world size 1 without it).
 ProcessGroupPtr world();
 // Waits for in-flight collectives, stops the communication thread and finalises MPI.

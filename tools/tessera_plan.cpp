@@ -103,8 +103,11 @@ int main(int argc, char** argv) {
     if (!hardware.empty()) as_gpu.emplace();
     for (int world : worlds) {
       const bool timed = time || !hardware.empty();
-      // Threads per rank as tessera-train sets them (the CPU's attention takes scratch per thread).
-      if (hardware.empty()) set_num_threads(tools::threads_per_rank(per_node > 0 ? std::min(per_node, world) : world));
+      // The ranks on one node, and their threads as tessera-train sets them
+      // (the CPU's attention takes scratch per thread).
+      const int here = per_node > 0 ? std::min(per_node, world) : world;
+      const int threads = tools::threads_per_rank(here);
+      if (hardware.empty()) set_num_threads(threads);
       tools::Plan plan = tools::plan_run(cfg, world, rank, /*log_step=*/timed);
       std::fputs(tools::format_plan(plan, cfg).c_str(), stdout);
       if (timed) {
@@ -120,9 +123,7 @@ int main(int argc, char** argv) {
           std::printf("device memory %.1f GiB: the planned peak %s\n", hw.memory_bytes / 1073741824.0,
                       static_cast<double>(plan.peak) <= hw.memory_bytes ? "fits" : "does NOT fit");
         } else {
-          const int here = per_node > 0 ? std::min(per_node, world) : world;
           const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-          const int threads = tools::threads_per_rank(here);  // as tessera-train sets them
           if (world > 1) comm = tools::load_comm_fits(tools::cache_dir());  // before measuring: it may throw
           const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here);
           tools::Calibration cal = tools::measure_kernels(log, threads, here, cache);
@@ -138,8 +139,8 @@ int main(int argc, char** argv) {
         const tools::StepTime t = tools::simulate_step(log, seconds, comm, 1.0, overlap);
         std::fputs(tools::format_step_time(t, how).c_str(), stdout);
         // MFU counts the model's FLOPs (forward and backward, not the recompute)
-        // against the peak of every rank: the file's, or metrics.peak_tflops
-        // (this machine's, for all its ranks).
+        // against the peak of every rank: the file's, metrics.peak_tflops, or
+        // this machine's measured as tessera-train measures it, per node.
         const double flops = (plan.flops_forward + plan.flops_backward) * world;
         const bool bf16 = cfg.mixed_precision.param_dtype != "float32";
         double peak = 0;
@@ -151,9 +152,9 @@ int main(int argc, char** argv) {
           peak = cfg.metrics.peak_tflops * 1e12;
           source = "metrics.peak_tflops";
         } else {  // as tessera-train measures it, on each node
-          const int here = per_node > 0 ? std::min(per_node, world) : world, nodes = (world + here - 1) / here;
+          const int nodes = (world + here - 1) / here;
           std::string unit;
-          peak = nodes * tools::node_peak_flops(cfg.mixed_precision.param_dtype, here, tools::threads_per_rank(here), &unit);
+          peak = nodes * tools::node_peak_flops(cfg.mixed_precision.param_dtype, here, threads, &unit);
           source = fmt::format("{} loop, measured on this machine{}", unit, nodes > 1 ? fmt::format(", x {} nodes", nodes) : "");
         }
         std::printf("  MFU at that step time: %.1f%% of %.4g TFLOP/s (%s)\n", 100 * flops / t.step_s / peak,

@@ -56,16 +56,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// The ranks the launcher started on this node (1 without a launcher): Open
-// MPI's count, MPICH's (Hydra), or Slurm's (SLURM_TASKS_PER_NODE reads "4(x2)"
-// or "3,2": the first node's count, which is this node's when they are equal).
-int ranks_on_this_node() {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE",
-                           "SLURM_TASKS_PER_NODE"})
-    if (const char* s = std::getenv(name); s != nullptr && std::atoi(s) > 0) return std::atoi(s);
-  return 1;
-}
-
 // A path inside job.dump_folder unless absolute.
 std::string out_path(const tools::TrainConfig& c, const std::string& p) {
   return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
@@ -689,7 +679,7 @@ void Trainer::find_peak() {
   double mine = 0;
   std::string unit;
   if (dist::local_rank() == 0)
-    mine = tools::node_peak_flops(cfg_.mixed_precision.param_dtype, ranks_on_this_node(), num_threads(), &unit);
+    mine = tools::node_peak_flops(cfg_.mixed_precision.param_dtype, dist::local_size(), num_threads(), &unit);
   else
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   peak_flops_ = all_reduce(mine, dist::ReduceOp::Sum);
@@ -895,7 +885,7 @@ void Trainer::finish(double total_s) {
 // unless OMP_NUM_THREADS says otherwise.
 void set_threads_per_rank() {
   if (std::getenv("OMP_NUM_THREADS") != nullptr) return;  // OpenMP already took it
-  set_num_threads(tools::threads_per_rank(ranks_on_this_node()));
+  set_num_threads(tools::threads_per_rank(dist::local_size()));
 }
 
 }  // namespace
@@ -940,9 +930,9 @@ int main(int argc, char** argv) {
       // takes long (milliseconds a block) is refused on the lower bound alone.
       const double available = tools::available_host_memory();
       const bool deep = cfg.model.n_layer > 128;
-      if (deep) tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
-      tools::check_planned_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
-      if (!deep) tools::check_memory(cfg, dist::world_size(), ranks_on_this_node(), available);
+      if (deep) tools::check_memory(cfg, dist::world_size(), dist::local_size(), available);
+      tools::check_planned_memory(cfg, dist::world_size(), dist::local_size(), available);
+      if (!deep) tools::check_memory(cfg, dist::world_size(), dist::local_size(), available);
     }
     parsed = true;
     g_training = true;

@@ -203,19 +203,19 @@ Peak measure_peak(PeakUnit unit, int threads) {
     case PeakUnit::Fma:  // as wide as the kernels run (TESSERA_CPU_ISA caps them, and oneDNN's)
 #if defined(__x86_64__)
       if (active_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512f"))
-        return {best_rate(threads, 20'000'000, 2.0 * 16 * 12, fma_loop_avx512), "AVX-512 FMA"};
+        return {best_rate(threads, 10'000'000, 2.0 * 16 * 12, fma_loop_avx512), "AVX-512 FMA"};
       if (active_isa() != Isa::Baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return {best_rate(threads, 20'000'000, 2.0 * 8 * 12, fma_loop_avx2), "AVX2 FMA"};
+        return {best_rate(threads, 10'000'000, 2.0 * 8 * 12, fma_loop_avx2), "AVX2 FMA"};
 #endif
-      return {best_rate(threads, 20'000'000, 2.0 * 12, fma_loop_scalar), "scalar FMA"};
+      return {best_rate(threads, 10'000'000, 2.0 * 12, fma_loop_scalar), "scalar FMA"};
     case PeakUnit::Bf16Dot:
 #if defined(__x86_64__)
-      if (has_peak_unit(unit)) return {best_rate(threads, 10'000'000, 16.0 * 4 * 12, dpbf16_loop), "AVX512-BF16"};
+      if (has_peak_unit(unit)) return {best_rate(threads, 3'000'000, 16.0 * 4 * 12, dpbf16_loop), "AVX512-BF16"};
 #endif
       return {0, "AVX512-BF16"};
     case PeakUnit::Amx:
 #if defined(__x86_64__)
-      if (has_peak_unit(unit)) return {best_rate(threads, 5'000'000, 4.0 * 16 * 16 * 32 * 2, amx_loop), "AMX"};
+      if (has_peak_unit(unit)) return {best_rate(threads, 1'500'000, 4.0 * 16 * 16 * 32 * 2, amx_loop), "AMX"};
 #endif
       return {0, "AMX"};
   }

@@ -23,7 +23,8 @@ struct Peak {
 
 // Whether this CPU (and, for AMX, the kernel) lets the unit run.
 bool has_peak_unit(PeakUnit unit);
-// The best of 3 rounds (about 0.05-0.1 s each) of the unit's loop on `threads`
+// The best of 3 rounds (about 0.03-0.05 s each on the machines measured: well
+// inside the 0.5 s tessera-train's other ranks sleep) of the unit's loop on `threads`
 // threads at once; {0, name} when the CPU lacks it.
 Peak measure_peak(PeakUnit unit, int threads);
 // The unit that runs products of `dtype` here: for bf16 oneDNN's (AMX where

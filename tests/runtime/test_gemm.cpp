@@ -127,6 +127,18 @@ std::vector<Case> random_cases(std::mt19937& gen, int count) {
   return cases;
 }
 
+// Every transpose pair at one odd shape, so none is left to chance; and shapes
+// large enough for tiles and for chunks of k.
+template <class T>
+void run_every_transpose(std::mt19937& gen) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      run_case<T>({ta, tb, 37, 29, 101, 3, 0, 2, 1.0, 0.5}, gen);
+      run_case<T>({ta, tb, 300, 270, 190, 1, 2, 3, -1.5, 0.5}, gen);
+      run_case<T>({ta, tb, 40, 150, 2600, 0, 1, 0, 1.0, 1.0}, gen);
+    }
+}
+
 // Runs body once per f32 library path (every path runs on any x86-64 CPU;
 // Auto is what this CPU gets by default).
 template <class F>
@@ -186,14 +198,7 @@ TEMPLATE_TEST_CASE("CPU gemm matches an f64 loop at awkward sizes and every tran
   for_each_path([] {
     std::mt19937 gen(20261130);
     for (const Case& cs : random_cases(gen, 120)) run_case<TestType>(cs, gen);
-    // Every transpose pair at one odd shape, so none is left to chance; and
-    // shapes large enough for tiles and chunks of k.
-    for (bool ta : {false, true})
-      for (bool tb : {false, true}) {
-        run_case<TestType>({ta, tb, 37, 29, 101, 3, 0, 2, 1.0, 0.5}, gen);
-        run_case<TestType>({ta, tb, 300, 270, 190, 1, 2, 3, -1.5, 0.5}, gen);
-        run_case<TestType>({ta, tb, 40, 150, 2600, 0, 1, 0, 1.0, 1.0}, gen);
-      }
+    run_every_transpose<TestType>(gen);
   });
 }
 
@@ -259,12 +264,7 @@ TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the sa
                     Catch::Contains("bf16gemm: expected leading dimensions lda >= 4"));
   std::mt19937 gen(20261201);
   for (const Case& cs : random_cases(gen, 80)) run_case<BFloat16>(cs, gen);
-  for (bool ta : {false, true})
-    for (bool tb : {false, true}) {
-      run_case<BFloat16>({ta, tb, 37, 29, 101, 3, 0, 2, 1.0, 0.5}, gen);
-      run_case<BFloat16>({ta, tb, 300, 270, 190, 1, 2, 3, -1.5, 0.5}, gen);
-      run_case<BFloat16>({ta, tb, 40, 150, 2600, 0, 1, 0, 1.0, 1.0}, gen);  // chunks of k
-    }
+  run_every_transpose<BFloat16>(gen);
   run_case<BFloat16>({true, false, 64, 48, 3000, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
   run_case<BFloat16>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
   run_case<BFloat16>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
