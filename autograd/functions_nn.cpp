@@ -99,7 +99,13 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   TS_PROFILE("embedding");
   Tensor y = ops::embedding(weight, indices);
-  if (should_record({weight})) {
+  if (should_record({weight}) && weight.is_distributed()) {
+    // A DTensor table's gradient takes its layout; the closure keeps the
+    // handle, not the bytes (FSDP releases a gathered table's storage).
+    record("embedding", {weight}, {y}, [indices, weight](const TensorList& g) {
+      return TensorList{ops::embedding_backward(g[0], indices, weight)};
+    });
+  } else if (should_record({weight})) {
     int64_t rows = weight.size(0);
     record("embedding", {weight}, {y}, [indices, rows](const TensorList& g) {
       return TensorList{ops::embedding_backward(g[0], indices, rows)};

@@ -3,6 +3,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "runtime/dtensor_hook.h"
 #include "runtime/ops.h"
 #include "runtime/profiler.h"
 #include "runtime/random.h"
@@ -44,6 +45,10 @@ void accumulate(Tensor& slot, const Tensor& g) {
 void accumulate_into_leaf(const std::shared_ptr<TensorImpl>& impl, Tensor g) {
   Tensor leaf(impl);
   AutogradMeta& meta = leaf.autograd_meta();
+  // A DTensor parameter's gradient takes the parameter's layout first: a
+  // Partial gradient of a Replicate parameter (a sequence-parallel norm's
+  // weight, a batch-sharded Linear's) is reduced here, once per backward.
+  if (leaf.is_distributed() && g.is_distributed()) g = dispatch_relayout(g, leaf);
   for (auto& hook : meta.hooks) {
     Tensor r = hook(g);
     if (r.defined()) g = r;
@@ -320,8 +325,9 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
 
 Tensor detach(const Tensor& x) {
   if (!x.defined()) return x;
-  Tensor out = ops::alias(x);
-  return out;
+  // A DTensor's detached alias is a DTensor of the same spec over its local's alias.
+  if (x.is_distributed()) return dispatch_like("detach", x, [](const Tensor& local) { return ops::alias(local); });
+  return ops::alias(x);
 }
 
 void retain_grad(const Tensor& x) {

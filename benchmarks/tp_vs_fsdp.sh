@@ -2,7 +2,8 @@
 # Tensor parallelism against pure FSDP on this machine: tessera-train's Llama
 # (4 layers, d=256, 8 heads, 4 key/value heads, no bias) for 40 steps at 2 and
 # 4 ranks, FSDP over all ranks beside TP 2 (alone at 2 ranks, under FSDP 2 at
-# 4) and TP 4: the median step time of the last five log windows (steps
+# 4) and TP 4, and TP 2 and 4 with sequence parallelism (SP): the median
+# step time of the last five log windows (steps
 # 16-40), the exposed-communication share, the peak memory per rank, and the
 # step time as a ratio to FSDP's at the same rank count (> 1: slower).
 # Not a test: a table for benchmarks/README.md.
@@ -17,10 +18,11 @@ model=(--model.arch llama --model.n_head 8 --model.n_kv_head 4 --model.bias fals
 median() { sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 fsdp_ms=0
 measure() {
-  local np=$1 tp=$2
+  local np=$1 tp=$2 sp=${3:-false}
   rm -rf "$work/out"
   OMP_NUM_THREADS=1 mpirun -np "$np" --oversubscribe --bind-to none "${root[@]}" "$bin/tessera-train" "${model[@]}" \
-    --parallelism.tensor_parallel_degree "$tp" --training.steps 40 --metrics.log_interval 5 \
+    --parallelism.tensor_parallel_degree "$tp" --parallelism.enable_sequence_parallel "$sp" \
+    --training.steps 40 --metrics.log_interval 5 \
     --training.eval_interval 1000 --metrics.plot "" --metrics.progress off --sample.max_new_tokens 0 \
     --training.data_dir "$PWD/data" --job.dump_folder "$work/out" >"$work/log" 2>&1 || { cat "$work/log"; exit 1; }
   local tokens ms exposed peak mesh
@@ -38,6 +40,9 @@ echo "| ranks | mesh | ms/step | exposed | peak MiB/rank | vs FSDP |"
 echo "|---|---|---|---|---|---|"
 measure 2 1
 measure 2 2
+measure 2 2 true
 measure 4 1
 measure 4 2
+measure 4 2 true
 measure 4 4
+measure 4 4 true

@@ -13,6 +13,14 @@
 //                      input x Replicate weight -> same batch shard; linear's backward
 //                      follows the forward's split (linear_backward_rule)
 //   normal_/uniform_   each local element draws the counter of its global position
+//   layer/rms_norm     input split on any dim but the last (sequence parallelism's
+//                      Shard(1)) with Replicate weight/bias -> the input's split;
+//                      weight/bias gradients Partial over the splitting dims
+//   embedding          a table split on the vocabulary (Shard(0): Partial output,
+//                      out-of-range tokens give zero rows) or the features
+//                      (Shard(1): Shard(-1) output); embedding_rule
+//   gradient layout    a parameter's gradient takes the parameter's placements
+//                      as it accumulates (Partial -> Replicate: one all-reduce)
 //   cross_entropy      logits [N, C] Shard(1) on one mesh dim (loss parallelism:
 //                      three all-reduces of N values, the logits never gathered),
 //                      Shard(0) (rows) or Replicate on the others; its backward
@@ -440,6 +448,201 @@ std::vector<Tensor> cross_entropy_backward_rule(DistCall& call) {
   return {make_dtensor(ops::contiguous(ops::to(d, logits_dtype)), l.mesh, l.placements, l.global)};
 }
 
+// ---- layer_norm / rms_norm on split rows ----------------------------------------
+//
+// A norm normalises each row (token) over the last dim alone, so an input
+// split on any other dim (sequence parallelism's Shard(1) activations, a
+// batch's Shard(0)) is normalised on each rank's rows without communication.
+// The weight and bias are whole on every rank (Replicate DTensors); their
+// gradients sum over the rows, so each rank's is the sum over its own rows:
+// Partial over the mesh dims that split the input, reduced once when it
+// accumulates into the parameter (autograd's relayout, below).
+
+// The input's layout for a norm (any Partial reduced first), refused when the
+// normalised dim is split; the weight and bias checked to be Replicate.
+Placements norm_layout(const DistCall& call) {
+  const bool backward = call.cls == OpClass::NormBackward;  // {dy, x, w, mean, rstd}, else {x, w, b}
+  const Tensor& x = call.inputs[backward ? 1 : 0];
+  TS_CHECK(x.is_distributed(), "{}: the weight is a DTensor but the input is a plain tensor of shape {}; make the "
+           "input a DTensor (from_local) or the weight a plain tensor", call.name, shape_str(x.shape()));
+  const DTensorSpec& s = dtensor_spec(x);
+  const int64_t last = static_cast<int64_t>(s.global_shape.size()) - 1;
+  Placements ps = without_partial(s.placements);
+  for (size_t i = 0; i < ps.size(); ++i)
+    TS_CHECK(!is_shard(ps[i], last), "{}: input {} is split on the normalised (last) dim over mesh dim {}; a norm "
+             "needs whole rows (redistribute to Replicate or a Shard of another dim)", call.name, s.str(), i);
+  const std::vector<std::pair<size_t, const char*>> params =
+      backward ? std::vector<std::pair<size_t, const char*>>{{2, "weight"}}
+               : std::vector<std::pair<size_t, const char*>>{{1, "weight"}, {2, "bias"}};
+  for (const auto& [j, what] : params) {
+    const Tensor& p = call.inputs[j];
+    if (!p.defined()) continue;
+    TS_CHECK(p.is_distributed(), "{}: the input is {} but the {} is a plain tensor; make it a Replicate DTensor on "
+             "the same mesh (tp::SequenceParallel does), so that its gradient is summed over the ranks' rows",
+             call.name, s.str(), what);
+    const DTensorSpec& sp = dtensor_spec(p);
+    TS_CHECK(*sp.mesh == *s.mesh, "{}: the input and the {} are on different meshes ({} and {})", call.name, what,
+             s.mesh->str(), sp.mesh->str());
+    for (const auto& pl : sp.placements)
+      TS_CHECK(is_replicate(pl), "{}: the {} is {}; a norm's weight and bias must be Replicate (whole on every rank)",
+               call.name, what, sp.str());
+  }
+  return ps;
+}
+
+Tensor local_or_none(const Tensor& t) { return t.defined() ? dtensor_spec(t).local : Tensor(); }
+
+// Stats (mean, rstd) [rows] are laid out as the input's rows: the same Shards.
+Shape rows_of(const Shape& global) { return Shape(global.begin(), global.end() - 1); }
+
+std::vector<Tensor> norm_rule(DistCall& call) {
+  const Placements ps = norm_layout(call);
+  const DTensorSpec& s = dtensor_spec(call.inputs[0]);
+  TensorList out = call.local({local_at(call.inputs[0], ps), local_or_none(call.inputs[1]),
+                               local_or_none(call.inputs[2])});
+  auto wrap = [&](const Tensor& t, const Shape& shape) {
+    return t.defined() ? make_dtensor(t, s.mesh, ps, shape) : Tensor();
+  };
+  return {wrap(out[0], s.global_shape), wrap(out[1], rows_of(s.global_shape)), wrap(out[2], rows_of(s.global_shape))};
+}
+
+std::vector<Tensor> norm_backward_rule(DistCall& call) {
+  const Placements ps = norm_layout(call);
+  const DTensorSpec& s = dtensor_spec(call.inputs[1]);
+  const Tensor& dy = call.inputs[0];
+  TS_CHECK(dy.is_distributed(), "{}: the input is {} but its gradient is a plain tensor", call.name, s.str());
+  auto stats = [&](const Tensor& t) { return t.defined() ? local_at(t, ps) : Tensor(); };
+  TensorList local = call.local({local_at(dy, ps), local_at(call.inputs[1], ps), local_or_none(call.inputs[2]),
+                                 stats(call.inputs[3]), stats(call.inputs[4])});
+  Placements summed = ps;  // over the rows each rank holds: Partial where they are split
+  for (auto& p : summed)
+    if (is_shard(p)) p = Partial{dist::ReduceOp::Sum};
+  const Shape features{s.global_shape.back()};
+  std::vector<Tensor> d(3);
+  if (local[0].defined()) d[0] = make_dtensor(local[0], s.mesh, ps, s.global_shape);
+  for (size_t i = 1; i < 3; ++i)
+    if (local[i].defined()) d[i] = make_dtensor(local[i], s.mesh, summed, features);
+  return d;
+}
+
+// ---- embedding: a table split over the vocabulary or the features ----------------
+//
+// Per mesh dim, by the table's [V, D] placement (Megatron's
+// VocabParallelEmbedding is the first):
+//   Shard(0)   each rank holds some tokens' rows and looks up only those; the
+//              other tokens give zero rows, so the output is Partial(sum) (an
+//              all-reduce, or a reduce-scatter to a sequence split, completes it);
+//              the gradient, taken whole, scatters into this rank's rows: Shard(0)
+//   Shard(1)   each rank holds some features of every row: output Shard(-1),
+//              gradient Shard(-1) -> Shard(1)
+//   Replicate  the output is laid out as the indices (whole, or split on one of
+//              their dims); the gradient of split indices is Partial
+struct EmbeddingLayout {
+  MeshPtr mesh;
+  Placements out, grad, dweight;  // the output's, its gradient's as used, the table gradient's
+  Shape out_shape, weight_shape;
+  Tensor ids;   // this rank's indices (i64), as rows of its part of the table
+  Tensor mask;  // where this rank's rows hold the token (undefined: the vocabulary is not split)
+};
+
+EmbeddingLayout embedding_layout(const DistCall& call, const Tensor& weight, const Tensor& indices) {
+  TS_CHECK(weight.is_distributed(), "{}: the indices are a DTensor but the table is a plain tensor; distribute the "
+           "table, or pass the indices' local tensor", call.name);
+  const DTensorSpec& sw = dtensor_spec(weight);
+  TS_CHECK(sw.global_shape.size() == 2, "{}: the table must be [num, dim], got {}", call.name,
+           shape_str(sw.global_shape));
+  EmbeddingLayout l;
+  l.mesh = sw.mesh;
+  l.weight_shape = sw.global_shape;
+  const size_t n = sw.placements.size();
+  Placements ip(n, Replicate{});
+  if (indices.is_distributed()) {
+    const DTensorSpec& si = dtensor_spec(indices);
+    TS_CHECK(*si.mesh == *sw.mesh, "{}: the table and the indices are on different meshes ({} and {})", call.name,
+             sw.mesh->str(), si.mesh->str());
+    ip = si.placements;
+  }
+  const int64_t index_dims = indices.dim();
+  for (size_t i = 0; i < n; ++i) {
+    const Placement &pw = sw.placements[i], &pi = ip[i];
+    TS_CHECK(!is_partial(pw) && !is_partial(pi), "{}: table {} and indices {} on mesh dim {}: a Partial table or "
+             "indices has no meaning", call.name, placement_str(pw), placement_str(pi), i);
+    if (is_replicate(pw)) {
+      l.out.push_back(pi), l.grad.push_back(pi);
+      l.dweight.push_back(is_shard(pi) ? Placement{Partial{}} : Placement{Replicate{}});
+      continue;
+    }
+    TS_CHECK(is_replicate(pi), "{}: the table is split ({}) on mesh dim {}, so every rank there needs every index, "
+             "but the indices are {}", call.name, placement_str(pw), i, placement_str(pi));
+    if (is_shard(pw, 0)) l.out.push_back(Partial{}), l.grad.push_back(Replicate{}), l.dweight.push_back(Shard{0});
+    else l.out.push_back(Shard{index_dims}), l.grad.push_back(Shard{index_dims}), l.dweight.push_back(Shard{1});
+  }
+  l.out_shape = indices.shape();
+  l.out_shape.push_back(sw.global_shape[1]);
+  Tensor ids = indices.is_distributed() ? local_at(indices, ip) : indices;
+  TS_CHECK(ids.dtype() == DType::I64 || ids.dtype() == DType::I32, "{}: indices must be i32 or i64, got {}",
+           call.name, dtype_name(ids.dtype()));
+  TS_CHECK(ids.device() == sw.local.device(), "{}: the table on {} but the indices on {}", call.name,
+           sw.local.device().str(), ids.device().str());
+  auto [rows, offset] = local_shape_and_offset(sw.global_shape, *sw.mesh, sw.placements, sw.mesh->get_coordinate());
+  const int64_t vocab = sw.global_shape[0];
+  if (rows[0] == vocab) {  // the vocabulary is whole here: the kernel checks the range
+    l.ids = ids;
+    return l;
+  }
+  ids = ops::to(ids, DType::I64);
+  if (ids.device().is_host_visible()) {  // no rank would hold an out-of-range token: refuse it, as the kernel does
+    const double bad = ops::sum(ops::add(ops::to(ops::binary(ops::BinaryOp::Lt, ids, 0.0), DType::F64),
+                                         ops::to(ops::binary(ops::BinaryOp::Ge, ids, static_cast<double>(vocab)),
+                                                 DType::F64)),
+                                {}, false, DType::F64)
+                           .item();
+    TS_CHECK(bad == 0, "{}: {} index(es) out of range for a table of {} rows (expected 0..{})", call.name,
+             static_cast<int64_t>(bad), vocab, vocab - 1);
+  }
+  const double lo = static_cast<double>(offset[0]), hi = lo + static_cast<double>(rows[0]);
+  l.mask = ops::where(ops::binary(ops::BinaryOp::Ge, ids, lo), ops::binary(ops::BinaryOp::Lt, ids, hi),
+                      zeros({}, DType::Bool, ids.device()));
+  l.ids = ops::where(l.mask, ops::sub(ids, full({}, lo, DType::I64, ids.device())),
+                     zeros({}, DType::I64, ids.device()));
+  return l;
+}
+
+// Zero where this rank's rows do not hold the token.
+Tensor masked_rows(const EmbeddingLayout& l, const Tensor& t) {
+  return l.mask.defined() ? ops::where(ops::unsqueeze(l.mask, -1), t, zeros({}, t.dtype(), t.device())) : t;
+}
+
+std::vector<Tensor> embedding_rule(DistCall& call) {
+  const EmbeddingLayout l = embedding_layout(call, call.inputs[0], call.inputs[1]);
+  Tensor out = call.local({dtensor_spec(call.inputs[0]).local, l.ids})[0];
+  return {make_dtensor(ops::contiguous(masked_rows(l, out)), l.mesh, l.out, l.out_shape)};
+}
+
+std::vector<Tensor> embedding_backward_rule(DistCall& call) {
+  const EmbeddingLayout l = embedding_layout(call, call.inputs[2], call.inputs[1]);
+  const Tensor& grad = call.inputs[0];
+  TS_CHECK(grad.is_distributed(), "{}: the table is {} but the output's gradient is a plain tensor", call.name,
+           dtensor_spec(call.inputs[2]).str());
+  Tensor g = masked_rows(l, local_at(grad, l.grad));
+  Tensor d = call.local({g, l.ids, dtensor_spec(call.inputs[2]).local})[0];
+  return {make_dtensor(d, l.mesh, l.dweight, l.weight_shape)};
+}
+
+// A gradient laid out as its parameter: Partial -> Replicate is the all-reduce
+// sequence parallelism needs for its norms' weights (Megatron's
+// allreduce_layernorm_grads, here once per parameter as it accumulates).
+std::vector<Tensor> relayout(DistCall& call) {
+  const Tensor& g = call.inputs[0];
+  const Tensor& like = call.inputs[1];
+  TS_CHECK(g.is_distributed() && like.is_distributed(), "{}: expected two DTensors", call.name);
+  const DTensorSpec& sg = dtensor_spec(g);
+  const DTensorSpec& sl = dtensor_spec(like);
+  TS_CHECK(*sg.mesh == *sl.mesh && sg.global_shape == sl.global_shape,
+           "{}: gradient {} does not match parameter {} (mesh and global shape)", call.name, sg.str(), sl.str());
+  return {sg.placements == sl.placements ? g : redistribute_local(g, sl.placements)};
+}
+
 std::vector<Tensor> handle(DistCall& call) {
   switch (call.cls) {
     case OpClass::Elementwise:
@@ -452,6 +655,11 @@ std::vector<Tensor> handle(DistCall& call) {
     case OpClass::Like: return like(call);
     case OpClass::CrossEntropy: return cross_entropy_rule(call);
     case OpClass::CrossEntropyBackward: return cross_entropy_backward_rule(call);
+    case OpClass::Norm: return norm_rule(call);
+    case OpClass::NormBackward: return norm_backward_rule(call);
+    case OpClass::Embedding: return embedding_rule(call);
+    case OpClass::EmbeddingBackward: return embedding_backward_rule(call);
+    case OpClass::Relayout: return relayout(call);
   }
   TS_CHECK(false, "{}: unsupported on DTensors", call.name);
 }

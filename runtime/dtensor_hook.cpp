@@ -32,4 +32,12 @@ Tensor dispatch_like(const char* name, const Tensor& x, std::function<Tensor(con
   return dispatch_distributed(call)[0];
 }
 
+Tensor dispatch_relayout(const Tensor& g, const Tensor& like) {
+  DistCall call;
+  call.name = "gradient layout";
+  call.cls = OpClass::Relayout;
+  call.inputs = {g, like};
+  return dispatch_distributed(call)[0];
+}
+
 }  // namespace tessera

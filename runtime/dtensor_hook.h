@@ -27,6 +27,11 @@ enum class OpClass {
   Like,              // a new tensor shaped like inputs[0] (zeros_like, to(dtype), clone)
   CrossEntropy,      // cross_entropy(logits [N, C], target) -> {loss, lse, count}
   CrossEntropyBackward,  // cross_entropy_backward(grad, logits, target, lse, count) -> {dlogits}
+  Norm,              // layer_norm / rms_norm(x, weight, bias) over the last dim -> {y, mean, rstd}
+  NormBackward,      // norm backward(dy, x, weight, mean, rstd) -> {dx, dweight, dbias} where `need`
+  Embedding,         // embedding(weight [V, D], indices) -> {out}
+  EmbeddingBackward, // embedding's weight gradient (grad, indices, weight) -> {dweight}, laid out as weight
+  Relayout,          // inputs[0] laid out as inputs[1] is (a gradient as its parameter)
 };
 
 struct DistCall {
@@ -40,7 +45,7 @@ struct DistCall {
   bool keepdim = false;
   // Linear: true for linear(x, w[, b]) (w is [out, in]); false for matmul(a, b).
   bool is_linear = false;
-  // LinearBackward: which of dx, dw, db to compute.
+  // LinearBackward: which of dx, dw, db to compute; NormBackward: dx, dweight, dbias.
   std::array<bool, 3> need{};
   // CrossEntropy(Backward): the target value that counts for nothing.
   int64_t ignore_index = -100;
@@ -60,5 +65,9 @@ std::vector<Tensor> dispatch_distributed(DistCall& call);
 // A DTensor like x (same mesh and placements) from a per-local-tensor op
 // (OpClass::Like: zeros_like, contiguous, clone, ...).
 Tensor dispatch_like(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn);
+// g (a DTensor) laid out as `like` (a DTensor of the same global shape) is:
+// a parameter's gradient before it accumulates, so that a Partial gradient of
+// a Replicate parameter (a sequence-parallel norm's weight) is reduced once.
+Tensor dispatch_relayout(const Tensor& g, const Tensor& like);
 
 }  // namespace tessera

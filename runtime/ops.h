@@ -163,6 +163,9 @@ NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
 // weight [V, D], indices i32/i64 of any shape -> [..., D]. Out-of-range indices throw.
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights);
+// The same, laid out as `weight` (whose values it does not read): a DTensor
+// table's gradient is a DTensor of its layout (dtensor/ops.cpp).
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, const Tensor& weight);
 
 // Fused log-softmax + NLL over logits [N, C] and i64 targets [N]; the mean over
 // targets != ignore_index (0 if none). Returns the loss (0-dim) and the

@@ -264,6 +264,18 @@ void check_norm_args(const Tensor& x, const Tensor& w, const Tensor& b, const ch
 
 NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, bool rms) {
   const char* op = rms ? "rms_norm" : "layer_norm";
+  if (any_distributed({&x, &w, &b})) {
+    DistCall call;
+    call.name = op;
+    call.cls = OpClass::Norm;
+    call.inputs = {x, w, b};
+    call.local = [eps, rms](const TensorList& l) {
+      NormResult r = norm_forward(l[0], l[1], l[2], eps, rms);
+      return TensorList{r.y, r.mean, r.rstd};
+    };
+    TensorList r = dispatch_distributed(call);
+    return {r[0], r[1], r[2]};
+  }
   check_norm_args(x, w, b, op);
   Shape rows(x.shape().begin(), x.shape().end() - 1);
   DType cd = compute_dtype(x.device(), kNorm, x.dtype()), sd = stats_dtype(cd);
@@ -279,6 +291,19 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
 
 NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
                         const Tensor& rstd, bool need_wb, bool has_bias, bool rms) {
+  if (any_distributed({&dy, &x, &w})) {
+    DistCall call;
+    call.name = rms ? "rms_norm_backward" : "layer_norm_backward";
+    call.cls = OpClass::NormBackward;
+    call.inputs = {dy, x, w, mean, rstd};
+    call.need = {true, need_wb && w.defined(), need_wb && has_bias};
+    call.local = [need_wb, has_bias, rms](const TensorList& l) {
+      NormGrads g = norm_backward(l[0], l[1], l[2], l[3], l[4], need_wb, has_bias, rms);
+      return TensorList{g.dx, g.dweight, g.dbias};
+    };
+    TensorList g = dispatch_distributed(call);
+    return {g[0], g[1], g[2]};
+  }
   TS_CHECK(dy.shape() == x.shape(), "{}_backward: grad shape {} vs input {}",
            rms ? "rms_norm" : "layer_norm", shape_str(dy.shape()), shape_str(x.shape()));
   DType cd = compute_dtype(x.device(), kNorm, x.dtype());
@@ -319,6 +344,14 @@ NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
 // ---- embedding, cross-entropy -------------------------------------------------
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  if (any_distributed({&weight, &indices})) {  // e.g. a vocabulary-parallel table
+    DistCall call;
+    call.name = "embedding";
+    call.cls = OpClass::Embedding;
+    call.inputs = {weight, indices};
+    call.local = [](const TensorList& l) { return TensorList{embedding(l[0], l[1])}; };
+    return dispatch_distributed(call)[0];
+  }
   TS_CHECK(weight.dim() == 2, "embedding: weight must be 2-D [num, dim], got {}",
            shape_str(weight.shape()));
   TS_CHECK(indices.dtype() == DType::I64 || indices.dtype() == DType::I32,
@@ -342,6 +375,18 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
     dispatch(grad.device()).embedding_backward(gw, rows, ids);
   }
   return to(gw, grad.dtype());
+}
+
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, const Tensor& weight) {
+  if (any_distributed({&grad, &indices, &weight})) {
+    DistCall call;
+    call.name = "embedding_backward";
+    call.cls = OpClass::EmbeddingBackward;
+    call.inputs = {grad, indices, weight};
+    call.local = [](const TensorList& l) { return TensorList{embedding_backward(l[0], l[1], l[2].size(0))}; };
+    return dispatch_distributed(call)[0];
+  }
+  return embedding_backward(grad, indices, weight.size(0));
 }
 
 CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {

@@ -201,7 +201,10 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
               "ranks each layer is split over (Megatron tensor parallelism, llama; 1 = none)"),
       bool_key("parallelism.disable_loss_parallel", c.parallelism.disable_loss_parallel,
                "with tensor parallelism, gather the logits instead of splitting the output layer and the "
-               "loss over the vocabulary (loss parallelism needs model.tie_embeddings false)"),
+               "loss over the vocabulary"),
+      bool_key("parallelism.enable_sequence_parallel", c.parallelism.enable_sequence_parallel,
+               "with tensor parallelism, split the norms and the residual stream on the sequence too "
+               "(all-gather + reduce-scatter in place of each all-reduce)"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -574,6 +577,9 @@ void validate(const TrainConfig& c) {
                c.parallelism.data_parallel_shard_degree >= 1,
            "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
            c.parallelism.data_parallel_shard_degree);
+  TS_CHECK(!c.parallelism.enable_sequence_parallel || c.parallelism.tensor_parallel_degree > 1,
+           "parallelism.enable_sequence_parallel splits activations over the tensor-parallel ranks: it needs "
+           "parallelism.tensor_parallel_degree > 1, got {}", c.parallelism.tensor_parallel_degree);
   if (const int64_t tp = c.parallelism.tensor_parallel_degree; tp != 1) {
     TS_CHECK(tp >= 1, "parallelism.tensor_parallel_degree must be >= 1, got {}", tp);
     TS_CHECK(c.model.arch == "llama",
@@ -714,8 +720,11 @@ int64_t parameter_count(const TrainConfig& c) {
 }
 
 bool loss_parallel(const TrainConfig& cfg) {
-  return cfg.parallelism.tensor_parallel_degree > 1 && !cfg.parallelism.disable_loss_parallel &&
-         !cfg.model.tie_embeddings;
+  return cfg.parallelism.tensor_parallel_degree > 1 && !cfg.parallelism.disable_loss_parallel;
+}
+
+bool sequence_parallel(const TrainConfig& cfg) {
+  return cfg.parallelism.tensor_parallel_degree > 1 && cfg.parallelism.enable_sequence_parallel;
 }
 
 MemoryFloor memory_floor(const TrainConfig& c, int world_size, bool training) {

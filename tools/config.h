@@ -83,9 +83,14 @@ struct TrainConfig {
     // degrees share the rest. The ranks of one group train on the same rows.
     int64_t tensor_parallel_degree = 1;
     // With tensor parallelism, the output layer is split over the vocabulary
-    // and the loss computed on the sharded logits (TorchTitan's default;
-    // only for an output layer not tied to the embeddings).
+    // and the loss computed on the sharded logits (TorchTitan's default; a
+    // tied output layer is split as its embedding table is, on the vocabulary).
     bool disable_loss_parallel = false;
+    // With tensor parallelism, the activations between the split layers (the
+    // residual stream, the norms) are split on the sequence too (Megatron's
+    // sequence parallelism): all-gathers and reduce-scatters in place of the
+    // all-reduces, and those activations' memory divided by the degree.
+    bool enable_sequence_parallel = false;
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params
@@ -195,8 +200,11 @@ std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& cfg, int world_size);
 // The data-parallel ranks (replicate x shard): the world over the tensor-parallel degree.
 int64_t data_parallel_ranks(const TrainConfig& cfg, int world_size);
 // Whether the run computes its loss on vocabulary-sharded logits: tensor
-// parallelism, an untied output layer, and parallelism.disable_loss_parallel off.
+// parallelism with parallelism.disable_loss_parallel off.
 bool loss_parallel(const TrainConfig& cfg);
+// Whether the run splits activations on the sequence: tensor parallelism with
+// parallelism.enable_sequence_parallel.
+bool sequence_parallel(const TrainConfig& cfg);
 // tessera-train's mesh, outermost dim first: dp_replicate (when > 1), dp_shard,
 // tp (when > 1), as sizes and names.
 struct MeshDims {

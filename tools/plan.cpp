@@ -98,7 +98,8 @@ void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr
   MeshPtr dp = mesh;
   const auto& names = mesh->dim_names();
   if (names.back() == "tp") {
-    tp::parallelize_module(model, (*mesh)["tp"], tp::tensor_parallel_plan(model, mesh->size(-1), loss_parallel(cfg)));
+    tp::parallelize_module(model, (*mesh)["tp"], tp::tensor_parallel_plan(model, mesh->size(-1), loss_parallel(cfg),
+                                                                        sequence_parallel(cfg)));
     dp = mesh->slice(std::vector<std::string>(names.begin(), names.end() - 1));
   }
   fsdp::FullyShardOptions opt{

@@ -693,9 +693,9 @@ void Trainer::report_setup() {
       "param {} reduce {}",
       cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
       (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
-          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}", tp_,
-                                 tools::loss_parallel(cfg_) ? " (loss parallel)"
-                                 : cfg_.parallelism.disable_loss_parallel ? "" : " (output layer tied: no loss parallelism)")
+          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_,
+                                 tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
+                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
                    : ""),
       num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
   say(fmt::format(

@@ -1,5 +1,8 @@
 #include "tp/parallelize.h"
 
+#include <algorithm>
+#include <map>
+
 #include "dtensor/redistribute.h"
 
 namespace tessera::tp {
@@ -57,12 +60,6 @@ Tensor prepare_output(const Tensor& y, const MeshPtr& mesh, const Placement& lay
   return use_local ? to_local(out) : out;
 }
 
-nn::Linear& as_linear(nn::Module& m, const std::string& fqn, const char* style) {
-  auto* linear = dynamic_cast<nn::Linear*>(&m);
-  TS_CHECK(linear != nullptr, "parallelize_module: {} applies to Linear layers, but '{}' is a {}", style, fqn,
-           m.type_name());
-  return *linear;
-}
 
 void check_mesh(const MeshPtr& mesh) {
   TS_CHECK(mesh != nullptr && mesh->ndim() == 1,
@@ -73,22 +70,35 @@ void check_mesh(const MeshPtr& mesh) {
 // A Linear split Megatron's way: its weight and bias laid out over the mesh,
 // its input moved from the user's layout to the one the split needs, its
 // output from the split's to the user's (ColwiseParallel, RowwiseParallel).
+// An Embedding's table is split the other way round (its rows are the
+// vocabulary: row-wise is Megatron's vocabulary-parallel embedding, Partial
+// out; column-wise splits the features); its indices are used as they come.
 class LinearSplit final : public ParallelStyle {
  public:
   struct Layout {
     const char* name;
     Placement weight, bias, input;  // the split's
+    Placement table;                // an Embedding's weight
     Placement input_layout, output_layout;  // the user's
     bool use_local_output;
   };
   explicit LinearSplit(Layout l) : l_(std::move(l)) {}
   std::string name() const override { return l_.name; }
   void apply(nn::Module& m, const MeshPtr& mesh, const std::string& fqn) const override {
-    nn::Linear& linear = as_linear(m, fqn, l_.name);
+    const Layout l = l_;
+    if (dynamic_cast<nn::Embedding*>(&m) != nullptr) {
+      shard_parameter(m, "weight", mesh, l.table);
+      m.register_forward_hook([mesh, l](nn::Module&, const TensorList&, TensorList& outputs) {
+        outputs[0] = prepare_output(outputs[0], mesh, l.output_layout, l.use_local_output);
+      });
+      return;
+    }
+    auto* linear = dynamic_cast<nn::Linear*>(&m);
+    TS_CHECK(linear != nullptr, "parallelize_module: {} applies to Linear and Embedding layers, but '{}' is a {}",
+             l.name, fqn, m.type_name());
     shard_parameter(m, "weight", mesh, l_.weight);
     shard_parameter(m, "bias", mesh, l_.bias);
-    const Layout l = l_;
-    const int64_t in = linear.in_features;
+    const int64_t in = linear->in_features;
     m.register_forward_pre_hook([mesh, l, in](nn::Module&, TensorList& inputs) {
       inputs[0] = prepare_input(inputs[0], mesh, l.input_layout, l.input, in);
     });
@@ -135,6 +145,30 @@ class PrepareOutput final : public ParallelStyle {
   PrepareModuleOutput o_;
 };
 
+class SequenceSplit final : public ParallelStyle {
+ public:
+  explicit SequenceSplit(SequenceParallel o) : o_(o) {}
+  std::string name() const override { return "SequenceParallel"; }
+  void apply(nn::Module& m, const MeshPtr& mesh, const std::string& fqn) const override {
+    TS_CHECK(dynamic_cast<nn::LayerNorm*>(&m) != nullptr || dynamic_cast<nn::RMSNorm*>(&m) != nullptr,
+             "parallelize_module: SequenceParallel applies to LayerNorm and RMSNorm, but '{}' is a {}", fqn,
+             m.type_name());
+    shard_parameter(m, "weight", mesh, Replicate{});
+    shard_parameter(m, "bias", mesh, Replicate{});
+    const SequenceParallel o = o_;
+    m.register_forward_pre_hook([mesh, o](nn::Module&, TensorList& inputs) {
+      TS_CHECK(!inputs.empty() && inputs[0].defined(), "SequenceParallel: the module was called without an input");
+      if (!inputs[0].is_distributed()) inputs[0] = from_local(inputs[0], mesh, {Shard{o.sequence_dim}});
+    });
+    m.register_forward_hook([o](nn::Module&, const TensorList&, TensorList& outputs) {
+      if (o.use_local_output && outputs[0].is_distributed()) outputs[0] = to_local(outputs[0]);
+    });
+  }
+
+ private:
+  SequenceParallel o_;
+};
+
 // Whether a dotted path matches a pattern whose "*" components match any one component.
 bool matches(const std::string& pattern, const std::string& path) {
   auto split = [](const std::string& s) {
@@ -155,55 +189,109 @@ bool matches(const std::string& pattern, const std::string& path) {
 
 StylePtr style(ColwiseParallel o) {
   return std::make_shared<LinearSplit>(LinearSplit::Layout{"ColwiseParallel", Shard{0}, Shard{0}, Replicate{},
-                                                           o.input_layout, o.output_layout, o.use_local_output});
+                                                           Shard{1}, o.input_layout, o.output_layout,
+                                                           o.use_local_output});
 }
 StylePtr style(RowwiseParallel o) {
   return std::make_shared<LinearSplit>(LinearSplit::Layout{"RowwiseParallel", Shard{1}, Replicate{}, Shard{-1},
-                                                           o.input_layout, o.output_layout, o.use_local_output});
+                                                           Shard{0}, o.input_layout, o.output_layout,
+                                                           o.use_local_output});
 }
 StylePtr style(PrepareModuleInput options) { return std::make_shared<PrepareInput>(std::move(options)); }
 StylePtr style(PrepareModuleOutput options) { return std::make_shared<PrepareOutput>(std::move(options)); }
+StylePtr style(SequenceParallel options) { return std::make_shared<SequenceSplit>(options); }
 
 void parallelize_module(nn::Module& module, const MeshPtr& mesh, const ParallelizePlan& plan) {
   check_mesh(mesh);
   auto modules = module.named_modules();
+  // Parameters that several modules share (a tied output layer and
+  // embedding table), to be shared again once laid out.
+  std::map<const void*, std::vector<std::pair<std::string, nn::Module::Slot*>>> shared;
+  for (const auto& [fqn, m] : modules)
+    for (auto& slot : m->parameter_slots())
+      if (slot.value.defined())
+        shared[slot.value.impl_ptr().get()].push_back({fqn.empty() ? slot.name : fqn + "." + slot.name, &slot});
   for (const auto& [pattern, s] : plan) {
     TS_CHECK(s != nullptr, "parallelize_module: no style given for '{}'", pattern);
     int found = 0;
     for (const auto& [fqn, m] : modules)
-      if (!fqn.empty() && matches(pattern, fqn)) {
+      if (fqn.empty() ? pattern.empty() : matches(pattern, fqn)) {
         s->apply(*m, mesh, fqn);
         ++found;
       }
     TS_CHECK(found > 0, "parallelize_module: the plan's '{}' ({}) matches no module of this {}", pattern, s->name(),
              module.type_name());
   }
+  for (auto& [impl, slots] : shared) {
+    if (slots.size() < 2) continue;
+    // The first one laid out is the one they all take; another laid out
+    // differently, or one left plain beside it, cannot stay tied.
+    const auto first = std::find_if(slots.begin(), slots.end(), [&](const auto& e) {
+      return e.second->value.impl_ptr().get() != impl;
+    });
+    if (first == slots.end()) continue;
+    const Tensor chosen = first->second->value;
+    for (auto& [name, slot] : slots) {
+      TS_CHECK(slot->value.impl_ptr().get() != impl,
+               "parallelize_module: '{}' and '{}' are one parameter (tied), but the plan lays out the first as {} "
+               "and leaves the second as it was; give both modules styles that lay it out alike",
+               first->first, name, placements_str(dtensor_spec(chosen).placements));
+      TS_CHECK(dtensor_spec(slot->value).placements == dtensor_spec(chosen).placements,
+               "parallelize_module: '{}' and '{}' are one parameter (tied), but the plan lays them out as {} and {}",
+               first->first, name, placements_str(dtensor_spec(chosen).placements),
+               placements_str(dtensor_spec(slot->value).placements));
+      slot->value = chosen;
+    }
+  }
 }
 
-ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel) {
+ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel,
+                                     bool sequence_parallel) {
   const nn::TransformerConfig& c = model.config;
   TS_CHECK(degree >= 1, "tensor parallelism: the degree must be at least 1, got {}", degree);
   TS_CHECK(c.n_head % degree == 0, "tensor parallelism: model.n_head {} is not divisible by the degree {} (each "
            "rank computes whole heads)", c.n_head, degree);
   TS_CHECK(c.kv_heads() % degree == 0, "tensor parallelism: model.n_kv_head {} is not divisible by the degree {} "
            "(each rank needs whole key/value heads for its query heads)", c.kv_heads(), degree);
-  const auto col = style(ColwiseParallel{}), row = style(RowwiseParallel{}), once = style(PrepareModuleInput{});
-  TS_CHECK(!loss_parallel || !c.tie_embeddings, "tensor parallelism: loss parallelism splits the output layer over "
-           "the vocabulary, but model.tie_embeddings ties it to the embedding table, which stays replicated; untie "
-           "them or turn loss parallelism off");
-  if (dynamic_cast<const nn::Llama*>(&model) != nullptr) {
-    ParallelizePlan plan = {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
-                            {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
-                            {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row},
-                            {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},
-                            {"model.layers.*.mlp.down_proj", row}};
-    if (loss_parallel)  // logits sharded on the vocabulary, for nn::cross_entropy
-      plan.push_back({"lm_head", style(ColwiseParallel{.output_layout = Shard{-1}, .use_local_output = false})});
-    return plan;
-  }
-  TS_CHECK(false, "tensor parallelism: no plan for a {} yet (GPT-2's fused c_attn needs each of q, k and v split "
+  TS_CHECK(dynamic_cast<const nn::Llama*>(&model) != nullptr,
+           "tensor parallelism: no plan for a {} yet (GPT-2's fused c_attn needs each of q, k and v split "
            "separately, a strided shard Tessera does not have); use model.arch llama", model.type_name());
-  return {};
+  const auto col = style(ColwiseParallel{}), row = style(RowwiseParallel{});
+  // Without sequence parallelism the blocks' inputs are whole (Replicate)
+  // and each row-wise output is all-reduced; with it they are split on the
+  // sequence, all-gathered at each attention and MLP, and each row-wise
+  // output is reduce-scattered back to the sequence split.
+  const Placement between = sequence_parallel ? Placement{Shard{1}} : Placement{Replicate{}};
+  const auto once = style(PrepareModuleInput{.input_layout = between, .desired_input_layout = Replicate{}});
+  const auto row_out =
+      sequence_parallel ? style(RowwiseParallel{.output_layout = Shard{1}, .use_local_output = false}) : row;
+  ParallelizePlan plan = {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
+                          {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
+                          {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row_out},
+                          {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},
+                          {"model.layers.*.mlp.down_proj", row_out}};
+  // The embedding table split over the vocabulary (Megatron's
+  // VocabParallelEmbedding): each rank looks up its tokens, the others give
+  // zero rows, and the Partial sum is all-reduced (reduce-scattered to the
+  // sequence split with sequence parallelism).
+  plan.push_back({"model.embed_tokens", style(RowwiseParallel{.output_layout = between,
+                                                              .use_local_output = !sequence_parallel})});
+  if (sequence_parallel) {
+    const auto norm = style(SequenceParallel{});
+    for (const char* path : {"model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm",
+                             "model.norm"})
+      plan.push_back({path, norm});
+  }
+  if (loss_parallel) {  // logits sharded on the vocabulary, for nn::cross_entropy
+    plan.push_back({"lm_head", style(ColwiseParallel{.input_layout = between, .output_layout = Shard{-1},
+                                                     .use_local_output = false})});
+  } else if (c.tie_embeddings) {  // split as the table it is tied to; the logits gathered
+    plan.push_back({"lm_head", style(ColwiseParallel{.input_layout = between, .output_layout = Replicate{}})});
+  } else if (sequence_parallel) {  // a replicated output layer reads every token
+    plan.push_back({"lm_head", style(PrepareModuleInput{.input_layout = Shard{1}, .desired_input_layout = Replicate{},
+                                                        .use_local_output = true})});
+  }
+  return plan;
 }
 
 }  // namespace tessera::tp

@@ -71,13 +71,27 @@ struct PrepareModuleOutput {
   Placement desired_output_layout = Replicate{};
   bool use_local_output = true;
 };
+// Sequence-parallel: a norm (LayerNorm, RMSNorm) run on activations split on
+// the sequence dim, each rank normalising its own tokens (Megatron-3's
+// sequence parallelism, PyTorch's SequenceParallel). Its weight and bias
+// become Replicate DTensors, whose gradients, each rank's sum over its own
+// tokens, are all-reduced as they accumulate. A DTensor input is taken as it
+// is; a plain one as this rank's share of sequence_dim split evenly (as
+// PyTorch's from_local: hand on DTensors when the length does not divide).
+// The output is handed on as a DTensor unless use_local_output.
+struct SequenceParallel {
+  int64_t sequence_dim = 1;
+  bool use_local_output = false;
+};
 StylePtr style(ColwiseParallel options);
 StylePtr style(RowwiseParallel options);
 StylePtr style(PrepareModuleInput options);
 StylePtr style(PrepareModuleOutput options);
+StylePtr style(SequenceParallel options);
 
 // Module paths (relative to the module given to parallelize_module; "*"
-// matches any one path component, as in "layers.*.mlp.up_proj") and the
+// matches any one path component, as in "layers.*.mlp.up_proj"; "" is the
+// module itself) and the
 // style each gets. A path that matches nothing, or names a module the style
 // cannot parallelize, is an error naming it.
 using ParallelizePlan = std::vector<std::pair<std::string, StylePtr>>;
@@ -92,11 +106,13 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
 // parallelize_llama: attention's q/k/v column-wise and its output projection
 // row-wise (each rank computes n_head / degree heads, and n_kv_head / degree
 // key/value heads), the MLP's up (and gate) projections column-wise and its
-// down projection row-wise. Embeddings, norms and the output layer stay
-// replicated; each block's attention and MLP take their input as a
-// Replicate DTensor (PrepareModuleInput), so that a block costs two
-// all-reduces forward and two backward, Megatron's count. Throws naming the
-// field when a head count does not divide by the degree.
+// down projection row-wise, the embedding table split over the vocabulary
+// (Megatron's VocabParallelEmbedding: each rank looks up its own tokens, one
+// all-reduce completes the rows). Norms stay replicated; each block's
+// attention and MLP take their input as a Replicate DTensor
+// (PrepareModuleInput), so that a block costs two all-reduces forward and two
+// backward, Megatron's count. Throws naming the field when a head count does
+// not divide by the degree.
 //
 // loss_parallel (TorchTitan's default with tensor parallelism) also splits
 // the output layer column-wise over the vocabulary and hands on its logits
@@ -105,8 +121,11 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
 // all-reduce of the output layer's input gradient backward; the output
 // layer's weights and FLOPs, and each rank's logits, divided by the degree,
 // though the loss's own temporaries are a few blocks of the rank's logits).
-// The output layer must not be tied to the embedding table (that stays
-// replicated).
-ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel = false);
+// An output layer tied to the embedding table is split as the table is
+// (rows: the vocabulary), with or without loss parallelism (without, its
+// logits are gathered); an untied one without it stays replicated.
+//
+ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel = false,
+                                     bool sequence_parallel = false);
 
 }  // namespace tessera::tp

@@ -162,6 +162,10 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
     check_plan(c, "llama, tensor parallel 2 (loss parallel)");
     c.parallelism.disable_loss_parallel = true;
     check_plan(c, "llama, tensor parallel 2, replicated output layer");
+    c.parallelism.enable_sequence_parallel = true;
+    check_plan(c, "llama, tensor parallel 2 + sequence parallel, replicated output layer");
+    c.parallelism.disable_loss_parallel = false;
+    check_plan(c, "llama, tensor parallel 2 + sequence parallel (loss parallel)");
   }
   if (dist::world_size() == 4) {
     c = small_config();

@@ -20,6 +20,7 @@
 set -euo pipefail
 bin=$1      # build/tools
 work=$2
+src=$(cd "$(dirname "$0")/../.." && pwd)
 rm -rf "$work"
 mkdir -p "$work"
 cd "$work"
@@ -103,7 +104,14 @@ train 2 "${llama[@]}" --job.dump_folder tp2 --parallelism.tensor_parallel_degree
 train 4 "${llama[@]}" --job.dump_folder tp2x2 --parallelism.tensor_parallel_degree 2 > tp2x2.log
 train 2 "${llama[@]}" --job.dump_folder tp2r --parallelism.tensor_parallel_degree 2 \
   --parallelism.disable_loss_parallel true > tp2r.log
-for d in l1 tp2 tp2x2 tp2r; do losses $d > $d.losses; done
+train 4 "${llama[@]}" --job.dump_folder tp2x2sp --parallelism.tensor_parallel_degree 2 \
+  --parallelism.enable_sequence_parallel true > tp2x2sp.log
+for d in l1 tp2 tp2x2 tp2r tp2x2sp; do losses $d > $d.losses; done
+close l1.losses tp2x2sp.losses 1e-5 || fail "FSDP 2 x TP 2 with sequence parallelism drifted from 1 rank"
+grep -q "FSDP over 2 x tensor parallel 2 (loss parallel) + sequence parallel" tp2x2sp.log ||
+  fail "tp2x2sp run did not report sequence parallelism"
+expect_error "enable_sequence_parallel splits activations over the tensor-parallel ranks" \
+  train 2 --parallelism.enable_sequence_parallel true
 close l1.losses tp2.losses 1e-5 || fail "tensor parallelism 2 drifted from 1 rank"
 close l1.losses tp2r.losses 1e-5 || fail "tensor parallelism 2 without loss parallelism drifted from 1 rank"
 grep -q "tensor parallel 2 (loss parallel)" tp2.log || fail "tp2 run did not split its loss over the vocabulary"
@@ -153,6 +161,22 @@ print("metrics and trace OK: rank 0 has %d all-gather and %d reduce-scatter span
 [[ -f w1/traces/step-3.json ]] || fail "no trace from the 1-rank run"
 if command -v gnuplot >/dev/null; then
   [[ $(head -c 4 w4/loss.png | od -An -c | tr -d ' ') == '211PNG' ]] || fail "loss.png is not a PNG"
+  # The trace drawn as a timeline: a band per rank, and a zoomed window.
+  python3 "$src/tools/trace_png.py" w4/traces/step-4.json w4/step-4.png --title "4 ranks, step 4" > tp.log ||
+    fail "trace_png: $(cat tp.log)"
+  grep -q "w4/step-4.png: 4 rank(s)" tp.log || fail "trace_png drew: $(cat tp.log)"
+  python3 "$src/tools/trace_png.py" w4/traces/step-4.json w4/zoom.png --window 1 5 --ranks 0,3 --width 900 > tp.log
+  python3 -c '
+import struct, sys
+for path, width, min_height in (("w4/step-4.png", 1600, 500), ("w4/zoom.png", 900, 320)):
+    raw = open(path, "rb").read(24)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", path
+    w, h = struct.unpack(">II", raw[16:24])
+    assert w == width and h >= min_height, (path, w, h)' || fail "trace PNGs of the wrong size"
+  if python3 "$src/tools/trace_png.py" w4/traces/step-4.json bad.png --ranks 9 2> tp.err; then
+    fail "trace_png drew a rank the trace does not have"
+  fi
+  grep -q "the trace has ranks \[0, 1, 2, 3\], not \[9\]" tp.err || fail "trace_png's error: $(cat tp.err)"
 fi
 
 echo "== job.device async_cpu: the CPU's losses bit for bit, no host sync between log steps"

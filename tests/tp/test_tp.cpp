@@ -67,9 +67,10 @@ nn::TransformerConfig llama_config(int w) {
 }
 
 std::shared_ptr<nn::Llama> tp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed,
-                                    bool loss_parallel = false) {
+                                    bool loss_parallel = false, bool sequence_parallel = false) {
   auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, mesh, tp::tensor_parallel_plan(*model, mesh->size(), loss_parallel));
+  tp::parallelize_module(*model, mesh,
+                         tp::tensor_parallel_plan(*model, mesh->size(), loss_parallel, sequence_parallel));
   model->to_empty(Device::cpu());
   model->init_weights(seed);
   model->to(DType::F64);
@@ -133,16 +134,22 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
           "[tp][parity]") {
   MeshPtr mesh = tp_mesh();
   const int w = world();
-  const nn::TransformerConfig c = llama_config(w);
+  nn::TransformerConfig c = llama_config(w);
   // Loss parallelism: the output layer column-wise over the 19-token
-  // vocabulary (10+9, 7+6+6, 5+5+5+4), its logits never gathered.
+  // vocabulary (10+9, 7+6+6, 5+5+5+4), its logits never gathered. The
+  // embedding table is split over the vocabulary too; an output layer tied
+  // to it is split as it is, with or without loss parallelism.
   const bool loss_parallel = GENERATE(false, true);
-  INFO("loss parallel " << loss_parallel);
+  c.tie_embeddings = GENERATE(false, true);
+  INFO("loss parallel " << loss_parallel << ", tied " << c.tie_embeddings);
   nn::Llama ref(c);
   ref.init_weights(5);
   ref.to(DType::F64);
   auto model = tp_llama(c, mesh, 5, loss_parallel);
-  CHECK(model->lm_head->weight.is_distributed() == loss_parallel);
+  const bool head_split = loss_parallel || c.tie_embeddings;
+  CHECK(model->lm_head->weight.is_distributed() == head_split);
+  CHECK(dtensor_spec(model->embed_tokens->weight).placements == Placements{Shard{0}});
+  CHECK(model->lm_head->weight.is_same(model->embed_tokens->weight) == c.tie_embeddings);
   for (const char* p : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"}) {
     INFO(p);  // this rank's share of the heads or features
     Tensor t = *nn::find_in(model->state_dict(), p);
@@ -161,20 +168,178 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
     autograd::backward(rloss);
     mesh->get_group(0)->reset_stats();
     Tensor tloss = nn::cross_entropy((*model)(x), y);
-    const int64_t per_layer = w > 1 ? 2 * c.n_layer : 0;
+    const int64_t on = w > 1 ? 1 : 0, per_layer = on * 2 * c.n_layer;
     // The loss: the row maximum, the sum of exponentials, the target logit.
-    const int64_t loss = w > 1 && loss_parallel ? 3 : 0, head_input = loss > 0 ? 1 : 0;
-    CHECK(stats(mesh).all_reduce == per_layer + loss);  // attention's and the MLP's outputs
+    const int64_t loss = on * (loss_parallel ? 3 : 0), head_input = on * (head_split ? 1 : 0);
+    // Attention's and the MLP's outputs, the embedding's rows; a tied output
+    // layer without loss parallelism gathers its logits.
+    const int64_t gathered = on * (c.tie_embeddings && !loss_parallel ? 1 : 0);
+    CHECK(stats(mesh).all_reduce == per_layer + on + loss);
+    CHECK(stats(mesh).all_gather == gathered);
     CHECK_FALSE(tloss.is_distributed());
     autograd::backward(tloss);
     const auto s = stats(mesh);
-    CHECK(s.all_reduce == 2 * per_layer + loss + head_input);  // and their inputs' gradients
-    CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
-    CHECK(s.mpi_calls == s.all_reduce);
+    CHECK(s.all_reduce == 2 * per_layer + on + loss + head_input);  // and their inputs' gradients
+    CHECK(s.all_gather == gathered);
+    CHECK(s.reduce_scatter + s.broadcast + s.all_to_all == 0);
+    CHECK(s.mpi_calls == s.all_reduce + s.all_gather);
     CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
     clip_compare_and_step(*model, ref, topt, ropt);
   }
   check_parity(*model, ref, 1e-10, false);
+}
+
+TEST_CASE("Llama with sequence parallelism follows one process, gathering and scattering tokens", "[tp][sp]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  nn::TransformerConfig c = llama_config(w);
+  // 7 tokens split torch.chunk-wise: 4+3, 3+3+1, 2+2+2+1.
+  const bool loss_parallel = GENERATE(false, true);
+  c.tie_embeddings = GENERATE(false, true);
+  INFO("loss parallel " << loss_parallel << ", tied " << c.tie_embeddings);
+  const bool head_split = loss_parallel || c.tie_embeddings;
+  nn::Llama ref(c);
+  ref.init_weights(6);
+  ref.to(DType::F64);
+  auto model = tp_llama(c, mesh, 6, loss_parallel, /*sequence_parallel=*/true);
+  const Tensor norm = *nn::find_in(model->state_dict(), "model.layers.1.post_attention_layernorm.weight");
+  CHECK(dtensor_spec(norm).placements == Placements{Replicate{}});
+  check_parity(*model, ref, 0, false);
+
+  // The residual stream is this rank's tokens, a Shard(1) DTensor.
+  Tensor seen;
+  model->submodule("model.layers.0").register_forward_hook(
+      [&](nn::Module&, const TensorList&, TensorList& out) { seen = out[0]; });
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  optim::AdamW ropt(ref.parameters(), o), topt(model->parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    Tensor x = randint({3, 7}, 0, c.vocab_size, 140 + step), y = randint({3, 7}, 0, c.vocab_size, 150 + step);
+    Tensor rloss = nn::cross_entropy(ref(x), y);
+    autograd::backward(rloss);
+    mesh->get_group(0)->reset_stats();
+    Tensor tloss = nn::cross_entropy((*model)(x), y);
+    REQUIRE(seen.is_distributed());
+    CHECK(dtensor_spec(seen).placements == Placements{Shard{1}});
+    CHECK(local_tensor(seen).size(1) ==
+          local_shape_and_offset({3, 7, c.n_embd}, *mesh, {Shard{1}}, mesh->get_coordinate()).first[1]);
+    // Forward, per block: attention's and the MLP's inputs all-gathered, their
+    // outputs reduce-scattered; the embedding's rows reduce-scattered to the
+    // sequence split; the output layer gathers the last norm's tokens (and a
+    // tied one without loss parallelism its logits).
+    const int64_t on = w > 1 ? 1 : 0, L = c.n_layer;
+    auto f = stats(mesh);
+    CHECK(f.all_gather == on * (2 * L + 1 + (c.tie_embeddings && !loss_parallel ? 1 : 0)));
+    CHECK(f.reduce_scatter == on * (2 * L + 1));
+    CHECK(f.all_reduce == on * (loss_parallel ? 3 : 0));  // the vocabulary-parallel loss's
+    autograd::backward(tloss);
+    // Backward mirrors it (a gather's gradient is scattered, and the other way),
+    // and each norm's weight gradient, a sum over this rank's tokens, is
+    // all-reduced once.
+    auto b = stats(mesh);
+    CHECK(b.all_gather - f.all_gather == on * (2 * L + 1));
+    CHECK(b.reduce_scatter - f.reduce_scatter == on * (2 * L + (head_split ? 1 : 0)));
+    CHECK(b.all_reduce - f.all_reduce == on * (2 * L + 1));
+    CHECK(b.broadcast + b.all_to_all == 0);
+    CHECK(dtensor_spec(model->norm->weight.grad()).placements == Placements{Replicate{}});
+    CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
+    clip_compare_and_step(*model, ref, topt, ropt);
+  }
+  check_parity(*model, ref, 1e-10, false);
+
+  // Activation checkpointing recomputes the blocks, gathers and scatters included.
+  nn::TransformerConfig ac = c;
+  ac.activation_checkpoint = true;
+  auto recomputed = tp_llama(ac, mesh, 6, loss_parallel, true);
+  nn::Llama fresh(c);
+  fresh.init_weights(6);
+  fresh.to(DType::F64);
+  Tensor x = randint({3, 7}, 0, c.vocab_size, 160), y = randint({3, 7}, 0, c.vocab_size, 161);
+  autograd::backward(nn::cross_entropy(fresh(x), y));
+  autograd::backward(nn::cross_entropy((*recomputed)(x), y));
+  check_parity(*recomputed, fresh, 1e-10, true);
+}
+
+TEST_CASE("norms on sequence-split DTensors: rows normalised where they lie, weight gradients summed", "[tp][sp]") {
+  MeshPtr mesh = tp_mesh();
+  Tensor x0 = randn({3, 7, 6}, 21, DType::F64), probe = randn({3, 7, 6}, 22, DType::F64);
+  for (bool rms : {false, true}) {
+    for (int64_t dim : {0, 1}) {
+      INFO((rms ? "rms_norm" : "layer_norm") << " on Shard(" << dim << ")");
+      std::shared_ptr<nn::Module> ref, split;
+      if (rms) ref = std::make_shared<nn::RMSNorm>(6), split = std::make_shared<nn::RMSNorm>(6);
+      else ref = std::make_shared<nn::LayerNorm>(6), split = std::make_shared<nn::LayerNorm>(6);
+      for (auto* m : {ref.get(), split.get()}) {
+        m->to(DType::F64);
+        for (auto& [name, p] : m->named_parameters()) {  // not the 1s and 0s a norm starts from
+          autograd::NoGradGuard no_grad;
+          ops::copy_(p, randn(p.shape(), name == "weight" ? 23 : 24, DType::F64));
+        }
+      }
+      tp::parallelize_module(*split, mesh, {{"", tp::style(tp::SequenceParallel{.sequence_dim = dim})}});
+      Tensor xr = ops::clone(x0);
+      xr.set_requires_grad(true);
+      autograd::backward(sum((*ref)(xr) * probe));
+      auto mine = [&](const Tensor& t) { return ops::clone(local_tensor(distribute_tensor(t, mesh, {Shard{dim}}))); };
+      Tensor xt = mine(x0);  // this rank's rows
+      xt.set_requires_grad(true);
+      Tensor in = from_local(xt, mesh, {Shard{dim}}, x0.shape());
+      Tensor out = (*split)(in);
+      REQUIRE(out.is_distributed());
+      CHECK(dtensor_spec(out).placements == Placements{Shard{dim}});
+      mesh->get_group(0)->reset_stats();
+      // Each rank's loss over its own rows: their sum is the reference's.
+      autograd::backward(sum(to_local(out) * mine(probe)));
+      CHECK_CLOSE(full_tensor(out), (*ref)(x0), 1e-13, 1e-13);
+      CHECK_CLOSE(xt.grad(), mine(xr.grad()), 1e-12, 1e-13);
+      check_parity(*split, *ref, 1e-12, true);
+      // One all-reduce per parameter's gradient, where the rows are split.
+      CHECK(stats(mesh).all_reduce == (world() > 1 ? static_cast<int64_t>(split->parameters().size()) : 0));
+    }
+  }
+}
+
+TEST_CASE("embedding tables split over the vocabulary or the features give the whole table's rows", "[tp]") {
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  // 11 tokens: 6+5, 4+4+3, 3+3+3+2 rows; 5 features: 3+2, 2+2+1, 2+2+1+0.
+  Tensor table = randn({11, 5}, 31, DType::F64), ids = randint({3, 4}, 0, 11, 32);
+  Tensor probe = randn({3, 4, 5}, 33, DType::F64);
+  Tensor ref = ops::clone(table);
+  ref.set_requires_grad(true);
+  autograd::backward(sum(embedding(ref, ids) * probe));
+  struct Case {
+    Placement table, out;
+  };
+  for (const Case& k : {Case{Shard{0}, Partial{}}, Case{Shard{1}, Shard{2}}, Case{Replicate{}, Replicate{}}}) {
+    INFO("table " << placement_str(k.table));
+    Tensor t = distribute_tensor(table, mesh, {k.table});
+    t.set_requires_grad(true);
+    mesh->get_group(0)->reset_stats();
+    Tensor out = embedding(t, ids);
+    CHECK(stats(mesh).total() == 0);  // the lookup itself moves nothing
+    CHECK(dtensor_spec(out).placements == normalize_placements({k.out}, *mesh, 3, "test"));
+    Tensor whole_out = full_tensor(out);
+    CHECK_CLOSE(whole_out, embedding(table, ids), 0, 0);
+    // Backward from a Replicate gradient, laid out as the table.
+    autograd::backward(sum(to_local(redistribute(out, {Replicate{}})) * probe));
+    CHECK(dtensor_spec(t.grad()).placements == Placements{k.table});
+    CHECK_CLOSE(whole(t.grad()), ref.grad(), 1e-14, 1e-14);
+  }
+  // Indices split on the batch over a replicated table: rows split the same way.
+  Tensor rows = distribute_tensor(ids, mesh, {Shard{0}});
+  Tensor out = embedding(distribute_tensor(table, mesh, {Replicate{}}), rows);
+  CHECK(dtensor_spec(out).placements == Placements{Shard{0}});
+  CHECK_CLOSE(full_tensor(out), embedding(table, ids), 0, 0);
+  // A token no rank holds is refused on every rank, as the whole table's kernel refuses it.
+  Tensor bad = ops::clone(ids);
+  ops::fill_(ops::narrow(ops::reshape(bad, {12}), 0, 7, 1), 11.0);
+  if (w > 1) {
+    CHECK_THROWS_WITH(embedding(distribute_tensor(table, mesh, {Shard{0}}), bad),
+                      Catch::Contains("embedding: 1 index(es) out of range for a table of 11 rows (expected 0..10)"));
+    CHECK_THROWS_WITH(embedding(distribute_tensor(table, mesh, {Shard{0}}), rows),
+                      Catch::Contains("the table is split (S(0)) on mesh dim 0, so every rank there needs every index"));
+  }
 }
 
 TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, naming it", "[tp][errors]") {
@@ -190,14 +355,20 @@ TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, namin
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 4), Catch::Contains("model.n_head 6 is not divisible by the degree 4"));
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 2), Catch::Contains("model.n_kv_head 3 is not divisible by the degree 2"));
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::GPT::on_meta(c), 1), Catch::Contains("GPT-2's fused c_attn"));
-  {
+  {  // A tied output layer and table must be laid out alike.
     nn::TransformerConfig tied = llama_config(2);
     tied.tie_embeddings = true;
-    CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::Llama::on_meta(tied), 2, /*loss_parallel=*/true),
-                      Catch::Contains("model.tie_embeddings ties it to the embedding table"));
+    CHECK_THROWS_WITH(tp::parallelize_module(*nn::Llama::on_meta(tied), mesh,
+                                             {{"model.embed_tokens", tp::style(tp::RowwiseParallel{})}}),
+                      Catch::Contains("'model.embed_tokens.weight' and 'lm_head.weight' are one parameter (tied), but "
+                                      "the plan lays out the first as (S(0)) and leaves the second as it was"));
+    CHECK_THROWS_WITH(tp::parallelize_module(*nn::Llama::on_meta(tied), mesh,
+                                             {{"model.embed_tokens", tp::style(tp::RowwiseParallel{})},
+                                              {"lm_head", tp::style(tp::RowwiseParallel{})}}),
+                      Catch::Contains("are one parameter (tied), but the plan lays them out as (S(0)) and (S(1))"));
   }
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp", tp::style(tp::ColwiseParallel{})}}),
-                    Catch::Contains("ColwiseParallel applies to Linear layers, but 'model.layers.0.mlp' is a LlamaMLP"));
+                    Catch::Contains("ColwiseParallel applies to Linear and Embedding layers, but 'model.layers.0.mlp' is a LlamaMLP"));
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.*.mlp.fc9", tp::style(tp::RowwiseParallel{})}}),
                     Catch::Contains("'model.layers.*.mlp.fc9' (RowwiseParallel) matches no module"));
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, init_device_mesh("cpu", {1, world()}, {"dp", "tp"}), {}),
@@ -206,6 +377,18 @@ TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, namin
   tp::parallelize_module(*llama, mesh, {{"model.layers.0.mlp.up_proj", tp::style(tp::ColwiseParallel{})}});
   CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.0.mlp.up_proj", tp::style(tp::ColwiseParallel{})}}),
                     Catch::Contains("already a DTensor"));
+  CHECK_THROWS_WITH(tp::parallelize_module(*llama, mesh, {{"model.layers.0.mlp.down_proj", tp::style(tp::SequenceParallel{})}}),
+                    Catch::Contains("SequenceParallel applies to LayerNorm and RMSNorm, but 'model.layers.0.mlp.down_proj' is a Linear"));
+  // A norm on a DTensor needs a Replicate DTensor weight and whole rows.
+  {
+    nn::RMSNorm norm(6);
+    Tensor x = distribute_tensor(randn({2, 5, 6}, 3), mesh, {Shard{1}});
+    CHECK_THROWS_WITH(norm(x), Catch::Contains("the weight is a plain tensor; make it a Replicate DTensor"));
+    tp::parallelize_module(norm, mesh, {{"", tp::style(tp::SequenceParallel{})}});
+    if (world() > 1)
+      CHECK_THROWS_WITH(norm(distribute_tensor(randn({2, 5, 6}, 3), mesh, {Shard{2}})),
+                        Catch::Contains("is split on the normalised (last) dim"));
+  }
   // A linear whose operands' placements have no rule names the op and the placements.
   Tensor a = distribute_tensor(randn({4, 6}, 1), mesh, {Shard{0}});
   Tensor b = distribute_tensor(randn({5, 6}, 2), mesh, {Shard{1}});
@@ -217,7 +400,9 @@ TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as t
   const int w = world();
   const nn::TransformerConfig c = llama_config(w);
   SharedDir dir;
-  auto model = tp_llama(c, mesh, 5);
+  const bool sp = GENERATE(false, true);  // sequence parallelism: norms' weights Replicate DTensors
+  INFO("sequence parallel " << sp);
+  auto model = tp_llama(c, mesh, 5, false, sp);
   optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
   optim::AdamW opt(model->parameters(), o);
   train_step(*model, opt, 60, c.vocab_size);
@@ -238,7 +423,7 @@ TEST_CASE("a tensor-parallel checkpoint reloads as one process, as FSDP and as t
   sharded->to(DType::F64);
   optim::AdamW sharded_opt(sharded->parameters(), o);
   fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path.string()), *sharded, &sharded_opt);
-  auto again = tp_llama(c, mesh, 99);
+  auto again = tp_llama(c, mesh, 99, false, sp);
   optim::AdamW again_opt(again->parameters(), o);
   fsdp::load_checkpoint(fsdp::latest_checkpoint(dir.path.string()), *again, &again_opt);
   auto want = model->named_parameters();
@@ -262,8 +447,8 @@ namespace {
 // FSDP over tensor parallelism on a (dp, tp) mesh ((replicate, shard, tp) for
 // HSDP): every block and the root fully_shard over the data-parallel dims of
 // a Llama that parallelize_module split over tp.
-void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& names) {
-  INFO("mesh " << shape_str(shape));
+void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& names, bool sequence_parallel) {
+  INFO("mesh " << shape_str(shape) << (sequence_parallel ? ", sequence parallel" : ""));
   MeshPtr mesh = init_device_mesh("cpu", shape, names);
   const int64_t tp = mesh->size(-1), dp = mesh->size() / tp;
   std::vector<std::string> dp_names(names.begin(), names.end() - 1);
@@ -273,7 +458,7 @@ void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& name
   ref.init_weights(5);
   ref.to(DType::F64);
   auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, tp));
+  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, tp, false, sequence_parallel));
   for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = dp_mesh});
   fsdp::fully_shard(*model, {.mesh = dp_mesh});
   model->to_empty(Device::cpu());
@@ -315,9 +500,13 @@ TEST_CASE("FSDP over tensor parallelism (2-D) and HSDP over it (3-D) follow one 
   const int w = world();
   for (int tp : {1, 2, 3, 4}) {
     if (w % tp != 0 || (tp == 4 && w != 4)) continue;
-    run_fsdp_tp_parity({w / tp, tp}, {"dp", "tp"});
+    run_fsdp_tp_parity({w / tp, tp}, {"dp", "tp"}, false);
   }
-  if (w == 4) run_fsdp_tp_parity({2, 1, 2}, {"replicate", "shard", "tp"});
+  if (w == 4) run_fsdp_tp_parity({2, 1, 2}, {"replicate", "shard", "tp"}, false);
+  // With sequence parallelism: the norms' Replicate weights sharded by FSDP
+  // over dp, their gradients all-reduced over tp as they accumulate.
+  if (w > 1) run_fsdp_tp_parity({w / (w == 4 ? 2 : w), w == 4 ? 2 : w}, {"dp", "tp"}, true);
+  if (w == 4) run_fsdp_tp_parity({2, 1, 2}, {"replicate", "shard", "tp"}, true);
 }
 
 namespace {
@@ -460,8 +649,9 @@ TEST_CASE("activation checkpointing recomputes tensor-parallel blocks, all-reduc
   mesh->get_group(0)->reset_stats();
   Tensor tloss = nn::cross_entropy((*model)(x), y);
   autograd::backward(tloss);
-  // Forward 2 per block; backward recomputes them (2 more) before its own 2.
-  CHECK(stats(mesh).all_reduce == (w > 1 ? 6 * c.n_layer : 0));
+  // Forward 2 per block and the embedding's; backward recomputes the blocks'
+  // (2 more) before its own 2.
+  CHECK(stats(mesh).all_reduce == (w > 1 ? 6 * c.n_layer + 1 : 0));
   CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
   check_parity(*model, ref, 1e-10, true);
 }
