@@ -166,7 +166,8 @@ def main():
             "set yrange [-0.5:%g]" % (band * len(ranks) - 1.0),
             "set ytics (%s) nomirror" % ", ".join(tics),
             "set grid xtics lc rgb '#dddddd'",
-            "set key outside bottom center horizontal maxrows 2",
+            "set bmargin 7",
+            "set key at screen 0.5, screen 0.015 center bottom horizontal maxrows 2 width 2",
             "set style fill solid 1.0 noborder",
             "set lmargin 30",
         ]

@@ -177,6 +177,35 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
   }
 }
 
+TEST_CASE("sequence parallelism divides the residual stream's activations by the degree", "[plan][tp]") {
+  dist::init();
+  tools::TrainConfig c = small_llama();  // 24 tokens of 48 features per sequence
+  c.model.n_layer = 3;
+  c.model.n_kv_head = 4;
+  c.model.tie_embeddings = false;
+  c.training.batch_size = 4;
+  for (int64_t tp : {2, 4}) {
+    INFO("tensor parallel " << tp);
+    c.parallelism.tensor_parallel_degree = tp;
+    c.parallelism.enable_sequence_parallel = false;
+    const tools::Plan whole = tools::plan_run(c, static_cast<int>(tp), 0);
+    c.parallelism.enable_sequence_parallel = true;
+    const tools::Plan split = tools::plan_run(c, static_cast<int>(tp), 0);
+    REQUIRE(whole.after_block.size() == 3);
+    REQUIRE(split.after_block.size() == 3);
+    // What a block adds to the memory held until backward: at least its two
+    // norms' saved inputs (x and x + attention) shrink from T to T / tp tokens.
+    const double residual = 4.0 * static_cast<double>(c.training.batch_size * c.training.seq_len * c.model.n_embd);
+    for (size_t b = 1; b < 3; ++b) {
+      INFO("block " << b);
+      const double grows = static_cast<double>(whole.after_block[b] - whole.after_block[b - 1]);
+      const double grows_split = static_cast<double>(split.after_block[b] - split.after_block[b - 1]);
+      CHECK(grows - grows_split >= 2 * residual * (1.0 - 1.0 / static_cast<double>(tp)));
+    }
+    CHECK(split.peak < whole.peak);
+  }
+}
+
 TEST_CASE("a plan's FLOPs count the model once: a tensor-parallel rank gets its share", "[plan]") {
   dist::init();
   tools::TrainConfig c = small_llama();
