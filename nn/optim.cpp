@@ -1,5 +1,7 @@
 #include "nn/optim.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -228,11 +230,47 @@ void SGD::step() {
   }
 }
 
-double WarmupCosine::lr_at(int64_t step) const {
+double LRSchedule::lr_at(int64_t step) const {
   if (step < warmup) return max_lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (kind == Kind::Constant) return max_lr;
   if (step >= total) return min_lr;
-  double progress = static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, total - warmup));
-  return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+  const double span = static_cast<double>(std::max<int64_t>(1, total - warmup));
+  double progress = static_cast<double>(step - warmup) / span;  // 0 .. 1 over the decay
+  switch (kind) {
+    case Kind::Cosine: return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+    case Kind::Linear: return max_lr + (min_lr - max_lr) * progress;
+    case Kind::WSD: {
+      // Stable for the first 1 - decay_ratio of the steps after warmup, then
+      // a line that reaches min_lr at `total`.
+      const double stable = 1.0 - decay_ratio;
+      if (progress < stable) return max_lr;
+      return max_lr + (min_lr - max_lr) * (progress - stable) / decay_ratio;
+    }
+    case Kind::Constant: break;
+  }
+  return max_lr;
+}
+
+std::string LRSchedule::describe() const {
+  std::string w = warmup > 0 ? fmt::format("warmup {} steps, then ", warmup) : "";
+  switch (kind) {
+    case Kind::Cosine: return fmt::format("{}cosine to {:.2e} at step {}", w, min_lr, total);
+    case Kind::Linear: return fmt::format("{}linear to {:.2e} at step {}", w, min_lr, total);
+    case Kind::Constant: return fmt::format("{}constant {:.2e}", w, max_lr);
+    case Kind::WSD:
+      return fmt::format("{}stable {:.2e}, then linear to {:.2e} over the last {:g}% to step {}", w, max_lr, min_lr,
+                         100 * decay_ratio, total);
+  }
+  return "";
+}
+
+LRSchedule::Kind schedule_kind(const std::string& name) {
+  if (name == "cosine") return LRSchedule::Kind::Cosine;
+  if (name == "linear") return LRSchedule::Kind::Linear;
+  if (name == "constant") return LRSchedule::Kind::Constant;
+  if (name == "wsd") return LRSchedule::Kind::WSD;
+  TS_CHECK(false, "learning-rate schedule '{}': expected cosine, linear, constant or wsd", name);
+  return LRSchedule::Kind::Cosine;
 }
 
 }  // namespace tessera::optim

@@ -4,6 +4,7 @@
 // shards and issue no collectives.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "nn/module.h"
@@ -98,15 +99,29 @@ class SGD : public Optimizer {
   std::vector<Tensor> momentum_;
 };
 
-// Linear warmup from lr/warmup to lr over `warmup` steps, then cosine decay to
-// min_lr at `total` steps (constant min_lr after).
-struct WarmupCosine {
+// The learning rate of each step: a linear warmup from max_lr / warmup to
+// max_lr over `warmup` steps, then by `kind` until step `total` (where the
+// decay ends: nanoGPT's lr_decay_iters, which need not be the run's length),
+// and min_lr from there on:
+//   Cosine    half a cosine from max_lr down to min_lr
+//   Linear    a straight line from max_lr down to min_lr
+//   Constant  max_lr throughout (min_lr unused)
+//   WSD       warmup-stable-decay: max_lr until the last decay_ratio of the
+//             steps after warmup, then a straight line down to min_lr
+struct LRSchedule {
+  enum class Kind { Cosine, Linear, Constant, WSD };
+  Kind kind = Kind::Cosine;
   double max_lr = 1e-3;
   double min_lr = 1e-4;
   int64_t warmup = 0;
   int64_t total = 1;
+  double decay_ratio = 0.2;  // WSD
   double lr_at(int64_t step) const;  // step counts from 0
+  // E.g. "warmup 60 steps, then cosine to 2.00e-04 at step 600".
+  std::string describe() const;
 };
+// "cosine" | "linear" | "constant" | "wsd"; throws naming the valid ones.
+LRSchedule::Kind schedule_kind(const std::string& name);
 
 }  // namespace tessera::optim
 

@@ -39,10 +39,12 @@ GeluMLP::GeluMLP(const TransformerConfig& cfg, Device device) {
   c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, cfg.n_embd, cfg.bias, device));
   c_proj->init_std = residual_std(cfg);
   dropout = register_module("dropout", std::make_shared<Dropout>(cfg.dropout));
+  tanh_approximation = cfg.gelu_tanh;
 }
 
 Tensor GeluMLP::forward(const Tensor& x) {
-  return (*dropout)((*c_proj)(gelu((*c_fc)(x))));  // exact GELU, as nanoGPT
+  // Exact GELU as nanoGPT, or the tanh approximation GPT-2 was trained with.
+  return (*dropout)((*c_proj)(gelu((*c_fc)(x), tanh_approximation)));
 }
 
 SwiGLUMLP::SwiGLUMLP(const TransformerConfig& cfg, Device device) {

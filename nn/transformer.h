@@ -19,6 +19,7 @@ struct TransformerConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;  // Llama, and GPT with rope
   bool rope = false;  // GPT-2: rotary q/k instead of learned positions (no transformer.wpe); Llama always
+  bool gelu_tanh = false;  // GPT-2's MLP: GELU's tanh approximation (GPT-2, Hugging Face) instead of exact (nanoGPT)
   bool activation_checkpoint = false;  // recompute each block in backward
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
@@ -34,6 +35,7 @@ class GeluMLP : public Module {
   std::string type_name() const override { return "MLP"; }
   std::shared_ptr<Linear> c_fc, c_proj;
   std::shared_ptr<Dropout> dropout;
+  bool tanh_approximation = false;
 };
 
 // Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).

@@ -163,7 +163,12 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("model.rope", c.model.rope,
                "rotary q/k instead of learned positions (gpt2; llama always uses rotary)"),
       float_key("model.rope_theta", c.model.rope_theta, "rotary base"),
+      string_key("model.gelu", c.model.gelu,
+                 "the gpt2 MLP's GELU: exact (nanoGPT) or tanh (the approximation GPT-2 and Hugging Face use)",
+                 {"exact", "tanh"}),
       int_key("training.batch_size", c.training.batch_size, "global batch in sequences"),
+      int_key("training.batch_tokens", c.training.batch_tokens,
+              "global batch in tokens (> 0: sets training.batch_size to it / training.seq_len; llm.c's -d)"),
       int_key("training.seq_len", c.training.seq_len, "sequence length (the model's block size)"),
       int_key("training.steps", c.training.steps, "optimizer steps"),
       int_key("training.grad_accum", c.training.grad_accum, "micro-batches per step"),
@@ -179,6 +184,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  "where prepared token shards are cached"),
       int_key("training.eval_interval", c.training.eval_interval, "steps between validation runs"),
       int_key("training.eval_batches", c.training.eval_batches, "batches per validation run"),
+      bool_key("training.overfit_batch", c.training.overfit_batch,
+               "train every step on the first step's batch (debugging: a model that can learn drives its "
+               "loss towards 0)"),
       string_key("optimizer.name", c.optimizer.name, "optimizer", {"adamw", "sgd"}),
       float_key("optimizer.lr", c.optimizer.lr, "peak learning rate"),
       float_key("optimizer.beta1", c.optimizer.beta1, "AdamW beta1"),
@@ -187,9 +195,17 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       float_key("optimizer.weight_decay", c.optimizer.weight_decay,
                 "weight decay (2-D weights only)"),
       float_key("optimizer.momentum", c.optimizer.momentum, "SGD momentum"),
+      string_key("lr_scheduler.name", c.lr_scheduler.name,
+                 "the decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay)",
+                 {"cosine", "linear", "constant", "wsd"}),
       int_key("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, "linear warmup steps"),
       float_key("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio,
-                "final lr / peak lr (cosine)"),
+                "final lr / peak lr (where the decay ends)"),
+      int_key("lr_scheduler.decay_steps", c.lr_scheduler.decay_steps,
+              "the step the decay ends at, lr staying at the final lr after it (nanoGPT's lr_decay_iters; "
+              "0 = training.steps)"),
+      float_key("lr_scheduler.decay_ratio", c.lr_scheduler.decay_ratio,
+                "wsd: the share of the steps after warmup spent decaying (the rest stays at the peak lr)"),
       int_key("parallelism.data_parallel_shard_degree", c.parallelism.data_parallel_shard_degree,
               "ranks each parameter is sharded over (-1 = world / replicate degree)"),
       int_key("parallelism.data_parallel_replicate_degree",
@@ -251,6 +267,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       float_key("sample.temperature", c.sample.temperature, "sampling temperature (0 = greedy)"),
       int_key("sample.top_k", c.sample.top_k, "sample from the k most likely tokens (0 = all)"),
       string_key("sample.prompt", c.sample.prompt, "prompt for the sample"),
+      int_key("sample.interval", c.sample.interval, "also sample every this many steps while training (0 = at the end only)"),
   };
 }
 
@@ -379,6 +396,16 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
   }
 }
 
+void resolve_batch(TrainConfig& cfg) {
+  auto& t = cfg.training;
+  if (t.batch_tokens == 0) return;
+  TS_CHECK(t.batch_tokens > 0 && t.seq_len > 0 && t.batch_tokens % t.seq_len == 0,
+           "training.batch_tokens ({}) must be a positive multiple of training.seq_len ({}): the batch is whole "
+           "sequences, e.g. --training.batch_tokens {}",
+           t.batch_tokens, t.seq_len, t.seq_len > 0 ? std::max<int64_t>(1, t.batch_tokens / t.seq_len) * t.seq_len : 0);
+  t.batch_size = t.batch_tokens / t.seq_len;
+}
+
 bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program, bool print) {
   auto keys = config_keys(cfg);
   for (int i = 1; i < argc; ++i) {
@@ -426,6 +453,7 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
       find_key(keys, name).set(value);
     }
   }
+  resolve_batch(cfg);
   return true;
 }
 
@@ -510,6 +538,8 @@ void validate(const TrainConfig& c) {
              "key/value heads): leave it 0",
              m.n_kv_head, m.arch, m.n_head);
   }
+  TS_CHECK(m.arch != "llama" || m.gelu == "exact",
+           "model.gelu = {} applies to model.arch = gpt2 (Llama's MLP is SwiGLU, without GELU)", m.gelu);
   in_range("model.dropout", m.dropout, 0, 1, true);
   TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
   for (const auto& key : split_list(c.checkpoint.allow_resume_change)) {
@@ -567,6 +597,13 @@ void validate(const TrainConfig& c) {
            o.lr, o.weight_decay, o.lr * o.weight_decay);
   in_range("optimizer.momentum", o.momentum, 0, 1, true);
   at_least("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0);
+  at_least("lr_scheduler.decay_steps", c.lr_scheduler.decay_steps, 0, " (0 = training.steps)");
+  TS_CHECK(c.lr_scheduler.decay_steps == 0 || c.lr_scheduler.decay_steps > c.lr_scheduler.warmup_steps,
+           "lr_scheduler.decay_steps ({}) must be greater than lr_scheduler.warmup_steps ({}): the decay ends "
+           "after the warmup (0 = at training.steps)",
+           c.lr_scheduler.decay_steps, c.lr_scheduler.warmup_steps);
+  TS_CHECK(c.lr_scheduler.decay_ratio > 0 && c.lr_scheduler.decay_ratio <= 1,
+           "lr_scheduler.decay_ratio must be in (0, 1], got {}", c.lr_scheduler.decay_ratio);
   in_range("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, 0, 1, false,
            " (final lr / peak lr)");
 
@@ -611,6 +648,7 @@ void validate(const TrainConfig& c) {
   TS_CHECK(c.sample.temperature >= 0, "sample.temperature must be >= 0 (0 = greedy), got {}",
            c.sample.temperature);
   at_least("sample.top_k", c.sample.top_k, 0, " (0 = all tokens)");
+  at_least("sample.interval", c.sample.interval, 0, " (0 = at the end only)");
   TS_CHECK(c.sample.max_new_tokens == 0 || !c.sample.prompt.empty(),
            "sample.prompt must not be empty when sample.max_new_tokens is {} (set it to 0 for no "
            "sample)",
@@ -801,6 +839,7 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   m.tie_embeddings = c.model.tie_embeddings;
   m.rope = c.model.rope;
   m.rope_theta = c.model.rope_theta;
+  m.gelu_tanh = c.model.gelu == "tanh";
   m.activation_checkpoint = c.activation_checkpoint.mode == "full";
   return m;
 }

@@ -42,9 +42,11 @@ struct TrainConfig {
     bool tie_embeddings = true;
     bool rope = false;          // gpt2: rotary q/k instead of learned positions (llama: always)
     double rope_theta = 10000.0;
+    std::string gelu = "exact";  // gpt2 MLP: exact (nanoGPT) | tanh (GPT-2, Hugging Face's gelu_new)
   } model;
   struct Training {
     int64_t batch_size = 16;  // global batch, in sequences
+    int64_t batch_tokens = 0;  // > 0: the global batch in tokens (llm.c's -d), setting batch_size
     int64_t seq_len = 128;
     int64_t steps = 600;
     int64_t grad_accum = 1;            // micro-batches per step
@@ -56,6 +58,7 @@ struct TrainConfig {
     std::string data_dir = "data";
     int64_t eval_interval = 200;
     int64_t eval_batches = 16;
+    bool overfit_batch = false;  // every step trains on the first step's batch (a model that can learn drives its loss down)
   } training;
   struct Optimizer {
     std::string name = "adamw";  // adamw | sgd
@@ -67,8 +70,11 @@ struct TrainConfig {
     double momentum = 0.9;  // sgd
   } optimizer;
   struct LRScheduler {
+    std::string name = "cosine";  // cosine | linear | constant | wsd (warmup-stable-decay)
     int64_t warmup_steps = 60;
-    double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+    double min_lr_ratio = 0.1;  // the decay ends at lr * min_lr_ratio
+    int64_t decay_steps = 0;    // the step the decay ends at (nanoGPT's lr_decay_iters); 0 = training.steps
+    double decay_ratio = 0.2;   // wsd: the share of the steps after warmup spent decaying
   } lr_scheduler;
   struct Parallelism {
     int64_t data_parallel_shard_degree = -1;     // ranks a parameter is sharded over (-1: the rest)
@@ -132,6 +138,7 @@ struct TrainConfig {
     double temperature = 0.8;
     int64_t top_k = 40;
     std::string prompt = "Q: ";
+    int64_t interval = 0;  // > 0: also sample every this many steps while training
   } sample;
 };
 
@@ -168,6 +175,9 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
 // Checks every key's range and the keys' consistency (e.g. n_embd divisible
 // by n_head) before any work; throws naming the key, the value and what is allowed.
 void validate(const TrainConfig& cfg);
+// training.batch_tokens > 0 sets training.batch_size (tokens / seq_len, which
+// must divide); parse_args does it after the last argument.
+void resolve_batch(TrainConfig& cfg);
 // Checks what depends on the number of ranks (mesh degrees, batch split).
 void validate_for_world(const TrainConfig& cfg, int world_size);
 // The steps named by profiling.trace_steps (1-based), validated.

@@ -305,6 +305,7 @@ class Trainer {
   double evaluate();
   void log_line(int64_t step, double loss, double lr, double gnorm);
   void finish(double total_s);
+  void sample(const std::string& when);  // "" at the end, else e.g. "step 100"
   json extra_state(int64_t step);
   void say(const std::string& text) {
     if (rank_ == 0) progress_->line(text);
@@ -322,7 +323,7 @@ class Trainer {
   std::shared_ptr<nn::LanguageModel> model_;
   std::unique_ptr<optim::Optimizer> opt_;
   optim::AdamW* adamw_ = nullptr;
-  optim::WarmupCosine schedule_;
+  optim::LRSchedule schedule_;
   std::unique_ptr<data::Loader> train_, val_;
   double baseline_ = 0;
   int64_t micro_global_ = 0, micro_local_ = 0;
@@ -382,8 +383,13 @@ void Trainer::build_model() {
 void Trainer::build_optimizer() {
   opt_ = tools::make_optimizer(*model_, cfg_, &adamw_);  // as the planner does
   const auto& o = cfg_.optimizer;
-  schedule_ = {o.lr, o.lr * cfg_.lr_scheduler.min_lr_ratio, cfg_.lr_scheduler.warmup_steps,
-               T_.steps};
+  const auto& s = cfg_.lr_scheduler;
+  schedule_ = {.kind = optim::schedule_kind(s.name),
+               .max_lr = o.lr,
+               .min_lr = o.lr * s.min_lr_ratio,
+               .warmup = s.warmup_steps,
+               .total = s.decay_steps > 0 ? s.decay_steps : T_.steps,
+               .decay_ratio = s.decay_ratio};
 }
 
 json Trainer::extra_state(int64_t step) {
@@ -453,11 +459,11 @@ void Trainer::check_resume_config(const std::string& dir, const json& extra, int
                   fmt::join(changes, "; ")));
   double saved_lr = extra.contains("lr_scheduler") ? extra["lr_scheduler"].value("lr", NAN) : NAN;
   double lr = schedule_.lr_at(step);
-  if (saved.count("training.steps") && saved["training.steps"] != std::to_string(T_.steps))
-    say(fmt::format(
-        "warning: the learning-rate schedule (warmup {} steps, cosine to {:.2e}) now "
-        "spans {} steps instead of {}",
-        cfg_.lr_scheduler.warmup_steps, schedule_.min_lr, T_.steps, saved["training.steps"]));
+  // A schedule that follows training.steps (decay_steps 0) stretches with it.
+  if (cfg_.lr_scheduler.decay_steps == 0 && saved.count("training.steps") &&
+      saved["training.steps"] != std::to_string(T_.steps))
+    say(fmt::format("warning: the learning-rate schedule ({}) now spans {} steps instead of {}",
+                    schedule_.describe(), T_.steps, saved["training.steps"]));
   if (!std::isnan(saved_lr) && std::abs(lr - saved_lr) > 1e-12 * std::abs(saved_lr))
     say(fmt::format("warning: step {} runs at lr {:.3e}; the saved schedule had {:.3e}", step + 1,
                     lr, saved_lr));
@@ -540,7 +546,8 @@ void Trainer::load_initial_weights(const std::string& path) {
 Tensor Trainer::train_step(int64_t step) {
   opt_->set_lr(schedule_.lr_at(step));
   Tensor loss_sum = tools::forward_backward(*model_, T_.grad_accum, [&](int64_t m) {
-    auto [x, y] = train_->batch(step * T_.grad_accum + m, micro_local_, dp_rank_, dp_);
+    // overfit_batch: the first step's micro-batches, every step.
+    auto [x, y] = train_->batch((T_.overfit_batch ? 0 : step) * T_.grad_accum + m, micro_local_, dp_rank_, dp_);
     return std::pair{x.to(device_), y.to(device_)};
   });
   Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
@@ -628,6 +635,15 @@ void Trainer::open_outputs() {
   if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
   jsonl_ = std::make_unique<tools::JsonlWriter>(
       rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "", cfg_.checkpoint.resume);
+  if (rank_ == 0) {
+    // The resolved configuration: the run folder's config.toml (what
+    // --config reads back) and the metrics' first record (on resume, the
+    // record where the continuation starts).
+    std::ofstream(fs::path(cfg_.job.dump_folder) / "config.toml") << tools::to_toml(cfg_);
+    json settings = json::object();
+    for (const auto& k : tools::config_keys(cfg_)) settings[k.name] = k.get();
+    jsonl_->write(json{{"config", settings}}.dump());
+  }
   if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
     // Never mix two runs' checkpoints (the newer would shadow or prune the other).
     std::string folder = out_path(cfg_, cfg_.checkpoint.folder),
@@ -773,6 +789,8 @@ void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start)
     progress_->update(step + 1, loss, done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
                       elapsed / done * static_cast<double>(T_.steps - step - 1));
   }
+  if (cfg_.sample.interval > 0 && (step + 1) % cfg_.sample.interval == 0 && !last)
+    outside_window([&] { sample(fmt::format("step {}", step + 1)); });
   bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
   if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_)) outside_window([&] { save(step + 1); });
 }
@@ -858,27 +876,30 @@ void Trainer::finish(double total_s) {
                          {"ranks", world_}}}}
                       .dump());
   }
-  if (cfg_.sample.max_new_tokens > 0) {
-    // Every rank runs the same forward passes (FSDP gathers collectively) and
-    // draws the same tokens from the same seed; rank 0 prints them.
-    std::vector<int64_t> prompt;
-    for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
-    if (rank_ == 0) {
-      progress_->finish();
-      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s", cfg_.sample.temperature,
-                  static_cast<long long>(cfg_.sample.top_k), cfg_.sample.prompt.c_str());
-    }
-    nn::generate(*model_, prompt,
-                 {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
-                  static_cast<uint64_t>(cfg_.job.seed)},
-                 [&](int64_t t) {
-                   if (rank_ != 0) return;
-                   std::putchar(static_cast<int>(t));
-                   std::fflush(stdout);
-                 });
-    if (rank_ == 0) std::printf("\n---\n");
-  }
+  if (cfg_.sample.max_new_tokens > 0) sample("");
   progress_->finish();
+}
+
+// Every rank runs the same forward passes (FSDP gathers collectively) and
+// draws the same tokens from the same seed; rank 0 prints them.
+void Trainer::sample(const std::string& when) {
+  if (cfg_.sample.max_new_tokens <= 0) return;
+  std::vector<int64_t> prompt;
+  for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
+  if (rank_ == 0) {
+    progress_->finish();
+    std::printf("\n--- sample%s (temperature %.2f, top-k %lld) ---\n%s", when.empty() ? "" : (" at " + when).c_str(),
+                cfg_.sample.temperature, static_cast<long long>(cfg_.sample.top_k), cfg_.sample.prompt.c_str());
+  }
+  nn::generate(*model_, prompt,
+               {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
+                static_cast<uint64_t>(cfg_.job.seed)},
+               [&](int64_t t) {
+                 if (rank_ != 0) return;
+                 std::putchar(static_cast<int>(t));
+                 std::fflush(stdout);
+               });
+  if (rank_ == 0) std::printf("\n---\n");
 }
 
 // OpenMP/BLAS threads per rank: the cores of this node shared by its ranks,
@@ -897,21 +918,29 @@ int main(int argc, char** argv) {
   try {
     dist::init(argc, argv);
     set_threads_per_rank();
-    // --dry-run: print the plan of this rank (tools/plan.h) and exit.
-    bool dry_run = false;
+    // --dry-run: print the plan of this rank (tools/plan.h) and exit;
+    // --print-config: print the resolved configuration (TOML) and exit.
+    bool dry_run = false, print_config = false;
     std::vector<char*> args;
     for (int i = 0; i < argc; ++i) {
       if (i > 0 && std::strcmp(argv[i], "--dry-run") == 0) dry_run = true;
+      else if (i > 0 && std::strcmp(argv[i], "--print-config") == 0) print_config = true;
       else args.push_back(argv[i]);
     }
     int nargs = static_cast<int>(args.size());
     // Every rank parses the same arguments; only rank 0 reports a mistake.
     if (!tools::parse_args(cfg, nargs, args.data(), "tessera-train", dist::rank() == 0)) {
-      if (dist::rank() == 0) std::printf("\n  --dry-run   print the plan (tessera-plan) for this launch and exit\n");
+      if (dist::rank() == 0)
+        std::printf("\n  --dry-run        print the plan (tessera-plan) for this launch and exit\n"
+                    "  --print-config   print the resolved configuration (TOML, as --config reads it) and exit\n");
       return 0;
     }
     tools::validate(cfg);
     tools::validate_for_world(cfg, dist::world_size());
+    if (print_config) {
+      if (dist::rank() == 0) std::fputs(tools::to_toml(cfg).c_str(), stdout);
+      return 0;
+    }
     if (dry_run) {
       if (dist::rank() == 0)
         std::fputs(tools::format_plan(tools::plan_run(cfg, dist::world_size(), 0), cfg).c_str(), stdout);

@@ -72,7 +72,10 @@ Tensor naive_gpt_loss(nn::GPT& m, const Tensor& idx, const Tensor& targets) {
     y = reshape(transpose(y, 1, 2), {b, t, c.n_embd});
     x = x + matmul(y, transpose(blk.attn->c_proj->weight, 0, 1)) + blk.attn->c_proj->bias;
     Tensor f = naive_layer_norm(x, blk.ln_2->weight, blk.ln_2->bias, c.norm_eps);
-    Tensor hid = gelu(matmul(f, transpose(blk.mlp->c_fc->weight, 0, 1)) + blk.mlp->c_fc->bias);
+    Tensor pre = matmul(f, transpose(blk.mlp->c_fc->weight, 0, 1)) + blk.mlp->c_fc->bias;
+    // GPT-2's tanh approximation: 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))).
+    Tensor hid = c.gelu_tanh ? pre * 0.5 * (tanh((pre + pow(pre, 3.0) * 0.044715) * std::sqrt(2.0 / M_PI)) + 1.0)
+                             : gelu(pre);
     x = x + matmul(hid, transpose(blk.mlp->c_proj->weight, 0, 1)) + blk.mlp->c_proj->bias;
   }
   x = naive_layer_norm(x, m.ln_f->weight, m.ln_f->bias, c.norm_eps);
@@ -143,10 +146,12 @@ std::vector<std::pair<std::string, Tensor>> grads_of(nn::Module& m) {
 
 TEST_CASE("GPT loss and gradients equal a primitive-op reference (f64)", "[nn][gpt]") {
   auto cfg = tiny_cfg();
-  for (auto [tie, rope] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
-    INFO("tied " << tie << " rope " << rope);
+  for (auto [tie, rope, tanh] : {std::tuple{true, false, false}, std::tuple{false, false, true},
+                                 std::tuple{true, true, false}}) {
+    INFO("tied " << tie << " rope " << rope << " tanh GELU " << tanh);
     cfg.tie_embeddings = tie;
     cfg.rope = rope;
+    cfg.gelu_tanh = tanh;
     cfg.rope_theta = 37.0;  // small: every pair of dims rotates visibly over 7 positions
     nn::GPT m(cfg);
     m.to(DType::F64);

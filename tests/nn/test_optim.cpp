@@ -79,13 +79,45 @@ TEST_CASE("SGD with momentum, dampening, nesterov and weight decay", "[optim]") 
 }
 
 TEST_CASE("warmup + cosine schedule", "[optim]") {
-  optim::WarmupCosine s{.max_lr = 1.0, .min_lr = 0.1, .warmup = 4, .total = 14};
+  optim::LRSchedule s{.max_lr = 1.0, .min_lr = 0.1, .warmup = 4, .total = 14};
   CHECK(s.lr_at(0) == Approx(0.25));
   CHECK(s.lr_at(3) == Approx(1.0));
   CHECK(s.lr_at(4) == Approx(1.0));
   CHECK(s.lr_at(9) == Approx(0.55));  // halfway through the decay
   CHECK(s.lr_at(14) == Approx(0.1));
   CHECK(s.lr_at(100) == Approx(0.1));
+  CHECK(s.describe() == "warmup 4 steps, then cosine to 1.00e-01 at step 14");
+}
+
+TEST_CASE("linear, constant and warmup-stable-decay schedules", "[optim]") {
+  using K = optim::LRSchedule::Kind;
+  // 3 warmup steps, the decay ends at step 13 (10 steps after warmup).
+  optim::LRSchedule s{.max_lr = 2.0, .min_lr = 0.2, .warmup = 3, .total = 13};
+  s.kind = K::Linear;
+  CHECK(s.lr_at(1) == Approx(4.0 / 3));
+  CHECK(s.lr_at(3) == Approx(2.0));
+  CHECK(s.lr_at(8) == Approx(1.1));  // halfway: (2 + 0.2) / 2
+  CHECK(s.lr_at(12) == Approx(0.38));
+  CHECK(s.lr_at(13) == Approx(0.2));
+  CHECK(s.lr_at(1000) == Approx(0.2));
+  s.kind = K::Constant;
+  CHECK(s.lr_at(0) == Approx(2.0 / 3));
+  for (int64_t step : {3, 8, 13, 1000}) CHECK(s.lr_at(step) == Approx(2.0));
+  CHECK(s.describe() == "warmup 3 steps, then constant 2.00e+00");
+  // WSD: the last 30% of the 10 steps after warmup decay (steps 10, 11, 12).
+  s.kind = K::WSD;
+  s.decay_ratio = 0.3;
+  for (int64_t step : {3, 6, 9}) CHECK(s.lr_at(step) == Approx(2.0));
+  CHECK(s.lr_at(10) == Approx(2.0));  // the line starts at the peak
+  CHECK(s.lr_at(11) == Approx(2.0 - 1.8 / 3));
+  CHECK(s.lr_at(12) == Approx(2.0 - 2 * 1.8 / 3));
+  CHECK(s.lr_at(13) == Approx(0.2));
+  CHECK(s.describe() == "warmup 3 steps, then stable 2.00e+00, then linear to 2.00e-01 over the last 30% to step 13");
+  // No warmup: the first step runs at the peak.
+  optim::LRSchedule c{.max_lr = 1.0, .min_lr = 0.0, .warmup = 0, .total = 4};
+  CHECK(c.lr_at(0) == Approx(1.0));
+  CHECK(c.lr_at(2) == Approx(0.5));
+  CHECK_THROWS_WITH(optim::schedule_kind("step"), Catch::Contains("expected cosine, linear, constant or wsd"));
 }
 
 TEST_CASE("clip_grad_norm_ scales to the max norm and reports the norm", "[optim]") {

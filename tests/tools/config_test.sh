@@ -121,6 +121,8 @@ echo "overflowing and oversized configurations refused naming the keys"
 echo "== bad values on the command line"
 # Crashes before (SIGFPE, NaN) or silently accepted.
 bad "model.n_head must be >= 1, got 0" --model.n_head 0
+bad "model.gelu = tanh applies to model.arch = gpt2" --model.arch llama --model.gelu tanh
+bad "config key 'model.gelu' has no choice 'fast' (valid: exact, tanh)" --model.gelu fast
 bad "model.n_head must be >= 1, got -4" --model.n_head -4
 bad "training.eval_interval must be >= 1" --training.eval_interval 0
 bad "training.eval_batches must be >= 1, got 0" --training.eval_batches 0
@@ -196,7 +198,7 @@ bad "parallelism.data_parallel_shard_degree must be -1 or >= 1, got 0" \
 bad "config key 'training.steps' expects an integer, got '3.5'" --training.steps 3.5
 bad "config key 'checkpoint.enable' expects true or false, got 'yes'" --checkpoint.enable yes
 bad "unknown config key 'training.stepz' (did you mean 'training.steps'?)" --training.stepz 5
-bad "unknown config key 'training.number_of_iterations' (the keys of [training] are: batch_size, seq_len, steps," \
+bad "unknown config key 'training.number_of_iterations' (the keys of [training] are: batch_size, batch_tokens, seq_len, steps," \
   --training.number_of_iterations 5
 bad "unknown config key 'trainer.batch': there is no section 'trainer' (sections: job, model, training," \
   --trainer.batch 5
@@ -266,6 +268,62 @@ assert all(r["lr"] == 0.003 for r in logged), logged               # constant lr
 assert all(r["ranks"] == 2 for r in logged), logged
 assert [r["step"] for r in rows if "val_loss" in r] == [2, 3], rows  # training.eval_interval = 2
 print("TOML run: steps", [r["step"] for r in logged], "lr", logged[0]["lr"])'
+
+echo "== learning-rate schedules: warmup-stable-decay ending past the run, tanh GELU"
+# 8 steps of a schedule whose decay ends at step 10: 2 warmup steps, stable
+# for the first half of the 8 after them, then linear to 0.1 x lr at step 10.
+"$bin/tessera-train" "${base[@]}" --training.steps 8 --metrics.log_interval 1 --metrics.plot "" \
+  --optimizer.lr 0.01 --lr_scheduler.name wsd --lr_scheduler.warmup_steps 2 --lr_scheduler.decay_steps 10 \
+  --lr_scheduler.decay_ratio 0.5 --lr_scheduler.min_lr_ratio 0.1 --model.gelu tanh \
+  --job.dump_folder "$work/wsd" > wsd.log || fail "the wsd run failed: $(cat wsd.log)"
+$python -c '
+import json, sys
+logged = [json.loads(l) for l in open(sys.argv[1]) if "\"loss\"" in l]
+got = [r["lr"] for r in logged]
+def lr(step):  # step from 0
+    if step < 2: return 0.01 * (step + 1) / 2
+    p = (step - 2) / 8
+    return 0.01 if p < 0.5 else 0.01 + (0.001 - 0.01) * (p - 0.5) / 0.5
+want = [lr(s) for s in range(8)]
+assert want[7] < want[6] == 0.01 and len(got) == 8 and all(abs(a - b) <= 1e-12 * b for a, b in zip(got, want)), (got, want)
+print("wsd schedule: lr", got)' "$work/wsd/metrics.jsonl"
+# The resolved configuration: --print-config prints it as --config reads it,
+# the run folder keeps it, and it is the metrics' first record.
+wsd_args=(--training.steps 8 --metrics.log_interval 1 --metrics.plot "" --optimizer.lr 0.01 --lr_scheduler.name wsd
+          --lr_scheduler.warmup_steps 2 --lr_scheduler.decay_steps 10 --lr_scheduler.decay_ratio 0.5
+          --lr_scheduler.min_lr_ratio 0.1 --model.gelu tanh --job.dump_folder "$work/wsd")
+"$bin/tessera-train" "${base[@]}" "${wsd_args[@]}" --print-config > printed.toml
+cmp printed.toml "$work/wsd/config.toml" || fail "the run folder's config.toml is not what --print-config prints"
+grep -q '^gelu = "tanh"' printed.toml && grep -q '^decay_steps = 10' printed.toml || fail "print-config: $(cat printed.toml)"
+"$bin/tessera-train" --config printed.toml --print-config > again.toml
+cmp printed.toml again.toml || fail "--print-config's output read back with --config prints differently"
+[[ ! -e "$work/printed" ]] || fail "--print-config made a folder"
+head -1 "$work/wsd/metrics.jsonl" | $python -c '
+import json, sys
+r = json.loads(sys.stdin.readline())
+assert r["config"]["lr_scheduler.name"] == "wsd" and r["config"]["model.gelu"] == "tanh", r'
+# A batch given in tokens (llm.c's -d) is whole sequences.
+"$bin/tessera-train" "${base[@]}" --training.seq_len 32 --training.batch_tokens 384 --print-config > bt.toml
+grep -q '^batch_size = 12$' bt.toml || fail "training.batch_tokens 384 at seq_len 32 did not give 12 sequences: $(grep batch bt.toml)"
+bad "training.batch_tokens (500) must be a positive multiple of training.seq_len (64): the batch is whole sequences, e.g. --training.batch_tokens 448" \
+  --training.batch_tokens 500
+# overfit_batch: one batch again and again is learned (the loss falls far
+# below the first step's), and the samples come at sample.interval too.
+"$bin/tessera-train" "${base[@]}" --training.steps 150 --training.overfit_batch true --optimizer.lr 0.01 \
+  --lr_scheduler.name constant --lr_scheduler.warmup_steps 5 --metrics.log_interval 10 --metrics.plot "" \
+  --sample.interval 75 \
+  --sample.max_new_tokens 8 --job.dump_folder "$work/overfit" > overfit.log || fail "overfit run: $(cat overfit.log)"
+$python -c '
+import json, sys
+losses = [json.loads(l)["loss"] for l in open(sys.argv[1]) if "\"loss\"" in l]
+assert len(losses) == 16 and losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])  # 5.54 -> 0.12 measured
+print("overfit_batch: loss %.3f -> %.3f" % (losses[0], losses[-1]))' "$work/overfit/metrics.jsonl"
+grep -q -- "--- sample at step 75 (temperature" overfit.log || fail "no sample at step 75: $(cat overfit.log)"
+[[ $(grep -c -- "^--- sample" overfit.log) == 2 ]] || fail "expected a sample at step 75 and one at the end"
+bad "lr_scheduler.decay_steps (5) must be greater than lr_scheduler.warmup_steps (5)" \
+  --lr_scheduler.decay_steps 5 --lr_scheduler.warmup_steps 5
+bad "lr_scheduler.decay_ratio must be in (0, 1], got 0" --lr_scheduler.decay_ratio 0
+bad "config key 'lr_scheduler.name' has no choice 'step' (valid: cosine, linear, constant, wsd)" --lr_scheduler.name step
 
 toml_bad() {  # WANT TOML-TEXT: a file with TOML-TEXT is rejected with WANT.
   printf '%s\n' "$2" > bad.toml
