@@ -279,8 +279,13 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
 }
 
 std::string latest_checkpoint(const std::string& folder) {
-  if (!fs::is_directory(folder)) return "";
+  auto complete = complete_checkpoints(folder);
+  return complete.empty() ? "" : complete.back().second;
+}
+
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& folder) {
   std::vector<std::pair<int64_t, std::string>> complete;
+  if (!fs::is_directory(folder)) return complete;
   for (const auto& e : fs::directory_iterator(folder)) {
     std::string n = e.path().filename().string();
     if (!e.is_directory() || n.rfind("step-", 0) != 0 || n.find(".tmp") != std::string::npos)
@@ -291,8 +296,8 @@ std::string latest_checkpoint(const std::string& folder) {
     } catch (const std::exception&) {
     }
   }
-  if (complete.empty()) return "";
-  return std::max_element(complete.begin(), complete.end())->second;
+  std::sort(complete.begin(), complete.end());
+  return complete;
 }
 
 namespace {

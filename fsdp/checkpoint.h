@@ -70,6 +70,8 @@ std::string save_checkpoint(const std::string& folder, int64_t step, const nn::S
                             const std::string& extra_json = "{}", int keep = 0);
 // The newest complete checkpoint directory in folder ("" if there is none).
 std::string latest_checkpoint(const std::string& folder);
+// Every complete checkpoint in folder as (step, directory), by step.
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& folder);
 // Loads into the model (any mesh) and optimizer; restores this rank's RNG
 // when the world size matches. Returns the metadata (step, extra state).
 // Saved and model dtypes must agree unless convert_dtypes (weights for a new

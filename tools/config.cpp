@@ -238,6 +238,8 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       int_key("checkpoint.keep", c.checkpoint.keep, "newest checkpoints kept (0 = all)"),
       bool_key("checkpoint.resume", c.checkpoint.resume,
                "continue from the newest complete checkpoint"),
+      int_key("checkpoint.load_step", c.checkpoint.load_step,
+              "with checkpoint.resume: the step to continue from (0 = the latest)"),
       string_key("checkpoint.initial_load_path", c.checkpoint.initial_load_path,
                  "start a fresh run from these weights (.safetensors or checkpoint directory; "
                  "resume wins)"),
@@ -633,6 +635,11 @@ void validate(const TrainConfig& c) {
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
+  at_least("checkpoint.load_step", c.checkpoint.load_step, 0, " (0 = the latest)");
+  TS_CHECK(c.checkpoint.load_step == 0 || c.checkpoint.resume,
+           "checkpoint.load_step {} applies to a resume: add --checkpoint.resume true (or, for a new run from a "
+           "step's weights, --checkpoint.initial_load_path <folder>/step-NNNNNNNN)",
+           c.checkpoint.load_step);
 
   at_least("metrics.log_interval", c.metrics.log_interval, 1);
   TS_CHECK(c.metrics.peak_tflops >= 0,

@@ -110,7 +110,8 @@ struct TrainConfig {
     std::string folder = "checkpoint";  // inside job.dump_folder unless absolute
     int64_t interval = 200;             // steps between checkpoints (and one at the end)
     int64_t keep = 2;                   // newest complete checkpoints kept (0: all)
-    bool resume = false;                // continue from the newest complete checkpoint
+    bool resume = false;
+    int64_t load_step = 0;  // with resume: the step to continue from (0 = the latest)                // continue from the newest complete checkpoint
     // A fresh run (step 0, new optimizer) starts from these model weights: a
     // .safetensors file or a checkpoint directory; a checkpoint to resume wins.
     std::string initial_load_path = "";

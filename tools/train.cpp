@@ -305,7 +305,8 @@ class Trainer {
   double evaluate();
   void log_line(int64_t step, double loss, double lr, double gnorm);
   void finish(double total_s);
-  void sample(const std::string& when);  // "" at the end, else e.g. "step 100"
+  void sample(const std::string& when);
+  std::string checkpoint_to_resume(const std::string& folder);  // "" at the end, else e.g. "step 100"
   json extra_state(int64_t step);
   void say(const std::string& text) {
     if (rank_ == 0) progress_->line(text);
@@ -723,10 +724,33 @@ void Trainer::report_setup() {
                       : fmt::format("MFU not reported ({})", peak_how_));
 }
 
+// The checkpoint a resume continues from: the latest, or checkpoint.load_step's,
+// refused while later ones exist (the continued run would overwrite them).
+std::string Trainer::checkpoint_to_resume(const std::string& folder) {
+  const int64_t want = cfg_.checkpoint.load_step;
+  auto all = fsdp::complete_checkpoints(folder);
+  if (want == 0 || all.empty()) return all.empty() ? "" : all.back().second;
+  std::vector<int64_t> steps, later;
+  std::string found;
+  for (const auto& [step, dir] : all) {
+    steps.push_back(step);
+    if (step == want) found = dir;
+    if (step > want) later.push_back(step);
+  }
+  TS_CHECK(!found.empty(), "checkpoint.load_step {}: {} has no complete checkpoint of that step (it has steps {})",
+           want, folder, fmt::join(steps, ", "));
+  TS_CHECK(later.empty(),
+           "checkpoint.load_step {}: {} also holds later checkpoints (steps {}), which the continued run would "
+           "overwrite; move them elsewhere first, or start a new run from step {}'s weights with "
+           "--checkpoint.initial_load_path {} --job.dump_folder <another folder>",
+           want, folder, fmt::join(later, ", "), want, found);
+  return found;
+}
+
 int64_t Trainer::restore_or_start() {
   int64_t start = 0;
   std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
-  std::string resume_dir = cfg_.checkpoint.resume ? fsdp::latest_checkpoint(folder) : "";
+  std::string resume_dir = cfg_.checkpoint.resume ? checkpoint_to_resume(folder) : "";
   const std::string& initial = cfg_.checkpoint.initial_load_path;
   if (!resume_dir.empty()) {
     start = resume(resume_dir);
@@ -936,11 +960,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     tools::validate(cfg);
-    tools::validate_for_world(cfg, dist::world_size());
-    if (print_config) {
+    if (print_config) {  // the settings alone (any launch may run them)
       if (dist::rank() == 0) std::fputs(tools::to_toml(cfg).c_str(), stdout);
       return 0;
     }
+    tools::validate_for_world(cfg, dist::world_size());
     if (dry_run) {
       if (dist::rank() == 0)
         std::fputs(tools::format_plan(tools::plan_run(cfg, dist::world_size(), 0), cfg).c_str(), stdout);

@@ -302,6 +302,15 @@ head -1 "$work/wsd/metrics.jsonl" | $python -c '
 import json, sys
 r = json.loads(sys.stdin.readline())
 assert r["config"]["lr_scheduler.name"] == "wsd" and r["config"]["model.gelu"] == "tanh", r'
+# The example configs in configs/ are valid as they are, and plan.
+for f in "$src"/configs/*.toml; do
+  "$bin/tessera-train" --config "$f" --print-config > example.toml || fail "$f: $(cat example.toml)"
+  "$bin/tessera-train" --config example.toml --print-config | cmp - example.toml || fail "$f does not round-trip"
+done
+"$bin/tessera-plan" --config "$src/configs/llama-hsdp-bf16.toml" --ranks 4 | grep -q "(HSDP 2 x 2)" ||
+  fail "configs/llama-hsdp-bf16.toml does not plan as HSDP 2 x 2 at 4 ranks"
+"$bin/tessera-plan" --config "$src/configs/gpt2-124m.toml" --ranks 8 | grep -q "gpt2 124439808 parameters" ||
+  fail "configs/gpt2-124m.toml is not GPT-2 124M"
 # A batch given in tokens (llm.c's -d) is whole sequences.
 "$bin/tessera-train" "${base[@]}" --training.seq_len 32 --training.batch_tokens 384 --print-config > bt.toml
 grep -q '^batch_size = 12$' bt.toml || fail "training.batch_tokens 384 at seq_len 32 did not give 12 sequences: $(grep batch bt.toml)"

@@ -224,6 +224,19 @@ cmp straight.tail r2.tail || fail "resume at the same rank count (dropout 0.1) i
 close w2.tail r4.tail 1e-5 || fail "resume on 4 ranks drifted beyond f32 rounding"
 grep -q "resharded" r4.log || fail "resume on 4 ranks did not say it resharded"
 echo "resume: bitwise at 2 ranks with dropout, within 1e-5 at 4"
+# checkpoint.load_step picks the step; one that is not there, or one with later
+# checkpoints the continued run would overwrite, is refused naming them.
+rm -rf ls && mkdir -p ls/checkpoint && cp -r straight/checkpoint/step-000000{2,4}0 ls/checkpoint/
+ls_run=(--job.dump_folder ls --model.dropout 0.1 --checkpoint.enable true --checkpoint.resume true)
+expect_error "checkpoint.load_step 30: ls/checkpoint has no complete checkpoint of that step (it has steps 20, 40)" \
+  train 2 "${ls_run[@]}" --checkpoint.load_step 30
+expect_error "checkpoint.load_step 20: ls/checkpoint also holds later checkpoints (steps 40), which the continued run would overwrite" \
+  train 2 "${ls_run[@]}" --checkpoint.load_step 20
+expect_error "checkpoint.load_step 20 applies to a resume: add --checkpoint.resume true" \
+  train 2 --job.dump_folder ls --checkpoint.load_step 20
+train 2 "${ls_run[@]}" --checkpoint.load_step 40 --training.steps 44 > ls.log
+grep -q "resumed from ls/checkpoint/step-00000040" ls.log || fail "load_step 40 did not resume from step 40: $(cat ls.log)"
+echo "load_step: resumed from the step named, refused a missing one and one with later checkpoints"
 
 echo "== resume checks the saved settings"
 rm -rf rb && mkdir -p rb/checkpoint && cp -r straight/checkpoint/step-00000040 rb/checkpoint/
