@@ -282,6 +282,8 @@ class Trainer {
         dp_rank_(rank_ / tp_),
         allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
+  // --eval-only: the validation loss of given weights (no training, nothing saved).
+  int evaluate_only();
 
  private:
   void build_model();
@@ -536,8 +538,8 @@ void Trainer::load_initial_weights(const std::string& path) {
                           : fmt::format(" (the weights were saved from another model: {})",
                                         fmt::join(diff, ", ")));
   }
-  say(fmt::format("initial weights from {}: step 0, a fresh optimizer and learning-rate schedule",
-                  source));
+  say(opt_ ? fmt::format("initial weights from {}: step 0, a fresh optimizer and learning-rate schedule", source)
+           : fmt::format("weights from {}", source));
 }
 
 // One optimizer step's forward and backward passes. The loss, averaged over
@@ -633,6 +635,17 @@ void Trainer::open_outputs() {
   const auto& M = cfg_.metrics;
   progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off",
                                                 dist::launched());
+  // Before anything is written to the folder (the metrics file would be truncated).
+  if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
+    // Never mix two runs' checkpoints (the newer would shadow or prune the other).
+    std::string folder = out_path(cfg_, cfg_.checkpoint.folder),
+                existing = fsdp::latest_checkpoint(folder);
+    TS_CHECK(existing.empty(),
+             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to "
+             "continue it, "
+             "or choose another --checkpoint.folder or --job.dump_folder",
+             folder, fs::path(existing).filename().string());
+  }
   if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
   jsonl_ = std::make_unique<tools::JsonlWriter>(
       rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "", cfg_.checkpoint.resume);
@@ -644,16 +657,6 @@ void Trainer::open_outputs() {
     json settings = json::object();
     for (const auto& k : tools::config_keys(cfg_)) settings[k.name] = k.get();
     jsonl_->write(json{{"config", settings}}.dump());
-  }
-  if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
-    // Never mix two runs' checkpoints (the newer would shadow or prune the other).
-    std::string folder = out_path(cfg_, cfg_.checkpoint.folder),
-                existing = fsdp::latest_checkpoint(folder);
-    TS_CHECK(existing.empty(),
-             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to "
-             "continue it, "
-             "or choose another --checkpoint.folder or --job.dump_folder",
-             folder, fs::path(existing).filename().string());
   }
 }
 
@@ -866,6 +869,44 @@ int Trainer::run() {
   return 0;
 }
 
+int Trainer::evaluate_only() {
+  if (rank_ == 0) write_status(cfg_, {{"status", "running"}, {"eval_only", true}});
+  cfg_.checkpoint.enable = false;  // nothing of this run is saved
+  open_outputs();
+  prepare_data();
+  build_model();
+  std::string weights = cfg_.checkpoint.initial_load_path;
+  if (cfg_.checkpoint.resume) {
+    const std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
+    weights = checkpoint_to_resume(folder);
+    TS_CHECK(!weights.empty(), "--eval-only --checkpoint.resume true: {} has no complete checkpoint", folder);
+  }
+  TS_CHECK(!weights.empty(), "--eval-only evaluates given weights: pass --checkpoint.initial_load_path (a checkpoint "
+           "folder, one step's directory or a .safetensors file) or --checkpoint.resume true (the run folder's "
+           "latest checkpoint, or checkpoint.load_step's)");
+  load_initial_weights(weights);
+  const auto t0 = Clock::now();
+  const double loss = evaluate();
+  const int64_t tokens = T_.eval_batches * micro_global_ * T_.seq_len;
+  const double gain = 100.0 * (baseline_ - loss) / baseline_;
+  say(fmt::format("evaluation of {}: validation loss {:.4f} over {} tokens ({} batches of {} x {}) in {} | unigram "
+                  "baseline {:.4f} ({:.1f}% {})",
+                  weights, loss, tokens, T_.eval_batches, micro_global_, T_.seq_len,
+                  tools::format_duration(seconds_since(t0)), baseline_, std::abs(gain), gain >= 0 ? "lower" : "higher"));
+  if (rank_ == 0) {
+    jsonl_->write(json{{"eval_only",
+                        {{"weights", weights},
+                         {"val_loss", loss},
+                         {"tokens", tokens},
+                         {"unigram_baseline", baseline_},
+                         {"ranks", world_}}}}
+                      .dump());
+    write_status(cfg_, {{"status", "completed"}, {"exit_code", 0}, {"eval_only", true}, {"val_loss", loss}});
+  }
+  progress_->finish();
+  return 0;
+}
+
 void Trainer::finish(double total_s) {
   if (T_.steps > 0 && !curve_.train.empty()) {
     double gain = 100.0 * (baseline_ - last_val_) / baseline_;
@@ -944,11 +985,12 @@ int main(int argc, char** argv) {
     set_threads_per_rank();
     // --dry-run: print the plan of this rank (tools/plan.h) and exit;
     // --print-config: print the resolved configuration (TOML) and exit.
-    bool dry_run = false, print_config = false;
+    bool dry_run = false, print_config = false, eval_only = false;
     std::vector<char*> args;
     for (int i = 0; i < argc; ++i) {
       if (i > 0 && std::strcmp(argv[i], "--dry-run") == 0) dry_run = true;
       else if (i > 0 && std::strcmp(argv[i], "--print-config") == 0) print_config = true;
+      else if (i > 0 && std::strcmp(argv[i], "--eval-only") == 0) eval_only = true;
       else args.push_back(argv[i]);
     }
     int nargs = static_cast<int>(args.size());
@@ -956,7 +998,9 @@ int main(int argc, char** argv) {
     if (!tools::parse_args(cfg, nargs, args.data(), "tessera-train", dist::rank() == 0)) {
       if (dist::rank() == 0)
         std::printf("\n  --dry-run        print the plan (tessera-plan) for this launch and exit\n"
-                    "  --print-config   print the resolved configuration (TOML, as --config reads it) and exit\n");
+                    "  --print-config   print the resolved configuration (TOML, as --config reads it) and exit\n"
+                    "  --eval-only      the validation loss of checkpoint.initial_load_path's weights (or, with\n"
+                    "                   checkpoint.resume, the run's checkpoint); no training\n");
       return 0;
     }
     tools::validate(cfg);
@@ -989,7 +1033,8 @@ int main(int argc, char** argv) {
     }
     parsed = true;
     g_training = true;
-    return Trainer(cfg).run();
+    Trainer trainer(cfg);
+    return eval_only ? trainer.evaluate_only() : trainer.run();
   } catch (const std::exception& caught) {
     // Out of memory anyway (the up-front floor is only a lower bound): say so,
     // rather than "std::bad_alloc".

@@ -237,6 +237,21 @@ expect_error "checkpoint.load_step 20 applies to a resume: add --checkpoint.resu
 train 2 "${ls_run[@]}" --checkpoint.load_step 40 --training.steps 44 > ls.log
 grep -q "resumed from ls/checkpoint/step-00000040" ls.log || fail "load_step 40 did not resume from step 40: $(cat ls.log)"
 echo "load_step: resumed from the step named, refused a missing one and one with later checkpoints"
+# --eval-only: the validation loss the run logged for those weights, at another rank count too.
+want=$(python3 -c 'import json; print([r["val_loss"] for r in map(json.loads, open("straight/metrics.jsonl")) if "val_loss" in r][-1])')
+for np in 1 2; do
+  train $np --eval-only --checkpoint.initial_load_path straight/checkpoint --job.dump_folder ev$np > ev$np.log
+  python3 -c '
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])][-1]["eval_only"]
+assert abs(r["val_loss"] - float(sys.argv[2])) <= 1e-5 * float(sys.argv[2]), (r, sys.argv[2])
+assert r["weights"] == "straight/checkpoint" and r["tokens"] > 0, r' ev$np/metrics.jsonl "$want" ||
+    fail "--eval-only at $np rank(s) gave $(tail -1 ev$np/metrics.jsonl), the run logged $want"
+done
+grep -q "^weights from straight/checkpoint/step-00000040" ev1.log || fail "eval-only: $(cat ev1.log)"
+[[ ! -d ev1/checkpoint ]] || fail "--eval-only saved a checkpoint"
+expect_error "--eval-only evaluates given weights: pass --checkpoint.initial_load_path" train 1 --eval-only
+echo "eval-only: the logged validation loss of the final checkpoint, at 1 and 2 ranks"
 
 echo "== resume checks the saved settings"
 rm -rf rb && mkdir -p rb/checkpoint && cp -r straight/checkpoint/step-00000040 rb/checkpoint/
@@ -295,8 +310,10 @@ expect_error "must be a multiple of training.grad_accum (1) x ranks (3)" "${mpi[
 expect_error "replicate degree 3 x shard degree 1 = 3 ranks, but the job has 2" \
   "${mpi[@]}" -np 2 "$bin/tessera-train" "${tiny[@]}" --parallelism.data_parallel_replicate_degree 3 \
   --parallelism.data_parallel_shard_degree 1
+cp straight/metrics.jsonl straight-metrics.before
 expect_error "already holds a checkpoint of another run (step-00000040): pass --checkpoint.resume true" \
   "$bin/tessera-train" "${tiny[@]}" --job.dump_folder straight --checkpoint.enable true
+cmp straight/metrics.jsonl straight-metrics.before || fail "a refused run truncated the other run's metrics"
 echo "config errors named"
 
 echo "== a killed rank ends the job"
