@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -139,8 +140,9 @@ ConfigKey& find_key(std::vector<ConfigKey>& keys, const std::string& name) {
 
 std::vector<ConfigKey> config_keys(TrainConfig& c) {
   return {
-      string_key("job.name", c.job.name, "run name (prefix of output files)"),
-      string_key("job.dump_folder", c.job.dump_folder, "folder for metrics, samples and plots"),
+      string_key("job.name", c.job.name, "run name, the plot's title (empty: <model.arch>-<dataset>)"),
+      string_key("job.dump_folder", c.job.dump_folder,
+                 "the run's folder: metrics, plot, traces, checkpoints (empty: out/<job.name>)"),
       int_key("job.seed", c.job.seed, "seed of initialisation and data order"),
       string_key("job.device", c.job.device,
                  "device of the model and batches (cuda: this rank's GPU; auto: cuda when a GPU is "
@@ -398,7 +400,20 @@ void load_toml(TrainConfig& cfg, const std::string& path) {
   }
 }
 
-void resolve_batch(TrainConfig& cfg) {
+void resolve_config(TrainConfig& cfg) {
+  if (cfg.job.name.empty()) {
+    // The data's name: the corpus, or the text or shard file's stem (book_train.bin: book).
+    std::string data = cfg.training.dataset;
+    const std::string& file = data == "text" ? cfg.training.text : data == "shards" ? cfg.training.train_shard : "";
+    if (!file.empty()) {
+      data = std::filesystem::path(file).stem().string();
+      if (data.size() > 6 && data.compare(data.size() - 6, 6, "_train") == 0) data.resize(data.size() - 6);
+    }
+    cfg.job.name = cfg.model.arch + "-" + data;
+    for (char& ch : cfg.job.name)
+      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.') ch = '-';
+  }
+  if (cfg.job.dump_folder.empty()) cfg.job.dump_folder = (std::filesystem::path("out") / cfg.job.name).string();
   auto& t = cfg.training;
   if (t.batch_tokens == 0) return;
   TS_CHECK(t.batch_tokens > 0 && t.seq_len > 0 && t.batch_tokens % t.seq_len == 0,
@@ -455,7 +470,7 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
       find_key(keys, name).set(value);
     }
   }
-  resolve_batch(cfg);
+  resolve_config(cfg);
   return true;
 }
 
@@ -507,8 +522,6 @@ void validate(const TrainConfig& c) {
   const auto& m = c.model;
   const auto& t = c.training;
   const auto& o = c.optimizer;
-  not_empty("job.name", c.job.name);
-  not_empty("job.dump_folder", c.job.dump_folder);
 
   at_least("model.n_layer", m.n_layer, 1);
   at_least("model.n_head", m.n_head, 1);

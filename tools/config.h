@@ -19,8 +19,8 @@ namespace tessera::tools {
 
 struct TrainConfig {
   struct Job {
-    std::string name = "gpt-fortunes";
-    std::string dump_folder = "out";  // metrics, samples, plots
+    std::string name = "";         // "" = <model.arch>-<dataset>, e.g. gpt2-fortunes, llama-book
+    std::string dump_folder = "";  // metrics, plots, traces, checkpoints; "" = out/<job.name>
     int64_t seed = 1234;
     // Where tensors live: cpu, cuda (this rank's GPU), auto (cuda when a GPU is
     // visible, else cpu), or async_cpu (the CPU's kernels on worker-thread
@@ -176,9 +176,13 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
 // Checks every key's range and the keys' consistency (e.g. n_embd divisible
 // by n_head) before any work; throws naming the key, the value and what is allowed.
 void validate(const TrainConfig& cfg);
-// training.batch_tokens > 0 sets training.batch_size (tokens / seq_len, which
-// must divide); parse_args does it after the last argument.
-void resolve_batch(TrainConfig& cfg);
+// What other settings decide, once they are all read (parse_args does it
+// after the last argument): training.batch_tokens > 0 sets
+// training.batch_size (tokens / seq_len, which must divide); an empty
+// job.name becomes <model.arch>-<dataset> (the text or shard file's name),
+// an empty job.dump_folder out/<job.name>, so that runs on other models or
+// data keep their own metrics, plots and checkpoints.
+void resolve_config(TrainConfig& cfg);
 // Checks what depends on the number of ranks (mesh degrees, batch split).
 void validate_for_world(const TrainConfig& cfg, int world_size);
 // The steps named by profiling.trace_steps (1-based), validated.

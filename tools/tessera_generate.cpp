@@ -1,6 +1,6 @@
 // tessera-generate: samples text from a trained model.
 //
-//   tessera-generate --checkpoint out/checkpoint [--sample.prompt "Q: "]
+//   tessera-generate --checkpoint out/gpt2-fortunes/checkpoint [--sample.prompt "Q: "]
 //                    [--sample.max_new_tokens 200] [--sample.temperature 0.8]
 //                    [--sample.top_k 40] [--job.seed 1]
 //

@@ -306,7 +306,7 @@ class Trainer {
   double read_losses();
   double evaluate();
   void log_line(int64_t step, double loss, double lr, double gnorm);
-  void finish(double total_s);
+  void finish(double total_s, int64_t start);  // start: the first step this run trained
   void sample(const std::string& when);
   std::string checkpoint_to_resume(const std::string& folder);  // "" at the end, else e.g. "step 100"
   json extra_state(int64_t step);
@@ -861,7 +861,7 @@ int Trainer::run() {
     run_step(step, start, run_start);
     if (stop_requested_) return stop_early(step);
   }
-  finish(seconds_since(run_start));
+  finish(seconds_since(run_start), start);
   say("status: completed (exit 0)");
   if (rank_ == 0)
     write_status(cfg_,
@@ -907,12 +907,14 @@ int Trainer::evaluate_only() {
   return 0;
 }
 
-void Trainer::finish(double total_s) {
+void Trainer::finish(double total_s, int64_t start) {
   if (T_.steps > 0 && !curve_.train.empty()) {
     double gain = 100.0 * (baseline_ - last_val_) / baseline_;
+    // A resumed run says how many of the steps were its own (the time is its own).
     say(fmt::format(
-        "done: {} steps in {} | validation loss {:.4f} vs unigram baseline {:.4f} ({:.1f}% {})",
-        T_.steps, tools::format_duration(total_s), last_val_, baseline_, std::abs(gain),
+        "done: {} steps{} in {} | validation loss {:.4f} vs unigram baseline {:.4f} ({:.1f}% {})", T_.steps,
+        start > 0 ? fmt::format(" ({} in this run, resumed at step {})", T_.steps - start, start) : "",
+        tools::format_duration(total_s), last_val_, baseline_, std::abs(gain),
         gain >= 0 ? "lower" : "higher: not learning yet"));
   }
   if (!cfg_.checkpoint.export_safetensors.empty()) {

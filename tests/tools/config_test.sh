@@ -161,7 +161,6 @@ bad "training.dataset = shards needs training.train_shard and training.val_shard
 bad "training.text is 'book.txt' but training.dataset is 'fortunes'" --training.text book.txt
 bad "training.train_shard is 'a.bin' but training.dataset is 'fortunes'" --training.train_shard a.bin
 bad "training.data_dir must not be empty" --training.data_dir ""
-bad "job.dump_folder must not be empty" --job.dump_folder ""
 # Sampling: rejected before training, not after it.
 bad "sample.top_k must be >= 0" --sample.top_k -1
 bad "sample.temperature must be >= 0 (0 = greedy), got -0.5" --sample.temperature -0.5
@@ -311,6 +310,22 @@ done
   fail "configs/llama-hsdp-bf16.toml does not plan as HSDP 2 x 2 at 4 ranks"
 "$bin/tessera-plan" --config "$src/configs/gpt2-124m.toml" --ranks 8 | grep -q "gpt2 124439808 parameters" ||
   fail "configs/gpt2-124m.toml is not GPT-2 124M"
+# Each run's own folder: out/<model.arch>-<dataset> unless named; a run on
+# other data leaves the first run's files alone.
+mkdir -p folders && cd folders
+"$bin/tessera-train" --preset tiny --print-config | grep -q '^dump_folder = "out/gpt2-fortunes"$' ||
+  fail "the default run folder is not out/gpt2-fortunes"
+"$bin/tessera-train" --preset llama-small --training.dataset text --training.text my.book.txt --print-config |
+  grep -q '^name = "llama-my.book"$' || fail "the run name does not follow the model and the text"
+"$bin/tessera-train" --job.name exp1 --print-config | grep -q '^dump_folder = "out/exp1"$' ||
+  fail "job.name does not name the folder"
+"$bin/tessera-train" "${base[@]}" --training.steps 2 --metrics.log_interval 1 > first.log
+cp out/gpt2-fortunes/metrics.jsonl first.jsonl
+"$bin/tessera-train" "${base[@]}" --training.steps 2 --training.dataset shards \
+  --training.train_shard "$work/data/book_train.bin" --training.val_shard "$work/data/book_val.bin" > second.log
+cmp out/gpt2-fortunes/metrics.jsonl first.jsonl || fail "a run on other data overwrote the first run's metrics"
+[[ -f out/gpt2-book/metrics.jsonl && -f out/gpt2-book/config.toml ]] || fail "no out/gpt2-book: $(ls -R out)"
+cd "$work"
 # A batch given in tokens (llm.c's -d) is whole sequences.
 "$bin/tessera-train" "${base[@]}" --training.seq_len 32 --training.batch_tokens 384 --print-config > bt.toml
 grep -q '^batch_size = 12$' bt.toml || fail "training.batch_tokens 384 at seq_len 32 did not give 12 sequences: $(grep batch bt.toml)"

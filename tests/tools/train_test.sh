@@ -269,7 +269,7 @@ grep -q "^warning: resuming with settings changed .*training.batch_size 8 -> 16;
   fail "no warning for the changed settings: $(cat rb.log)"
 grep -q "^warning: the learning-rate schedule .* now spans 44 steps instead of 40" rb.log || fail "no schedule warning"
 grep -q "initial_load_path w2/model-bf16.safetensors not used: resuming from" rb.log || fail "resume did not win"
-grep -q "^done: 44 steps" rb.log || fail "the extended run did not finish"
+grep -q "^done: 44 steps (4 in this run, resumed at step 40) in " rb.log || fail "the extended run did not finish: $(cat rb.log)"
 echo "resume: refused a changed batch and seed, warned about a changed schedule"
 
 echo "== a fresh run from a bf16 .safetensors export (checkpoint.initial_load_path)"
