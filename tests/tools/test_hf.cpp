@@ -1,0 +1,129 @@
+// Hugging Face GPT-2 both ways (tools/hf.h), against a fixture written by
+// transformers (tests/fixtures/make_hf_gpt2.py): a small random GPT-2 with
+// awkward sizes and the logits transformers computed for a batch of tokens.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "nn/models.h"
+#include "nn/safetensors.h"
+#include "tests/helpers.h"
+#include "tools/hf.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string fixture() {
+  const char* d = std::getenv("TESSERA_FIXTURES");
+  return (fs::path(d != nullptr ? d : "tests/fixtures") / "hf-gpt2").string();
+}
+
+// A GPT built from an HF folder's config.json, with its weights.
+std::shared_ptr<nn::GPT> load(const std::string& dir, tools::TrainConfig& cfg) {
+  tools::read_hf_gpt2_config(cfg, dir);
+  auto model = std::make_shared<nn::GPT>(tools::transformer_config(cfg));
+  auto weights = tools::read_hf_gpt2_weights(dir);
+  autograd::NoGradGuard no_grad;
+  for (auto& [name, dest] : model->state_dict()) {
+    if (name == "lm_head.weight") continue;  // tied
+    auto it = std::find_if(weights.begin(), weights.end(), [&](const auto& e) { return e.first == name; });
+    REQUIRE(it != weights.end());
+    REQUIRE(it->second.shape() == dest.shape());
+    ops::copy_(dest, it->second);
+  }
+  return model;
+}
+
+struct TempDir {
+  fs::path path = fs::temp_directory_path() / ("tessera-hf-" + std::to_string(::getpid()));
+  TempDir() { fs::create_directories(path); }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+}  // namespace
+
+TEST_CASE("a Hugging Face GPT-2 loads and gives transformers' logits", "[hf]") {
+  tools::TrainConfig cfg;
+  auto model = load(fixture(), cfg);
+  CHECK(cfg.model.n_layer == 2);
+  CHECK(cfg.model.n_head == 3);
+  CHECK(cfg.model.n_embd == 24);
+  CHECK(cfg.model.vocab_size == 67);
+  CHECK(cfg.training.seq_len == 13);
+  CHECK(cfg.model.gelu == "tanh");  // "gelu_new"
+  nn::SafetensorsFile expected((fs::path(fixture()) / "expected.safetensors").string());
+  Tensor ids = expected.read("input_ids"), want = expected.read("logits");
+  model->eval();
+  autograd::NoGradGuard no_grad;
+  Tensor got = (*model)(ids);
+  REQUIRE(got.shape() == want.shape());
+  // f32 both sides, different kernels: within 1e-5 of logits of size ~10.
+  CHECK_CLOSE(got, want, 1e-5, 1e-5);
+  // In f64 the difference is transformers' own f32 rounding only.
+  model->to(DType::F64);
+  CHECK_CLOSE((*model)(ids), ops::to(want, DType::F64), 1e-5, 1e-5);
+  // With the exact GELU instead (not what the file says), the logits move: the activation matters.
+  tools::TrainConfig exact = cfg;
+  exact.model.gelu = "exact";
+  nn::GPT other(tools::transformer_config(exact));
+  other.load_state_dict(model->state_dict());
+  other.to(DType::F32);
+  other.eval();
+  CHECK_FALSE(allclose(other(ids), want, 1e-5, 1e-5));
+}
+
+TEST_CASE("a GPT-2 written for Hugging Face reads back bit for bit, in transformers' layout", "[hf]") {
+  tools::TrainConfig cfg;
+  auto model = load(fixture(), cfg);
+  TempDir out;
+  tools::write_hf_gpt2(out.path.string(), cfg, model->state_dict());
+  // The same tensors as the file transformers wrote, under the same names and
+  // layout (Conv1D [in, out]); the tied output layer not stored.
+  nn::SafetensorsFile theirs((fs::path(fixture()) / "model.safetensors").string());
+  nn::SafetensorsFile ours((out.path / "model.safetensors").string());
+  CHECK(ours.entries().size() == theirs.entries().size());
+  for (const auto& e : theirs.entries()) {
+    INFO(e.name);
+    REQUIRE(ours.find(e.name) != nullptr);
+    CHECK(equal(ours.read(e.name), theirs.read(e.name)));
+  }
+  // config.json: the fields transformers builds the model from.
+  auto read = [](const fs::path& p) { return nlohmann::json::parse(std::ifstream(p)); };
+  auto a = read(out.path / "config.json"), b = read(fs::path(fixture()) / "config.json");
+  for (const char* key : {"model_type", "n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
+                          "activation_function", "tie_word_embeddings", "layer_norm_epsilon"}) {
+    INFO(key);
+    CHECK(a[key] == b[key]);
+  }
+  // And it loads back as the same model.
+  tools::TrainConfig again;
+  auto reloaded = load(out.path.string(), again);
+  CHECK(tools::model_to_json(again) == tools::model_to_json(cfg));
+}
+
+TEST_CASE("Hugging Face GPT-2 folders Tessera cannot take are refused, naming why", "[hf][errors]") {
+  TempDir dir;
+  auto write = [&](const std::string& text) { std::ofstream(dir.path / "config.json") << text; };
+  tools::TrainConfig cfg;
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_config(cfg, (dir.path / "none").string()), Catch::Contains("cannot read"));
+  write("{\"model_type\": \"llama\"}");
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_config(cfg, dir.path.string()),
+                    Catch::Contains("has model_type 'llama'; only gpt2"));
+  write(R"({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "vocab_size": 5, "n_positions": 4,
+            "activation_function": "relu"})");
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_config(cfg, dir.path.string()),
+                    Catch::Contains("activation_function 'relu'"));
+  write(R"({"model_type": "gpt2", "n_layer": 0})");
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_config(cfg, dir.path.string()),
+                    Catch::Contains("needs \"n_layer\" as a positive integer, got 0"));
+  write("{not json");
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_config(cfg, dir.path.string()), Catch::Contains("is not valid JSON"));
+  CHECK_THROWS_WITH(tools::read_hf_gpt2_weights(dir.path.string()), Catch::Contains("model.safetensors does not exist"));
+  cfg.model.rope = true;
+  CHECK_THROWS_WITH(tools::write_hf_gpt2(dir.path.string(), cfg, {}), Catch::Contains("learned positions"));
+}

@@ -1,0 +1,157 @@
+#include "tools/hf.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "nn/safetensors.h"
+#include "runtime/check.h"
+#include "runtime/ops.h"
+
+namespace tessera::tools {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// Whether a Tessera name is one of the four Conv1D weights of a block.
+bool is_conv1d_weight(const std::string& name) {
+  for (const char* suffix : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
+    const std::string s = suffix;
+    if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0 &&
+        name.rfind("transformer.h.", 0) == 0)
+      return true;
+  }
+  return false;
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  TS_CHECK(in.good(), "Hugging Face GPT-2: cannot read {} (a folder as save_pretrained writes it holds config.json "
+           "and model.safetensors)", path);
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    TS_CHECK(false, "Hugging Face GPT-2: {} is not valid JSON: {}", path, e.what());
+  }
+  return {};
+}
+
+int64_t positive(const json& c, const char* key, const std::string& path) {
+  TS_CHECK(c.contains(key) && c[key].is_number_integer() && c[key].get<int64_t>() > 0,
+           "Hugging Face GPT-2: {} needs \"{}\" as a positive integer, got {}", path, key,
+           c.contains(key) ? c[key].dump() : std::string("nothing"));
+  return c[key].get<int64_t>();
+}
+
+}  // namespace
+
+void read_hf_gpt2_config(TrainConfig& cfg, const std::string& dir) {
+  const std::string path = (fs::path(dir) / "config.json").string();
+  const json c = read_json(path);
+  TS_CHECK(c.is_object(), "Hugging Face GPT-2: {} must hold a JSON object", path);
+  const std::string type = c.value("model_type", std::string());
+  TS_CHECK(type == "gpt2", "Hugging Face GPT-2: {} has model_type '{}'; only gpt2 (GPT2LMHeadModel) is read", path,
+           type);
+  auto& m = cfg.model;
+  m.arch = "gpt2";
+  m.n_layer = positive(c, "n_layer", path);
+  m.n_head = positive(c, "n_head", path);
+  m.n_embd = positive(c, "n_embd", path);
+  m.vocab_size = positive(c, "vocab_size", path);
+  m.n_kv_head = 0;
+  m.rope = false;
+  m.bias = true;
+  m.tie_embeddings = c.value("tie_word_embeddings", true);
+  TS_CHECK(m.tie_embeddings, "Hugging Face GPT-2: {} unties the output layer (tie_word_embeddings false); "
+           "Tessera reads GPT-2 with lm_head tied to wte", path);
+  m.ffn_hidden = c.contains("n_inner") && c["n_inner"].is_number_integer() ? c["n_inner"].get<int64_t>() : 0;
+  const std::string act = c.value("activation_function", std::string("gelu_new"));
+  TS_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu",
+           "Hugging Face GPT-2: {} has activation_function '{}'; Tessera's GPT-2 MLP takes gelu_new or "
+           "gelu_pytorch_tanh (model.gelu tanh) and gelu (exact)", path, act);
+  m.gelu = act == "gelu" ? "exact" : "tanh";
+  const double eps = c.value("layer_norm_epsilon", 1e-5);
+  TS_CHECK(std::abs(eps - 1e-5) <= 1e-12, "Hugging Face GPT-2: {} has layer_norm_epsilon {}; Tessera's GPT-2 "
+           "LayerNorm uses 1e-5", path, eps);
+  TS_CHECK(c.value("scale_attn_weights", true) && !c.value("scale_attn_by_inverse_layer_idx", false) &&
+               !c.value("reorder_and_upcast_attn", false),
+           "Hugging Face GPT-2: {} changes the attention's scaling (scale_attn_weights false, "
+           "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn); Tessera's is 1/sqrt(head size)", path);
+  m.dropout = 0.0;
+  cfg.training.seq_len = positive(c, "n_positions", path);  // the learned positions' table
+}
+
+nn::StateDict read_hf_gpt2_weights(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "model.safetensors").string();
+  TS_CHECK(fs::is_regular_file(path), "Hugging Face GPT-2: {} does not exist (sharded checkpoints, "
+           "model-0000N-of-0000M.safetensors, are not read yet)", path);
+  nn::SafetensorsFile f(path);
+  nn::StateDict out;
+  for (const auto& e : f.entries()) {
+    // The causal-mask buffers older versions stored are not weights.
+    if (e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
+                               e.name.find(".attn.masked_bias") != std::string::npos))
+      continue;
+    Tensor t = f.read(e.name, DType::F32);
+    if (is_conv1d_weight(e.name)) {
+      TS_CHECK(t.dim() == 2, "Hugging Face GPT-2: {}: {} should be a 2-D Conv1D weight, got {}", path, e.name,
+               shape_str(t.shape()));
+      t = ops::contiguous(ops::transpose(t, 0, 1));  // Conv1D [in, out] -> Linear [out, in]
+    }
+    // Checkpoints saved from GPT2Model rather than GPT2LMHeadModel lack the "transformer." prefix.
+    std::string name = e.name;
+    if (name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0) name = "transformer." + name;
+    out.emplace_back(name, t);
+  }
+  return out;
+}
+
+void write_hf_gpt2(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights) {
+  const auto& m = cfg.model;
+  TS_CHECK(m.arch == "gpt2" && !m.rope && m.bias && m.tie_embeddings,
+           "Hugging Face GPT-2 export: the model must be gpt2 with learned positions, biases and a tied output "
+           "layer (model.arch {}, model.rope {}, model.bias {}, model.tie_embeddings {})",
+           m.arch, m.rope, m.bias, m.tie_embeddings);
+  fs::create_directories(dir);
+  std::vector<nn::SafetensorsEntry> entries;
+  std::vector<Tensor> tensors;
+  uint64_t offset = 0;
+  for (const auto& [name, value] : weights) {
+    if (name == "lm_head.weight") continue;  // tied to transformer.wte.weight
+    Tensor t = ops::contiguous(ops::to(value, DType::F32));
+    if (is_conv1d_weight(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
+    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * 4;
+    entries.push_back({name, DType::F32, t.shape(), offset, offset + bytes});
+    tensors.push_back(t);
+    offset += bytes;
+  }
+  nn::write_safetensors((fs::path(dir) / "model.safetensors").string(), entries,
+                        [&](size_t i) { return tensors[i]; }, {{"format", "pt"}});
+  json c = {{"architectures", {"GPT2LMHeadModel"}},
+            {"model_type", "gpt2"},
+            {"activation_function", m.gelu == "tanh" ? "gelu_new" : "gelu"},
+            {"n_layer", m.n_layer},
+            {"n_head", m.n_head},
+            {"n_embd", m.n_embd},
+            {"n_inner", m.ffn_hidden > 0 ? json(m.ffn_hidden) : json(nullptr)},
+            {"n_positions", cfg.training.seq_len},
+            {"vocab_size", m.vocab_size},
+            {"layer_norm_epsilon", 1e-5},
+            {"tie_word_embeddings", true},
+            {"resid_pdrop", m.dropout},
+            {"embd_pdrop", m.dropout},
+            {"attn_pdrop", m.dropout},
+            {"scale_attn_weights", true},
+            {"torch_dtype", "float32"}};
+  // GPT-2's end-of-text token where the vocabulary has it (byte-token models do not).
+  c["bos_token_id"] = c["eos_token_id"] = m.vocab_size > 50256 ? json(50256) : json(nullptr);
+  std::ofstream((fs::path(dir) / "config.json").string()) << c.dump(2) << "\n";
+}
+
+}  // namespace tessera::tools
