@@ -165,6 +165,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("model.rope", c.model.rope,
                "rotary q/k instead of learned positions (gpt2; llama always uses rotary)"),
       float_key("model.rope_theta", c.model.rope_theta, "rotary base"),
+      float_key("model.norm_eps", c.model.norm_eps, "the norms' epsilon (LayerNorm, RMSNorm)"),
       string_key("model.gelu", c.model.gelu,
                  "the gpt2 MLP's GELU: exact (nanoGPT) or tanh (the approximation GPT-2 and Hugging Face use)",
                  {"exact", "tanh"}),
@@ -557,6 +558,7 @@ void validate(const TrainConfig& c) {
            "model.gelu = {} applies to model.arch = gpt2 (Llama's MLP is SwiGLU, without GELU)", m.gelu);
   in_range("model.dropout", m.dropout, 0, 1, true);
   TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
+  TS_CHECK(m.norm_eps > 0 && m.norm_eps < 1, "model.norm_eps must be in (0, 1), got {}", m.norm_eps);
   for (const auto& key : split_list(c.checkpoint.allow_resume_change)) {
     const auto& exact = resume_exact_keys();
     TS_CHECK(std::find(exact.begin(), exact.end(), key) != exact.end(),
@@ -860,6 +862,7 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   m.rope = c.model.rope;
   m.rope_theta = c.model.rope_theta;
   m.gelu_tanh = c.model.gelu == "tanh";
+  m.norm_eps = c.model.norm_eps;
   m.activation_checkpoint = c.activation_checkpoint.mode == "full";
   return m;
 }

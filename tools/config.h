@@ -42,6 +42,7 @@ struct TrainConfig {
     bool tie_embeddings = true;
     bool rope = false;          // gpt2: rotary q/k instead of learned positions (llama: always)
     double rope_theta = 10000.0;
+    double norm_eps = 1e-5;      // LayerNorm / RMSNorm epsilon (Hugging Face Llama: 1e-6 or 1e-5)
     std::string gelu = "exact";  // gpt2 MLP: exact (nanoGPT) | tanh (GPT-2, Hugging Face's gelu_new)
   } model;
   struct Training {

@@ -51,13 +51,9 @@ int64_t positive(const json& c, const char* key, const std::string& path) {
 
 }  // namespace
 
-void read_hf_gpt2_config(TrainConfig& cfg, const std::string& dir) {
-  const std::string path = (fs::path(dir) / "config.json").string();
-  const json c = read_json(path);
-  TS_CHECK(c.is_object(), "Hugging Face GPT-2: {} must hold a JSON object", path);
-  const std::string type = c.value("model_type", std::string());
-  TS_CHECK(type == "gpt2", "Hugging Face GPT-2: {} has model_type '{}'; only gpt2 (GPT2LMHeadModel) is read", path,
-           type);
+namespace {
+
+void read_gpt2_config(TrainConfig& cfg, const json& c, const std::string& path) {
   auto& m = cfg.model;
   m.arch = "gpt2";
   m.n_layer = positive(c, "n_layer", path);
@@ -84,37 +80,88 @@ void read_hf_gpt2_config(TrainConfig& cfg, const std::string& dir) {
            "Hugging Face GPT-2: {} changes the attention's scaling (scale_attn_weights false, "
            "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn); Tessera's is 1/sqrt(head size)", path);
   m.dropout = 0.0;
+  m.norm_eps = 1e-5;
   cfg.training.seq_len = positive(c, "n_positions", path);  // the learned positions' table
 }
 
-nn::StateDict read_hf_gpt2_weights(const std::string& dir) {
+void read_llama_config(TrainConfig& cfg, const json& c, const std::string& path) {
+  auto& m = cfg.model;
+  m.arch = "llama";
+  m.n_layer = positive(c, "num_hidden_layers", path);
+  m.n_head = positive(c, "num_attention_heads", path);
+  m.n_kv_head = c.contains("num_key_value_heads") ? positive(c, "num_key_value_heads", path) : m.n_head;
+  m.n_embd = positive(c, "hidden_size", path);
+  m.ffn_hidden = positive(c, "intermediate_size", path);
+  m.vocab_size = positive(c, "vocab_size", path);
+  m.tie_embeddings = c.value("tie_word_embeddings", false);
+  m.bias = false;
+  m.dropout = 0.0;
+  TS_CHECK(!c.value("attention_bias", false) && !c.value("mlp_bias", false),
+           "Hugging Face Llama: {} has attention_bias or mlp_bias; Tessera's Llama has no biases", path);
+  TS_CHECK(c.value("hidden_act", std::string("silu")) == "silu",
+           "Hugging Face Llama: {} has hidden_act '{}'; Tessera's Llama MLP is SwiGLU (silu)", path,
+           c.value("hidden_act", std::string()));
+  TS_CHECK(!c.contains("head_dim") || c["head_dim"].is_null() ||
+               c["head_dim"].get<int64_t>() * m.n_head == m.n_embd,
+           "Hugging Face Llama: {} has head_dim {} but hidden_size / num_attention_heads = {}; Tessera's heads "
+           "split hidden_size", path, c.contains("head_dim") ? c["head_dim"].dump() : "", m.n_embd / m.n_head);
+  m.norm_eps = c.value("rms_norm_eps", 1e-6);
+  // RoPE's base: rope_theta, or (transformers 5) rope_parameters.rope_theta;
+  // scaled variants (Llama 3.1's "llama3", YaRN, ...) are not computed.
+  const json* rope = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"]
+                     : c.contains("rope_scaling") && c["rope_scaling"].is_object()    ? &c["rope_scaling"]
+                                                                                         : nullptr;
+  const std::string type = rope != nullptr ? rope->value("rope_type", rope->value("type", std::string("default")))
+                                           : std::string("default");
+  TS_CHECK(type == "default", "Hugging Face Llama: {} scales RoPE (rope_type '{}'); Tessera computes the "
+           "unscaled rotation only", path, type);
+  m.rope_theta = c.value("rope_theta", rope != nullptr ? rope->value("rope_theta", 10000.0) : 10000.0);
+  cfg.training.seq_len = positive(c, "max_position_embeddings", path);
+}
+
+}  // namespace
+
+void read_hf_config(TrainConfig& cfg, const std::string& dir) {
+  const std::string path = (fs::path(dir) / "config.json").string();
+  const json c = read_json(path);
+  TS_CHECK(c.is_object(), "Hugging Face model: {} must hold a JSON object", path);
+  const std::string type = c.value("model_type", std::string());
+  if (type == "gpt2") return read_gpt2_config(cfg, c, path);
+  if (type == "llama") return read_llama_config(cfg, c, path);
+  TS_CHECK(false, "Hugging Face model: {} has model_type '{}'; Tessera reads gpt2 (GPT2LMHeadModel) and llama "
+           "(LlamaForCausalLM)", path, type);
+}
+
+nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
   const std::string path = (fs::path(dir) / "model.safetensors").string();
-  TS_CHECK(fs::is_regular_file(path), "Hugging Face GPT-2: {} does not exist (sharded checkpoints, "
+  TS_CHECK(fs::is_regular_file(path), "Hugging Face model: {} does not exist (sharded checkpoints, "
            "model-0000N-of-0000M.safetensors, are not read yet)", path);
+  const bool gpt2 = cfg.model.arch == "gpt2";
   nn::SafetensorsFile f(path);
   nn::StateDict out;
   for (const auto& e : f.entries()) {
     // The causal-mask buffers older versions stored are not weights.
-    if (e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
+    if (gpt2 && e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
                                e.name.find(".attn.masked_bias") != std::string::npos))
       continue;
     Tensor t = f.read(e.name, DType::F32);
-    if (is_conv1d_weight(e.name)) {
+    if (gpt2 && is_conv1d_weight(e.name)) {
       TS_CHECK(t.dim() == 2, "Hugging Face GPT-2: {}: {} should be a 2-D Conv1D weight, got {}", path, e.name,
                shape_str(t.shape()));
       t = ops::contiguous(ops::transpose(t, 0, 1));  // Conv1D [in, out] -> Linear [out, in]
     }
     // Checkpoints saved from GPT2Model rather than GPT2LMHeadModel lack the "transformer." prefix.
     std::string name = e.name;
-    if (name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0) name = "transformer." + name;
+    if (gpt2 && name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0) name = "transformer." + name;
     out.emplace_back(name, t);
   }
   return out;
 }
 
-void write_hf_gpt2(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights) {
+void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights) {
   const auto& m = cfg.model;
-  TS_CHECK(m.arch == "gpt2" && !m.rope && m.bias && m.tie_embeddings,
+  const bool gpt2 = m.arch == "gpt2";
+  TS_CHECK(!gpt2 || (!m.rope && m.bias && m.tie_embeddings),
            "Hugging Face GPT-2 export: the model must be gpt2 with learned positions, biases and a tied output "
            "layer (model.arch {}, model.rope {}, model.bias {}, model.tie_embeddings {})",
            m.arch, m.rope, m.bias, m.tie_embeddings);
@@ -123,9 +170,9 @@ void write_hf_gpt2(const std::string& dir, const TrainConfig& cfg, const nn::Sta
   std::vector<Tensor> tensors;
   uint64_t offset = 0;
   for (const auto& [name, value] : weights) {
-    if (name == "lm_head.weight") continue;  // tied to transformer.wte.weight
+    if (name == "lm_head.weight" && m.tie_embeddings) continue;  // tied to the embedding table
     Tensor t = ops::contiguous(ops::to(value, DType::F32));
-    if (is_conv1d_weight(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
+    if (gpt2 && is_conv1d_weight(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
     const uint64_t bytes = static_cast<uint64_t>(t.numel()) * 4;
     entries.push_back({name, DType::F32, t.shape(), offset, offset + bytes});
     tensors.push_back(t);
@@ -133,24 +180,49 @@ void write_hf_gpt2(const std::string& dir, const TrainConfig& cfg, const nn::Sta
   }
   nn::write_safetensors((fs::path(dir) / "model.safetensors").string(), entries,
                         [&](size_t i) { return tensors[i]; }, {{"format", "pt"}});
-  json c = {{"architectures", {"GPT2LMHeadModel"}},
-            {"model_type", "gpt2"},
-            {"activation_function", m.gelu == "tanh" ? "gelu_new" : "gelu"},
-            {"n_layer", m.n_layer},
-            {"n_head", m.n_head},
-            {"n_embd", m.n_embd},
-            {"n_inner", m.ffn_hidden > 0 ? json(m.ffn_hidden) : json(nullptr)},
-            {"n_positions", cfg.training.seq_len},
-            {"vocab_size", m.vocab_size},
-            {"layer_norm_epsilon", 1e-5},
-            {"tie_word_embeddings", true},
-            {"resid_pdrop", m.dropout},
-            {"embd_pdrop", m.dropout},
-            {"attn_pdrop", m.dropout},
-            {"scale_attn_weights", true},
-            {"torch_dtype", "float32"}};
-  // GPT-2's end-of-text token where the vocabulary has it (byte-token models do not).
-  c["bos_token_id"] = c["eos_token_id"] = m.vocab_size > 50256 ? json(50256) : json(nullptr);
+  json c;
+  if (gpt2) {
+    c = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"activation_function", m.gelu == "tanh" ? "gelu_new" : "gelu"},
+         {"n_layer", m.n_layer},
+         {"n_head", m.n_head},
+         {"n_embd", m.n_embd},
+         {"n_inner", m.ffn_hidden > 0 ? json(m.ffn_hidden) : json(nullptr)},
+         {"n_positions", cfg.training.seq_len},
+         {"vocab_size", m.vocab_size},
+         {"layer_norm_epsilon", m.norm_eps},
+         {"tie_word_embeddings", true},
+         {"resid_pdrop", m.dropout},
+         {"embd_pdrop", m.dropout},
+         {"attn_pdrop", m.dropout},
+         {"scale_attn_weights", true},
+         {"torch_dtype", "float32"}};
+    // GPT-2's end-of-text token where the vocabulary has it (byte-token models do not).
+    c["bos_token_id"] = c["eos_token_id"] = m.vocab_size > 50256 ? json(50256) : json(nullptr);
+  } else {
+    const int64_t hidden = m.ffn_hidden > 0 ? m.ffn_hidden : (8 * m.n_embd / 3 + 63) / 64 * 64;  // as SwiGLUMLP
+    c = {{"architectures", {"LlamaForCausalLM"}},
+         {"model_type", "llama"},
+         {"hidden_act", "silu"},
+         {"num_hidden_layers", m.n_layer},
+         {"num_attention_heads", m.n_head},
+         {"num_key_value_heads", m.n_kv_head > 0 ? m.n_kv_head : m.n_head},
+         {"head_dim", m.n_embd / m.n_head},
+         {"hidden_size", m.n_embd},
+         {"intermediate_size", hidden},
+         {"max_position_embeddings", cfg.training.seq_len},
+         {"vocab_size", m.vocab_size},
+         {"rms_norm_eps", m.norm_eps},
+         {"rope_theta", m.rope_theta},
+         {"tie_word_embeddings", m.tie_embeddings},
+         {"attention_bias", false},
+         {"mlp_bias", false},
+         {"attention_dropout", 0.0},
+         {"bos_token_id", nullptr},
+         {"eos_token_id", nullptr},
+         {"torch_dtype", "float32"}};
+  }
   std::ofstream((fs::path(dir) / "config.json").string()) << c.dump(2) << "\n";
 }
 

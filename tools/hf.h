@@ -1,13 +1,17 @@
-// Hugging Face's GPT-2 layout, both ways: a folder as `transformers` writes a
-// GPT2LMHeadModel (config.json and model.safetensors) read into a Tessera
-// GPT, and a Tessera GPT written as one that `transformers` loads.
+// Hugging Face's layouts, both ways: a folder as `transformers` writes a
+// GPT2LMHeadModel or a LlamaForCausalLM (config.json and model.safetensors)
+// read into a Tessera model, and a Tessera model written as one that
+// `transformers` loads.
 //
-// The two models compute the same function with the same names
-// (transformer.wte, transformer.h.N.attn.c_attn, ...), but GPT-2's Conv1D
-// layers store their weights as [in, out] where Linear keeps [out, in]: the
-// four per block (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) are
-// transposed on the way in and out. The output layer is tied to wte (not
-// stored), and "gelu_new" is GELU's tanh approximation (model.gelu tanh).
+// GPT-2: the same names (transformer.wte, transformer.h.N.attn.c_attn, ...),
+// but GPT-2's Conv1D layers store their weights as [in, out] where Linear
+// keeps [out, in]: the four per block (attn.c_attn, attn.c_proj, mlp.c_fc,
+// mlp.c_proj) are transposed on the way in and out. The output layer is tied
+// to wte (not stored), and "gelu_new" is GELU's tanh approximation
+// (model.gelu tanh).
+// Llama: the same names and layout (model.layers.N.self_attn.q_proj, ...);
+// config.json carries the sizes, grouped-query heads, RMSNorm's epsilon and
+// RoPE's base, and whether the output layer is tied.
 #pragma once
 
 #include <string>
@@ -17,14 +21,16 @@
 
 namespace tessera::tools {
 
-// The [model] settings (and training.seq_len = n_positions) of the GPT-2 in
-// an HF folder's config.json; throws naming the field Tessera cannot take.
-void read_hf_gpt2_config(TrainConfig& cfg, const std::string& dir);
-// Its weights under Tessera's names and layout, as float32 tensors.
-nn::StateDict read_hf_gpt2_weights(const std::string& dir);
-// Writes `weights` (whole tensors by Tessera's names, of a gpt2 model with
-// learned positions) as an HF GPT-2 folder: model.safetensors in float32
-// and config.json.
-void write_hf_gpt2(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights);
+// The [model] settings (and training.seq_len: GPT-2's n_positions, Llama's
+// max_position_embeddings) of the model in an HF folder's config.json;
+// throws naming the field Tessera cannot take.
+void read_hf_config(TrainConfig& cfg, const std::string& dir);
+// Its weights under Tessera's names and layout, as float32 tensors (cfg: as
+// read_hf_config left it).
+nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg);
+// Writes `weights` (whole tensors by Tessera's names) as an HF folder:
+// model.safetensors in float32 and config.json. gpt2 needs learned
+// positions, biases and a tied output layer; llama takes any Tessera Llama.
+void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights);
 
 }  // namespace tessera::tools

@@ -19,12 +19,12 @@
 //       (To start a run from a file, tessera-train's
 //       --checkpoint.initial_load_path does the same without a checkpoint.)
 //   tessera-ckpt from-hf HF_FOLDER OUT_FOLDER
-//       A Hugging Face GPT-2 (config.json + model.safetensors, as
+//       A Hugging Face GPT-2 or Llama (config.json + model.safetensors, as
 //       save_pretrained writes it) as a step-0 checkpoint with its model
-//       configuration: tessera-train continues it, tessera-generate samples it.
+//       configuration, which tessera-train continues.
 //   tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER
-//       A gpt2 checkpoint as a folder that transformers' from_pretrained loads
-//       (tools/hf.h: Conv1D weights transposed, the output layer tied).
+//       A gpt2 or llama checkpoint as a folder that transformers'
+//       from_pretrained loads (tools/hf.h).
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -57,8 +57,8 @@ int usage(FILE* out, int code) {
       "       tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N] [--preset NAME]\n"
       "                    [--model.KEY VALUE ...]   (model keys for a file without a stored "
       "model)\n"
-      "       tessera-ckpt from-hf HF_FOLDER OUT_FOLDER        (a Hugging Face GPT-2 -> a checkpoint)\n"
-      "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2 checkpoint -> Hugging Face)\n"
+      "       tessera-ckpt from-hf HF_FOLDER OUT_FOLDER        (a Hugging Face GPT-2 or Llama -> a checkpoint)\n"
+      "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2 or llama checkpoint -> Hugging Face)\n"
       "PATH and CHECKPOINT: a checkpoint directory, a folder of checkpoints (the newest) or,\n"
       "for list, a .safetensors file.\n");
   return code;
@@ -230,7 +230,7 @@ int from_safetensors(const std::vector<std::string>& args) {
 int from_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
   tools::TrainConfig cfg;
-  tools::read_hf_gpt2_config(cfg, args[0]);
+  tools::read_hf_config(cfg, args[0]);
   tools::resolve_config(cfg);
   tools::transformer_config(cfg).validate();  // the model alone: its tokens come from elsewhere
   tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
@@ -238,13 +238,13 @@ int from_hf(const std::vector<std::string>& args) {
   model->to_empty(Device::cpu());
   // Every weight the model has must be in the file with its shape (the tied
   // output layer is wte); nothing in the file may be left over.
-  nn::StateDict file = tools::read_hf_gpt2_weights(args[0]);
+  nn::StateDict file = tools::read_hf_weights(args[0], cfg);
   std::map<std::string, Tensor> by_name(file.begin(), file.end());
   autograd::NoGradGuard no_grad;
   size_t used = 0;
   for (auto& [name, dest] : model->state_dict()) {
     auto it = by_name.find(name);
-    if (it == by_name.end() && name == "lm_head.weight") continue;  // tied
+    if (it == by_name.end() && name == "lm_head.weight" && cfg.model.tie_embeddings) continue;  // tied
     TS_CHECK(it != by_name.end(), "from-hf: {} has no {} (the model of its config.json needs it)", args[0], name);
     TS_CHECK(it->second.shape() == dest.shape(), "from-hf: {}: {} is {}, but the model of its config.json needs {}",
              args[0], name, shape_str(it->second.shape()), shape_str(dest.shape()));
@@ -256,11 +256,13 @@ int from_hf(const std::vector<std::string>& args) {
   json extra = {{"step", 0}, {"source", args[0]}, {"data", {{"next_micro_batch", 0}}},
                 {"model", json::parse(tools::model_to_json(cfg))}};
   std::string dir = fsdp::save_checkpoint(args[1], 0, *model, nullptr, extra.dump());
-  std::printf("%s -> %s: GPT-2 %lld layers, d=%lld, %lld heads, vocabulary %lld, %lld positions, GELU %s\n",
-              args[0].c_str(), dir.c_str(), static_cast<long long>(cfg.model.n_layer),
-              static_cast<long long>(cfg.model.n_embd), static_cast<long long>(cfg.model.n_head),
-              static_cast<long long>(cfg.model.vocab_size), static_cast<long long>(cfg.training.seq_len),
-              cfg.model.gelu.c_str());
+  const auto& m = cfg.model;
+  std::printf("%s -> %s: %s %lld layers, d=%lld, %lld heads (%lld key/value), vocabulary %lld, %lld positions, %s\n",
+              args[0].c_str(), dir.c_str(), m.arch.c_str(), static_cast<long long>(m.n_layer),
+              static_cast<long long>(m.n_embd), static_cast<long long>(m.n_head),
+              static_cast<long long>(m.n_kv_head > 0 ? m.n_kv_head : m.n_head), static_cast<long long>(m.vocab_size),
+              static_cast<long long>(cfg.training.seq_len),
+              m.arch == "gpt2" ? ("GELU " + m.gelu).c_str() : fmt::format("RoPE base {:g}, RMSNorm eps {:g}", m.rope_theta, m.norm_eps).c_str());
   return 0;
 }
 
@@ -275,8 +277,9 @@ int to_hf(const std::vector<std::string>& args) {
   nn::StateDict weights;
   for (const auto& t : md.tensors)
     if (t.name.rfind("optim.", 0) != 0) weights.emplace_back(t.name, fsdp::read_full_tensor(dir, t));
-  tools::write_hf_gpt2(args[1], cfg, weights);
-  std::printf("%s -> %s: config.json and model.safetensors (GPT2LMHeadModel)\n", dir.c_str(), args[1].c_str());
+  tools::write_hf(args[1], cfg, weights);
+  std::printf("%s -> %s: config.json and model.safetensors (%s)\n", dir.c_str(), args[1].c_str(),
+              cfg.model.arch == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
   return 0;
 }
 

@@ -416,14 +416,13 @@ c=$("$bin/tessera-generate" --checkpoint conv-ckpt --sample.max_new_tokens 30 2>
 [[ "$a" == "$b" && "$a" == "$c" ]] || fail "converted checkpoints generate different text"
 expect_error "holds no complete checkpoint" "$bin/tessera-ckpt" list w1
 echo "ckpt: list and both conversions agree"
-# A Hugging Face GPT-2 folder in (a checkpoint with its model settings) and
-# out again with transformers' tensors, bit for bit.
-rm -rf hfck hfout
-"$bin/tessera-ckpt" from-hf "$src/tests/fixtures/hf-gpt2" hfck > hf.log || fail "from-hf: $(cat hf.log)"
-grep -q "GPT-2 2 layers, d=24, 3 heads, vocabulary 67, 13 positions, GELU tanh" hf.log || fail "from-hf: $(cat hf.log)"
-"$bin/tessera-ckpt" list hfck | grep -q '"model.gelu":"tanh"' || fail "the imported checkpoint lacks its model settings"
-"$bin/tessera-ckpt" to-hf hfck hfout > /dev/null
-python3 -c '
+# Hugging Face folders in (a checkpoint with its model settings) and out
+# again with transformers' tensors, bit for bit: GPT-2 and Llama.
+for model in gpt2 llama; do
+  rm -rf hfck hfout
+  "$bin/tessera-ckpt" from-hf "$src/tests/fixtures/hf-$model" hfck > hf.log || fail "from-hf $model: $(cat hf.log)"
+  "$bin/tessera-ckpt" to-hf hfck hfout > /dev/null
+  python3 -c '
 import json, struct, sys
 def tensors(path):
     raw = open(path, "rb").read()
@@ -433,12 +432,14 @@ def tensors(path):
             for k, v in head.items() if k != "__metadata__"}
 a, b = tensors(sys.argv[1] + "/model.safetensors"), tensors("hfout/model.safetensors")
 assert a.keys() == b.keys(), set(a) ^ set(b)
-assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
-c = json.load(open("hfout/config.json"))
-assert c["activation_function"] == "gelu_new" and c["n_positions"] == 13, c' "$src/tests/fixtures/hf-gpt2" ||
-  fail "to-hf did not give back the Hugging Face tensors"
+assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]' "$src/tests/fixtures/hf-$model" ||
+    fail "to-hf did not give back the Hugging Face $model tensors"
+done
+grep -q "llama 2 layers, d=24, 4 heads (2 key/value), vocabulary 61, 16 positions, RoPE base 500, RMSNorm eps 1e-06" hf.log ||
+  fail "from-hf llama: $(cat hf.log)"
+"$bin/tessera-ckpt" list hfck | grep -q '"model.norm_eps":"1e-06"' || fail "the imported checkpoint lacks its model settings"
 expect_error "config.json and model.safetensors" "$bin/tessera-ckpt" from-hf "$src/tests" hfbad
-echo "hf: a transformers GPT-2 imported and exported bit for bit"
+echo "hf: transformers' GPT-2 and Llama imported and exported bit for bit"
 
 echo "== tessera-data"
 printf 'The quick brown fox jumps over the lazy dog.\n%.0s' {1..200} > book.txt
