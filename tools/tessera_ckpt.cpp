@@ -25,6 +25,10 @@
 //   tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER
 //       A gpt2 or llama checkpoint as a folder that transformers'
 //       from_pretrained loads (tools/hf.h).
+//   tessera-ckpt from-llmc MODEL.bin OUT_FOLDER
+//   tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype bfloat16]
+//       llm.c's GPT-2 model file (gpt2_124M.bin; tools/llmc_model.h) to a
+//       step-0 checkpoint, and a gpt2 checkpoint to one llm.c continues.
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -40,6 +44,7 @@
 #include "nn/safetensors.h"
 #include "tools/config.h"
 #include "tools/hf.h"
+#include "tools/llmc_model.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -59,6 +64,8 @@ int usage(FILE* out, int code) {
       "model)\n"
       "       tessera-ckpt from-hf HF_FOLDER OUT_FOLDER        (a Hugging Face GPT-2 or Llama -> a checkpoint)\n"
       "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2 or llama checkpoint -> Hugging Face)\n"
+      "       tessera-ckpt from-llmc MODEL.bin OUT_FOLDER      (llm.c's GPT-2 model file -> a checkpoint)\n"
+      "       tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype float32|bfloat16]   (-> llm.c)\n"
       "PATH and CHECKPOINT: a checkpoint directory, a folder of checkpoints (the newest) or,\n"
       "for list, a .safetensors file.\n");
   return code;
@@ -227,59 +234,94 @@ int from_safetensors(const std::vector<std::string>& args) {
 
 }  // namespace
 
-int from_hf(const std::vector<std::string>& args) {
-  TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
-  tools::TrainConfig cfg;
-  tools::read_hf_config(cfg, args[0]);
+// A step-0 checkpoint of `file`'s tensors (by Tessera's names) in the model
+// `cfg` describes: every weight the model needs, with its shape, and nothing
+// left over (a tied output layer is its embedding table).
+int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const std::string& source,
+                       const std::string& out) {
   tools::resolve_config(cfg);
   tools::transformer_config(cfg).validate();  // the model alone: its tokens come from elsewhere
   tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
   std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
   model->to_empty(Device::cpu());
-  // Every weight the model has must be in the file with its shape (the tied
-  // output layer is wte); nothing in the file may be left over.
-  nn::StateDict file = tools::read_hf_weights(args[0], cfg);
   std::map<std::string, Tensor> by_name(file.begin(), file.end());
   autograd::NoGradGuard no_grad;
   size_t used = 0;
   for (auto& [name, dest] : model->state_dict()) {
     auto it = by_name.find(name);
     if (it == by_name.end() && name == "lm_head.weight" && cfg.model.tie_embeddings) continue;  // tied
-    TS_CHECK(it != by_name.end(), "from-hf: {} has no {} (the model of its config.json needs it)", args[0], name);
-    TS_CHECK(it->second.shape() == dest.shape(), "from-hf: {}: {} is {}, but the model of its config.json needs {}",
-             args[0], name, shape_str(it->second.shape()), shape_str(dest.shape()));
+    TS_CHECK(it != by_name.end(), "{} has no {} (the model its settings describe needs it)", source, name);
+    TS_CHECK(it->second.shape() == dest.shape(), "{}: {} is {}, but the model its settings describe needs {}",
+             source, name, shape_str(it->second.shape()), shape_str(dest.shape()));
     ops::copy_(dest, it->second);
     ++used;
   }
-  TS_CHECK(used == file.size(), "from-hf: {} holds {} tensors, of which the GPT-2 of its config.json uses {}",
-           args[0], file.size(), used);
-  json extra = {{"step", 0}, {"source", args[0]}, {"data", {{"next_micro_batch", 0}}},
+  TS_CHECK(used == file.size(), "{} holds {} tensors, of which the model its settings describe uses {}", source,
+           file.size(), used);
+  json extra = {{"step", 0}, {"source", source}, {"data", {{"next_micro_batch", 0}}},
                 {"model", json::parse(tools::model_to_json(cfg))}};
-  std::string dir = fsdp::save_checkpoint(args[1], 0, *model, nullptr, extra.dump());
+  std::string dir = fsdp::save_checkpoint(out, 0, *model, nullptr, extra.dump());
   const auto& m = cfg.model;
   std::printf("%s -> %s: %s %lld layers, d=%lld, %lld heads (%lld key/value), vocabulary %lld, %lld positions, %s\n",
-              args[0].c_str(), dir.c_str(), m.arch.c_str(), static_cast<long long>(m.n_layer),
+              source.c_str(), dir.c_str(), m.arch.c_str(), static_cast<long long>(m.n_layer),
               static_cast<long long>(m.n_embd), static_cast<long long>(m.n_head),
               static_cast<long long>(m.n_kv_head > 0 ? m.n_kv_head : m.n_head), static_cast<long long>(m.vocab_size),
               static_cast<long long>(cfg.training.seq_len),
-              m.arch == "gpt2" ? ("GELU " + m.gelu).c_str() : fmt::format("RoPE base {:g}, RMSNorm eps {:g}", m.rope_theta, m.norm_eps).c_str());
+              m.arch == "gpt2" ? ("GELU " + m.gelu).c_str()
+                               : fmt::format("RoPE base {:g}, RMSNorm eps {:g}", m.rope_theta, m.norm_eps).c_str());
   return 0;
 }
 
-int to_hf(const std::vector<std::string>& args) {
-  TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
-  std::string dir = checkpoint_dir(args[0]);
+int from_hf(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
+  tools::TrainConfig cfg;
+  tools::read_hf_config(cfg, args[0]);
+  return save_as_checkpoint(cfg, tools::read_hf_weights(args[0], cfg), args[0], args[1]);
+}
+
+int from_llmc(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() == 2, "from-llmc needs MODEL.bin and OUT_FOLDER, got {} argument(s)", args.size());
+  tools::TrainConfig cfg;
+  nn::StateDict file = tools::read_llmc_model(cfg, args[0]);
+  return save_as_checkpoint(cfg, file, args[0], args[1]);
+}
+
+// The model settings and whole weights of a checkpoint that stores its model.
+std::pair<tools::TrainConfig, nn::StateDict> checkpoint_model(const std::string& path, const char* command) {
+  std::string dir = checkpoint_dir(path);
   auto md = fsdp::read_metadata(dir);
   json extra = json::parse(md.extra_json);
-  TS_CHECK(extra.contains("model"), "to-hf: {} stores no model configuration (tessera-train's checkpoints do)", dir);
+  TS_CHECK(extra.contains("model"), "{}: {} stores no model configuration (tessera-train's checkpoints do)", command,
+           dir);
   tools::TrainConfig cfg;
   tools::model_from_json(cfg, extra["model"].dump(), dir);
   nn::StateDict weights;
   for (const auto& t : md.tensors)
     if (t.name.rfind("optim.", 0) != 0) weights.emplace_back(t.name, fsdp::read_full_tensor(dir, t));
+  return {cfg, weights};
+}
+
+int to_hf(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
+  auto [cfg, weights] = checkpoint_model(args[0], "to-hf");
   tools::write_hf(args[1], cfg, weights);
-  std::printf("%s -> %s: config.json and model.safetensors (%s)\n", dir.c_str(), args[1].c_str(),
+  std::printf("%s -> %s: config.json and model.safetensors (%s)\n", args[0].c_str(), args[1].c_str(),
               cfg.model.arch == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
+  return 0;
+}
+
+int to_llmc(const std::vector<std::string>& args) {
+  TS_CHECK(args.size() == 2 || (args.size() == 4 && args[2] == "--dtype"),
+           "to-llmc needs CHECKPOINT and OUT.bin [--dtype float32|bfloat16]");
+  DType dtype = DType::F32;
+  if (args.size() == 4) {
+    TS_CHECK(args[3] == "float32" || args[3] == "bfloat16", "--dtype expects float32 or bfloat16, got '{}'", args[3]);
+    dtype = args[3] == "bfloat16" ? DType::BF16 : DType::F32;
+  }
+  auto [cfg, weights] = checkpoint_model(args[0], "to-llmc");
+  tools::write_llmc_model(args[1], cfg, weights, dtype);
+  std::printf("%s -> %s: llm.c GPT-2 model file, version %d (%s)\n", args[0].c_str(), args[1].c_str(),
+              dtype == DType::BF16 ? 5 : 3, dtype_name(dtype));
   return 0;
 }
 
@@ -301,9 +343,11 @@ int main(int argc, char** argv) {
     if (cmd == "from-safetensors") return from_safetensors(args);
     if (cmd == "from-hf") return from_hf(args);
     if (cmd == "to-hf") return to_hf(args);
+    if (cmd == "from-llmc") return from_llmc(args);
+    if (cmd == "to-llmc") return to_llmc(args);
     std::fprintf(stderr,
                  "tessera-ckpt: unknown command or arguments '%s' (valid: list, to-safetensors, "
-                 "from-safetensors, from-hf, to-hf)\n",
+                 "from-safetensors, from-hf, to-hf, from-llmc, to-llmc)\n",
                  cmd.c_str());
     return 2;
   } catch (const std::bad_alloc&) {

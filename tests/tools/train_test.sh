@@ -21,6 +21,7 @@ set -euo pipefail
 bin=$1      # build/tools
 work=$2
 src=$(cd "$(dirname "$0")/../.." && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$work"
 mkdir -p "$work"
 cd "$work"
@@ -440,6 +441,38 @@ grep -q "llama 2 layers, d=24, 4 heads (2 key/value), vocabulary 61, 16 position
 "$bin/tessera-ckpt" list hfck | grep -q '"model.norm_eps":"1e-06"' || fail "the imported checkpoint lacks its model settings"
 expect_error "config.json and model.safetensors" "$bin/tessera-ckpt" from-hf "$src/tests" hfbad
 echo "hf: transformers' GPT-2 and Llama imported and exported bit for bit"
+# llm.c's GPT-2 model file: one written by an independent writer (from the
+# Hugging Face fixture) imports as the same model, and exports byte for byte.
+rm -rf llmck llmhf
+python3 "$here/write_llmc_model.py" "$src/tests/fixtures/hf-gpt2" gpt2.bin > /dev/null
+"$bin/tessera-ckpt" from-llmc gpt2.bin llmck > llmc.log || fail "from-llmc: $(cat llmc.log)"
+grep -q "gpt2 2 layers, d=24, 3 heads (3 key/value), vocabulary 67, 13 positions, GELU tanh" llmc.log ||
+  fail "from-llmc: $(cat llmc.log)"
+"$bin/tessera-ckpt" to-hf llmck llmhf > /dev/null
+python3 -c '
+import json, struct, sys
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    return {k: raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in head.items() if k != "__metadata__"}
+a, b = tensors(sys.argv[1] + "/model.safetensors"), tensors("llmhf/model.safetensors")
+assert a == b, [k for k in a if a.get(k) != b.get(k)]' "$src/tests/fixtures/hf-gpt2" ||
+  fail "the llm.c file did not import as the Hugging Face model it was written from"
+"$bin/tessera-ckpt" to-llmc llmck back.bin > /dev/null
+cmp gpt2.bin back.bin || fail "to-llmc did not write the llm.c file back byte for byte"
+"$bin/tessera-ckpt" to-llmc llmck back16.bin --dtype bfloat16 > /dev/null
+python3 -c '
+import os, struct
+h = struct.unpack("<8i", open("back16.bin", "rb").read(32))
+assert h[:2] == (20240326, 5) and os.path.getsize("back16.bin") == 1024 + (os.path.getsize("gpt2.bin") - 1024) // 2, h'
+"$bin/tessera-ckpt" from-llmc back16.bin llmck16 > /dev/null || fail "a bf16 llm.c file did not import"
+python3 "$here/write_llmc_shard.py" tokens.bin gpt2 "$src/README.md" > /dev/null
+expect_error "has magic 20240520, expected 20240326" "$bin/tessera-ckpt" from-llmc tokens.bin bad
+head -c 3000 gpt2.bin > short.bin
+expect_error "is 3000 bytes, but its header" "$bin/tessera-ckpt" from-llmc short.bin bad
+expect_error "llm.c computes GELU's tanh approximation" "$bin/tessera-ckpt" to-llmc w2/checkpoint bad.bin
+echo "llmc: an llm.c GPT-2 model file imported as the model it holds, exported byte for byte (f32) and in bf16"
 
 echo "== tessera-data"
 printf 'The quick brown fox jumps over the lazy dog.\n%.0s' {1..200} > book.txt
