@@ -9,6 +9,7 @@
 #include "runtime/check.h"
 #include "runtime/cuda_backend.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 
 namespace tessera {
 
@@ -74,6 +75,8 @@ void* CachingAllocator::allocate(size_t nbytes) {
   stats_.allocated_bytes += static_cast<int64_t>(nbytes);
   stats_.num_allocs++;
   update_peaks(stats_);
+  if (trace::detail::g_enabled.load(std::memory_order_relaxed))
+    trace::memory_sample(device_.str(), static_cast<double>(stats_.allocated_bytes));
   return p;
 }
 
@@ -88,6 +91,8 @@ void CachingAllocator::deallocate(void* ptr) {
     live_.erase(it);
     stats_.allocated_bytes -= static_cast<int64_t>(b.requested);
     stats_.num_frees++;
+    if (trace::detail::g_enabled.load(std::memory_order_relaxed))
+      trace::memory_sample(device_.str(), static_cast<double>(stats_.allocated_bytes));
   }
   // Other streams may take the block once the work queued on its stream so far
   // is done; on a synchronous stream that is now.

@@ -45,6 +45,7 @@ const char* lane_name(Lane lane) {
     case Lane::OtherCollective: return "other collectives";
     case Lane::Wait: return "waiting for communication (exposed)";
     case Lane::FSDP: return "fsdp";
+    case Lane::Memory: return "memory";
   }
   return "?";
 }
@@ -60,6 +61,13 @@ void record(Lane lane, std::string name, double start_us, double end_us) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> lk(buffer_mu());
   buffer().push_back({lane, std::move(name), start_us, end_us});
+}
+
+void memory_sample(const std::string& device, double allocated_bytes) {
+  if (!enabled()) return;
+  const double t = now_us();
+  std::lock_guard<std::mutex> lk(buffer_mu());
+  buffer().push_back({Lane::Memory, device, t, t, allocated_bytes});
 }
 
 std::vector<Span> take() {
@@ -79,10 +87,16 @@ std::string chrome_trace_events(const std::vector<Span>& spans, int rank) {
   for (int lane = 0; lane <= static_cast<int>(Lane::FSDP); ++lane)
     events.push_back(fmt::format(R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
                                  rank, lane, lane_name(static_cast<Lane>(lane))));
-  for (const auto& s : spans)
+  for (const auto& s : spans) {
+    if (s.lane == Lane::Memory) {  // a counter: Perfetto draws it as a track of the rank's process
+      events.push_back(fmt::format(R"J({{"name":"memory allocated ({})","ph":"C","pid":{},"ts":{:.3f},"args":{{"MiB":{:.4f}}}}})J",
+                                   escape(s.name), rank, s.start_us, s.value / 1048576.0));
+      continue;
+    }
     events.push_back(fmt::format(R"({{"name":"{}","ph":"X","pid":{},"tid":{},"ts":{:.3f},"dur":{:.3f}}})",
                                  escape(s.name), rank, static_cast<int>(s.lane), s.start_us,
                                  std::max(0.0, s.end_us - s.start_us)));
+  }
   return fmt::format("{}", fmt::join(events, ",\n"));
 }
 

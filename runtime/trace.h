@@ -1,5 +1,7 @@
 // Timeline tracing: spans on lanes (compute, each collective kind, time spent
-// waiting for collectives, FSDP bookkeeping), written as Chrome trace /
+// waiting for collectives, FSDP bookkeeping) and a memory counter (the bytes
+// the caching allocator holds in tensors, sampled at every allocation and
+// free while tracing), written as Chrome trace /
 // Perfetto JSON (open in https://ui.perfetto.dev or chrome://tracing). The
 // "wait" lane is the communication a step did not hide: exposed communication
 // is the time spent there. Off by default; when off a span costs one atomic load.
@@ -11,7 +13,7 @@
 
 namespace tessera::trace {
 
-enum class Lane { Compute = 0, AllGather, ReduceScatter, AllReduce, OtherCollective, Wait, FSDP };
+enum class Lane { Compute = 0, AllGather, ReduceScatter, AllReduce, OtherCollective, Wait, FSDP, Memory };
 const char* lane_name(Lane lane);
 
 struct Span {
@@ -19,12 +21,15 @@ struct Span {
   std::string name;
   double start_us;
   double end_us;
+  double value = 0;  // Lane::Memory: a sample at start_us (bytes allocated in tensors)
 };
 
 void enable(bool on);
 bool enabled();
 double now_us();  // monotonic, microseconds
 void record(Lane lane, std::string name, double start_us, double end_us);
+// A sample of the bytes allocated in tensors on `device` (a Chrome "C" counter event per device).
+void memory_sample(const std::string& device, double allocated_bytes);
 // Removes and returns the recorded spans (all threads), ordered by start.
 std::vector<Span> take();
 // The spans as Chrome trace events, one process per rank and one thread per lane.

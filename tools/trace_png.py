@@ -5,9 +5,11 @@
 One band per rank; in each, one lane per kind of work the trace records:
 compute (forward and backward ops in two colours), each collective kind on
 its own lane (the time the communication thread spends in it), the compute
-stream waiting for communication (exposed communication), and FSDP's copies
-in and out of its buffers. A time axis in milliseconds from the window's
-start, and a legend.
+stream waiting for communication (exposed communication), FSDP's copies
+in and out of its buffers, and the bytes the rank holds in tensors (the
+trace's memory counter: rising at each unshard, falling at each reshard),
+scaled to the largest rank's peak. A time axis in milliseconds from the
+window's start, and a legend.
 
     tools/trace_png.py TRACE.json OUT.png [--title T] [--window FROM_MS TO_MS]
                        [--ranks 0,1] [--width PIXELS]
@@ -35,6 +37,7 @@ LANES = [
     ("other collectives", "other collectives"),
     ("waiting for communication (exposed)", "waiting (exposed)"),
     ("fsdp", "FSDP copies"),
+    ("memory", "memory"),
 ]
 # Series drawn (each its own colour and legend entry): name, colour.
 SERIES = [
@@ -85,6 +88,7 @@ def main():
     lane_names = {}  # (pid, tid) -> thread name
     rank_names = {}  # pid -> process name
     spans = []
+    samples = {}  # pid -> [(ts, MiB)]: the memory counter
     for e in events:
         if not isinstance(e, dict):
             continue
@@ -94,6 +98,8 @@ def main():
             rank_names[e.get("pid")] = e.get("args", {}).get("name", "")
         elif e.get("ph") == "X" and "ts" in e and "dur" in e:
             spans.append(e)
+        elif e.get("ph") == "C" and str(e.get("name", "")).startswith("memory") and "ts" in e:
+            samples.setdefault(e.get("pid"), []).append((float(e["ts"]), float(e.get("args", {}).get("MiB", 0))))
     if not spans:
         fail("%s holds no timed events (ph X)" % args.trace)
     t0 = min(float(e["ts"]) for e in spans)
@@ -125,7 +131,23 @@ def main():
             continue
         used.add(lane)
         clipped.append((e.get("pid"), lane, s, start, end))
-    lanes = [(n, label) for n, label in LANES if n in used]
+    # The memory counter inside the window (and the value it had on entering it).
+    memory = {}
+    for pid, pts in samples.items():
+        if pid not in ranks:
+            continue
+        pts.sort()
+        inside = [((ts - t0) / 1e3, v) for ts, v in pts if lo <= (ts - t0) / 1e3 <= hi]
+        before = [v for ts, v in pts if (ts - t0) / 1e3 < lo]
+        if before:
+            inside.insert(0, (lo, before[-1]))
+        if inside:
+            inside.append((hi, inside[-1][1]))
+            memory[pid] = inside
+    if memory:
+        used.add("memory")
+    peak = max((v for pts in memory.values() for _, v in pts), default=0.0) or 1.0
+    lanes = [(n, label if n != "memory" else "memory (0-%.0f MiB)" % peak) for n, label in LANES if n in used]
     if not lanes:
         fail("no events in the window %g-%g ms" % (lo, hi))
 
@@ -150,6 +172,13 @@ def main():
                     half = max((end - start) / 2, min_half)
                     f.write("%.6f %.3f %.6f 0.38\n" % ((start + end) / 2, y_of(ranks.index(pid), lane), half))
             files.append(path)
+        mem_path = os.path.join(work, "memory.dat")
+        with open(mem_path, "w") as f:
+            for pid, pts in memory.items():
+                base = y_of(ranks.index(pid), "memory") - 0.4
+                for t, v in pts:
+                    f.write("%.6f %.4f\n" % (t, base + 0.8 * v / peak))
+                f.write("\n\n")
         tics = []
         for ri, r in enumerate(ranks):
             for n, label in lanes:
@@ -176,6 +205,9 @@ def main():
             if os.path.getsize(files[s]) == 0:
                 continue
             plots.append("'%s' using 1:2:3:4 with boxxyerror lc rgb '%s' title '%s'" % (files[s], colour, name))
+        if memory:
+            plots.append("'%s' using 1:2 with steps lw 2 lc rgb '#222222' title 'memory allocated in tensors'"
+                         % mem_path)
         script.append("plot " + ", \\\n     ".join(plots))
         gp = os.path.join(work, "plot.gp")
         with open(gp, "w") as f:

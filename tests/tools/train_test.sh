@@ -157,6 +157,12 @@ assert ranks == [0, 1, 2, 3], ranks
 for r in ranks:
     for want in ("all_gather", "reduce_scatter", "compute"):
         assert spans.get((r, want), 0) > 0, "rank %d: no %s spans: %s" % (r, want, spans)
+# The memory counter: every rank samples the bytes it holds in tensors, never
+# above the peak the run logged.
+peak = max(r["peak_mem_mib_max_rank"] for r in rows if "peak_mem_mib_max_rank" in r)
+for r in ranks:
+    mib = [e["args"]["MiB"] for e in events if e.get("ph") == "C" and e["pid"] == r]
+    assert len(mib) > 10 and 0 < max(mib) <= peak + 1e-3 and min(mib) < max(mib), (r, len(mib), peak)
 print("metrics and trace OK: rank 0 has %d all-gather and %d reduce-scatter spans" %
       (spans[(0, "all_gather")], spans[(0, "reduce_scatter")]))'
 [[ -f w1/traces/step-3.json ]] || fail "no trace from the 1-rank run"
