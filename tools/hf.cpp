@@ -141,6 +141,8 @@ nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
   nn::StateDict out;
   for (const auto& e : f.entries()) {
     // The causal-mask buffers older versions stored are not weights.
+    // Older Llama checkpoints stored RoPE's inverse frequencies, which Tessera computes.
+    if (!gpt2 && e.name.find("rotary_emb.inv_freq") != std::string::npos) continue;
     if (gpt2 && e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
                                e.name.find(".attn.masked_bias") != std::string::npos))
       continue;

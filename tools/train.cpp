@@ -732,7 +732,8 @@ void Trainer::report_setup() {
 std::string Trainer::checkpoint_to_resume(const std::string& folder) {
   const int64_t want = cfg_.checkpoint.load_step;
   auto all = fsdp::complete_checkpoints(folder);
-  if (want == 0 || all.empty()) return all.empty() ? "" : all.back().second;
+  if (want == 0) return all.empty() ? "" : all.back().second;
+  TS_CHECK(!all.empty(), "checkpoint.load_step {}: {} holds no complete checkpoint to resume from", want, folder);
   std::vector<int64_t> steps, later;
   std::string found;
   for (const auto& [step, dir] : all) {

@@ -187,7 +187,7 @@ bad "checkpoint.folder must not be empty" --checkpoint.folder ""
 bad "metrics.log_interval must be >= 1, got 0" --metrics.log_interval 0
 bad "config key 'metrics.peak_tflops' expects a finite number, got 'inf'" --metrics.peak_tflops inf
 bad "metrics.peak_tflops must be >= 0 (0 = this CPU's, measured), got -1" --metrics.peak_tflops -1
-bad "profiling.trace_steps names step 100, but training.steps is 50" --profiling.trace_steps 100
+bad "profiling.trace_steps names step 200, but training.steps is 150" --profiling.trace_steps 200
 bad "profiling.trace_steps expects step numbers >= 1" --profiling.trace_steps 0
 bad "parallelism.data_parallel_replicate_degree must be >= 1, got 0" \
   --parallelism.data_parallel_replicate_degree 0

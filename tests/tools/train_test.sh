@@ -239,6 +239,8 @@ expect_error "checkpoint.load_step 30: ls/checkpoint has no complete checkpoint 
   train 2 "${ls_run[@]}" --checkpoint.load_step 30
 expect_error "checkpoint.load_step 20: ls/checkpoint also holds later checkpoints (steps 40), which the continued run would overwrite" \
   train 2 "${ls_run[@]}" --checkpoint.load_step 20
+expect_error "checkpoint.load_step 20: empty/checkpoint holds no complete checkpoint to resume from" \
+  train 2 --job.dump_folder empty --checkpoint.enable true --checkpoint.resume true --checkpoint.load_step 20
 expect_error "checkpoint.load_step 20 applies to a resume: add --checkpoint.resume true" \
   train 2 --job.dump_folder ls --checkpoint.load_step 20
 train 2 "${ls_run[@]}" --checkpoint.load_step 40 --training.steps 44 > ls.log
