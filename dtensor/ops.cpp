@@ -545,7 +545,8 @@ struct EmbeddingLayout {
   Tensor mask;  // where this rank's rows hold the token (undefined: the vocabulary is not split)
 };
 
-EmbeddingLayout embedding_layout(const DistCall& call, const Tensor& weight, const Tensor& indices) {
+// check_range: the forward refuses out-of-range tokens; the backward gets the indices it already checked.
+EmbeddingLayout embedding_layout(const DistCall& call, const Tensor& weight, const Tensor& indices, bool check_range) {
   TS_CHECK(weight.is_distributed(), "{}: the indices are a DTensor but the table is a plain tensor; distribute the "
            "table, or pass the indices' local tensor", call.name);
   const DTensorSpec& sw = dtensor_spec(weight);
@@ -591,7 +592,7 @@ EmbeddingLayout embedding_layout(const DistCall& call, const Tensor& weight, con
     return l;
   }
   ids = ops::to(ids, DType::I64);
-  if (ids.device().is_host_visible()) {  // no rank would hold an out-of-range token: refuse it, as the kernel does
+  if (check_range && ids.device().is_host_visible()) {  // no rank would hold an out-of-range token: refuse it, as the kernel does
     const double bad = ops::sum(ops::add(ops::to(ops::binary(ops::BinaryOp::Lt, ids, 0.0), DType::F64),
                                          ops::to(ops::binary(ops::BinaryOp::Ge, ids, static_cast<double>(vocab)),
                                                  DType::F64)),
@@ -614,13 +615,13 @@ Tensor masked_rows(const EmbeddingLayout& l, const Tensor& t) {
 }
 
 std::vector<Tensor> embedding_rule(DistCall& call) {
-  const EmbeddingLayout l = embedding_layout(call, call.inputs[0], call.inputs[1]);
+  const EmbeddingLayout l = embedding_layout(call, call.inputs[0], call.inputs[1], /*check_range=*/true);
   Tensor out = call.local({dtensor_spec(call.inputs[0]).local, l.ids})[0];
   return {make_dtensor(ops::contiguous(masked_rows(l, out)), l.mesh, l.out, l.out_shape)};
 }
 
 std::vector<Tensor> embedding_backward_rule(DistCall& call) {
-  const EmbeddingLayout l = embedding_layout(call, call.inputs[2], call.inputs[1]);
+  const EmbeddingLayout l = embedding_layout(call, call.inputs[2], call.inputs[1], /*check_range=*/false);
   const Tensor& grad = call.inputs[0];
   TS_CHECK(grad.is_distributed(), "{}: the table is {} but the output's gradient is a plain tensor", call.name,
            dtensor_spec(call.inputs[2]).str());

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -160,6 +161,23 @@ nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
   return out;
 }
 
+void load_weights(nn::Module& model, const nn::StateDict& weights, bool tied, const std::string& source) {
+  std::map<std::string, Tensor> by_name(weights.begin(), weights.end());
+  autograd::NoGradGuard no_grad;
+  size_t used = 0;
+  for (auto& [name, dest] : model.state_dict()) {
+    auto it = by_name.find(name);
+    if (it == by_name.end() && name == "lm_head.weight" && tied) continue;
+    TS_CHECK(it != by_name.end(), "{} has no {} (the model its settings describe needs it)", source, name);
+    TS_CHECK(it->second.shape() == dest.shape(), "{}: {} is {}, but the model its settings describe needs {}",
+             source, name, shape_str(it->second.shape()), shape_str(dest.shape()));
+    ops::copy_(dest, it->second);
+    ++used;
+  }
+  TS_CHECK(used == weights.size(), "{} holds {} tensors, of which the model its settings describe uses {}", source,
+           weights.size(), used);
+}
+
 void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights) {
   const auto& m = cfg.model;
   const bool gpt2 = m.arch == "gpt2";
@@ -203,7 +221,11 @@ void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDic
     // GPT-2's end-of-text token where the vocabulary has it (byte-token models do not).
     c["bos_token_id"] = c["eos_token_id"] = m.vocab_size > 50256 ? json(50256) : json(nullptr);
   } else {
-    const int64_t hidden = m.ffn_hidden > 0 ? m.ffn_hidden : (8 * m.n_embd / 3 + 63) / 64 * 64;  // as SwiGLUMLP
+    // The MLP's width as the weights have it (model.ffn_hidden 0 means the model chose it).
+    auto gate = std::find_if(weights.begin(), weights.end(),
+                             [](const auto& e) { return e.first == "model.layers.0.mlp.gate_proj.weight"; });
+    TS_CHECK(gate != weights.end(), "Hugging Face Llama export: the weights have no model.layers.0.mlp.gate_proj.weight");
+    const int64_t hidden = gate->second.size(0);
     c = {{"architectures", {"LlamaForCausalLM"}},
          {"model_type", "llama"},
          {"hidden_act", "silu"},

@@ -32,5 +32,9 @@ nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg);
 // model.safetensors in float32 and config.json. gpt2 needs learned
 // positions, biases and a tied output layer; llama takes any Tessera Llama.
 void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights);
+// Copies `weights` (Tessera's names) into `model`: every weight the model has
+// must be there with its shape (a tied output layer is its embedding table),
+// and none may be left over; errors name `source`.
+void load_weights(nn::Module& model, const nn::StateDict& weights, bool tied, const std::string& source);
 
 }  // namespace tessera::tools

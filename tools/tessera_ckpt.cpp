@@ -244,20 +244,7 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
   tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
   std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
   model->to_empty(Device::cpu());
-  std::map<std::string, Tensor> by_name(file.begin(), file.end());
-  autograd::NoGradGuard no_grad;
-  size_t used = 0;
-  for (auto& [name, dest] : model->state_dict()) {
-    auto it = by_name.find(name);
-    if (it == by_name.end() && name == "lm_head.weight" && cfg.model.tie_embeddings) continue;  // tied
-    TS_CHECK(it != by_name.end(), "{} has no {} (the model its settings describe needs it)", source, name);
-    TS_CHECK(it->second.shape() == dest.shape(), "{}: {} is {}, but the model its settings describe needs {}",
-             source, name, shape_str(it->second.shape()), shape_str(dest.shape()));
-    ops::copy_(dest, it->second);
-    ++used;
-  }
-  TS_CHECK(used == file.size(), "{} holds {} tensors, of which the model its settings describe uses {}", source,
-           file.size(), used);
+  tools::load_weights(*model, file, cfg.model.tie_embeddings, source);
   json extra = {{"step", 0}, {"source", source}, {"data", {{"next_micro_batch", 0}}},
                 {"model", json::parse(tools::model_to_json(cfg))}};
   std::string dir = fsdp::save_checkpoint(out, 0, *model, nullptr, extra.dump());

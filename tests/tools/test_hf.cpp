@@ -27,20 +27,19 @@ std::string fixture(const std::string& name = "hf-gpt2") {
 std::shared_ptr<nn::LanguageModel> load(const std::string& dir, tools::TrainConfig& cfg) {
   tools::read_hf_config(cfg, dir);
   auto model = tools::make_model(cfg, Device::cpu());
-  auto weights = tools::read_hf_weights(dir, cfg);
-  autograd::NoGradGuard no_grad;
-  size_t used = 0;
-  for (auto& [name, dest] : model->state_dict()) {
-    auto it = std::find_if(weights.begin(), weights.end(), [&](const auto& e) { return e.first == name; });
-    if (it == weights.end() && name == "lm_head.weight" && cfg.model.tie_embeddings) continue;
-    INFO(name);
-    REQUIRE(it != weights.end());
-    REQUIRE(it->second.shape() == dest.shape());
-    ops::copy_(dest, it->second);
-    ++used;
-  }
-  CHECK(used == weights.size());
+  tools::load_weights(*model, tools::read_hf_weights(dir, cfg), cfg.model.tie_embeddings, dir);
   return model;
+}
+
+// Our file holds the tensors of theirs, bit for bit, and no others.
+void check_same_tensors(const fs::path& ours_path, const fs::path& theirs_path) {
+  nn::SafetensorsFile theirs(theirs_path.string()), ours(ours_path.string());
+  CHECK(ours.entries().size() == theirs.entries().size());
+  for (const auto& e : theirs.entries()) {
+    INFO(e.name);
+    REQUIRE(ours.find(e.name) != nullptr);
+    CHECK(equal(ours.read(e.name), theirs.read(e.name)));
+  }
 }
 
 struct TempDir {
@@ -88,14 +87,7 @@ TEST_CASE("a GPT-2 written for Hugging Face reads back bit for bit, in transform
   tools::write_hf(out.path.string(), cfg, model->state_dict());
   // The same tensors as the file transformers wrote, under the same names and
   // layout (Conv1D [in, out]); the tied output layer not stored.
-  nn::SafetensorsFile theirs((fs::path(fixture()) / "model.safetensors").string());
-  nn::SafetensorsFile ours((out.path / "model.safetensors").string());
-  CHECK(ours.entries().size() == theirs.entries().size());
-  for (const auto& e : theirs.entries()) {
-    INFO(e.name);
-    REQUIRE(ours.find(e.name) != nullptr);
-    CHECK(equal(ours.read(e.name), theirs.read(e.name)));
-  }
+  check_same_tensors(out.path / "model.safetensors", fs::path(fixture()) / "model.safetensors");
   // config.json: the fields transformers builds the model from.
   auto read = [](const fs::path& p) { return nlohmann::json::parse(std::ifstream(p)); };
   auto a = read(out.path / "config.json"), b = read(fs::path(fixture()) / "config.json");
@@ -170,14 +162,7 @@ TEST_CASE("a Hugging Face Llama loads and gives transformers' logits, and writes
   }
   TempDir out;
   tools::write_hf(out.path.string(), cfg, model->state_dict());
-  nn::SafetensorsFile theirs((fs::path(fixture("hf-llama")) / "model.safetensors").string());
-  nn::SafetensorsFile ours((out.path / "model.safetensors").string());
-  CHECK(ours.entries().size() == theirs.entries().size());
-  for (const auto& e : theirs.entries()) {
-    INFO(e.name);
-    REQUIRE(ours.find(e.name) != nullptr);
-    CHECK(equal(ours.read(e.name), theirs.read(e.name)));
-  }
+  check_same_tensors(out.path / "model.safetensors", fs::path(fixture("hf-llama")) / "model.safetensors");
   tools::TrainConfig again;
   load(out.path.string(), again);
   CHECK(tools::model_to_json(again) == tools::model_to_json(cfg));

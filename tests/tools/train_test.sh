@@ -43,6 +43,18 @@ a = [l.split() for l in open(sys.argv[1])]; b = [l.split() for l in open(sys.arg
 assert [x[0] for x in a] == [x[0] for x in b], (a, b)
 bad = [(x, y) for x, y in zip(a, b) if abs(float(x[1]) - float(y[1])) > float(sys.argv[3]) * abs(float(x[1]))]
 sys.exit("differ: %s" % bad if bad else 0)' "$1" "$2" "$3"; }
+# Two .safetensors files hold the same tensors (names, dtypes, shapes, bytes).
+same_tensors() { python3 -c '
+import json, struct, sys
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in head.items() if k != "__metadata__"}
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+assert a.keys() == b.keys(), set(a) ^ set(b)
+assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]' "$1" "$2"; }
 # Rewrites a .safetensors file without tensor NAME (drop) or with its first dim
 # halved (shrink), keeping the metadata: Python's standard library only.
 edit_safetensors() { python3 -c '
@@ -431,17 +443,7 @@ for model in gpt2 llama; do
   rm -rf hfck hfout
   "$bin/tessera-ckpt" from-hf "$src/tests/fixtures/hf-$model" hfck > hf.log || fail "from-hf $model: $(cat hf.log)"
   "$bin/tessera-ckpt" to-hf hfck hfout > /dev/null
-  python3 -c '
-import json, struct, sys
-def tensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    head = json.loads(raw[8:8 + n])
-    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
-            for k, v in head.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[1] + "/model.safetensors"), tensors("hfout/model.safetensors")
-assert a.keys() == b.keys(), set(a) ^ set(b)
-assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]' "$src/tests/fixtures/hf-$model" ||
+  same_tensors "$src/tests/fixtures/hf-$model/model.safetensors" hfout/model.safetensors ||
     fail "to-hf did not give back the Hugging Face $model tensors"
 done
 grep -q "llama 2 layers, d=24, 4 heads (2 key/value), vocabulary 61, 16 positions, RoPE base 500, RMSNorm eps 1e-06" hf.log ||
@@ -457,15 +459,7 @@ python3 "$here/write_llmc_model.py" "$src/tests/fixtures/hf-gpt2" gpt2.bin > /de
 grep -q "gpt2 2 layers, d=24, 3 heads (3 key/value), vocabulary 67, 13 positions, GELU tanh" llmc.log ||
   fail "from-llmc: $(cat llmc.log)"
 "$bin/tessera-ckpt" to-hf llmck llmhf > /dev/null
-python3 -c '
-import json, struct, sys
-def tensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    head = json.loads(raw[8:8 + n])
-    return {k: raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in head.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[1] + "/model.safetensors"), tensors("llmhf/model.safetensors")
-assert a == b, [k for k in a if a.get(k) != b.get(k)]' "$src/tests/fixtures/hf-gpt2" ||
+same_tensors "$src/tests/fixtures/hf-gpt2/model.safetensors" llmhf/model.safetensors ||
   fail "the llm.c file did not import as the Hugging Face model it was written from"
 "$bin/tessera-ckpt" to-llmc llmck back.bin > /dev/null
 cmp gpt2.bin back.bin || fail "to-llmc did not write the llm.c file back byte for byte"
