@@ -1,4 +1,4 @@
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 #include <cblas.h>
 #include <omp.h>

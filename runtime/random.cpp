@@ -7,7 +7,7 @@
 #include "runtime/kernels.h"
 #include "runtime/math.h"
 #include "runtime/ops.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 namespace tessera {
 

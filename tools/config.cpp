@@ -183,6 +183,8 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  "llm.c train shard (dataset = shards)"),
       string_key("training.val_shard", c.training.val_shard,
                  "llm.c validation shard (dataset = shards)"),
+      string_key("training.tokenizer", c.training.tokenizer,
+                 "a Hugging Face tokenizer.json (byte-level BPE) for the text and the samples; '' = byte tokens"),
       string_key("training.data_dir", c.training.data_dir,
                  "where prepared token shards are cached"),
       int_key("training.eval_interval", c.training.eval_interval, "steps between validation runs"),
@@ -411,6 +413,8 @@ void resolve_config(TrainConfig& cfg) {
       if (data.size() > 6 && data.compare(data.size() - 6, 6, "_train") == 0) data.resize(data.size() - 6);
     }
     cfg.job.name = cfg.model.arch + "-" + data;
+    // The same text in a tokenizer's tokens is another run (shards carry their own name).
+    if (!cfg.training.tokenizer.empty() && cfg.training.dataset != "shards") cfg.job.name += "-bpe";
     for (char& ch : cfg.job.name)
       if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.') ch = '-';
   }
@@ -566,7 +570,7 @@ void validate(const TrainConfig& c) {
              "changes only warn)",
              key, fmt::join(exact, ", "));
   }
-  TS_CHECK(m.vocab_size >= 256 || (t.dataset != "fortunes" && t.dataset != "text"),
+  TS_CHECK(m.vocab_size >= 256 || !t.tokenizer.empty() || (t.dataset != "fortunes" && t.dataset != "text"),
            "model.vocab_size ({}) must be at least 256 for byte tokens (training.dataset = {})",
            m.vocab_size, t.dataset);
 

@@ -56,6 +56,9 @@ struct TrainConfig {
     std::string text = "";             // dataset = text: a text file to train on
     std::string train_shard = "";      // dataset = shards: llm.c token shards
     std::string val_shard = "";
+    // A Hugging Face tokenizer.json (GPT-2's byte-level BPE): the tokens of the
+    // text datasets and of the samples ("" = byte tokens, vocabulary 256).
+    std::string tokenizer = "";
     std::string data_dir = "data";
     int64_t eval_interval = 200;
     int64_t eval_batches = 16;
@@ -180,7 +183,8 @@ void validate(const TrainConfig& cfg);
 // What other settings decide, once they are all read (parse_args does it
 // after the last argument): training.batch_tokens > 0 sets
 // training.batch_size (tokens / seq_len, which must divide); an empty
-// job.name becomes <model.arch>-<dataset> (the text or shard file's name),
+// job.name becomes <model.arch>-<dataset> (the text or shard file's name;
+// -bpe added where training.tokenizer tokenizes the text),
 // an empty job.dump_folder out/<job.name>, so that runs on other models or
 // data keep their own metrics, plots and checkpoints.
 void resolve_config(TrainConfig& cfg);

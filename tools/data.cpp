@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "runtime/random.h"
+#include "tools/tokenizer.h"
 
 namespace tessera::data {
 
@@ -127,11 +128,22 @@ std::vector<uint16_t> read_shard(const std::string& path) {
 std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::string>& files,
                                                          const std::string& dir,
                                                          const std::string& name,
-                                                         double val_fraction) {
+                                                         double val_fraction,
+                                                         const BpeTokenizer* tokenizer) {
+  std::vector<uint16_t> tokens;
+  if (tokenizer == nullptr) {
+    tokens = encode_bytes(read_text_files(files));
+  } else {
+    TS_CHECK(tokenizer->vocab_size() <= 65536,
+             "the tokenizer's vocabulary ({} tokens) does not fit token shards (uint16 ids: at "
+             "most 65536)",
+             tokenizer->vocab_size());
+    std::vector<int64_t> ids = tokenizer->encode(read_text_files(files));
+    tokens.assign(ids.begin(), ids.end());
+  }
   fs::create_directories(dir);
   std::string train = (fs::path(dir) / (name + "_train.bin")).string();
   std::string val = (fs::path(dir) / (name + "_val.bin")).string();
-  std::vector<uint16_t> tokens = encode_bytes(read_text_files(files));
   size_t n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
   TS_CHECK(n_val > 0 && n_val < tokens.size(), "corpus of {} tokens is too small to split",
            tokens.size());
@@ -139,6 +151,20 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
   write_shard(train,
               std::vector<uint16_t>(tokens.begin(), tokens.end() - static_cast<long>(n_val)));
   return {train, val};
+}
+
+std::string file_fingerprint(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TS_CHECK(in.good(), "cannot read '{}'", path);
+  uint64_t h = 0xcbf29ce484222325ull;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    for (std::streamsize i = 0; i < in.gcount(); ++i) {
+      h ^= static_cast<unsigned char>(buf[i]);
+      h *= 0x100000001b3ull;
+    }
+  }
+  return fmt::format("{:016x}", h);
 }
 
 Loader::Loader(std::vector<uint16_t> tokens, int64_t seq_len, uint64_t seed)

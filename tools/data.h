@@ -12,6 +12,8 @@
 
 namespace tessera::data {
 
+class BpeTokenizer;
+
 constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 // llm.c's Llama-3 shards (magic 20240801, version 7, uint32 tokens): recognised, not read.
@@ -32,11 +34,18 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens);
 std::vector<uint16_t> read_shard(const std::string& path);
 
 // Prepares <dir>/<name>_train.bin and <dir>/<name>_val.bin from text files
-// (the last val_fraction of the tokens is validation). Returns the two paths.
+// (the last val_fraction of the tokens is validation), as byte tokens or, given
+// a tokenizer, its tokens (its vocabulary must fit the shards' uint16). Returns
+// the two paths.
 std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::string>& files,
                                                          const std::string& dir,
                                                          const std::string& name,
-                                                         double val_fraction = 0.1);
+                                                         double val_fraction = 0.1,
+                                                         const BpeTokenizer* tokenizer = nullptr);
+
+// A short fingerprint of a file's bytes (16 hex digits, FNV-1a): names the
+// shards a tokenizer made, so that a changed tokenizer never reuses them.
+std::string file_fingerprint(const std::string& path);
 
 // Samples (x, y) windows of seq_len + 1 tokens. Sample k of the whole run
 // starts at a position drawn from (seed, k); rank r of W takes samples

@@ -134,29 +134,61 @@ void read_hf_config(TrainConfig& cfg, const std::string& dir) {
 }
 
 nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
-  const std::string path = (fs::path(dir) / "model.safetensors").string();
-  TS_CHECK(fs::is_regular_file(path), "Hugging Face model: {} does not exist (sharded checkpoints, "
-           "model-0000N-of-0000M.safetensors, are not read yet)", path);
-  const bool gpt2 = cfg.model.arch == "gpt2";
-  nn::SafetensorsFile f(path);
-  nn::StateDict out;
-  for (const auto& e : f.entries()) {
-    // The causal-mask buffers older versions stored are not weights.
-    // Older Llama checkpoints stored RoPE's inverse frequencies, which Tessera computes.
-    if (!gpt2 && e.name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-    if (gpt2 && e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
-                               e.name.find(".attn.masked_bias") != std::string::npos))
-      continue;
-    Tensor t = f.read(e.name, DType::F32);
-    if (gpt2 && is_conv1d_weight(e.name)) {
-      TS_CHECK(t.dim() == 2, "Hugging Face GPT-2: {}: {} should be a 2-D Conv1D weight, got {}", path, e.name,
-               shape_str(t.shape()));
-      t = ops::contiguous(ops::transpose(t, 0, 1));  // Conv1D [in, out] -> Linear [out, in]
+  // One model.safetensors, or the shards model.safetensors.index.json names
+  // (save_pretrained splits models above its max_shard_size, 5 GB by default).
+  const std::string single = (fs::path(dir) / "model.safetensors").string();
+  const std::string index = (fs::path(dir) / "model.safetensors.index.json").string();
+  std::map<std::string, std::vector<std::string>> shards;  // file -> the tensors the index puts there
+  if (fs::is_regular_file(single)) {
+    shards[single] = {};
+  } else {
+    TS_CHECK(fs::is_regular_file(index), "Hugging Face model: {} has neither model.safetensors nor "
+             "model.safetensors.index.json (a sharded model)", dir);
+    json idx = read_json(index);
+    TS_CHECK(idx.is_object() && idx.contains("weight_map") && idx["weight_map"].is_object() &&
+                 !idx["weight_map"].empty(),
+             "Hugging Face model: {} has no \"weight_map\" of tensor names to files", index);
+    for (const auto& [name, file] : idx["weight_map"].items()) {
+      TS_CHECK(file.is_string(), "Hugging Face model: {}: weight_map[\"{}\"] is {}, expected a file name", index,
+               name, file.dump());
+      std::string f = file.get<std::string>();
+      TS_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..",
+               "Hugging Face model: {}: weight_map[\"{}\"] is '{}', expected a file in the same folder", index,
+               name, f);
+      TS_CHECK(fs::is_regular_file(fs::path(dir) / f), "Hugging Face model: {} puts {} in {}, which does not exist",
+               index, name, f);
+      shards[(fs::path(dir) / f).string()].push_back(name);
     }
-    // Checkpoints saved from GPT2Model rather than GPT2LMHeadModel lack the "transformer." prefix.
-    std::string name = e.name;
-    if (gpt2 && name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0) name = "transformer." + name;
-    out.emplace_back(name, t);
+  }
+  const bool gpt2 = cfg.model.arch == "gpt2";
+  nn::StateDict out;
+  for (const auto& [path, listed] : shards) {
+    nn::SafetensorsFile f(path);
+    if (!listed.empty()) {  // the index and its shards agree, both ways
+      for (const auto& name : listed)
+        TS_CHECK(f.find(name) != nullptr, "Hugging Face model: the index puts {} in {}, which lacks it", name, path);
+      for (const auto& e : f.entries())
+        TS_CHECK(std::find(listed.begin(), listed.end(), e.name) != listed.end(),
+                 "Hugging Face model: {} holds {}, which the index puts elsewhere or not at all", path, e.name);
+    }
+    for (const auto& e : f.entries()) {
+      // The causal-mask buffers older versions stored are not weights.
+      // Older Llama checkpoints stored RoPE's inverse frequencies, which Tessera computes.
+      if (!gpt2 && e.name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+      if (gpt2 && e.name.size() > 10 && (e.name.compare(e.name.size() - 10, 10, ".attn.bias") == 0 ||
+                                         e.name.find(".attn.masked_bias") != std::string::npos))
+        continue;
+      Tensor t = f.read(e.name, DType::F32);
+      if (gpt2 && is_conv1d_weight(e.name)) {
+        TS_CHECK(t.dim() == 2, "Hugging Face GPT-2: {}: {} should be a 2-D Conv1D weight, got {}", path, e.name,
+                 shape_str(t.shape()));
+        t = ops::contiguous(ops::transpose(t, 0, 1));  // Conv1D [in, out] -> Linear [out, in]
+      }
+      // Checkpoints saved from GPT2Model rather than GPT2LMHeadModel lack the "transformer." prefix.
+      std::string name = e.name;
+      if (gpt2 && name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0) name = "transformer." + name;
+      out.emplace_back(name, t);
+    }
   }
   return out;
 }

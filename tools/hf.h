@@ -26,7 +26,8 @@ namespace tessera::tools {
 // throws naming the field Tessera cannot take.
 void read_hf_config(TrainConfig& cfg, const std::string& dir);
 // Its weights under Tessera's names and layout, as float32 tensors (cfg: as
-// read_hf_config left it).
+// read_hf_config left it): model.safetensors, or the shards that
+// model.safetensors.index.json maps every tensor to.
 nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg);
 // Writes `weights` (whole tensors by Tessera's names) as an HF folder:
 // model.safetensors in float32 and config.json. gpt2 needs learned

@@ -21,10 +21,12 @@
 //   tessera-ckpt from-hf HF_FOLDER OUT_FOLDER
 //       A Hugging Face GPT-2 or Llama (config.json + model.safetensors, as
 //       save_pretrained writes it) as a step-0 checkpoint with its model
-//       configuration, which tessera-train continues.
+//       configuration, which tessera-train continues. Its tokenizer.json goes
+//       along when it is byte-level BPE (tools/tokenizer.h).
 //   tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER
 //       A gpt2 or llama checkpoint as a folder that transformers'
-//       from_pretrained loads (tools/hf.h).
+//       from_pretrained loads (tools/hf.h), with the tokenizer.json found
+//       beside the checkpoint (in it or the two folders above), if any.
 //   tessera-ckpt from-llmc MODEL.bin OUT_FOLDER
 //   tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype bfloat16]
 //       llm.c's GPT-2 model file (gpt2_124M.bin; tools/llmc_model.h) to a
@@ -45,6 +47,7 @@
 #include "tools/config.h"
 #include "tools/hf.h"
 #include "tools/llmc_model.h"
+#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -263,7 +266,21 @@ int from_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
   tools::TrainConfig cfg;
   tools::read_hf_config(cfg, args[0]);
-  return save_as_checkpoint(cfg, tools::read_hf_weights(args[0], cfg), args[0], args[1]);
+  int rc = save_as_checkpoint(cfg, tools::read_hf_weights(args[0], cfg), args[0], args[1]);
+  // The model's tokenizer goes with it, where tessera-generate looks, if this
+  // runtime can read it (GPT-2's byte-level BPE).
+  fs::path tokenizer = fs::path(args[0]) / "tokenizer.json";
+  if (fs::is_regular_file(tokenizer)) {
+    try {
+      auto t = data::BpeTokenizer::load(tokenizer.string());
+      fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
+      std::printf("%s -> %s (%lld tokens)\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str(),
+                  static_cast<long long>(t.vocab_size()));
+    } catch (const Error& e) {
+      std::printf("note: %s not copied: %s\n", tokenizer.c_str(), e.what());
+    }
+  }
+  return rc;
 }
 
 int from_llmc(const std::vector<std::string>& args) {
@@ -292,6 +309,10 @@ int to_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
   auto [cfg, weights] = checkpoint_model(args[0], "to-hf");
   tools::write_hf(args[1], cfg, weights);
+  if (std::string tokenizer = data::tokenizer_beside(checkpoint_dir(args[0])); !tokenizer.empty()) {
+    fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
+    std::printf("%s -> %s\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str());
+  }
   std::printf("%s -> %s: config.json and model.safetensors (%s)\n", args[0].c_str(), args[1].c_str(),
               cfg.model.arch == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
   return 0;

@@ -1,9 +1,10 @@
 // tessera-data: turns text into llm.c token shards and inspects shards.
 //
-//   tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...
-//       byte-level tokens of the files, concatenated; the last F (default 0.1)
-//       is validation: DIR/NAME_train.bin and DIR/NAME_val.bin
-//   tessera-data info SHARD...
+//   tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] [--tokenizer JSON] FILE...
+//       the files' tokens, concatenated (byte tokens, or those of a Hugging
+//       Face tokenizer.json with byte-level BPE); the last F (default 0.1) is
+//       validation: DIR/NAME_train.bin and DIR/NAME_val.bin
+//   tessera-data info [--tokenizer JSON] SHARD...
 //       header, token count, token range and the first tokens as text
 //
 // Shards follow llm.c: a header of 256 int32 (magic 20240520, version 1,
@@ -12,11 +13,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "runtime/check.h"
 #include "tools/data.h"
+#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -24,12 +27,13 @@ namespace fs = std::filesystem;
 namespace {
 
 const char* const kUsage =
-    "usage: tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] FILE...\n"
-    "       tessera-data info SHARD...\n"
+    "usage: tessera-data prepare [--out DIR] [--name NAME] [--val-fraction F] [--tokenizer JSON] FILE...\n"
+    "       tessera-data info [--tokenizer JSON] SHARD...\n"
     "\n"
-    "  prepare  byte-level tokens of the text FILEs, concatenated; the last F (default 0.1)\n"
-    "           is validation: DIR/NAME_train.bin and DIR/NAME_val.bin (DIR: data, NAME: the\n"
-    "           first file's stem)\n"
+    "  prepare  the tokens of the text FILEs, concatenated; the last F (default 0.1) is\n"
+    "           validation: DIR/NAME_train.bin and DIR/NAME_val.bin (DIR: data, NAME: the\n"
+    "           first file's stem). Byte tokens, or with --tokenizer those of a Hugging Face\n"
+    "           tokenizer.json (GPT-2's byte-level BPE)\n"
     "  info     header, token count, token range and the first tokens as text\n"
     "\n"
     "Shards are llm.c's GPT-2 format: 256 int32 (magic 20240520, version 1, token count),\n"
@@ -47,7 +51,7 @@ bool is_help(const std::string& a) {
 }
 
 int prepare(const std::vector<std::string>& args) {
-  std::string out = "data", name;
+  std::string out = "data", name, tokenizer_path;
   double val_fraction = 0.1;
   std::vector<std::string> files;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -59,6 +63,8 @@ int prepare(const std::vector<std::string>& args) {
       out = value("--out");
     else if (args[i] == "--name")
       name = value("--name");
+    else if (args[i] == "--tokenizer")
+      tokenizer_path = value("--tokenizer");
     else if (args[i] == "--val-fraction") {
       std::string v = value("--val-fraction");
       size_t used = 0;
@@ -70,21 +76,41 @@ int prepare(const std::vector<std::string>& args) {
       TS_CHECK(used == v.size() && val_fraction > 0 && val_fraction < 1,
                "--val-fraction expects a number in (0, 1), got '{}'", v);
     } else if (args[i].rfind("--", 0) == 0) {
-      TS_CHECK(false, "unknown option '{}' (valid: --out, --name, --val-fraction)", args[i]);
+      TS_CHECK(false, "unknown option '{}' (valid: --out, --name, --val-fraction, --tokenizer)",
+               args[i]);
     } else {
       files.push_back(args[i]);
     }
   }
   TS_CHECK(!files.empty(), "prepare needs at least one text file");
   if (name.empty()) name = fs::path(files[0]).stem().string();
-  auto [train, val] = data::prepare_text_dataset(files, out, name, val_fraction);
+  std::optional<data::BpeTokenizer> tokenizer;
+  if (!tokenizer_path.empty()) tokenizer = data::BpeTokenizer::load(tokenizer_path);
+  auto [train, val] =
+      data::prepare_text_dataset(files, out, name, val_fraction, tokenizer ? &*tokenizer : nullptr);
   std::printf("%s: %lld tokens\n%s: %lld tokens\n", train.c_str(),
               static_cast<long long>(data::read_shard(train).size()), val.c_str(),
               static_cast<long long>(data::read_shard(val).size()));
+  if (tokenizer)
+    std::printf("train on them with: tessera-train --training.dataset shards --training.train_shard %s "
+                "--training.val_shard %s --training.tokenizer %s --model.vocab_size %lld\n",
+                train.c_str(), val.c_str(), tokenizer_path.c_str(),
+                static_cast<long long>(tokenizer->vocab_size()));
   return 0;
 }
 
-int info(const std::vector<std::string>& shards) {
+int info(const std::vector<std::string>& args) {
+  std::vector<std::string> shards;
+  std::optional<data::BpeTokenizer> tokenizer;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--tokenizer") {
+      TS_CHECK(i + 1 < args.size(), "--tokenizer needs a value");
+      tokenizer = data::BpeTokenizer::load(args[++i]);
+    } else {
+      TS_CHECK(args[i].rfind("--", 0) != 0, "unknown option '{}' (valid: --tokenizer)", args[i]);
+      shards.push_back(args[i]);
+    }
+  }
   TS_CHECK(!shards.empty(), "info needs at least one shard");
   for (const auto& path : shards) {
     auto tokens = data::read_shard(path);
@@ -96,11 +122,15 @@ int info(const std::vector<std::string>& shards) {
       continue;
     }
     std::printf(", token ids %d..%d%s\n", *lo, *hi,
-                *hi < 256 ? " (byte tokens)" : " (needs a vocabulary > 256)");
-    if (*hi < 256) {
+                tokenizer ? "" : *hi < 256 ? " (byte tokens)" : " (needs a vocabulary > 256)");
+    TS_CHECK(!tokenizer || *hi < tokenizer->vocab_size(),
+             "{}: token {} is outside the tokenizer's vocabulary ({} tokens): another tokenizer's "
+             "shard?",
+             path, *hi, tokenizer ? tokenizer->vocab_size() : 0);
+    if (tokenizer || *hi < 256) {
       std::vector<int64_t> head(
           tokens.begin(), tokens.begin() + static_cast<long>(std::min<size_t>(80, tokens.size())));
-      std::string text = data::decode_bytes(head);
+      std::string text = tokenizer ? tokenizer->decode(head) : data::decode_bytes(head);
       for (char& c : text)
         if (c == '\n' || c == '\t') c = ' ';
       std::printf("  begins: \"%s\"\n", text.c_str());

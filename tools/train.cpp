@@ -24,6 +24,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "dtensor/dtensor.h"
@@ -43,6 +44,7 @@
 #include "tools/data.h"
 #include "tools/plan.h"
 #include "tools/report.h"
+#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -193,7 +195,10 @@ json checked_training_state(const std::string& dir, const fsdp::CheckpointMetada
 
 // Train and validation tokens: rank 0 prepares the shards once (cached in
 // data_dir), then every rank reads them.
-std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::TrainConfig& c) {
+// With a tokenizer, the shards' names carry its fingerprint: another
+// tokenizer (or a changed file) prepares its own.
+std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::TrainConfig& c,
+                                                                 const data::BpeTokenizer* tokenizer) {
   std::string train_path, val_path;
   if (c.training.dataset == "shards") {
     train_path = c.training.train_shard;
@@ -201,6 +206,7 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
   } else {
     bool text = c.training.dataset == "text";
     std::string name = text ? fs::path(c.training.text).stem().string() : "fortunes";
+    if (tokenizer != nullptr) name += "_bpe-" + data::file_fingerprint(c.training.tokenizer);
     train_path = (fs::path(c.training.data_dir) / (name + "_train.bin")).string();
     val_path = (fs::path(c.training.data_dir) / (name + "_val.bin")).string();
     std::string error;
@@ -210,7 +216,7 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
             text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
         std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(),
                     train_path.c_str(), val_path.c_str());
-        data::prepare_text_dataset(files, c.training.data_dir, name);
+        data::prepare_text_dataset(files, c.training.data_dir, name, 0.1, tokenizer);
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -328,6 +334,7 @@ class Trainer {
   optim::AdamW* adamw_ = nullptr;
   optim::LRSchedule schedule_;
   std::unique_ptr<data::Loader> train_, val_;
+  std::optional<data::BpeTokenizer> tokenizer_;  // training.tokenizer, if set
   double baseline_ = 0;
   int64_t micro_global_ = 0, micro_local_ = 0;
   std::unique_ptr<tools::Progress> progress_;
@@ -663,7 +670,18 @@ void Trainer::open_outputs() {
 void Trainer::prepare_data() {
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / dp_;
-  auto [train_tokens, val_tokens] = load_data(cfg_);
+  if (!T_.tokenizer.empty()) {
+    tokenizer_ = data::BpeTokenizer::load(T_.tokenizer);
+    TS_CHECK(cfg_.model.vocab_size >= tokenizer_->vocab_size(),
+             "model.vocab_size ({}) is smaller than the vocabulary of training.tokenizer {} ({} "
+             "tokens): set --model.vocab_size {} (or more, e.g. a multiple of 64)",
+             cfg_.model.vocab_size, T_.tokenizer, tokenizer_->vocab_size(), tokenizer_->vocab_size());
+    // A copy in the run folder, where tessera-generate looks for it.
+    fs::path copy = fs::path(cfg_.job.dump_folder) / "tokenizer.json";
+    if (rank_ == 0 && (!fs::exists(copy) || !fs::equivalent(copy, T_.tokenizer)))
+      fs::copy_file(T_.tokenizer, copy, fs::copy_options::overwrite_existing);
+  }
+  auto [train_tokens, val_tokens] = load_data(cfg_, tokenizer_ ? &*tokenizer_ : nullptr);
   for (auto [split, toks] : {std::pair{"training", &train_tokens}, {"validation", &val_tokens}}) {
     TS_CHECK(static_cast<int64_t>(toks->size()) > T_.seq_len + 1,
              "training.seq_len ({}) needs windows of {} tokens, but the {} data ({}) has only {}",
@@ -953,7 +971,10 @@ void Trainer::finish(double total_s, int64_t start) {
 void Trainer::sample(const std::string& when) {
   if (cfg_.sample.max_new_tokens <= 0) return;
   std::vector<int64_t> prompt;
-  for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
+  if (tokenizer_)
+    prompt = tokenizer_->encode(cfg_.sample.prompt);
+  else
+    for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
   if (rank_ == 0) {
     progress_->finish();
     std::printf("\n--- sample%s (temperature %.2f, top-k %lld) ---\n%s", when.empty() ? "" : (" at " + when).c_str(),
@@ -964,7 +985,14 @@ void Trainer::sample(const std::string& when) {
                 static_cast<uint64_t>(cfg_.job.seed)},
                [&](int64_t t) {
                  if (rank_ != 0) return;
-                 std::putchar(static_cast<int>(t));
+                 if (tokenizer_ && tokenizer_->contains(t)) {
+                   const std::string& bytes = tokenizer_->token_bytes(t);
+                   std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+                 } else if (tokenizer_ || t >= 256) {
+                   std::printf("[%lld]", static_cast<long long>(t));  // a padding id
+                 } else {
+                   std::putchar(static_cast<int>(t));
+                 }
                  std::fflush(stdout);
                });
   if (rank_ == 0) std::printf("\n---\n");

@@ -47,7 +47,7 @@
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/isa.h"
 #include "runtime/kernels.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 #include "runtime/profiler.h"
 
 namespace tessera::cpu {

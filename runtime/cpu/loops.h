@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "runtime/cpu/isa_copy.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 #include "runtime/tensor.h"
 
 // In each kernel copy's namespace: a class shared by the copies would be one

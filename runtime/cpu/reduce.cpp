@@ -10,7 +10,7 @@
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/sums.h"
 #include "runtime/kernels.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 namespace tessera::cpu::TS_CPU_ISA {
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "runtime/cpu/isa_copy.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 namespace tessera::cpu::TS_CPU_ISA {
 

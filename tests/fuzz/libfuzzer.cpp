@@ -1,8 +1,8 @@
 // Coverage-guided fuzzing (libFuzzer, clang) of every reader of untrusted
 // input: llm.c token shards, checkpoint metadata, checkpoint data files,
-// safetensors files and tessera-train's TOML configuration. One program, the
-// reader chosen by FUZZ_TARGET (shards | metadata | datafile | safetensors |
-// toml); the readers' sources are compiled into it with the fuzzer's coverage
+// safetensors files, tessera-train's TOML configuration and tokenizer.json
+// with the text it encodes. One program, the reader chosen by FUZZ_TARGET
+// (shards | metadata | datafile | safetensors | toml | tokenizer); the readers' sources are compiled into it with the fuzzer's coverage
 // and AddressSanitizer + UBSan (tests/fuzz/libfuzzer.sh builds and runs it).
 //
 // Every input must be accepted or refused with a tessera::Error. Anything else
@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "fsdp/checkpoint.h"
@@ -22,15 +23,17 @@
 #include "runtime/distributed.h"
 #include "tools/config.h"
 #include "tools/data.h"
+#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
 
 namespace {
 
-enum class Target { Shards, Metadata, DataFile, Safetensors, Toml };
+enum class Target { Shards, Metadata, DataFile, Safetensors, Toml, Tokenizer };
 Target g_target;
 fs::path g_dir;  // this process's scratch folder (file readers read real files)
+std::optional<data::BpeTokenizer> g_bpe;  // the test fixture's GPT-2 style tokenizer
 
 void write_file(const fs::path& p, const uint8_t* data, size_t size) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
@@ -100,6 +103,24 @@ void run_one(const uint8_t* data, size_t size) {
       tools::check_memory(cfg, 3, 3, 64.0 * (1ull << 30));
       break;
     }
+    case Target::Tokenizer: {
+      // An input that starts with '{' is a tokenizer.json (if it is one, it
+      // encodes a fixed text); any other is text, which must decode back to
+      // itself under the fixture's tokenizer.
+      std::string_view bytes(reinterpret_cast<const char*>(data), size);
+      if (size > 0 && data[0] == '{') {
+        auto t = data::BpeTokenizer::from_json(std::string(bytes), "fuzz/tokenizer.json");
+        std::vector<int64_t> ids = t.encode("Hello  world, it's 42\n<|endoftext|>\xff");
+        (void)t.decode(ids);
+      } else {
+        std::vector<int64_t> ids = g_bpe->encode(bytes);
+        if (g_bpe->decode(ids) != bytes) {
+          std::fprintf(stderr, "FINDING: tokenizer: %zu bytes do not decode back to themselves\n", size);
+          std::abort();
+        }
+      }
+      break;
+    }
   }
 }
 
@@ -114,8 +135,9 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   else if (t == "datafile") g_target = Target::DataFile;
   else if (t == "safetensors") g_target = Target::Safetensors;
   else if (t == "toml") g_target = Target::Toml;
+  else if (t == "tokenizer") g_target = Target::Tokenizer;
   else {
-    std::fprintf(stderr, "FUZZ_TARGET must be shards, metadata, datafile, safetensors or toml\n");
+    std::fprintf(stderr, "FUZZ_TARGET must be shards, metadata, datafile, safetensors, toml or tokenizer\n");
     std::exit(2);
   }
   char tmpl[] = "/tmp/tessera-libfuzzer-XXXXXX";
@@ -123,6 +145,10 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   g_dir = tmpl;
   fs::create_directories(g_dir / "ckpt");
   g_datafile_md = fsdp::parse_metadata(kDataFileMetadata, "datafile seed");
+  if (g_target == Target::Tokenizer) {
+    const char* bpe = std::getenv("TESSERA_BPE");  // set by libfuzzer.sh
+    g_bpe = data::BpeTokenizer::load(bpe != nullptr ? bpe : "tests/fixtures/bpe/tokenizer.json");
+  }
   std::atexit([] { fs::remove_all(g_dir); });
   return 0;
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tests/fuzz/libfuzzer.cpp with clang (libFuzzer + AddressSanitizer +
 # UBSan; the readers' sources compiled in with coverage, the rest of Tessera
-# linked from BUILD's libtessera.so) and fuzzes each reader for SECONDS.
+# linked from BUILD's libtessera.so.0) and fuzzes each reader for SECONDS.
 #
 #   tests/fuzz/libfuzzer.sh BUILD SECONDS [merge] [TARGET...]
 #
@@ -19,7 +19,7 @@ shift 2
 merge=0
 if [[ ${1:-} == merge ]]; then merge=1; shift; fi
 targets=("$@")
-(( ${#targets[@]} )) || targets=(shards metadata datafile safetensors toml)
+(( ${#targets[@]} )) || targets=(shards metadata datafile safetensors toml tokenizer)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cxx=${CLANGXX:-clang++}
 if ! command -v "$cxx" > /dev/null; then
@@ -35,11 +35,12 @@ if ! "$cxx" -fsanitize=fuzzer "$out/probe.cpp" -o "$out/probe" 2> "$out/probe.lo
 fi
 
 # The build: only when a source is newer than the program.
-sources=(tests/fuzz/libfuzzer.cpp nn/safetensors.cpp fsdp/checkpoint_format.cpp tools/data.cpp tools/config.cpp)
+sources=(tests/fuzz/libfuzzer.cpp nn/safetensors.cpp fsdp/checkpoint_format.cpp tools/data.cpp tools/config.cpp
+         tools/tokenizer.cpp)
 bin=$out/fuzz_readers_libfuzzer
 stale=0
 [[ -x $bin ]] || stale=1
-for s in "${sources[@]}" "$build/libtessera.so"; do
+for s in "${sources[@]}" "$build/libtessera.so.0"; do
   [[ -f $root/$s || -f $s ]] || continue
   [[ ${s:0:1} == / ]] && f=$s || f=$root/$s
   [[ $f -nt $bin ]] && stale=1
@@ -56,12 +57,12 @@ if (( stale )); then
     objs+=("$o")
   done
   "$cxx" -fsanitize=fuzzer,address,undefined "${objs[@]}" -o "$bin" \
-    -L"$build" -Wl,-rpath,"$build" -ltessera $(pkg-config --libs fmt tomlplusplus)
+    "$build/libtessera.so.0" -Wl,-rpath,"$build" $(pkg-config --libs fmt tomlplusplus)
 fi
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 TESSERA_BPE=$root/tests/fixtures/bpe/tokenizer.json
 failed=0
 for t in "${targets[@]}"; do
   corpus=$root/tests/fuzz/corpus/$t

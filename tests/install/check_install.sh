@@ -1,22 +1,77 @@
 #!/bin/sh
-# Installs the build into a temporary root, then compiles and runs
-# tests/install/embed.cpp against that copy using only `pkg-config tessera`.
+# Installs the build into a temporary root and checks it as an embedding
+# engine would use it:
+#   - libtessera.so.0 (SONAME) and libtessera.a are there;
+#   - the public headers compile with -Wall -Wextra -Wpedantic -Werror and pull
+#     in no MPI, BLAS, oneDNN, OpenMP, CUDA or JSON header;
+#   - tests/install/embed.cpp builds with `pkg-config tessera` (shared, and
+#     static with --static) and with CMake's find_package(Tessera) (shared and
+#     static), and each program runs
+#     without LD_LIBRARY_PATH; the static one also has no wider instruction
+#     outside the kernels' AVX2/AVX-512 copies (tests/tools/check_isa.sh).
 set -eu
 build_dir=$1
 source_dir=$2
 sanitize=${3:-none}  # a sanitized library needs a sanitized program
+native=${4:-false}
 extra=""
 [ "$sanitize" = none ] || extra="-fsanitize=$sanitize"
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
 meson install -C "$build_dir" --destdir "$root" --no-rebuild --quiet >/dev/null
 pc=$(find "$root" -name tessera.pc | head -n 1)
-[ -n "$pc" ] || { echo "tessera.pc was not installed"; exit 1; }
+[ -n "$pc" ] || fail "tessera.pc was not installed"
 prefix=$(sed -n 's/^prefix=//p' "$pc")
 export PKG_CONFIG_PATH="$(dirname "$pc")"
-flags=$(pkg-config --define-variable=prefix="$root$prefix" --cflags --libs tessera)
-libdir=$(pkg-config --define-variable=prefix="$root$prefix" --variable=libdir tessera)
-[ -f "$root$prefix/include/tessera/tessera.h" ] || { echo "umbrella header missing"; exit 1; }
-[ -f "$root$prefix/include/tessera/runtime/tensor.h" ] || { echo "runtime headers missing"; exit 1; }
-c++ -O1 $extra "$source_dir/tests/install/embed.cpp" $flags -Wl,-rpath,"$libdir" -o "$root/embed"
-"$root/embed"
+pcflags="--define-variable=prefix=$root$prefix"
+libdir=$(pkg-config "$pcflags" --variable=libdir tessera)
+[ -f "$root$prefix/include/tessera/tessera.h" ] || fail "umbrella header missing"
+[ -f "$root$prefix/include/tessera/runtime/tensor.h" ] || fail "runtime headers missing"
+
+# The libraries: a versioned shared one and a static one.
+[ -f "$libdir/libtessera.a" ] || fail "libtessera.a was not installed"
+soname=$(readelf -d "$libdir/libtessera.so" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+[ "$soname" = libtessera.so.0 ] || fail "SONAME is '$soname', expected libtessera.so.0"
+[ -L "$libdir/libtessera.so.0" ] || fail "libtessera.so.0 link missing"
+echo "libraries: libtessera.so (SONAME $soname), libtessera.a"
+
+# The headers in a user's strict build, and what they include.
+flags=$(pkg-config "$pcflags" --cflags --libs tessera)
+# Every installed header, not only those the umbrella includes.
+(cd "$root$prefix/include" && find tessera -name '*.h' | sort | sed 's/.*/#include <&>/') > "$root/all_headers.cpp"
+c++ -fsyntax-only -H -Wall -Wextra -Wpedantic -Werror $extra "$root/all_headers.cpp" \
+  $(pkg-config "$pcflags" --cflags tessera) 2> "$root/includes" \
+  || { cat "$root/includes"; fail "the public headers do not compile with -Wall -Wextra -Wpedantic -Werror"; }
+leaks=$(grep -E '^\.+ ' "$root/includes" | grep -v "$root/" | grep -E '/(mpi|cblas|openblas[^/]*|omp|nccl|cuda[^/]*|cublas[^/]*)\.h$|/oneapi/|/nlohmann/|/toml\+\+/' || true)
+[ -z "$leaks" ] || { echo "$leaks"; fail "the public headers include library headers a user should not see"; }
+echo "headers: all $(wc -l < "$root/all_headers.cpp") -Wall -Wextra -Wpedantic -Werror clean, no MPI/BLAS/oneDNN/OpenMP/CUDA/JSON inside"
+
+# What the compile line gets: the headers' folders and fmt's, no MPI or CUDA include folder.
+cflags=$(pkg-config "$pcflags" --cflags tessera)
+case "$cflags" in *mpi*|*cuda*|*openblas*|*dnnl*) fail "pkg-config --cflags tessera leaks library include folders: $cflags";; esac
+
+# pkg-config, shared library, no LD_LIBRARY_PATH: the program finds it by its run path.
+c++ -O1 -Wall -Wextra -Wpedantic -Werror $extra "$source_dir/tests/install/embed.cpp" $flags \
+  -Wl,-rpath,"$libdir" -o "$root/embed"
+env -u LD_LIBRARY_PATH "$root/embed"
+env -u LD_LIBRARY_PATH ldd "$root/embed" | grep -q "$libdir/libtessera.so.0" || fail "pkg-config program does not load the installed libtessera.so.0"
+
+# pkg-config --static: Libs.private names everything libtessera.a needs.
+c++ -O1 $extra "$source_dir/tests/install/embed.cpp" $cflags "$libdir/libtessera.a" \
+  $(pkg-config "$pcflags" --static --libs tessera | sed 's/-ltessera\b//') -o "$root/embed_static_pc" \
+  || fail "a static link with pkg-config --static --libs tessera failed"
+env -u LD_LIBRARY_PATH "$root/embed_static_pc"
+
+# CMake: find_package(Tessera), shared and static.
+cmake -S "$source_dir/tests/install/cmake" -B "$root/cmake-build" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$root$prefix" -DCMAKE_CXX_FLAGS="-Wall -Wextra -Wpedantic -Werror $extra" \
+  > "$root/cmake.log" 2>&1 || { cat "$root/cmake.log"; fail "cmake could not configure against the install"; }
+cmake --build "$root/cmake-build" > "$root/cmake-build.log" 2>&1 \
+  || { cat "$root/cmake-build.log"; fail "cmake could not build against the install"; }
+env -u LD_LIBRARY_PATH "$root/cmake-build/embed_shared"
+env -u LD_LIBRARY_PATH "$root/cmake-build/embed_static"
+env -u LD_LIBRARY_PATH ldd "$root/cmake-build/embed_shared" | grep -q "$libdir/libtessera.so.0" || fail "CMake shared program does not load the installed libtessera.so.0"
+! env -u LD_LIBRARY_PATH ldd "$root/cmake-build/embed_static" | grep -q libtessera || fail "CMake static program loads libtessera.so"
+[ "$sanitize" != none ] || "$source_dir/tests/tools/check_isa.sh" "$root/cmake-build/embed_static" "$native"
+echo "install: pkg-config (shared, static), CMake (shared, static) programs built and ran"

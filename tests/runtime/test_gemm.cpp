@@ -14,7 +14,7 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/cpu/dispatch.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 using namespace tessera;
 

@@ -4,7 +4,7 @@
 
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 #include "runtime/stream.h"
 #include "tests/helpers.h"
 

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "runtime/parallel.h"
+#include "runtime/parallel_for.h"
 
 int main() {
   tessera::set_num_threads(2);

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -126,7 +127,7 @@ TEST_CASE("Hugging Face GPT-2 folders Tessera cannot take are refused, naming wh
                     Catch::Contains("needs \"n_layer\" as a positive integer, got 0"));
   write("{not json");
   CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()), Catch::Contains("is not valid JSON"));
-  CHECK_THROWS_WITH(tools::read_hf_weights(dir.path.string(), cfg), Catch::Contains("model.safetensors does not exist"));
+  CHECK_THROWS_WITH(tools::read_hf_weights(dir.path.string(), cfg), Catch::Contains("has neither model.safetensors nor model.safetensors.index.json"));
   cfg.model.arch = "gpt2";
   cfg.model.rope = true;
   CHECK_THROWS_WITH(tools::write_hf(dir.path.string(), cfg, {}), Catch::Contains("learned positions"));
@@ -166,4 +167,74 @@ TEST_CASE("a Hugging Face Llama loads and gives transformers' logits, and writes
   tools::TrainConfig again;
   load(out.path.string(), again);
   CHECK(tools::model_to_json(again) == tools::model_to_json(cfg));
+}
+
+TEST_CASE("a sharded Hugging Face Llama reads as the one file", "[hf][llama]") {
+  // save_pretrained's layout above max_shard_size: model-0000N-of-0000M.safetensors
+  // and model.safetensors.index.json mapping each tensor to its file.
+  const fs::path src = fixture("hf-llama");
+  tools::TrainConfig cfg;
+  tools::read_hf_config(cfg, src.string());
+  nn::StateDict whole = tools::read_hf_weights(src.string(), cfg);
+  nn::SafetensorsFile f((src / "model.safetensors").string());
+  const auto& entries = f.entries();
+  REQUIRE(entries.size() > 3);
+  TempDir dir;
+  fs::copy_file(src / "config.json", dir.path / "config.json");
+  const std::string names[] = {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                               "model-00003-of-00003.safetensors"};
+  nlohmann::json map = nlohmann::json::object();
+  for (size_t s = 0; s < 3; ++s) {  // every third tensor to shard s: not contiguous, uneven
+    nn::StateDict part;
+    for (size_t i = s; i < entries.size(); i += 3) {
+      part.emplace_back(entries[i].name, f.read(entries[i].name));
+      map[entries[i].name] = names[s];
+    }
+    nn::save_safetensors((dir.path / names[s]).string(), part);
+  }
+  auto write_index = [&](const nlohmann::json& m) {
+    std::ofstream(dir.path / "model.safetensors.index.json") << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", m}}.dump();
+  };
+  write_index(map);
+  nn::StateDict sharded = tools::read_hf_weights(dir.path.string(), cfg);
+  REQUIRE(sharded.size() == whole.size());
+  std::map<std::string, Tensor> by_name(sharded.begin(), sharded.end());
+  for (const auto& [name, t] : whole) {
+    INFO(name);
+    REQUIRE(by_name.count(name) == 1);
+    CHECK(equal(by_name[name], t));
+  }
+  // An index and shards that disagree are refused, naming the tensor.
+  auto error = [&] {
+    try {
+      tools::read_hf_weights(dir.path.string(), cfg);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json moved = map;
+  moved[entries[0].name] = names[1];
+  write_index(moved);
+  CHECK(error().find("Hugging Face model: " + (dir.path / names[0]).string() + " holds " + entries[0].name) !=
+        std::string::npos);
+  nlohmann::json extra = map;
+  extra["model.extra.weight"] = names[2];
+  write_index(extra);
+  CHECK(error().find("the index puts model.extra.weight in " + (dir.path / names[2]).string() + ", which lacks it") !=
+        std::string::npos);
+  nlohmann::json dropped = map;
+  dropped.erase(entries[1].name);
+  write_index(dropped);
+  CHECK(error().find("holds " + entries[1].name + ", which the index puts elsewhere or not at all") != std::string::npos);
+  nlohmann::json escape = map;
+  escape[entries[0].name] = "../model.safetensors";
+  write_index(escape);
+  CHECK(error().find("expected a file in the same folder") != std::string::npos);
+  nlohmann::json missing = map;
+  missing[entries[0].name] = "model-00009-of-00009.safetensors";
+  write_index(missing);
+  CHECK(error().find("which does not exist") != std::string::npos);
+  fs::remove(dir.path / "model.safetensors.index.json");
+  CHECK(error().find("has neither model.safetensors nor model.safetensors.index.json") != std::string::npos);
 }

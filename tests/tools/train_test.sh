@@ -16,7 +16,9 @@
 #     mpirun or the surviving rank, not a hang;
 #   tessera-generate is deterministic and produces the asked number of tokens;
 #   tessera-ckpt lists and converts (from-safetensors: to the model's dtype,
-#     tied weights filled in); tessera-data prepares and checks shards.
+#     tied weights filled in); tessera-data prepares and checks shards;
+#   a tokenizer.json (byte-level BPE) through tessera-data, tessera-train's
+#     text dataset and samples, tessera-generate and tessera-ckpt's HF folders.
 set -euo pipefail
 bin=$1      # build/tools
 work=$2
@@ -487,4 +489,32 @@ expect_error "is truncated" "$bin/tessera-data" info short.bin
 expect_error "is truncated" "$bin/tessera-train" "${tiny[@]}" --training.dataset shards \
   --training.train_shard short.bin --training.val_shard shards/book_val.bin
 expect_error "does not exist" "$bin/tessera-data" info missing.bin
+
+echo "== a byte-level BPE tokenizer (tokenizer.json)"
+bpe=$src/tests/fixtures/bpe/tokenizer.json
+"$bin/tessera-data" prepare --tokenizer "$bpe" --out shards --name bookbpe book.txt > bpe.log
+grep -q -- "--training.tokenizer $bpe --model.vocab_size 1024" bpe.log || fail "prepare --tokenizer: $(cat bpe.log)"
+"$bin/tessera-data" info --tokenizer "$bpe" shards/bookbpe_train.bin | grep -q 'begins: "The quick brown fox' ||
+  fail "info --tokenizer does not show the text"
+expect_error "model.vocab_size (256) is smaller than the vocabulary of training.tokenizer" \
+  "$bin/tessera-train" "${tiny[@]}" --training.tokenizer "$bpe" --training.dataset text --training.text book.txt
+# The text dataset through the tokenizer: shards named by its fingerprint, the
+# tokenizer copied into the run folder, the sample and tessera-generate in text.
+"$bin/tessera-train" "${tiny[@]}" --training.tokenizer "$bpe" --model.vocab_size 1088 --training.dataset text \
+  --training.text book.txt --job.dump_folder bpe --checkpoint.enable true --sample.max_new_tokens 30 \
+  --sample.prompt "The quick" > bpe-train.log
+ls "$work"/data/book_bpe-*_train.bin > /dev/null || fail "no BPE shards in the data folder"
+cmp -s "$bpe" bpe/tokenizer.json || fail "the tokenizer was not copied into the run folder"
+grep -q "^The quick" bpe-train.log || fail "the sample does not start with its prompt: $(tail -5 bpe-train.log)"
+"$bin/tessera-generate" --checkpoint bpe/checkpoint --sample.prompt "The quick" --sample.max_new_tokens 30 \
+  > gen.out 2> gen.err
+grep -q "tokenizer .*bpe/tokenizer.json (1024 tokens)" gen.err || fail "generate did not find the tokenizer: $(cat gen.err)"
+grep -q "^The quick" gen.out && ! grep -q '\[[0-9]*\]' gen.out || fail "generate did not print text: $(cat gen.out)"
+"$bin/tessera-ckpt" to-hf bpe/checkpoint bpehf > /dev/null
+cmp -s "$bpe" bpehf/tokenizer.json || fail "to-hf did not take the tokenizer along"
+"$bin/tessera-ckpt" from-hf bpehf bpeck > /dev/null
+cmp -s "$bpe" bpeck/tokenizer.json || fail "from-hf did not take the tokenizer along"
+echo '{"model": {"type": "Unigram"}}' > bad-tokenizer.json
+expect_error "bad-tokenizer.json: model.type is 'Unigram'" "$bin/tessera-data" prepare --tokenizer bad-tokenizer.json book.txt
+echo "bpe: prepared, trained, sampled, generated and converted with a tokenizer.json"
 echo "train_test: all passed"
