@@ -32,6 +32,9 @@ enum class OpClass {
   Embedding,         // embedding(weight [V, D], indices) -> {out}
   EmbeddingBackward, // embedding's weight gradient (grad, indices, weight) -> {dweight}, laid out as weight
   Relayout,          // inputs[0] laid out as inputs[1] is (a gradient as its parameter)
+  PerShard,          // independent along `free_dims` (softmax away from its dim; attention and
+                     // RoPE over batch and heads): each shard alone, outputs split as the inputs
+  View,              // reshape / permute of inputs[0] to `shape` (`perm`: a permutation)
 };
 
 struct DistCall {
@@ -52,6 +55,13 @@ struct DistCall {
   // Random: fills a local tensor given the counters of its elements.
   std::function<void(Tensor& local, const RandomSpec& spec)> random_fill;
   RandomSpec spec;  // the spec the full tensor would use
+  // PerShard: the dims (of every DTensor input, counted alike) the op treats
+  // independently; output i's global sizes on split dims are input out_like[i]'s.
+  std::vector<int64_t> free_dims;
+  std::vector<int> out_like;
+  // View: the new global shape (reshape) or the permutation (permute, transpose).
+  Shape shape;
+  std::vector<int64_t> perm;
 };
 
 using DistHandler = std::function<std::vector<Tensor>(DistCall& call)>;
@@ -65,6 +75,15 @@ std::vector<Tensor> dispatch_distributed(DistCall& call);
 // A DTensor like x (same mesh and placements) from a per-local-tensor op
 // (OpClass::Like: zeros_like, contiguous, clone, ...).
 Tensor dispatch_like(const char* name, const Tensor& x, std::function<Tensor(const Tensor&)> fn);
+// An op that is independent along `free_dims` of its inputs (OpClass::PerShard).
+std::vector<Tensor> dispatch_per_shard(const char* name, std::vector<Tensor> inputs, std::vector<int64_t> free_dims,
+                                       std::vector<int> out_like,
+                                       std::function<std::vector<Tensor>(const std::vector<Tensor>&)> local);
+// reshape (perm empty; `shape` the new global shape) or permute of a DTensor.
+Tensor dispatch_view(const char* name, const Tensor& x, Shape shape, std::vector<int64_t> perm);
+// Throws, naming the op and the first DTensor among `tensors`, for an op with
+// no sharding rule (cat, max, var, ...); nothing when none is a DTensor.
+void refuse_distributed(const char* op, std::initializer_list<const Tensor*> tensors);
 // g (a DTensor) laid out as `like` (a DTensor of the same global shape) is:
 // a parameter's gradient before it accumulates, so that a Partial gradient of
 // a Replicate parameter (a sequence-parallel norm's weight) is reduced once.

@@ -482,6 +482,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
 }
 
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correction, bool keepdim) {
+  refuse_distributed("var", {&x});
   check_floating(x, "var");
   auto dims = reduce_dims(x, dims_in, "var");
   int64_t n = 1;
@@ -494,6 +495,7 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correct
 }
 
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  refuse_distributed("max", {&x});
   dim = wrap_dim(dim, x.dim(), "max");
   Shape shape = reduced_shape(x, {dim}, keepdim);
   TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
@@ -512,11 +514,15 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
 }
 
 Tensor max(const Tensor& x) {
+  refuse_distributed("max", {&x});
   TS_CHECK(x.numel() > 0, "max: cannot take the maximum of an empty tensor");
   return max(reshape(x, {-1}), 0, false).first;
 }
 
-Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return max(x, dim, keepdim).second; }
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
+  refuse_distributed("argmax", {&x});
+  return max(x, dim, keepdim).second;
+}
 
 Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
   std::vector<Tensor> inputs;

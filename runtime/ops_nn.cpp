@@ -191,6 +191,7 @@ TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w,
 }
 
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool accumulate) {
+  refuse_distributed("gemm_into", {&out, &a, &b});
   TS_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
                out.size(0) == a.size(0) && out.size(1) == b.size(1),
            "gemm_into: shapes {} @ {} -> {} do not align", shape_str(a.shape()),
@@ -219,12 +220,29 @@ Tensor along_last(const Tensor& x, int64_t dim, F&& f) {
 }
 }  // namespace
 
+namespace {
+// The dims a softmax over `dim` treats independently: all the others.
+std::vector<int64_t> all_but(int64_t dim, int64_t nd, const char* op) {
+  dim = wrap_dim(dim, nd, op);
+  std::vector<int64_t> free;
+  for (int64_t d = 0; d < nd; ++d)
+    if (d != dim) free.push_back(d);
+  return free;
+}
+}  // namespace
+
 Tensor softmax(const Tensor& x, int64_t dim) {
+  if (x.is_distributed())
+    return dispatch_per_shard("softmax", {x}, all_but(dim, x.dim(), "softmax"), {0},
+                              [dim](const TensorList& l) { return TensorList{softmax(l[0], dim)}; })[0];
   check_float(x, "softmax", "input");
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, false); });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
+  if (x.is_distributed())
+    return dispatch_per_shard("log_softmax", {x}, all_but(dim, x.dim(), "log_softmax"), {0},
+                              [dim](const TensorList& l) { return TensorList{log_softmax(l[0], dim)}; })[0];
   check_float(x, "log_softmax", "input");
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, true); });
 }
@@ -240,9 +258,17 @@ Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, b
 }  // namespace
 
 Tensor softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
+  if (any_distributed({&grad, &y}))
+    return dispatch_per_shard("softmax_backward", {grad, y}, all_but(dim, y.dim(), "softmax_backward"), {1},
+                              [dim](const TensorList& l) { return TensorList{softmax_backward(l[0], l[1], dim)}; })[0];
   return softmax_backward_impl(grad, y, dim, false);
 }
 Tensor log_softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
+  if (any_distributed({&grad, &y}))
+    return dispatch_per_shard("log_softmax_backward", {grad, y}, all_but(dim, y.dim(), "log_softmax_backward"), {1},
+                              [dim](const TensorList& l) {
+                                return TensorList{log_softmax_backward(l[0], l[1], dim)};
+                              })[0];
   return softmax_backward_impl(grad, y, dim, true);
 }
 
@@ -366,6 +392,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 }
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
+  refuse_distributed("embedding_backward", {&grad, &indices});
   int64_t d = grad.size(-1);
   DType cd = compute_dtype(grad.device(), kEmbedding, grad.dtype());
   Tensor gw = zeros({num_weights, d}, cd, grad.device());
@@ -473,6 +500,13 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                           double scale) {
+  if (any_distributed({&q, &k, &v})) {  // heads (and batch) split: each rank its own heads
+    auto r = dispatch_per_shard("attention", {q, k, v}, {0, 1}, {0, 0}, [=](const TensorList& l) {
+      AttentionResult a = attention(l[0], l[1], l[2], causal, scale);
+      return TensorList{a.out, a.lse};
+    });
+    return {r[0], r[1]};
+  }
   check_attention(q, k, v);
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
@@ -489,6 +523,14 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   bool causal, double scale) {
+  if (any_distributed({&dout, &q, &k, &v, &out, &lse})) {
+    auto r = dispatch_per_shard("attention_backward", {dout, q, k, v, out, lse}, {0, 1}, {1, 2, 3},
+                                [=](const TensorList& l) {
+                                  AttentionGrads a = attention_backward(l[0], l[1], l[2], l[3], l[4], l[5], causal, scale);
+                                  return TensorList{a.dq, a.dk, a.dv};
+                                });
+    return {r[0], r[1], r[2]};
+  }
   check_attention(q, k, v);
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
@@ -524,6 +566,13 @@ Tensor attention_reference(const Tensor& q, const Tensor& k, const Tensor& v, bo
 }
 
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
+  if (x.is_distributed()) {  // split on any dim before the positions [.., T, D]
+    std::vector<int64_t> free;
+    for (int64_t d = 0; d + 2 < x.dim(); ++d) free.push_back(d);
+    return dispatch_per_shard("rope", {x, cos, sin}, free, {0}, [inverse](const TensorList& l) {
+      return TensorList{rope(l[0], l[1], l[2], inverse)};
+    })[0];
+  }
   check_float(x, "rope", "input");
   TS_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rope: input {} needs an even last dim",
            shape_str(x.shape()));

@@ -9,8 +9,11 @@
 namespace tessera::ops {
 
 namespace {
-Tensor view_of(const Tensor& x, Shape shape, Shape strides, int64_t offset) {
-  TS_CHECK(!x.is_distributed(), "view ops on a DTensor: use its local tensor (to_local())");
+Tensor view_of(const char* op, const Tensor& x, Shape shape, Shape strides, int64_t offset) {
+  TS_CHECK(!x.is_distributed(),
+           "{}: no sharding rule for a DTensor ({}; DTensor views: reshape, view, permute, transpose); use its "
+           "local tensor (to_local()) or the whole one (full_tensor())",
+           op, x.str());
   return make_tensor(x.storage(), std::move(shape), std::move(strides), offset, x.dtype());
 }
 
@@ -75,22 +78,24 @@ Tensor as_strided(const Tensor& x, const Shape& shape, const Shape& strides, int
   TS_CHECK(offset >= 0 && (shape_numel(shape) == 0 || last < capacity),
            "as_strided: view {} strides {} offset {} exceeds storage of {} elements",
            shape_str(shape), shape_str(strides), offset, capacity);
-  return view_of(x, shape, strides, offset);
+  return view_of("as_strided", x, shape, strides, offset);
 }
 
 Tensor view(const Tensor& x, Shape shape) {
   shape = infer_shape(std::move(shape), x.numel(), "view");
+  if (x.is_distributed()) return dispatch_view("view", x, std::move(shape), {});
   auto strides = view_strides(x.shape(), x.strides(), shape);
   TS_CHECK(strides.has_value(),
            "view: shape {} is not compatible with input shape {} and strides {}; use reshape",
            shape_str(shape), shape_str(x.shape()), shape_str(x.strides()));
-  return view_of(x, shape, *strides, x.storage_offset());
+  return view_of("view", x, shape, *strides, x.storage_offset());
 }
 
 Tensor reshape(const Tensor& x, Shape shape) {
   shape = infer_shape(std::move(shape), x.numel(), "reshape");
+  if (x.is_distributed()) return dispatch_view("reshape", x, std::move(shape), {});
   auto strides = view_strides(x.shape(), x.strides(), shape);
-  if (strides) return view_of(x, shape, *strides, x.storage_offset());
+  if (strides) return view_of("reshape", x, shape, *strides, x.storage_offset());
   return view(contiguous(x), shape);
 }
 
@@ -107,7 +112,12 @@ Tensor permute(const Tensor& x, const std::vector<int64_t>& dims) {
     shape[i] = x.shape()[d];
     strides[i] = x.strides()[d];
   }
-  return view_of(x, shape, strides, x.storage_offset());
+  if (x.is_distributed()) {
+    std::vector<int64_t> perm(dims.size());
+    for (int64_t i = 0; i < nd; ++i) perm[i] = wrap_dim(dims[i], nd, "permute");
+    return dispatch_view("permute", x, shape, perm);
+  }
+  return view_of("permute", x, shape, strides, x.storage_offset());
 }
 
 Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1) {
@@ -116,9 +126,16 @@ Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1) {
   dim1 = wrap_dim(dim1, nd, "transpose");
   Shape shape = x.shape(), strides = x.strides();
   if (nd == 0) return alias(x);
+  if (x.is_distributed()) {
+    std::vector<int64_t> perm(static_cast<size_t>(nd));
+    for (int64_t i = 0; i < nd; ++i) perm[i] = i;
+    std::swap(perm[dim0], perm[dim1]);
+    std::swap(shape[dim0], shape[dim1]);
+    return dispatch_view("transpose", x, shape, perm);
+  }
   std::swap(shape[dim0], shape[dim1]);
   std::swap(strides[dim0], strides[dim1]);
-  return view_of(x, shape, strides, x.storage_offset());
+  return view_of("transpose", x, shape, strides, x.storage_offset());
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
@@ -130,7 +147,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
            n);
   Shape shape = x.shape();
   shape[dim] = length;
-  return view_of(x, shape, x.strides(), x.storage_offset() + start * x.strides()[dim]);
+  return view_of("narrow", x, shape, x.strides(), x.storage_offset() + start * x.strides()[dim]);
 }
 
 Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
@@ -144,7 +161,7 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
   Shape shape = x.shape(), strides = x.strides();
   shape[dim] = (end - start + step - 1) / step;
   strides[dim] *= step;
-  return view_of(x, shape, strides, x.storage_offset() + start * x.strides()[dim]);
+  return view_of("slice", x, shape, strides, x.storage_offset() + start * x.strides()[dim]);
 }
 
 Tensor select(const Tensor& x, int64_t dim, int64_t index) {
@@ -156,7 +173,7 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
   Shape shape = x.shape(), strides = x.strides();
   shape.erase(shape.begin() + dim);
   strides.erase(strides.begin() + dim);
-  return view_of(x, shape, strides, x.storage_offset() + index * x.strides()[dim]);
+  return view_of("select", x, shape, strides, x.storage_offset() + index * x.strides()[dim]);
 }
 
 Tensor expand(const Tensor& x, const Shape& shape) {
@@ -181,7 +198,7 @@ Tensor expand(const Tensor& x, const Shape& shape) {
     out[i] = want;
     strides[i] = have == want ? x.strides()[j] : 0;
   }
-  return view_of(x, out, strides, x.storage_offset());
+  return view_of("expand", x, out, strides, x.storage_offset());
 }
 
 Tensor squeeze(const Tensor& x, int64_t dim) {
@@ -190,7 +207,7 @@ Tensor squeeze(const Tensor& x, int64_t dim) {
   Shape shape = x.shape(), strides = x.strides();
   shape.erase(shape.begin() + dim);
   strides.erase(strides.begin() + dim);
-  return view_of(x, shape, strides, x.storage_offset());
+  return view_of("squeeze", x, shape, strides, x.storage_offset());
 }
 
 Tensor squeeze(const Tensor& x) {
@@ -200,7 +217,7 @@ Tensor squeeze(const Tensor& x) {
     shape.push_back(x.shape()[i]);
     strides.push_back(x.strides()[i]);
   }
-  return view_of(x, shape, strides, x.storage_offset());
+  return view_of("squeeze", x, shape, strides, x.storage_offset());
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t dim) {
@@ -209,7 +226,7 @@ Tensor unsqueeze(const Tensor& x, int64_t dim) {
   int64_t stride = dim < x.dim() ? x.strides()[dim] * x.shape()[dim] : 1;
   shape.insert(shape.begin() + dim, 1);
   strides.insert(strides.begin() + dim, stride);
-  return view_of(x, shape, strides, x.storage_offset());
+  return view_of("unsqueeze", x, shape, strides, x.storage_offset());
 }
 
 Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
@@ -226,7 +243,7 @@ Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
 }
 
 Tensor alias(const Tensor& x) {
-  return view_of(x, x.shape(), x.strides(), x.storage_offset());
+  return view_of("alias", x, x.shape(), x.strides(), x.storage_offset());
 }
 
 std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes,
@@ -292,6 +309,7 @@ Tensor to(const Tensor& x, Device device, bool non_blocking) {
 }
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
+  for (const Tensor& x : xs) refuse_distributed("cat", {&x});
   TS_CHECK(!xs.empty(), "cat: expected at least one tensor");
   const Tensor& first = xs[0];
   dim = wrap_dim(dim, first.dim(), "cat");
@@ -322,6 +340,7 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
+  for (const Tensor& x : xs) refuse_distributed("stack", {&x});
   TS_CHECK(!xs.empty(), "stack: expected at least one tensor");
   dim = wrap_dim(dim, xs[0].dim() + 1, "stack");
   std::vector<Tensor> parts;

@@ -474,7 +474,8 @@ TEST_CASE("DTensor ops: elementwise, in-place, reductions, likes", "[dtensor][op
     CHECK(full_tensor(ops::mean(a)).item() == Approx(ops::mean(fa).item()).epsilon(1e-12));
     CHECK(equal(full_tensor(ops::to(a, DType::F32)), ops::to(fa, DType::F32)));
     CHECK_THROWS_WITH(ops::sum_squares(a), Catch::Contains("this rank's part only"));
-    CHECK_THROWS_WITH(ops::softmax(a, 0), Catch::Contains("DTensor"));
+    CHECK_CLOSE(full_tensor(ops::softmax(a, 0)), ops::softmax(fa, 0), 1e-15, 0);  // gathered dim 0 if split
+    CHECK_THROWS_WITH(ops::cat({a, a}, 0), Catch::Contains("cat: no sharding rule for DTensors"));
   }
 }
 
@@ -547,4 +548,116 @@ TEST_CASE("gradient norm and clipping over sharded gradients: one all-reduce", "
     CHECK(nn::grad_norm({a, b, c}).item() == Approx(0.5).epsilon(1e-6));
     CHECK(testing::allclose(full_tensor(a.grad()), ops::mul(ga, 0.5 / (expect + 1e-6)), 1e-12, 1e-14));
   }
+}
+
+TEST_CASE("softmax, attention and RoPE on split DTensors: each rank its own rows and heads", "[dtensor][pershard]") {
+  // [B, H, T, D] = [3, 4, 5, 6]: the batch uneven from 2 ranks on (an empty
+  // shard at 4), the heads even at 2 and 4, uneven at 3.
+  const int64_t B = 3, H = 4, Hkv = 2, T = 5, D = 6;
+  Tensor q = randn({B, H, T, D}, 1, DType::F64), k = randn({B, Hkv, T, D}, 2, DType::F64);
+  Tensor v = randn({B, Hkv, T, D}, 3, DType::F64), dout = randn({B, H, T, D}, 4, DType::F64);
+  Tensor cos = randn({T, D / 2}, 5, DType::F64), sin = randn({T, D / 2}, 6, DType::F64);
+  const double scale = 0.4;
+  auto want = ops::attention(q, k, v, true, scale);
+  auto want_g = ops::attention_backward(dout, q, k, v, want.out, want.lse, true, scale);
+  for (const MeshPtr& mesh : meshes()) {
+    for (int64_t split : {0, 1, 2, 3}) {
+      Placements ps(static_cast<size_t>(mesh->ndim()), Replicate{});
+      ps.back() = Shard{split};
+      INFO(mesh->str() << " " << placements_str(ps));
+      const int64_t n = mesh->size(mesh->ndim() - 1);
+      // softmax over the last dim keeps any other split; over a split dim it gathers first.
+      for (int64_t dim : {3, 2}) {
+        Tensor x = distribute_tensor(q, mesh, ps);
+        Tensor y = ops::softmax(x, dim);
+        CHECK_CLOSE(full_tensor(y), ops::softmax(q, dim), 1e-15, 0);
+        CHECK(dtensor_spec(y).placements.back() == (split == dim ? Placement{Replicate{}} : Placement{Shard{split}}));
+        Tensor g = ops::softmax_backward(distribute_tensor(dout, mesh, ps), y, dim);
+        CHECK_CLOSE(full_tensor(g), ops::softmax_backward(dout, ops::softmax(q, dim), dim), 1e-15, 0);
+        CHECK_CLOSE(full_tensor(ops::log_softmax(x, dim)), ops::log_softmax(q, dim), 1e-15, 0);
+      }
+      // RoPE: any split before [T, D]; a split sequence is gathered (its angles are by position).
+      Tensor r = ops::rope(distribute_tensor(q, mesh, ps), cos, sin);
+      CHECK_CLOSE(full_tensor(r), ops::rope(q, cos, sin), 1e-15, 0);
+      CHECK(is_shard(dtensor_spec(r).placements.back()) == (split < 2));
+      // Attention: batch and heads; query and key/value heads must split alike (evenly).
+      Tensor dq = distribute_tensor(q, mesh, ps), dk = distribute_tensor(k, mesh, ps);
+      Tensor dv = distribute_tensor(v, mesh, ps);
+      if (split == 1 && (H % n != 0 || Hkv % n != 0)) {
+        CHECK_THROWS_WITH(ops::attention(dq, dk, dv, true, scale), Catch::Contains("do not both divide evenly"));
+        continue;
+      }
+      auto got = ops::attention(dq, dk, dv, true, scale);
+      CHECK_CLOSE(full_tensor(got.out), want.out, 1e-14, 1e-15);
+      CHECK_CLOSE(full_tensor(got.lse), want.lse, 1e-14, 1e-15);
+      CHECK(is_shard(dtensor_spec(got.out).placements.back()) == (split < 2));
+      auto g = ops::attention_backward(distribute_tensor(dout, mesh, ps), dq, dk, dv, got.out, got.lse, true, scale);
+      CHECK_CLOSE(full_tensor(g.dq), want_g.dq, 1e-13, 1e-14);
+      CHECK_CLOSE(full_tensor(g.dk), want_g.dk, 1e-13, 1e-14);
+      CHECK_CLOSE(full_tensor(g.dv), want_g.dv, 1e-13, 1e-14);
+      CHECK(dtensor_spec(g.dk).global_shape == k.shape());
+    }
+  }
+}
+
+TEST_CASE("reshape and transpose of split DTensors: heads out of features and back", "[dtensor][views]") {
+  // [B, T, C] with C = H * D: a column-wise projection's output, split on C.
+  const int64_t B = 2, T = 5, H = 4, D = 3, C = H * D;
+  Tensor x = randn({B, T, C}, 7, DType::F64);
+  for (const MeshPtr& mesh : meshes()) {
+    const int64_t n = mesh->size(mesh->ndim() - 1);
+    Placements ps(static_cast<size_t>(mesh->ndim()), Replicate{});
+    ps.back() = Shard{2};
+    INFO(mesh->str());
+    Tensor dx = distribute_tensor(x, mesh, ps);
+    // Whole heads on every rank iff C's chunks are whole multiples of D at H's chunk borders.
+    bool whole_heads = true;
+    for (int64_t r = 0; r < n; ++r)
+      whole_heads = whole_heads && shard_size_and_offset(C, n, r).first == D * shard_size_and_offset(H, n, r).first;
+    if (!whole_heads) {
+      CHECK_THROWS_WITH(ops::reshape(dx, {B, T, H, D}), Catch::Contains("not whole rows of the new dim 2"));
+      continue;
+    }
+    Tensor heads = ops::reshape(dx, {B, T, H, D});
+    CHECK(dtensor_spec(heads).placements.back() == Placement{Shard{2}});
+    Tensor bhtd = ops::transpose(heads, 1, 2);
+    CHECK(dtensor_spec(bhtd).placements.back() == Placement{Shard{1}});
+    CHECK(bhtd.shape() == Shape{B, H, T, D});
+    CHECK(equal(full_tensor(bhtd), ops::transpose(ops::reshape(x, {B, T, H, D}), 1, 2)));
+    // Back: [B, H, T, D] -> [B, T, H, D] -> [B, T, C], split on C again.
+    Tensor back = ops::reshape(ops::contiguous(ops::transpose(bhtd, 1, 2)), {B, T, C});
+    CHECK(dtensor_spec(back).placements.back() == Placement{Shard{2}});
+    CHECK(equal(full_tensor(back), x));
+    // Merging the split dim with the one after keeps the split on the merged dim.
+    Tensor flat = ops::reshape(heads, {B * T, C});
+    CHECK(dtensor_spec(flat).placements.back() == Placement{Shard{1}});
+    CHECK(equal(full_tensor(flat), ops::reshape(x, {B * T, C})));
+    // A Partial sum reshapes as it is (the view is linear).
+    Placements pp(static_cast<size_t>(mesh->ndim()), Replicate{});
+    pp.back() = Partial{};
+    Tensor partial = ops::reshape(make_from_full(ints({B, T, C}, 9), mesh, pp), {B, T, H, D});
+    CHECK(is_partial(dtensor_spec(partial).placements.back()));
+    CHECK(equal(full_tensor(partial), ops::reshape(ints({B, T, C}, 9), {B, T, H, D})));
+    // A split dim that is not the outermost of what it becomes is refused, on every rank.
+    Placements p0(static_cast<size_t>(mesh->ndim()), Replicate{});
+    p0.back() = Shard{1};
+    Tensor odd = distribute_tensor(randn({6, 4}, 3, DType::F64), mesh, p0);
+    CHECK_THROWS_WITH(ops::reshape(odd, {4, 6}), Catch::Contains("would not be the outermost"));
+    CHECK_THROWS_WITH(ops::reshape(dx, {B, T * C}), Catch::Contains("would not be the outermost"));
+  }
+}
+
+TEST_CASE("ops without a sharding rule refuse a DTensor, naming the op and its placements", "[dtensor][errors]") {
+  auto mesh = init_device_mesh("cpu", {world()}, {"tp"});
+  Tensor d = distribute_tensor(randn({2, 4, 6}, 1, DType::F64), mesh, {Shard{1}});
+  const std::string spec = "placements (S(1)), global [2, 4, 6]";
+  CHECK_THROWS_WITH(ops::cat({d, d}, 0), Catch::Contains("cat: no sharding rule") && Catch::Contains(spec));
+  CHECK_THROWS_WITH(ops::stack({d, d}, 0), Catch::Contains("stack: no sharding rule") && Catch::Contains(spec));
+  CHECK_THROWS_WITH(ops::max(d, 1), Catch::Contains("max: no sharding rule") && Catch::Contains(spec));
+  CHECK_THROWS_WITH(ops::max(d), Catch::Contains("max: no sharding rule"));
+  CHECK_THROWS_WITH(ops::argmax(d, 2), Catch::Contains("argmax: no sharding rule"));
+  CHECK_THROWS_WITH(ops::var(d, {1}), Catch::Contains("var: no sharding rule"));
+  CHECK_THROWS_WITH(ops::narrow(d, 1, 0, 2), Catch::Contains("narrow: no sharding rule") && Catch::Contains(spec));
+  CHECK_THROWS_WITH(ops::unsqueeze(d, 0), Catch::Contains("unsqueeze: no sharding rule"));
+  CHECK_THROWS_WITH(ops::expand(d, {2, 4, 6}), Catch::Contains("expand: no sharding rule"));
 }

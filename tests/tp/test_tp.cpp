@@ -681,6 +681,61 @@ TEST_CASE("a column-wise layer may hand on its DTensor: elementwise ops follow i
   check_parity(*model, ref, 1e-12, true);
 }
 
+TEST_CASE("a Llama whose attention and MLP run on DTensors follows one process", "[tp][dtensor]") {
+  // The column-wise projections hand on their DTensors (use_local_output
+  // false): the model's own code splits heads (reshape, transpose), rotates
+  // (RoPE), attends, merges heads and multiplies the MLP's halves on DTensors
+  // split on heads or features; the row-wise layers take them as they are.
+  MeshPtr mesh = tp_mesh();
+  const int w = world();
+  nn::TransformerConfig c = llama_config(w);
+  if (w == 3) c.n_kv_head = 3;  // 12 query heads over 3 key/value heads: 4 and 1 per rank
+  nn::Llama ref(c);
+  ref.init_weights(8);
+  ref.to(DType::F64);
+  auto model = nn::Llama::on_meta(c);
+  const auto col = tp::style(tp::ColwiseParallel{.use_local_output = false}), row = tp::style(tp::RowwiseParallel{});
+  const auto once = tp::style(tp::PrepareModuleInput{.input_layout = Replicate{}, .desired_input_layout = Replicate{}});
+  bool heads_split = false;  // what attention sees
+  tp::parallelize_module(*model, mesh,
+                         {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
+                          {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
+                          {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row},
+                          {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},
+                          {"model.layers.*.mlp.down_proj", row}});
+  nn::Module* o_proj = nullptr;
+  for (auto& [fqn, m] : model->named_modules())
+    if (fqn == "model.layers.0.self_attn.o_proj") o_proj = m;
+  REQUIRE(o_proj != nullptr);
+  o_proj->register_forward_hook([&](nn::Module&, const TensorList& in, TensorList&) {
+    heads_split = in[0].is_distributed() && dtensor_spec(in[0]).placements == Placements{Shard{2}};
+  });
+  model->to_empty(Device::cpu());
+  model->init_weights(8);
+  model->to(DType::F64);
+  check_parity(*model, ref, 0, false);
+  optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+  optim::AdamW ropt(ref.parameters(), o), topt(model->parameters(), o);
+  for (int step = 0; step < 2; ++step) {
+    INFO("step " << step);
+    Tensor x = randint({3, 7}, 0, c.vocab_size, 60 + step), y = randint({3, 7}, 0, c.vocab_size, 70 + step);
+    Tensor rloss = nn::cross_entropy(ref(x), y);
+    autograd::backward(rloss);
+    mesh->get_group(0)->reset_stats();
+    Tensor tloss = nn::cross_entropy((*model)(x), y);
+    CHECK(heads_split);
+    // Megatron's count: one all-reduce per attention and MLP, nothing gathered.
+    const int64_t on = w > 1 ? 1 : 0;
+    CHECK(stats(mesh).all_reduce == on * 2 * c.n_layer);
+    CHECK(stats(mesh).all_gather == 0);
+    autograd::backward(tloss);
+    CHECK(stats(mesh).all_reduce == on * 4 * c.n_layer);
+    CHECK(stats(mesh).all_gather + stats(mesh).reduce_scatter == 0);
+    CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
+    clip_compare_and_step(*model, ref, topt, ropt);
+  }
+}
+
 TEST_CASE("loss parallelism: cross-entropy on class-sharded logits, never gathered", "[tp][loss]") {
   const int w = world();
   // 13 classes: shards of 7+6, 5+5+3, 4+4+4+1; 2 classes: at 3 and 4 ranks some ranks hold none.
