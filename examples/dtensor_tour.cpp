@@ -35,7 +35,10 @@ void say_all(const std::string& mine) {
 std::string values(const Tensor& t) {
   std::string s = "[";
   std::vector<double> v = t.to_vector<double>();
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? " " : "") + fmt::format("{:g}", v[i]);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ' ';
+    s += fmt::format("{:g}", v[i]);
+  }
   return s + "]";
 }
 

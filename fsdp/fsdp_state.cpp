@@ -15,6 +15,7 @@ void FSDPState::lazy_init() {
   is_root = true;
   state_ctx = std::make_shared<FSDPStateContext>();
   comm_ctx = std::make_shared<FSDPCommContext>();
+  comm_ctx->prefetch = prefetch_enabled;
   state_ctx->root = this;
   MeshPtr root_mesh = param_group ? param_group->mesh_info.mesh : nullptr;
   for (auto& [name, m] : module.named_modules()) {

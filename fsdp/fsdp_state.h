@@ -43,6 +43,8 @@ class FSDPState final : public nn::ModuleExtension {
   TrainingState training_state = TrainingState::Idle;
   MixedPrecisionPolicy mp_policy;
   bool raf_set_by_user;
+  // set_prefetch on the root before its first forward: applied at lazy init.
+  bool prefetch_enabled = true;
   // Explicit prefetch targets (set_modules_to_forward/backward_prefetch).
   std::vector<FSDPState*> forward_prefetch;
   std::vector<FSDPState*> backward_prefetch;

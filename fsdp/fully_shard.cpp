@@ -272,8 +272,9 @@ void reset_iter_state(nn::Module& root) {
 
 void set_prefetch(nn::Module& root, bool enabled) {
   FSDPState& st = fsdp_state(root);
-  st.lazy_init();
-  st.comm_ctx->prefetch = enabled;
+  TS_CHECK(st.is_root.value_or(true), "set_prefetch: '{}' is not the root of its FSDP modules", st.fqn);
+  st.prefetch_enabled = enabled;  // before the first forward (even on meta): applied at lazy init
+  if (st.comm_ctx) st.comm_ctx->prefetch = enabled;
 }
 
 TensorList call_with_fsdp_hooks(nn::Module& module, TensorList inputs,

@@ -59,6 +59,7 @@ void reset_iter_state(nn::Module& root);
 
 // Turns implicit forward prefetch and default backward prefetch off (or back
 // on) for the whole root (not in PyTorch; for measuring what prefetch buys).
+// Any time, also before the first forward (tessera-train's parallelism.prefetch).
 void set_prefetch(nn::Module& root, bool enabled);
 
 // register_fsdp_forward_method: runs `method` (another entry point of the

@@ -218,6 +218,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
               "replica groups (> 1: HSDP on a 2-D mesh)"),
       bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
                "free gathered parameters after forward (false: keep them for backward)"),
+      bool_key("parallelism.prefetch", c.parallelism.prefetch,
+               "issue the next group's all-gather while this one computes (false: only when it runs, "
+               "to see what prefetch buys)"),
       int_key("parallelism.tensor_parallel_degree", c.parallelism.tensor_parallel_degree,
               "ranks each layer is split over (Megatron tensor parallelism, llama; 1 = none)"),
       bool_key("parallelism.disable_loss_parallel", c.parallelism.disable_loss_parallel,

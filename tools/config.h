@@ -84,6 +84,9 @@ struct TrainConfig {
     int64_t data_parallel_shard_degree = -1;     // ranks a parameter is sharded over (-1: the rest)
     int64_t data_parallel_replicate_degree = 1;  // > 1: HSDP, a 2-D (replicate, shard) mesh
     bool reshard_after_forward = true;           // false: ZeRO-2 style, no all-gather in backward
+    // false: no implicit forward prefetch and no default backward prefetch, each
+    // group's all-gather issued only when the group runs (to see what prefetch buys)
+    bool prefetch = true;
     // > 0: after forward, keep each parameter sharded over groups of this many
     // ranks (PyTorch's reshard_after_forward=N, ZeRO++'s hpZ): backward's
     // all-gather stays within them. Divides the shard degree; overrides the above.

@@ -114,6 +114,7 @@ void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr
                     .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)}};
   for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
   fsdp::fully_shard(model, opt);
+  if (!cfg.parallelism.prefetch) fsdp::set_prefetch(model, false);
 }
 
 std::unique_ptr<optim::Optimizer> make_optimizer(nn::LanguageModel& model, const TrainConfig& cfg,

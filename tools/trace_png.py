@@ -189,7 +189,7 @@ def main():
         script = [
             "set terminal pngcairo size %d,%d font 'Sans,11'" % (args.width, max(height, 320)),
             "set output '%s'" % args.png.replace("'", "''"),
-            "set title '%s' font 'Sans,13'" % title.replace("'", "''"),
+            "set title '%s' font 'Sans,13' noenhanced" % title.replace("'", "''"),
             "set xlabel 'time (ms)'",
             "set xrange [%g:%g]" % (lo, hi),
             "set yrange [-0.5:%g]" % (band * len(ranks) - 1.0),

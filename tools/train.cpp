@@ -467,7 +467,8 @@ void Trainer::check_resume_config(const std::string& dir, const json& extra, int
       fmt::format("warning: resuming with settings changed since the checkpoint (the run "
                   "continues, not as the saved run would have): {}",
                   fmt::join(changes, "; ")));
-  double saved_lr = extra.contains("lr_scheduler") ? extra["lr_scheduler"].value("lr", NAN) : NAN;
+  // (value<double>: with a NAN default, value() would read the rate as a float.)
+  double saved_lr = extra.contains("lr_scheduler") ? extra["lr_scheduler"].value<double>("lr", NAN) : NAN;
   double lr = schedule_.lr_at(step);
   // A schedule that follows training.steps (decay_steps 0) stretches with it.
   if (cfg_.lr_scheduler.decay_steps == 0 && saved.count("training.steps") &&

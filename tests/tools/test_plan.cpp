@@ -145,6 +145,9 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
   c.parallelism.reshard_after_forward = false;
   check_plan(c, "reshard_after_forward false");
   c = small_config();
+  c.parallelism.prefetch = false;
+  check_plan(c, "prefetch off");
+  c = small_config();
   c.mixed_precision.param_dtype = "bfloat16";
   check_plan(c, "bf16 params");
   c = small_config();

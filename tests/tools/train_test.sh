@@ -293,6 +293,14 @@ grep -q "^warning: resuming with settings changed .*training.batch_size 8 -> 16;
 grep -q "^warning: the learning-rate schedule .* now spans 44 steps instead of 40" rb.log || fail "no schedule warning"
 grep -q "initial_load_path w2/model-bf16.safetensors not used: resuming from" rb.log || fail "resume did not win"
 grep -q "^done: 44 steps (4 in this run, resumed at step 40) in " rb.log || fail "the extended run did not finish: $(cat rb.log)"
+# Extended with the decay fixed at the saved run's length: the rate at the step
+# it continues from is the saved one, so no rate warning (it once compared the
+# saved rate read as a float with the double).
+rm -rf rc && mkdir -p rc/checkpoint && cp -r straight/checkpoint/step-00000040 rc/checkpoint/
+"$bin/tessera-train" "${tiny[@]}" --model.dropout 0.1 --job.dump_folder rc --checkpoint.enable true \
+  --checkpoint.resume true --training.steps 44 --lr_scheduler.decay_steps 40 > rc.log
+grep -q "^warning: resuming with settings changed .*training.steps 40 -> 44" rc.log || fail "rc: $(cat rc.log)"
+! grep -q "runs at lr" rc.log || fail "an unchanged learning rate was warned about: $(grep 'runs at lr' rc.log)"
 echo "resume: refused a changed batch and seed, warned about a changed schedule"
 
 echo "== a fresh run from a bf16 .safetensors export (checkpoint.initial_load_path)"

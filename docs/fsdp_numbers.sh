@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prints the table of docs/fsdp-pictures.md (between its fsdp-numbers
+# markers): per rank and step of the default model (4 blocks, d=256, batch
+# 16 x 128), the collectives each FSDP setting issues and the peak bytes held
+# in tensors, from tessera-plan (whose counts and peaks the plan tests check
+# against real runs, byte for byte). The test `docs-numbers` runs this and
+# compares it with the document, so the figures there cannot drift.
+#   docs/fsdp_numbers.sh [BUILD]
+set -euo pipefail
+plan=${1:-build}/tools/tessera-plan
+row() {  # LABEL RANKS ARGS...
+  local label=$1 ranks=$2; shift 2
+  "$plan" --preset default --ranks "$ranks" "$@" | awk -v label="$label" '
+    /predicted peak/ { peak = $3 " " $4 }
+    /^  (dp_shard|dp_replicate|world) / { c[$1] = sprintf("%s / %s / %s", $3, $5, $7); s[$1] = $8 " " $9; ar[$1] = $7 }
+    END {
+      ag = c["dp_shard"]; sent = s["dp_shard"]
+      if ("dp_replicate" in c) {
+        ag = ag " in the pair, " c["dp_replicate"] " across replicas, " ar["world"] " all-reduce over all"
+        sent = sent " + " s["dp_replicate"]
+      }
+      printf "| %s | %s | %s | %s |\n", label, ag, sent, peak
+    }'
+}
+echo "| run (default model) | all-gather / reduce-scatter / all-reduce per step | bytes handed to MPI per rank | peak per rank |"
+echo "|---|---|---|---|"
+row "FSDP, 2 ranks (prefetch on, reshard after forward)" 2
+row "FSDP, 2 ranks, \`parallelism.prefetch false\`" 2 --parallelism.prefetch false
+row "FSDP, 2 ranks, \`reshard_after_forward false\` (ZeRO-2)" 2 --parallelism.reshard_after_forward false
+row "FSDP, 2 ranks, bf16 parameters, f32 reduction" 2 --mixed_precision.param_dtype bfloat16
+row "FSDP, 2 ranks, activation checkpointing (\`full\`)" 2 --activation_checkpoint.mode full
+row "FSDP, 4 ranks" 4
+row "HSDP, 4 ranks: 2 replicas x 2 shards" 4 --parallelism.data_parallel_replicate_degree 2
