@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints the table of docs/fsdp-pictures.md (between its fsdp-numbers
+# Prints the table of docs/fsdp-pictures.md (between its numbers
 # markers): per rank and step of the default model (4 blocks, d=256, batch
 # 16 x 128), the collectives each FSDP setting issues and the peak bytes held
 # in tensors, from tessera-plan (whose counts and peaks the plan tests check

@@ -176,7 +176,8 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     model->to_empty(Device::meta());
     reset_peak_memory_stats(Device::meta());
     model->init_weights(static_cast<uint64_t>(cfg.job.seed));
-    std::unique_ptr<optim::Optimizer> opt = make_optimizer(*model, cfg);
+    optim::AdamW* adamw = nullptr;
+    std::unique_ptr<optim::Optimizer> opt = make_optimizer(*model, cfg, &adamw);
 
     std::vector<nn::Module::HookId> hooks;
     int64_t forward_base = 0;
@@ -221,7 +222,20 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
       }
       if (step == 0) {
         plan.sharded_parameters = storage_bytes(model->parameters());
-        plan.optimizer_state = held() - steady;  // what the first step left behind
+        // The moments the first step created (AdamW's two, SGD's momentum),
+        // counted as such: what the step left behind also holds what FSDP's
+        // lazy init allocated at the first forward.
+        TensorList state;
+        if (adamw != nullptr) {
+          for (size_t g = 0; g < adamw->param_groups().size(); ++g)
+            for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j) {
+              state.push_back(adamw->state(g, j).exp_avg);
+              state.push_back(adamw->state(g, j).exp_avg_sq);
+            }
+        } else if (auto* sgd = dynamic_cast<optim::SGD*>(opt.get())) {
+          for (size_t j = 0; j < sgd->param_groups()[0].params.size(); ++j) state.push_back(sgd->momentum_buffer(j));
+        }
+        plan.optimizer_state = storage_bytes(state);
       }
       recording = false;
       if (step == 1 && plan.after_block.size() > model->blocks.size())  // grad_accum > 1: the last micro-batch's

@@ -35,11 +35,13 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "dtensor/placement.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/state_dict.h"
 #include "nn/models.h"
@@ -69,6 +71,7 @@ int usage(FILE* out, int code) {
       "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2 or llama checkpoint -> Hugging Face)\n"
       "       tessera-ckpt from-llmc MODEL.bin OUT_FOLDER      (llm.c's GPT-2 model file -> a checkpoint)\n"
       "       tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype float32|bfloat16]   (-> llm.c)\n"
+      "       tessera-ckpt read-plan CHECKPOINT --ranks N [--tensor NAME]   (what each of N FSDP ranks reads to load it)\n"
       "PATH and CHECKPOINT: a checkpoint directory, a folder of checkpoints (the newest) or,\n"
       "for list, a .safetensors file.\n");
   return code;
@@ -129,6 +132,85 @@ int list(const std::string& path) {
   }
   std::printf("model %s, optimizer %s\n", human_bytes(model_bytes).c_str(),
               human_bytes(optim_bytes).c_str());
+  return 0;
+}
+
+// What each rank of FSDP over `ranks` (Shard(0), torch.chunk rows) reads of a
+// checkpoint when it loads: the chunks whose rows overlap its own (each read
+// whole, its checksum verified) and the rows it copies out of them. This is
+// load_checkpoint's plan (PyTorch DCP's LoadPlan), printed.
+int read_plan(const std::vector<std::string>& args) {
+  std::string path, only;
+  int64_t ranks = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto value = [&](const char* opt) {
+      TS_CHECK(i + 1 < args.size(), "{} needs a value", opt);
+      return args[++i];
+    };
+    if (args[i] == "--ranks") {
+      std::string v = value("--ranks");
+      size_t used = 0;
+      try {
+        ranks = std::stoll(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      TS_CHECK(used == v.size() && ranks >= 1 && ranks <= 65536, "--ranks expects a rank count (1-65536), got '{}'",
+               v);
+    } else if (args[i] == "--tensor") {
+      only = value("--tensor");
+    } else {
+      TS_CHECK(args[i].rfind("--", 0) != 0, "read-plan: unknown option '{}' (valid: --ranks, --tensor)", args[i]);
+      TS_CHECK(path.empty(), "read-plan takes one CHECKPOINT, got '{}' and '{}'", path, args[i]);
+      path = args[i];
+    }
+  }
+  TS_CHECK(!path.empty() && ranks > 0, "read-plan needs CHECKPOINT and --ranks N");
+  std::string dir = checkpoint_dir(path);
+  auto md = fsdp::read_metadata(dir);
+  TS_CHECK(only.empty() || md.find(only) != nullptr, "{} has no tensor '{}' (tessera-ckpt list shows its tensors)", dir,
+           only);
+  std::printf("%s: saved by %d rank(s); loaded by FSDP over %lld rank(s) (each tensor's rows split as torch.chunk)\n",
+              dir.c_str(), md.world_size, static_cast<long long>(ranks));
+  std::vector<int64_t> chunks_read(static_cast<size_t>(ranks)), bytes_read(chunks_read.size()),
+      bytes_kept(chunks_read.size());
+  std::vector<std::set<std::string>> files(chunks_read.size());
+  for (const auto& t : md.tensors) {
+    const bool show = t.name == only;
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    if (show)
+      std::printf("%s %s %s, %zu chunk(s) as saved %s\n", t.name.c_str(), dtype_name(t.dtype),
+                  shape_str(t.shape).c_str(), t.chunks.size(), t.placements.c_str());
+    for (int64_t r = 0; r < ranks; ++r) {
+      // A 0-dim tensor (an optimizer step count) is read whole by every rank.
+      auto [len, begin] = t.shape.empty() ? std::pair<int64_t, int64_t>{1, 0} : shard_size_and_offset(rows, ranks, r);
+      if (show) std::printf("  rank %lld needs rows %lld..%lld%s\n", static_cast<long long>(r),
+                            static_cast<long long>(begin), static_cast<long long>(begin + len - 1),
+                            len == 0 ? " (none: an empty shard)" : "");
+      for (const auto& c : t.chunks) {
+        const int64_t c0 = c.offsets.empty() ? 0 : c.offsets[0], c1 = c0 + (c.shape.empty() ? 1 : c.shape[0]);
+        const int64_t a = std::max(begin, c0), b = std::min(begin + len, c1);
+        if (a >= b) continue;
+        // Chunks of a 2-D layout split the columns too; their rows still say which to read.
+        const int64_t kept = static_cast<int64_t>(c.bytes) * (b - a) / std::max<int64_t>(c1 - c0, 1);
+        chunks_read[static_cast<size_t>(r)]++;
+        bytes_read[static_cast<size_t>(r)] += static_cast<int64_t>(c.bytes);
+        bytes_kept[static_cast<size_t>(r)] += kept;
+        files[static_cast<size_t>(r)].insert(c.file);
+        if (show)
+          std::printf("    %-16s rows %lld..%lld: reads %s, copies rows %lld..%lld (%s)\n", c.file.c_str(),
+                      static_cast<long long>(c0), static_cast<long long>(c1 - 1),
+                      human_bytes(static_cast<double>(c.bytes)).c_str(), static_cast<long long>(a),
+                      static_cast<long long>(b - 1), a == c0 && b == c1 ? "all of it" : "part of it");
+      }
+    }
+  }
+  std::printf("all %zu tensors:\n", md.tensors.size());
+  for (int64_t r = 0; r < ranks; ++r)
+    std::printf("  rank %lld reads %lld chunk(s) from %zu file(s), %s, and keeps %s of it\n", static_cast<long long>(r),
+                static_cast<long long>(chunks_read[static_cast<size_t>(r)]), files[static_cast<size_t>(r)].size(),
+                human_bytes(static_cast<double>(bytes_read[static_cast<size_t>(r)])).c_str(),
+                human_bytes(static_cast<double>(bytes_kept[static_cast<size_t>(r)])).c_str());
   return 0;
 }
 
@@ -353,9 +435,10 @@ int main(int argc, char** argv) {
     if (cmd == "to-hf") return to_hf(args);
     if (cmd == "from-llmc") return from_llmc(args);
     if (cmd == "to-llmc") return to_llmc(args);
+    if (cmd == "read-plan") return read_plan(args);
     std::fprintf(stderr,
                  "tessera-ckpt: unknown command or arguments '%s' (valid: list, to-safetensors, "
-                 "from-safetensors, from-hf, to-hf, from-llmc, to-llmc)\n",
+                 "from-safetensors, from-hf, to-hf, from-llmc, to-llmc, read-plan)\n",
                  cmd.c_str());
     return 2;
   } catch (const std::bad_alloc&) {

@@ -6,6 +6,7 @@
 // that are uneven at 3 ranks.
 #include "tests/helpers.h"
 
+#include "dtensor/dtensor.h"
 #include "runtime/allocator.h"
 #include "runtime/distributed.h"
 #include "runtime/profiler.h"
@@ -51,6 +52,7 @@ struct Measured {
   std::map<std::string, dist::CollectiveStats> collectives;  // of the second step
   std::map<std::string, int> sizes;  // of those groups
   int64_t products = 0;  // matrix products the CPU ran in the second step
+  int64_t optimizer_state = 0;  // bytes of AdamW's moments after the first step
 };
 
 // Two steps as tessera-train runs them, on the CPU over the world.
@@ -67,7 +69,8 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     tools::shard_model(*model, cfg, mesh);
     model->to_empty(Device::cpu());
     model->init_weights(7);
-    auto opt = tools::make_optimizer(*model, cfg);
+    optim::AdamW* adamw = nullptr;
+    auto opt = tools::make_optimizer(*model, cfg, &adamw);
     const int64_t dp = tools::data_parallel_ranks(cfg, world);
   const int64_t micro = cfg.training.batch_size / cfg.training.grad_accum / dp;
     for (int step = 0; step < 2; ++step) {
@@ -86,6 +89,13 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
       nn::clip_grad_norm_(model->parameters(), cfg.training.max_norm);
       opt->step();
       opt->zero_grad();
+      if (step == 0 && adamw != nullptr)
+        for (size_t g = 0; g < adamw->param_groups().size(); ++g)
+          for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j)
+            for (const Tensor* t : {&adamw->state(g, j).exp_avg, &adamw->state(g, j).exp_avg_sq}) {
+              const Tensor local = t->is_distributed() ? local_tensor(*t) : *t;
+              m.optimizer_state += static_cast<int64_t>(local.storage()->nbytes());
+            }
     }
     profiler::enable(false);
     m.products = profiler::kernel_time("gemm").calls;
@@ -121,6 +131,7 @@ void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
   // in the plan and in the run, so the peak does not depend on when the
   // other ranks arrive.
   CHECK(plan.peak == m.peak);
+  CHECK(plan.optimizer_state == m.optimizer_state);  // the moments alone, not the shards beside them
   for (const auto& [group, got] : m.collectives) {
     INFO("group " << group);
     REQUIRE(plan.collectives.count(group) == 1);

@@ -461,6 +461,15 @@ grep -q "llama 2 layers, d=24, 4 heads (2 key/value), vocabulary 61, 16 position
 "$bin/tessera-ckpt" list hfck | grep -q '"model.norm_eps":"1e-06"' || fail "the imported checkpoint lacks its model settings"
 expect_error "config.json and model.safetensors" "$bin/tessera-ckpt" from-hf "$src/tests" hfbad
 echo "hf: transformers' GPT-2 and Llama imported and exported bit for bit"
+# The load plan of a 2-rank checkpoint at 3 ranks: each rank reads the chunks
+# whose rows overlap its own (torch.chunk: 86, 86, 84 of 256) and keeps part of them.
+"$bin/tessera-ckpt" read-plan w2/checkpoint --ranks 3 --tensor transformer.wte.weight > plan.log
+grep -q "rank 1 needs rows 86..171" plan.log && grep -q "rank-00000.bin *rows 0..127: reads .*, copies rows 86..127 (part of it)" plan.log &&
+  grep -q "rank-00001.bin *rows 128..255: reads .*, copies rows 128..171 (part of it)" plan.log || fail "read-plan: $(cat plan.log)"
+"$bin/tessera-ckpt" read-plan w2/checkpoint --ranks 2 > plan2.log
+[[ $(grep -c "keeps" plan2.log) == 2 ]] || fail "read-plan totals: $(cat plan2.log)"
+expect_error "read-plan needs CHECKPOINT and --ranks N" "$bin/tessera-ckpt" read-plan w2/checkpoint
+expect_error "has no tensor 'nope'" "$bin/tessera-ckpt" read-plan w2/checkpoint --ranks 2 --tensor nope
 # llm.c's GPT-2 model file: one written by an independent writer (from the
 # Hugging Face fixture) imports as the same model, and exports byte for byte.
 rm -rf llmck llmhf
