@@ -19,7 +19,13 @@ for w in 1 2 4; do
     /^  dp_shard / { print "counts=" $3 " / " $5 " / " $7; print "sent=" $8 " " $9 }
     /lower bound/ { print "ring=" $(NF-1) " " $NF }')
 done
-echo "The default model has ${v[1,params]} parameters (12.4 MiB in f32); batch 16 x 128 tokens per step."
+# tessera-train's summary line counts as nanoGPT does, without the position
+# embeddings (seq_len x n_embd of the default configuration): say both.
+config=$("${1:-build}/tools/tessera-train" --print-config)
+seq_len=$(sed -n 's/^seq_len = //p' <<< "$config")
+n_embd=$(sed -n 's/^n_embd = //p' <<< "$config")
+echo "The default model has ${v[1,params]} parameters (12.4 MiB in f32; tessera-train's summary line says" \
+  "$(( ${v[1,params]} - seq_len * n_embd )), leaving out the position embeddings as nanoGPT does); batch 16 x $seq_len tokens per step."
 echo
 echo "| per rank | 1 rank | 2 ranks | 4 ranks |"
 echo "|---|---|---|---|"
