@@ -105,11 +105,7 @@ int run(int argc, char** argv) {
              "tokenizer {} has {} tokens but the model's vocabulary is {}: not this model's tokenizer",
              tokenizer_path, tokenizer->vocab_size(), cfg.model.vocab_size);
   }
-  std::vector<int64_t> prompt;
-  if (tokenizer)
-    prompt = tokenizer->encode(cfg.sample.prompt);
-  else
-    for (unsigned char ch : cfg.sample.prompt) prompt.push_back(ch);
+  std::vector<int64_t> prompt = data::prompt_tokens(tokenizer ? &*tokenizer : nullptr, cfg.sample.prompt);
   TS_CHECK(!prompt.empty(), "--sample.prompt must not be empty");
   std::string tokens = tokenizer ? fmt::format("tokenizer {} ({} tokens)", tokenizer_path,
                                                tokenizer->vocab_size())
@@ -124,14 +120,8 @@ int run(int argc, char** argv) {
                {cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k,
                 static_cast<uint64_t>(cfg.job.seed)},
                [&](int64_t t) {
-                 if (tokenizer && tokenizer->contains(t)) {
-                   const std::string& bytes = tokenizer->token_bytes(t);
-                   std::fwrite(bytes.data(), 1, bytes.size(), stdout);
-                 } else if (!tokenizer && t < 256) {
-                   std::putchar(static_cast<int>(t));  // byte tokens
-                 } else {
-                   std::printf("[%lld]", static_cast<long long>(t));
-                 }
+                 const std::string text = data::token_text(tokenizer ? &*tokenizer : nullptr, t);
+                 std::fwrite(text.data(), 1, text.size(), stdout);
                  std::fflush(stdout);
                });
   std::printf("\n");

@@ -411,6 +411,19 @@ std::string BpeTokenizer::decode(std::span<const int64_t> ids) const {
   return out;
 }
 
+std::vector<int64_t> prompt_tokens(const BpeTokenizer* tokenizer, std::string_view text) {
+  if (tokenizer != nullptr) return tokenizer->encode(text);
+  std::vector<int64_t> bytes;
+  for (unsigned char ch : text) bytes.push_back(ch);
+  return bytes;
+}
+
+std::string token_text(const BpeTokenizer* tokenizer, int64_t id) {
+  if (tokenizer != nullptr ? tokenizer->contains(id) : (id >= 0 && id < 256))
+    return tokenizer != nullptr ? tokenizer->token_bytes(id) : std::string(1, static_cast<char>(id));
+  return fmt::format("[{}]", id);
+}
+
 std::string tokenizer_beside(const std::string& dir) {
   std::filesystem::path at = std::filesystem::absolute(dir.empty() ? "." : dir);
   for (int up = 0; up < 3; ++up, at = at.parent_path())

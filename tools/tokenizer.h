@@ -73,6 +73,12 @@ class BpeTokenizer {
   bool ignore_merges_ = false;
 };
 
+// A prompt's tokens and a sampled token's text, with a tokenizer or, where
+// there is none (nullptr), byte tokens; an id no token has (a padded
+// vocabulary, or over 255 without a tokenizer) prints as "[id]".
+std::vector<int64_t> prompt_tokens(const BpeTokenizer* tokenizer, std::string_view text);
+std::string token_text(const BpeTokenizer* tokenizer, int64_t id);
+
 // The tokenizer.json that goes with the weights in `dir`: in it or in one of the
 // two folders above (a checkpoint step -> its folder -> the run folder where
 // tessera-train copies training.tokenizer). "" if there is none.

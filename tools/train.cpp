@@ -971,11 +971,8 @@ void Trainer::finish(double total_s, int64_t start) {
 // draws the same tokens from the same seed; rank 0 prints them.
 void Trainer::sample(const std::string& when) {
   if (cfg_.sample.max_new_tokens <= 0) return;
-  std::vector<int64_t> prompt;
-  if (tokenizer_)
-    prompt = tokenizer_->encode(cfg_.sample.prompt);
-  else
-    for (unsigned char ch : cfg_.sample.prompt) prompt.push_back(ch);
+  const data::BpeTokenizer* tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+  std::vector<int64_t> prompt = data::prompt_tokens(tokenizer, cfg_.sample.prompt);
   if (rank_ == 0) {
     progress_->finish();
     std::printf("\n--- sample%s (temperature %.2f, top-k %lld) ---\n%s", when.empty() ? "" : (" at " + when).c_str(),
@@ -986,14 +983,8 @@ void Trainer::sample(const std::string& when) {
                 static_cast<uint64_t>(cfg_.job.seed)},
                [&](int64_t t) {
                  if (rank_ != 0) return;
-                 if (tokenizer_ && tokenizer_->contains(t)) {
-                   const std::string& bytes = tokenizer_->token_bytes(t);
-                   std::fwrite(bytes.data(), 1, bytes.size(), stdout);
-                 } else if (tokenizer_ || t >= 256) {
-                   std::printf("[%lld]", static_cast<long long>(t));  // a padding id
-                 } else {
-                   std::putchar(static_cast<int>(t));
-                 }
+                 const std::string text = data::token_text(tokenizer, t);
+                 std::fwrite(text.data(), 1, text.size(), stdout);
                  std::fflush(stdout);
                });
   if (rank_ == 0) std::printf("\n---\n");

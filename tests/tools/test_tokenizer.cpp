@@ -71,6 +71,13 @@ TEST_CASE("bpe matches tokenizers", "[bpe]") {
   CHECK(tok.added_token("<|endoftext|>") == 0);
   CHECK_FALSE(tok.added_token("<|end|>").has_value());
   check_cases(tok, "tokenizer");
+  // What tessera-train's samples and tessera-generate print, with and without a tokenizer.
+  CHECK(data::prompt_tokens(&tok, "Hello world") == tok.encode("Hello world"));
+  CHECK(data::prompt_tokens(nullptr, "ab\xff") == std::vector<int64_t>{97, 98, 255});
+  CHECK(data::token_text(&tok, 0) == "<|endoftext|>");
+  CHECK(data::token_text(&tok, 1100) == "[1100]");  // a padded model vocabulary's id
+  CHECK(data::token_text(nullptr, 65) == "A");
+  CHECK(data::token_text(nullptr, 300) == "[300]");
 }
 
 TEST_CASE("bpe add_prefix_space", "[bpe]") {
