@@ -145,14 +145,17 @@ namespace {
 class BackwardPass {
  public:
   explicit BackwardPass(std::vector<std::unique_ptr<Node>> nodes) : nodes_(std::move(nodes)) {
+    // Each leaf is flushed after its first use, in that node's input order:
+    // the same order on every rank, which the collectives a flush may issue
+    // (a DTensor gradient laid out as its parameter) need. (Ids, and hence a
+    // hash map's order, differ between ranks.)
     flush_at_.resize(nodes_.size());
-    std::unordered_map<uint64_t, size_t> first_use;
+    std::unordered_set<uint64_t> seen;
     for (size_t i = 0; i < nodes_.size(); ++i) {
       for (const auto& in : nodes_[i]->inputs)
-        if (in.leaf) first_use.emplace(in.id, i);  // ascending: keeps the first use
+        if (in.leaf && seen.insert(in.id).second) flush_at_[i].push_back(in.id);
       for (uint64_t id : nodes_[i]->output_ids) produced_.insert(id);
     }
-    for (auto& [id, i] : first_use) flush_at_[i].push_back(id);
   }
 
   // The roots' gradients (ones for one-element roots given none).
@@ -175,6 +178,7 @@ class BackwardPass {
                "backward: the graph that produced this tensor is not on the tape (already used by "
                "an earlier backward(), cleared, or recorded on another thread)");
       if (root.is_leaf()) {
+        root_leaves_.push_back(root.impl()->id);
         auto& p = leaves_[root.impl()->id];
         p.impl = root.impl_ptr();
         accumulate(p.grad, g);
@@ -196,7 +200,8 @@ class BackwardPass {
       }
       nodes_[i].reset();  // free what this op saved as soon as it is done
     }
-    while (!leaves_.empty()) flush_leaf(leaves_.begin()->first);  // roots that are leaves
+    for (uint64_t id : root_leaves_) flush_leaf(id);  // roots that are leaves, in the order given
+    TS_ASSERT(leaves_.empty());
   }
 
  private:
@@ -289,6 +294,7 @@ class BackwardPass {
   std::unordered_map<uint64_t, Tensor> grads_;  // pending gradients of non-leaf tensors
   std::unordered_map<uint64_t, PendingLeaf> leaves_;
   std::vector<std::vector<uint64_t>> flush_at_;
+  std::vector<uint64_t> root_leaves_;
   std::unordered_set<uint64_t> produced_;
 };
 

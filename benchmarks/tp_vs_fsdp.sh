@@ -6,15 +6,22 @@
 # step time of the last five log windows (steps
 # 16-40), the exposed-communication share, the peak memory per rank, and the
 # step time as a ratio to FSDP's at the same rank count (> 1: slower).
+# With `gpt2` as the second argument the same for tessera-train's GPT-2 (4
+# layers, d=256, 8 heads, biases; its fused c_attn split per block).
 # Not a test: a table for benchmarks/README.md.
-#   benchmarks/tp_vs_fsdp.sh [build]        (default build/)
+#   benchmarks/tp_vs_fsdp.sh [build] [llama|gpt2]       (default build/, llama)
 set -euo pipefail
 build=${1:-build}
+arch=${2:-llama}
 bin=$(cd "$build/tools" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 root=(); [[ $(id -u) == 0 ]] && root=(--allow-run-as-root)
-model=(--model.arch llama --model.n_head 8 --model.n_kv_head 4 --model.bias false)
+case $arch in
+  llama) model=(--model.arch llama --model.n_head 8 --model.n_kv_head 4 --model.bias false) ;;
+  gpt2) model=(--model.arch gpt2 --model.n_head 8) ;;
+  *) echo "tp_vs_fsdp.sh: expected llama or gpt2, got '$arch'" >&2; exit 2 ;;
+esac
 median() { sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 fsdp_ms=0
 measure() {

@@ -1,5 +1,7 @@
 #include "dtensor/dtensor.h"
 
+#include <algorithm>
+
 #include "dtensor/redistribute.h"
 #include "runtime/ops.h"
 #include "runtime/random.h"
@@ -19,10 +21,50 @@ const DTensorSpec& dtensor_spec(const Tensor& t) {
   return *spec;
 }
 
+std::vector<Runs> local_runs(const Shape& global, const DeviceMesh& mesh, const Placements& placements,
+                             const std::vector<int64_t>& coordinate) {
+  std::vector<Runs> runs;
+  for (int64_t n : global) runs.push_back(n > 0 ? Runs{{0, n}} : Runs{});
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (!is_shard(placements[i])) continue;
+    auto d = static_cast<size_t>(shard_dim(placements[i]));
+    runs[d] = shard_runs(runs[d], placements[i], mesh.size(static_cast<int64_t>(i)), coordinate[i]);
+  }
+  return runs;
+}
+
+Shape local_shape(const Shape& global, const DeviceMesh& mesh, const Placements& placements,
+                  const std::vector<int64_t>& coordinate) {
+  Shape local = global;
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (!is_shard(placements[i])) continue;
+    auto d = static_cast<size_t>(shard_dim(placements[i]));
+    local[d] = shard_length(local[d], placements[i], mesh.size(static_cast<int64_t>(i)), coordinate[i]);
+  }
+  return local;
+}
+
+namespace {
+bool any_blocked(const Placements& placements) {
+  return std::any_of(placements.begin(), placements.end(), [](const Placement& p) { return is_blocked(p); });
+}
+}  // namespace
+
 std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,
                                                const Placements& placements,
                                                const std::vector<int64_t>& coordinate) {
   Shape local = global, offset(global.size(), 0);
+  if (any_blocked(placements)) {
+    const std::vector<Runs> runs = local_runs(global, mesh, placements, coordinate);
+    for (size_t d = 0; d < runs.size(); ++d) {
+      TS_CHECK(runs[d].size() <= 1, "{} on {}: dim {} of this rank's piece is {} runs of the global tensor, not one "
+               "box (a blocked shard); take them one by one (local_runs, local_boxes)",
+               placements_str(placements), shape_str(global), d, runs[d].size());
+      local[d] = runs[d].empty() ? 0 : runs[d][0].second;
+      offset[d] = runs[d].empty() ? 0 : runs[d][0].first;
+    }
+    return {local, offset};
+  }
   for (size_t i = 0; i < placements.size(); ++i) {
     if (!is_shard(placements[i])) continue;
     auto d = static_cast<size_t>(shard_dim(placements[i]));
@@ -31,6 +73,35 @@ std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const Device
     offset[d] += start;
   }
   return {local, offset};
+}
+
+std::vector<LocalBox> local_boxes(const Tensor& t) {
+  if (!t.is_distributed() || !any_blocked(dtensor_spec(t).placements)) return {local_box(t)};
+  const DTensorSpec& spec = dtensor_spec(t);
+  const std::vector<Runs> runs = local_runs(spec.global_shape, *spec.mesh, spec.placements,
+                                            spec.mesh->get_coordinate());
+  const size_t nd = runs.size();
+  for (const Runs& r : runs)
+    if (r.empty()) return {{spec.local, Shape(nd, 0), spec.local.shape()}};
+  // Every combination of one run per dim, with where each starts locally.
+  std::vector<LocalBox> boxes;
+  std::vector<size_t> pick(nd, 0);
+  while (true) {
+    LocalBox box{spec.local, Shape(nd), Shape(nd)};
+    for (size_t d = 0; d < nd; ++d) {
+      int64_t at = 0;
+      for (size_t j = 0; j < pick[d]; ++j) at += runs[d][j].second;
+      box.offset[d] = runs[d][pick[d]].first;
+      box.shape[d] = runs[d][pick[d]].second;
+      if (box.shape[d] != spec.local.size(static_cast<int64_t>(d)))
+        box.local = ops::narrow(box.local, static_cast<int64_t>(d), at, box.shape[d]);
+    }
+    boxes.push_back(std::move(box));
+    size_t d = nd;
+    while (d > 0 && ++pick[d - 1] == runs[d - 1].size()) pick[--d] = 0;
+    if (d == 0) break;
+  }
+  return boxes;
 }
 
 LocalBox local_box(const Tensor& t) {
@@ -51,14 +122,15 @@ Placements normalize_placements(const Placements& placements, const DeviceMesh& 
     if (!is_shard(p)) continue;
     int64_t d = shard_dim(p);
     TS_CHECK(d >= -ndim && d < ndim, "{}: {} is out of range for a {}-d tensor", op, placement_str(p), ndim);
-    p = Shard{d < 0 ? d + ndim : d};
+    TS_CHECK(shard_blocks(p) >= 1, "{}: {} needs at least one block", op, placement_str(p));
+    p = Shard{d < 0 ? d + ndim : d, shard_blocks(p)};
   }
   return out;
 }
 
 Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Shape global_shape) {
   TS_CHECK(local.defined() && !local.is_distributed(), "make_dtensor: the local tensor must be a plain tensor");
-  auto expected = local_shape_and_offset(global_shape, *mesh, placements, mesh->get_coordinate()).first;
+  auto expected = local_shape(global_shape, *mesh, placements, mesh->get_coordinate());
   TS_CHECK(local.shape() == expected,
            "DTensor: local shape {} does not match the shard {} of global shape {} with placements {} on {}",
            shape_str(local.shape()), shape_str(expected), shape_str(global_shape), placements_str(placements),
@@ -79,10 +151,15 @@ Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Sh
 
 namespace {
 Tensor piece_of(const Tensor& full, const DeviceMesh& mesh, const Placements& placements) {
-  auto [shape, offset] = local_shape_and_offset(full.shape(), mesh, placements, mesh.get_coordinate());
+  const std::vector<Runs> runs = local_runs(full.shape(), mesh, placements, mesh.get_coordinate());
   Tensor piece = full;
-  for (size_t d = 0; d < shape.size(); ++d)
-    if (shape[d] != full.shape()[d]) piece = ops::narrow(piece, static_cast<int64_t>(d), offset[d], shape[d]);
+  for (size_t d = 0; d < runs.size(); ++d) {
+    const auto dim = static_cast<int64_t>(d);
+    if (runs[d].size() == 1 && runs[d][0].second == full.size(dim)) continue;
+    std::vector<Tensor> parts;
+    for (const auto& [start, len] : runs[d]) parts.push_back(ops::narrow(piece, dim, start, len));
+    piece = runs[d].empty() ? ops::narrow(piece, dim, 0, 0) : parts.size() == 1 ? parts[0] : ops::cat(parts, dim);
+  }
   return ops::clone(piece);
 }
 

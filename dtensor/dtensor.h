@@ -23,17 +23,28 @@ struct DTensorSpec final : DistSpec {
 // The spec of a DTensor (throws for plain tensors).
 const DTensorSpec& dtensor_spec(const Tensor& t);
 
-// Local shape and global offset (per tensor dim) of the shard at `coordinate`.
+// Local shape of the shard at `coordinate`.
+Shape local_shape(const Shape& global, const DeviceMesh& mesh, const Placements& placements,
+                  const std::vector<int64_t>& coordinate);
+// Local shape and global offset (per tensor dim) of the shard at `coordinate`;
+// throws where a blocked Shard makes the shard several boxes (local_runs).
 std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const DeviceMesh& mesh,
                                                const Placements& placements,
                                                const std::vector<int64_t>& coordinate);
+// Per tensor dim, the runs of global indices the shard at `coordinate`
+// covers, in local order: one run, or one per block of a blocked Shard.
+std::vector<Runs> local_runs(const Shape& global, const DeviceMesh& mesh, const Placements& placements,
+                             const std::vector<int64_t>& coordinate);
 // This rank's piece of t: its local tensor and the box [offset, offset + shape)
 // that piece covers in the global tensor (a plain tensor is its own whole box).
 struct LocalBox {
   Tensor local;
   Shape offset, shape;
 };
-LocalBox local_box(const Tensor& t);
+LocalBox local_box(const Tensor& t);  // throws for a blocked Shard's several boxes
+// Every box of this rank's piece (one unless a blocked Shard splits it), each
+// with its view of the local tensor: what a checkpoint writes and reads.
+std::vector<LocalBox> local_boxes(const Tensor& t);
 // Checks placements against a mesh and a global shape (dims in range, one per mesh dim).
 Placements normalize_placements(const Placements& placements, const DeviceMesh& mesh, int64_t ndim,
                                 const char* op);

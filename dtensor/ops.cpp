@@ -140,7 +140,7 @@ std::vector<Tensor> reduction(DistCall& call) {
     } else if (!call.keepdim) {
       int64_t removed = 0;
       for (int64_t k = 0; k < d; ++k) removed += reduced[static_cast<size_t>(k)];
-      p = Shard{d - removed};
+      p = moved_to(p, d - removed);
     }
   }
   Shape out_shape;
@@ -172,7 +172,8 @@ Split split_of(const DistCall& call, const Placement& pa, const Placement& pw, s
                int64_t w_out, int64_t w_in) {
   if (is_replicate(pa) && is_replicate(pw)) return Split::Replicated;
   if (is_replicate(pa) && w_dims == 2 && is_shard(pw, w_out)) return Split::Colwise;
-  if (is_shard(pa, a_dims - 1) && w_dims == 2 && is_shard(pw, w_in)) return Split::Rowwise;
+  if (is_shard(pa, a_dims - 1) && w_dims == 2 && is_shard(pw, w_in) && shard_blocks(pa) == shard_blocks(pw))
+    return Split::Rowwise;  // (equal blocks: both hold the same input features, in the same order)
   if (is_shard(pa) && shard_dim(pa) < a_dims - 1 && is_replicate(pw)) return Split::Rows;
   TS_CHECK(false,
            "{}: no sharding rule for input {} and weight {} on mesh dim {} (supported: R x S(out) -> S(-1), "
@@ -205,13 +206,13 @@ std::vector<Tensor> linear_rule(DistCall& call) {
     const Placement& pa = sa.placements[i];
     switch (split_of(call, pa, sw.placements[i], i, ad, wd, w_out, w_in)) {
       case Split::Replicated: out_p.push_back(Replicate{}); break;
-      case Split::Colwise: out_p.push_back(Shard{od - 1}); break;
+      case Split::Colwise: out_p.push_back(moved_to(sw.placements[i], od - 1)); break;
       case Split::Rowwise: out_p.push_back(Partial{dist::ReduceOp::Sum}); break;
-      case Split::Rows: out_p.push_back(Shard{shard_dim(pa) + (od - ad)}); break;
+      case Split::Rows: out_p.push_back(moved_to(pa, shard_dim(pa) + (od - ad))); break;
     }
     if (bias) {
       Placement pb = at(*bias, i);
-      bool ok = is_shard(out_p.back(), od - 1) ? is_shard(pb, 0) : is_replicate(pb);
+      bool ok = is_shard(out_p.back(), od - 1) ? pb == moved_to(out_p.back(), 0) : is_replicate(pb);
       TS_CHECK(ok, "{}: bias placement {} does not fit output placement {} on mesh dim {}", call.name,
                placement_str(pb), placement_str(out_p.back()), i);
     }
@@ -255,11 +256,13 @@ std::vector<Tensor> linear_backward_rule(DistCall& call) {
       case Split::Replicated:
         gp.push_back(Replicate{}), dx_p.push_back(Replicate{}), dw_p.push_back(Replicate{}), db_p.push_back(Replicate{});
         break;
-      case Split::Colwise:
-        gp.push_back(Shard{xd - 1}), dx_p.push_back(Partial{}), dw_p.push_back(Shard{0}), db_p.push_back(Shard{0});
+      case Split::Colwise: {
+        const Placement& pw = sw.placements[i];  // S(0), or S(0)xb for a fused projection
+        gp.push_back(moved_to(pw, xd - 1)), dx_p.push_back(Partial{}), dw_p.push_back(pw), db_p.push_back(pw);
         break;
+      }
       case Split::Rowwise:
-        gp.push_back(Replicate{}), dx_p.push_back(Shard{xd - 1}), dw_p.push_back(Shard{1}), db_p.push_back(Replicate{});
+        gp.push_back(Replicate{}), dx_p.push_back(px), dw_p.push_back(sw.placements[i]), db_p.push_back(Replicate{});
         break;
       case Split::Rows:
         gp.push_back(px), dx_p.push_back(px), dw_p.push_back(Partial{}), db_p.push_back(Partial{});
@@ -280,15 +283,14 @@ std::vector<Tensor> random(DistCall& call) {
   const DTensorSpec& ref = dtensor_spec(call.inputs[0]);
   for (const auto& p : ref.placements)
     TS_CHECK(!is_partial(p), "{}: cannot fill a Partial DTensor with random values", call.name);
-  auto [shape, offset] = local_shape_and_offset(ref.global_shape, *ref.mesh, ref.placements,
-                                                ref.mesh->get_coordinate());
-  // Element i of the shard is element offset + i of the full tensor.
-  RandomSpec s = call.spec;
-  Shape strides = s.index_strides.empty() ? contiguous_strides(ref.global_shape) : s.index_strides;
-  for (size_t d = 0; d < offset.size(); ++d) s.base += offset[d] * strides[d];
-  s.index_strides = strides;
-  Tensor local = ref.local;
-  call.random_fill(local, s);
+  // Element i of each box of the shard is element offset + i of the full tensor.
+  const Shape strides = call.spec.index_strides.empty() ? contiguous_strides(ref.global_shape) : call.spec.index_strides;
+  for (LocalBox& box : local_boxes(call.inputs[0])) {
+    RandomSpec s = call.spec;
+    for (size_t d = 0; d < box.offset.size(); ++d) s.base += box.offset[d] * strides[d];
+    s.index_strides = strides;
+    call.random_fill(box.local, s);
+  }
   return {call.inputs[0]};
 }
 
@@ -651,7 +653,30 @@ std::vector<Tensor> relayout(DistCall& call) {
   return {sg.placements == sl.placements ? g : redistribute_local(g, sl.placements)};
 }
 
+// The op classes whose rules carry a blocked Shard (S(d)xb) through: it
+// stays on its dim, keeps its blocks, and meets only operands blocked alike.
+bool takes_blocked(OpClass cls) {
+  switch (cls) {
+    case OpClass::Elementwise:
+    case OpClass::LinearElementwise:
+    case OpClass::InPlace:
+    case OpClass::Reduction:
+    case OpClass::Linear:
+    case OpClass::LinearBackward:
+    case OpClass::Random:
+    case OpClass::Like:
+    case OpClass::Relayout: return true;
+    default: return false;
+  }
+}
+
 std::vector<Tensor> handle(DistCall& call) {
+  if (!takes_blocked(call.cls))
+    for (const Tensor& t : call.inputs)
+      if (t.defined() && t.is_distributed())
+        for (const Placement& p : dtensor_spec(t).placements)
+          TS_CHECK(!is_blocked(p), "{}: no sharding rule for a blocked shard ({} in {}); redistribute it to "
+                   "Replicate or an unblocked Shard first", call.name, placement_str(p), dtensor_spec(t).str());
   switch (call.cls) {
     case OpClass::Elementwise:
     case OpClass::LinearElementwise: return elementwise(call);

@@ -10,6 +10,11 @@
 //   Shard(a)   -> Shard(b)    all-to-all
 //   Replicate  -> Partial     local: sum divides by the group size, avg/max/min keep the value
 //   Shard      -> Partial     all-gather, then as Replicate -> Partial
+//
+// A blocked Shard (S(d)xb) is the plain one on the inner dim of d viewed as
+// [b, n / b]: its all-gather, chunking and reduce-scatter are the plain
+// ones on that view (per_block); a move to another Shard goes through
+// Replicate.
 #include "dtensor/redistribute.h"
 
 #include <numeric>
@@ -136,8 +141,25 @@ int64_t level_size(const Shape& global, const DeviceMesh& mesh, const Placements
   int64_t n = global[static_cast<size_t>(d)];
   for (int64_t j = 0; j < level; ++j)
     if (is_shard(cur[static_cast<size_t>(j)], d))
-      n = shard_size_and_offset(n, mesh.size(j), mesh.get_local_rank(j)).first;
+      n = shard_length(n, cur[static_cast<size_t>(j)], mesh.size(j), mesh.get_local_rank(j));
   return n;
+}
+
+// f(local, dim, size) on dim d of size n; for a Shard of b > 1 blocks, on the
+// inner dim of d viewed as [b, n / b] (every block chunked alike), d merged after.
+template <class F>
+Tensor per_block(const Tensor& local, int64_t d, int64_t n, int64_t b, F&& f) {
+  if (b == 1) return f(local, d, n);
+  TS_CHECK(n % b == 0 && local.size(d) % b == 0, "redistribute: dim {} ({} here, {} in all) does not split into "
+           "{} equal blocks", d, local.size(d), n, b);
+  Shape split = local.shape();
+  split[static_cast<size_t>(d)] = local.size(d) / b;
+  split.insert(split.begin() + d, b);
+  Tensor r = f(ops::reshape(ops::contiguous(local), split), d + 1, n / b);
+  Shape merged = r.shape();
+  merged[static_cast<size_t>(d)] *= merged[static_cast<size_t>(d) + 1];
+  merged.erase(merged.begin() + d + 1);
+  return ops::reshape(ops::contiguous(r), merged);
 }
 }  // namespace
 
@@ -163,7 +185,8 @@ Tensor redistribute_local(const Tensor& dt, const Placements& target) {
     if (!is_shard(c)) continue;
     int64_t d = shard_dim(c);
     bool changes = c != dst[static_cast<size_t>(i)];
-    bool all_to_all = changes && is_shard(dst[static_cast<size_t>(i)]) && !shards_elsewhere(i, d) &&
+    bool all_to_all = changes && is_shard(dst[static_cast<size_t>(i)]) && !is_blocked(c) &&
+                      !is_blocked(dst[static_cast<size_t>(i)]) && !shards_elsewhere(i, d) &&
                       !shards_elsewhere(i, shard_dim(dst[static_cast<size_t>(i)]));
     bool outer_changes = false;
     for (int64_t j = 0; j < i; ++j)
@@ -171,7 +194,9 @@ Tensor redistribute_local(const Tensor& dt, const Placements& target) {
           (is_shard(cur[static_cast<size_t>(j)], d) || is_shard(dst[static_cast<size_t>(j)], d)))
         outer_changes = true;
     if ((changes && !all_to_all) || outer_changes) {
-      local = shard_to_replicate(local, mesh.get_group(i), d, level_size(global, mesh, cur, i, d));
+      auto g = mesh.get_group(i);
+      local = per_block(local, d, level_size(global, mesh, cur, i, d), shard_blocks(c),
+                        [&](const Tensor& x, int64_t dim, int64_t n) { return shard_to_replicate(x, g, dim, n); });
       cur[static_cast<size_t>(i)] = Replicate{};
     }
   }
@@ -185,12 +210,14 @@ Tensor redistribute_local(const Tensor& dt, const Placements& target) {
       int64_t a = shard_dim(c), b = shard_dim(t);
       local = shard_to_shard(local, g, a, level_size(global, mesh, cur, i, a), b, level_size(global, mesh, cur, i, b));
     } else if (is_replicate(c) && is_shard(t)) {
-      local = replicate_to_shard(local, g, shard_dim(t), level_size(global, mesh, cur, i, shard_dim(t)));
+      local = per_block(local, shard_dim(t), level_size(global, mesh, cur, i, shard_dim(t)), shard_blocks(t),
+                        [&](const Tensor& x, int64_t dim, int64_t n) { return replicate_to_shard(x, g, dim, n); });
     } else if (is_partial(c) && is_replicate(t)) {
       local = partial_to_replicate(local, g, std::get<Partial>(c).op);
     } else if (is_partial(c) && is_shard(t)) {
-      local = partial_to_shard(local, g, shard_dim(t), level_size(global, mesh, cur, i, shard_dim(t)),
-                               std::get<Partial>(c).op);
+      const dist::ReduceOp op = std::get<Partial>(c).op;
+      local = per_block(local, shard_dim(t), level_size(global, mesh, cur, i, shard_dim(t)), shard_blocks(t),
+                        [&](const Tensor& x, int64_t dim, int64_t n) { return partial_to_shard(x, g, dim, n, op); });
     } else if (is_replicate(c) && is_partial(t)) {
       local = replicate_to_partial(local, g, std::get<Partial>(t).op);
     } else {

@@ -128,8 +128,8 @@ std::vector<Tensor> view_rule(DistCall& call) {
     }
     out_p[i] = Shard{o0};
   }
-  Shape local_shape = local_shape_and_offset(shape, *s.mesh, out_p, s.mesh->get_coordinate()).first;
-  return {make_dtensor(ops::reshape(s.local, local_shape), s.mesh, out_p, shape)};
+  Shape local = local_shape(shape, *s.mesh, out_p, s.mesh->get_coordinate());
+  return {make_dtensor(ops::reshape(s.local, local), s.mesh, out_p, shape)};
 }
 
 }  // namespace tessera::detail

@@ -124,18 +124,19 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
           owner = false;
     }
     if (!owner) continue;
-    LocalBox box = local_box(t);
-    Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
-    uint64_t bytes = c.nbytes();
-    uint64_t at = file.size();
-    if (bytes) file.write(c.host_data_ptr(), bytes);
-    chunks.push_back({{"tensor", name},
-                      {"file", file_name},
-                      {"offset", at},
-                      {"bytes", bytes},
-                      {"offsets", shape_json(box.offset)},
-                      {"shape", shape_json(c.shape())},
-                      {"crc32c", bytes ? crc32c(c.host_data_ptr(), bytes) : 0u}});
+    for (const LocalBox& box : local_boxes(t)) {  // one, or one per block of a blocked shard
+      Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
+      uint64_t bytes = c.nbytes();
+      uint64_t at = file.size();
+      if (bytes) file.write(c.host_data_ptr(), bytes);
+      chunks.push_back({{"tensor", name},
+                        {"file", file_name},
+                        {"offset", at},
+                        {"bytes", bytes},
+                        {"offsets", shape_json(box.offset)},
+                        {"shape", shape_json(c.shape())},
+                        {"crc32c", bytes ? crc32c(c.host_data_ptr(), bytes) : 0u}});
+    }
   }
   file.finish();
   return chunks;
@@ -349,26 +350,27 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
     TS_CHECK(info->dtype == t.dtype() || (convert && is_floating(info->dtype) && is_floating(t.dtype())),
              "{}: tensor '{}' is {} in the checkpoint but {} in the model", md_file, name,
              dtype_name(info->dtype), dtype_name(t.dtype()));
-    // This rank's box of the tensor, and the saved chunks overlapping it.
-    auto [local, start, extent] = local_box(t);
-    for (const auto& ch : info->chunks) {
-      Shape lo(start.size()), len(start.size());
-      bool overlap = true;
-      for (size_t d = 0; d < start.size(); ++d) {
-        lo[d] = std::max(start[d], ch.offsets[d]);
-        int64_t hi = std::min(start[d] + extent[d], ch.offsets[d] + ch.shape[d]);
-        len[d] = hi - lo[d];
-        if (len[d] <= 0) overlap = false;
+    // This rank's boxes of the tensor, and the saved chunks overlapping each.
+    for (const auto& [local, start, extent] : local_boxes(t)) {
+      if (shape_numel(extent) == 0) continue;
+      for (const auto& ch : info->chunks) {
+        Shape lo(start.size()), len(start.size());
+        bool overlap = true;
+        for (size_t d = 0; d < start.size(); ++d) {
+          lo[d] = std::max(start[d], ch.offsets[d]);
+          int64_t hi = std::min(start[d] + extent[d], ch.offsets[d] + ch.shape[d]);
+          len[d] = hi - lo[d];
+          if (len[d] <= 0) overlap = false;
+        }
+        if (!overlap) continue;
+        Tensor data = read_chunk(dir, *info, ch);
+        Tensor src = data, dst = local;
+        for (size_t d = 0; d < start.size(); ++d) {
+          src = ops::narrow(src, static_cast<int64_t>(d), lo[d] - ch.offsets[d], len[d]);
+          dst = ops::narrow(dst, static_cast<int64_t>(d), lo[d] - start[d], len[d]);
+        }
+        ops::copy_(dst, src);
       }
-      if (!overlap && shape_numel(extent) > 0) continue;
-      if (shape_numel(extent) == 0) break;
-      Tensor data = read_chunk(dir, *info, ch);
-      Tensor src = data, dst = local;
-      for (size_t d = 0; d < start.size(); ++d) {
-        src = ops::narrow(src, static_cast<int64_t>(d), lo[d] - ch.offsets[d], len[d]);
-        dst = ops::narrow(dst, static_cast<int64_t>(d), lo[d] - start[d], len[d]);
-      }
-      ops::copy_(dst, src);
     }
   }
   if (opt) {

@@ -105,7 +105,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
                "cross_entropy: logits {} are split on a dim other than the classes (the last); supported: the "
                "classes split over one mesh dim, Replicate on the others", s.str());
       if (is_partial(p)) p = summed[i] = Replicate{};  // pending sums are reduced first (differentiably)
-      if (is_shard(p)) p = Shard{1};
+      if (is_shard(p)) p = moved_to(p, 1);  // (a blocked split stays blocked, and is refused by the rule)
     }
     Tensor whole = summed == s.placements ? logits : redistribute(logits, summed);
     Tensor local = to_local(whole);

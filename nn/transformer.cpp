@@ -104,7 +104,9 @@ Tensor merge_heads(const Tensor& x) {
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3 && x.size(2) == n_embd, "CausalSelfAttention: expected [B, T, {}], got {}",
            n_embd, shape_str(x.shape()));
-  auto qkv = split((*c_attn)(x), n_embd, 2);
+  // [q | k | v]; under tensor parallelism this rank's share of each (c_attn split S(0)x3).
+  Tensor fused = (*c_attn)(x);
+  auto qkv = split(fused, fused.size(2) / 3, 2);
   const int64_t head_dim = n_embd / n_head;
   Tensor q = split_heads(qkv[0], head_dim), k = split_heads(qkv[1], head_dim);
   if (use_rope) {

@@ -144,6 +144,14 @@ Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType 
   return where(keep, full({}, 1.0 / (1.0 - p), dtype, device), mask);
 }
 
+Tensor dropout_mask_like(const Tensor& x, double p, const RandomSpec& spec) {
+  if (!x.is_distributed()) return dropout_mask(x.shape(), p, spec, x.dtype(), x.device());
+  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
+  Tensor u = to(empty_like(x), DType::F32);
+  uniform_(u, 0.0, 1.0, spec);
+  return mul(to(binary(BinaryOp::Ge, u, p), x.dtype()), 1.0 / (1.0 - p));
+}
+
 }  // namespace ops
 
 // ---- factories -------------------------------------------------------------------

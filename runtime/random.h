@@ -54,6 +54,10 @@ void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec);
 // Multiplier for inverted dropout: 0 with probability p, else 1/(1-p).
 Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
                     Device device);
+// The same mask for x's shape, dtype and device, as a tensor laid out as x: a
+// DTensor's shard draws the counters of its global positions, so every
+// layout gets the single process's mask.
+Tensor dropout_mask_like(const Tensor& x, double p, const RandomSpec& spec);
 }  // namespace ops
 
 // ---- factories -----------------------------------------------------------------

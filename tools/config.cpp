@@ -222,7 +222,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                "issue the next group's all-gather while this one computes (false: only when it runs, "
                "to see what prefetch buys)"),
       int_key("parallelism.tensor_parallel_degree", c.parallelism.tensor_parallel_degree,
-              "ranks each layer is split over (Megatron tensor parallelism, llama; 1 = none)"),
+              "ranks each layer is split over (Megatron tensor parallelism; 1 = none)"),
       bool_key("parallelism.disable_loss_parallel", c.parallelism.disable_loss_parallel,
                "with tensor parallelism, gather the logits instead of splitting the output layer and the "
                "loss over the vocabulary"),
@@ -643,10 +643,6 @@ void validate(const TrainConfig& c) {
            "parallelism.tensor_parallel_degree > 1, got {}", c.parallelism.tensor_parallel_degree);
   if (const int64_t tp = c.parallelism.tensor_parallel_degree; tp != 1) {
     TS_CHECK(tp >= 1, "parallelism.tensor_parallel_degree must be >= 1, got {}", tp);
-    TS_CHECK(c.model.arch == "llama",
-             "parallelism.tensor_parallel_degree {} needs model.arch llama (GPT-2's fused c_attn cannot be split "
-             "yet: docs/tensor-parallel.md)",
-             tp);
     TS_CHECK(c.model.n_head % tp == 0, "model.n_head ({}) must be divisible by parallelism.tensor_parallel_degree "
              "({}): each rank computes whole heads", c.model.n_head, tp);
     const int64_t kv = c.model.n_kv_head > 0 ? c.model.n_kv_head : c.model.n_head;

@@ -18,7 +18,7 @@ Tensor to_dtensor(const Tensor& t, const MeshPtr& mesh, const Placements& placem
   Tensor out;
   if (t.is_meta()) {
     Placements ps = normalize_placements(placements, *mesh, t.dim(), "parallelize_module");
-    auto [shape, offset] = local_shape_and_offset(t.shape(), *mesh, ps, mesh->get_coordinate());
+    const Shape shape = local_shape(t.shape(), *mesh, ps, mesh->get_coordinate());
     out = make_dtensor(empty(shape, t.dtype(), Device::meta()), mesh, ps, t.shape());
   } else {
     autograd::NoGradGuard no_grad;
@@ -96,6 +96,10 @@ class LinearSplit final : public ParallelStyle {
     auto* linear = dynamic_cast<nn::Linear*>(&m);
     TS_CHECK(linear != nullptr, "parallelize_module: {} applies to Linear and Embedding layers, but '{}' is a {}",
              l.name, fqn, m.type_name());
+    const int64_t blocks = shard_blocks(l_.weight);
+    TS_CHECK(linear->out_features % blocks == 0,
+             "parallelize_module: {} splits '{}' as {} fused outputs, but its {} output features are not {} equal "
+             "blocks", l.name, fqn, blocks, linear->out_features, blocks);
     shard_parameter(m, "weight", mesh, l_.weight);
     shard_parameter(m, "bias", mesh, l_.bias);
     const int64_t in = linear->in_features;
@@ -185,11 +189,54 @@ bool matches(const std::string& pattern, const std::string& path) {
   return true;
 }
 
+// The output layer's style: column-wise over the vocabulary with loss
+// parallelism (logits sharded on the classes, for nn::cross_entropy) or when
+// tied to the vocabulary-split embedding (logits gathered); an untied one
+// stays replicated, reading every token (null: no style needed).
+StylePtr output_layer_style(const nn::TransformerConfig& c, bool loss_parallel, bool sequence_parallel) {
+  const Placement between = sequence_parallel ? Placement{Shard{1}} : Placement{Replicate{}};
+  if (loss_parallel)
+    return style(ColwiseParallel{.input_layout = between, .output_layout = Shard{-1}, .use_local_output = false});
+  if (c.tie_embeddings)
+    return style(ColwiseParallel{.input_layout = between, .output_layout = Replicate{}});
+  if (sequence_parallel)
+    return style(PrepareModuleInput{.input_layout = Shard{1}, .desired_input_layout = Replicate{},
+                                    .use_local_output = true});
+  return nullptr;
+}
+
+// GPT-2: c_attn split per block (S(0)x3); the embedding all-reduced, the
+// positions added, and the sum split on the sequence at the dropout when
+// sequence parallel (the position table stays replicated).
+ParallelizePlan gpt_plan(const nn::TransformerConfig& c, const StylePtr& col, const StylePtr& row_out,
+                         const StylePtr& once, bool loss_parallel, bool sequence_parallel) {
+  ParallelizePlan plan = {{"transformer.h.*.attn", once},
+                          {"transformer.h.*.mlp", once},
+                          {"transformer.h.*.attn.c_attn", style(ColwiseParallel{.blocks = 3})},
+                          {"transformer.h.*.attn.c_proj", row_out},
+                          {"transformer.h.*.mlp.c_fc", col},
+                          {"transformer.h.*.mlp.c_proj", row_out},
+                          {"transformer.wte", style(RowwiseParallel{})}};
+  if (sequence_parallel) {
+    plan.push_back({"transformer.drop", style(PrepareModuleInput{.input_layout = Replicate{},
+                                                                 .desired_input_layout = Shard{1}})});
+    const auto norm = style(SequenceParallel{});
+    for (const char* path : {"transformer.h.*.ln_1", "transformer.h.*.ln_2", "transformer.ln_f"})
+      plan.push_back({path, norm});
+  }
+  if (StylePtr out = output_layer_style(c, loss_parallel, sequence_parallel)) plan.push_back({"lm_head", out});
+  return plan;
+}
+
 }  // namespace
 
 StylePtr style(ColwiseParallel o) {
-  return std::make_shared<LinearSplit>(LinearSplit::Layout{"ColwiseParallel", Shard{0}, Shard{0}, Replicate{},
-                                                           Shard{1}, o.input_layout, o.output_layout,
+  TS_CHECK(o.blocks >= 1, "ColwiseParallel: blocks must be at least 1, got {}", o.blocks);
+  const Shard split{0, o.blocks};
+  Placement output = o.output_layout;
+  if (is_shard(output) && !is_blocked(output) && o.blocks > 1) output = Shard{shard_dim(output), o.blocks};
+  return std::make_shared<LinearSplit>(LinearSplit::Layout{"ColwiseParallel", split, split, Replicate{},
+                                                           Shard{1, o.blocks}, o.input_layout, output,
                                                            o.use_local_output});
 }
 StylePtr style(RowwiseParallel o) {
@@ -253,9 +300,9 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
            "rank computes whole heads)", c.n_head, degree);
   TS_CHECK(c.kv_heads() % degree == 0, "tensor parallelism: model.n_kv_head {} is not divisible by the degree {} "
            "(each rank needs whole key/value heads for its query heads)", c.kv_heads(), degree);
-  TS_CHECK(dynamic_cast<const nn::Llama*>(&model) != nullptr,
-           "tensor parallelism: no plan for a {} yet (GPT-2's fused c_attn needs each of q, k and v split "
-           "separately, a strided shard Tessera does not have); use model.arch llama", model.type_name());
+  const bool gpt = dynamic_cast<const nn::GPT*>(&model) != nullptr;
+  TS_CHECK(gpt || dynamic_cast<const nn::Llama*>(&model) != nullptr,
+           "tensor parallelism: no plan for a {} (GPT and Llama have one)", model.type_name());
   const auto col = style(ColwiseParallel{}), row = style(RowwiseParallel{});
   // Without sequence parallelism the blocks' inputs are whole (Replicate)
   // and each row-wise output is all-reduced; with it they are split on the
@@ -265,6 +312,7 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
   const auto once = style(PrepareModuleInput{.input_layout = between, .desired_input_layout = Replicate{}});
   const auto row_out =
       sequence_parallel ? style(RowwiseParallel{.output_layout = Shard{1}, .use_local_output = false}) : row;
+  if (gpt) return gpt_plan(c, col, row_out, once, loss_parallel, sequence_parallel);
   ParallelizePlan plan = {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
                           {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
                           {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row_out},
@@ -282,15 +330,8 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
                              "model.norm"})
       plan.push_back({path, norm});
   }
-  if (loss_parallel) {  // logits sharded on the vocabulary, for nn::cross_entropy
-    plan.push_back({"lm_head", style(ColwiseParallel{.input_layout = between, .output_layout = Shard{-1},
-                                                     .use_local_output = false})});
-  } else if (c.tie_embeddings) {  // split as the table it is tied to; the logits gathered
-    plan.push_back({"lm_head", style(ColwiseParallel{.input_layout = between, .output_layout = Replicate{}})});
-  } else if (sequence_parallel) {  // a replicated output layer reads every token
-    plan.push_back({"lm_head", style(PrepareModuleInput{.input_layout = Shard{1}, .desired_input_layout = Replicate{},
-                                                        .use_local_output = true})});
-  }
+  plan.push_back({"lm_head", output_layer_style(c, loss_parallel, sequence_parallel)});
+  if (!plan.back().second) plan.pop_back();
   return plan;
 }
 

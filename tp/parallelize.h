@@ -40,10 +40,17 @@ using StylePtr = std::shared_ptr<const ParallelStyle>;
 // arrives in input_layout and is made Replicate; the output, sharded on its
 // last dim, is redistributed to output_layout and, with use_local_output,
 // handed on as this rank's local tensor.
+//
+// blocks > 1 splits a fused projection of that many equal outputs each on
+// its own (GPT-2's c_attn, [q | k | v]: blocks = 3): weight and bias
+// S(0)xblocks, so a rank holds its heads' q, k and v, and a Shard(-1)
+// output_layout means the same split of the output, S(-1)xblocks (a
+// Replicate one gathers it back to [q | k | v]).
 struct ColwiseParallel {
   Placement input_layout = Replicate{};
   Placement output_layout = Shard{-1};
   bool use_local_output = true;
+  int64_t blocks = 1;
 };
 // Row-wise: weight sharded on in (Shard(1)), bias replicated; the input
 // arrives in input_layout and is made Shard(-1); the output, a Partial sum,
@@ -105,25 +112,23 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
 // The Megatron plans of the two models' blocks, as TorchTitan's
 // parallelize_llama: attention's q/k/v column-wise and its output projection
 // row-wise (each rank computes n_head / degree heads, and n_kv_head / degree
-// key/value heads), the MLP's up (and gate) projections column-wise and its
-// down projection row-wise, the embedding table split over the vocabulary
-// (Megatron's VocabParallelEmbedding: each rank looks up its own tokens, one
-// all-reduce completes the rows). Norms stay replicated; each block's
-// attention and MLP take their input as a Replicate DTensor
-// (PrepareModuleInput), so that a block costs two all-reduces forward and two
-// backward, Megatron's count. Throws naming the field when a head count does
-// not divide by the degree.
+// key/value heads; GPT-2's fused c_attn split per block, S(0)x3, so that a
+// rank's share of it is its heads' q, k and v), the MLP's up (and gate)
+// projections column-wise and its down projection row-wise, the embedding
+// table split over the vocabulary (Megatron's VocabParallelEmbedding: each
+// rank looks up its own tokens, one all-reduce completes the rows). Norms and
+// GPT-2's position table stay replicated; each block's attention and MLP
+// take their input as a Replicate DTensor (PrepareModuleInput), so that a
+// block costs two all-reduces forward and two backward, Megatron's count.
+// Throws naming the field when a head count does not divide by the degree.
 //
-// loss_parallel (TorchTitan's default with tensor parallelism) also splits
-// the output layer column-wise over the vocabulary and hands on its logits
-// as a DTensor sharded on the classes, which nn::cross_entropy takes without
-// gathering them (three all-reduces of one value per token forward, one
-// all-reduce of the output layer's input gradient backward; the output
-// layer's weights and FLOPs, and each rank's logits, divided by the degree,
-// though the loss's own temporaries are a few blocks of the rank's logits).
-// An output layer tied to the embedding table is split as the table is
-// (rows: the vocabulary), with or without loss parallelism (without, its
-// logits are gathered); an untied one without it stays replicated.
+// sequence_parallel splits the activations between the blocks on the
+// sequence (Shard(1)): the norms run on each rank's tokens, each attention
+// and MLP all-gathers its input and reduce-scatters its output. Llama's
+// embedding is reduce-scattered straight to that split; GPT-2's is
+// all-reduced, its positions added, and then split (its dropout runs on the
+// split: Megatron's scatter_to_sequence_parallel_region, an all-gather of
+// the gradient backward).
 //
 ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel = false,
                                      bool sequence_parallel = false);

@@ -180,6 +180,12 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
     check_plan(c, "llama, tensor parallel 2 + sequence parallel, replicated output layer");
     c.parallelism.disable_loss_parallel = false;
     check_plan(c, "llama, tensor parallel 2 + sequence parallel (loss parallel)");
+    c = small_config();  // GPT-2: c_attn split per block of q, k and v
+    c.model.n_head = 4;
+    c.parallelism.tensor_parallel_degree = 2;
+    check_plan(c, "gpt2, tensor parallel 2 (loss parallel)");
+    c.parallelism.enable_sequence_parallel = true;
+    check_plan(c, "gpt2, tensor parallel 2 + sequence parallel (loss parallel)");
   }
   if (dist::world_size() == 4) {
     c = small_config();
@@ -193,9 +199,12 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
 
 TEST_CASE("sequence parallelism divides the residual stream's activations by the degree", "[plan][tp]") {
   dist::init();
-  tools::TrainConfig c = small_llama();  // 24 tokens of 48 features per sequence
+  const bool gpt = GENERATE(false, true);
+  INFO((gpt ? "gpt2" : "llama"));
+  tools::TrainConfig c = gpt ? small_config() : small_llama();  // 24 tokens of 48 features per sequence
   c.model.n_layer = 3;
-  c.model.n_kv_head = 4;
+  c.model.n_head = 4;
+  if (!gpt) c.model.n_kv_head = 4;
   c.model.tie_embeddings = false;
   c.training.batch_size = 4;
   for (int64_t tp : {2, 4}) {

@@ -134,7 +134,19 @@ grep -q "tensor parallel 2 |" tp2r.log || fail "tp2r run still reports loss para
 close l1.losses tp2x2.losses 1e-5 || fail "FSDP 2 x TP 2 drifted from 1 rank"
 grep -q "FSDP over 1 x tensor parallel 2" tp2.log || fail "tp2 run did not report its mesh"
 grep -q "FSDP over 2 x tensor parallel 2" tp2x2.log || fail "tp2x2 run did not report its mesh"
-expect_error "needs model.arch llama" train 2 --parallelism.tensor_parallel_degree 2
+echo "== GPT-2 with tensor parallelism 2 (c_attn split per block of q, k, v), alone and under FSDP + SP"
+gpt=(--training.steps 12)
+train 1 "${gpt[@]}" --job.dump_folder g1 > g1.log
+train 2 "${gpt[@]}" --job.dump_folder gtp2 --parallelism.tensor_parallel_degree 2 > gtp2.log
+train 4 "${gpt[@]}" --job.dump_folder gtp2x2sp --parallelism.tensor_parallel_degree 2 \
+  --parallelism.enable_sequence_parallel true > gtp2x2sp.log
+for d in g1 gtp2 gtp2x2sp; do losses $d > $d.losses; done
+close g1.losses gtp2.losses 1e-5 || fail "GPT-2 with tensor parallelism 2 drifted from 1 rank"
+close g1.losses gtp2x2sp.losses 1e-5 || fail "GPT-2 with FSDP 2 x TP 2 + SP drifted from 1 rank"
+grep -q "model gpt2.*FSDP over 2 x tensor parallel 2 (loss parallel) + sequence parallel" gtp2x2sp.log ||
+  fail "gtp2x2sp run did not report its mesh"
+expect_error "model.n_head (6) must be divisible by parallelism.tensor_parallel_degree (4)" \
+  train 4 --model.n_head 6 --model.n_embd 96 --parallelism.tensor_parallel_degree 4
 expect_error "parallelism: replicate degree 1 x shard degree 3 x tensor-parallel degree 2 = 6 ranks, but the job has 4" \
   train 4 "${llama[@]}" --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 3
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"

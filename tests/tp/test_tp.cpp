@@ -5,76 +5,23 @@
 #include <filesystem>
 
 #include "fsdp/checkpoint.h"
-#include "tests/fsdp/fsdp_helpers.h"
-#include "tp/parallelize.h"
+#include "tests/tp/tp_helpers.h"
 
 using namespace tessera;
 using namespace tessera::testing;
 
 namespace {
 
-MeshPtr tp_mesh() { return init_device_mesh("cpu", {world()}, {"tp"}); }
-
-// A parameter's whole value on every rank (a DTensor gathered, a plain tensor as is).
-Tensor whole(const Tensor& t) {
-  autograd::NoGradGuard no_grad;
-  return t.is_distributed() ? full_tensor(t) : t;
-}
-
-// Every parameter (and, with grads, its gradient) of the split model against
-// the reference's, by name.
-void check_parity(nn::Module& split, nn::Module& ref, double rtol, bool grads) {
-  auto want = ref.named_parameters();
-  auto got = split.named_parameters();
-  REQUIRE(got.size() == want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    INFO(got[i].first);
-    REQUIRE(got[i].first == want[i].first);
-    CHECK_CLOSE(whole(got[i].second), whole(want[i].second), rtol, 1e-13);
-    if (!grads) continue;
-    REQUIRE(got[i].second.grad().defined() == want[i].second.grad().defined());
-    if (want[i].second.grad().defined())
-      CHECK_CLOSE(whole(got[i].second.grad()), whole(want[i].second.grad()), rtol, 1e-13);
-  }
-}
-
-dist::CollectiveStats stats(const MeshPtr& mesh) { return mesh->get_group(0)->stats(); }
-
-// After both backwards: the clipped norms, every gradient, then a step of each.
-void clip_compare_and_step(nn::Module& split, nn::Module& ref, optim::AdamW& split_opt, optim::AdamW& ref_opt) {
-  double rn = nn::clip_grad_norm_(ref.parameters(), 0.5).item();
-  double tn = nn::clip_grad_norm_(split.parameters(), 0.5).item();
-  CHECK(tn == Approx(rn).epsilon(1e-12));
-  check_parity(split, ref, 1e-10, true);
-  ref_opt.step();
-  split_opt.step();
-  ref_opt.zero_grad();
-  split_opt.zero_grad();
-}
-
 nn::TransformerConfig llama_config(int w) {
-  nn::TransformerConfig c;
-  c.vocab_size = 19;
-  c.block_size = 7;
-  c.n_layer = 2;
-  c.n_head = 12;
+  nn::TransformerConfig c = tp_test_config();
   c.n_kv_head = w == 4 ? 4 : 6;  // GQA, whole key/value heads on every rank
-  c.n_embd = 24;
-  c.ffn_hidden = 50;  // 25 per rank at 2, 17+17+16 at 3, 13+13+13+11 at 4
   c.bias = false;
-  c.tie_embeddings = false;
   return c;
 }
 
 std::shared_ptr<nn::Llama> tp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed,
                                     bool loss_parallel = false, bool sequence_parallel = false) {
-  auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, mesh,
-                         tp::tensor_parallel_plan(*model, mesh->size(), loss_parallel, sequence_parallel));
-  model->to_empty(Device::cpu());
-  model->init_weights(seed);
-  model->to(DType::F64);
-  return model;
+  return tp_model<nn::Llama>(c, mesh, seed, loss_parallel, sequence_parallel);
 }
 
 void train_step(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t vocab) {
@@ -83,7 +30,6 @@ void train_step(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t voc
   opt.step();
   opt.zero_grad();
 }
-
 
 }  // namespace
 
@@ -354,7 +300,9 @@ TEST_CASE("tensor-parallel plans and styles refuse what they cannot split, namin
   auto llama = nn::Llama::on_meta(c);
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 4), Catch::Contains("model.n_head 6 is not divisible by the degree 4"));
   CHECK_THROWS_WITH(tp::tensor_parallel_plan(*llama, 2), Catch::Contains("model.n_kv_head 3 is not divisible by the degree 2"));
-  CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::GPT::on_meta(c), 1), Catch::Contains("GPT-2's fused c_attn"));
+  c.n_kv_head = 0;
+  CHECK_THROWS_WITH(tp::tensor_parallel_plan(*nn::GPT::on_meta(c), 4), Catch::Contains("model.n_head 6 is not divisible by the degree 4"));
+  CHECK_THROWS_WITH(tp::style(tp::ColwiseParallel{.blocks = 0}), Catch::Contains("blocks must be at least 1, got 0"));
   {  // A tied output layer and table must be laid out alike.
     nn::TransformerConfig tied = llama_config(2);
     tied.tie_embeddings = true;
@@ -566,12 +514,7 @@ TEST_CASE("checkpoints move between FSDP, FSDP x TP and one process", "[tp][fsdp
   // tensor-parallel ranks share, by one of them), and read back by one process.
   fsdp::save_checkpoint(b.path.string(), 2, *two_d, &two_d_opt);
   const std::string dir = fsdp::latest_checkpoint(b.path.string());
-  for (const auto& t : fsdp::read_metadata(dir).tensors) {
-    INFO(t.name);
-    int64_t covered = 0;
-    for (const auto& ch : t.chunks) covered += shape_numel(ch.shape);
-    CHECK(covered == shape_numel(t.shape));
-  }
+  check_chunks_tile(dir);
   nn::Llama plain(c);
   plain.to(DType::F64);
   optim::AdamW plain_opt(plain.parameters(), o);
