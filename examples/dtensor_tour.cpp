@@ -90,6 +90,13 @@ int main(int argc, char** argv) {
   Tensor blocks = distribute_tensor(A, g_mesh, {Shard{0}, Shard{1}});
   ok &= show("rows over dp and columns over tp: 2-D blocks (Shard(0), Shard(1))", blocks, A);
 
+  // A fused projection's output, [q | k | v] (here A's 6 columns as 3 blocks
+  // of 2), split block by block: each tp rank holds its share of every block,
+  // so its q, k and v belong to the same heads (GPT-2's c_attn under tensor
+  // parallelism).
+  Tensor fused = distribute_tensor(A, g_mesh, {Replicate{}, Shard{1, 3}});
+  ok &= show("columns as 3 blocks, each split over tp (Replicate, Shard(1)x3)", fused, A);
+
   // redistribute moves data with collectives.
   // (Each check above gathered its layout; count from here.)
   issued();

@@ -93,6 +93,20 @@ TEST_CASE("a blocked shard holds this rank's chunk of every block, through distr
   Tensor part = from_local(ops::mul(full, static_cast<double>(r + 1)), mesh, {Partial{}});
   CHECK_CLOSE(local_tensor(redistribute(part, blocked)), ops::mul(blocked_piece(full, 3, w, r), w * (w + 1) / 2.0),
               1e-14, 1e-14);
+  // The rules that carry it: a sum over its dim is a Partial sum, over another
+  // dim keeps it; elementwise ops keep it, moving a plainly split operand to it.
+  Tensor col_sums = ops::sum(d, {0});
+  CHECK(dtensor_spec(col_sums).placements == Placements{Partial{}});
+  CHECK_CLOSE(full_tensor(col_sums), ops::sum(full, {0}), 1e-14, 1e-14);
+  Tensor row_sums = ops::sum(d, {1});
+  CHECK(dtensor_spec(row_sums).placements == blocked);
+  CHECK_CLOSE(full_tensor(row_sums), ops::sum(full, {1}), 1e-14, 1e-14);
+  Tensor other = randn({15, 4}, 17, DType::F64);
+  Tensor both = ops::add(d, distribute_tensor(other, mesh, {Shard{0}}));
+  CHECK(dtensor_spec(both).placements == blocked);
+  CHECK(equal(full_tensor(both), ops::add(full, other)));
+  Tensor to_partial = redistribute(d, {Partial{}});
+  CHECK_CLOSE(full_tensor(to_partial), full, 1e-14, 1e-14);
   // A dim that is not three equal blocks is refused, naming the sizes.
   CHECK_THROWS_WITH(distribute_tensor(randn({16, 4}, 8, DType::F64), mesh, blocked),
                     Catch::Contains("does not split into 3 equal blocks"));

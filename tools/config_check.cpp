@@ -1,0 +1,314 @@
+// tessera-train's configuration checked before anything runs (validate: each
+// key against its range and the others; validate_for_world: against the
+// number of ranks), profiling.trace_steps parsed, and the device mesh a
+// configuration implies at a world size, and its parameter count, every
+// product checked for overflow (tools/config.h).
+#include <algorithm>
+#include <string>
+
+#include "runtime/check.h"
+#include "tools/config.h"
+
+namespace tessera::tools {
+
+namespace {
+
+// The checks of validate(): each names the key, the value found and what is allowed.
+void at_least(const char* key, int64_t v, int64_t min, const char* note = "") {
+  TS_CHECK(v >= min, "{} must be >= {}{}, got {}", key, min, note, v);
+}
+void in_range(const char* key, double v, double lo, double hi, bool hi_open,
+              const char* note = "") {
+  TS_CHECK(v >= lo && (hi_open ? v < hi : v <= hi), "{} must be in [{}, {}{}{}, got {}", key, lo,
+           hi, hi_open ? ")" : "]", note, v);
+}
+void not_empty(const char* key, const std::string& v) {
+  TS_CHECK(!v.empty(), "{} must not be empty", key);
+}
+
+// A size built from configuration values, carrying the expression it came
+// from: every product and sum is checked, and an overflow names the keys.
+struct Size {
+  int64_t value;
+  std::string expr;
+};
+Size key(const char* name, int64_t value) {
+  return {value, name};
+}
+Size operator*(const Size& a, const Size& b) {
+  int64_t r = 0;
+  TS_CHECK(!__builtin_mul_overflow(a.value, b.value, &r),
+           "{} x {} = {} x {} overflows a 64-bit integer: make one of them smaller", a.expr,
+           b.expr, a.value, b.value);
+  return {r, a.expr + " x " + b.expr};
+}
+Size operator*(int64_t k, const Size& a) {
+  return Size{k, std::to_string(k)} * a;
+}
+Size operator+(const Size& a, const Size& b) {
+  int64_t r = 0;
+  TS_CHECK(!__builtin_add_overflow(a.value, b.value, &r),
+           "{} + {} = {} + {} overflows a 64-bit integer: make one of them smaller", a.expr,
+           b.expr, a.value, b.value);
+  return {r, "(" + a.expr + " + " + b.expr + ")"};
+}
+
+}  // namespace
+
+void validate(const TrainConfig& c) {
+  const auto& m = c.model;
+  const auto& t = c.training;
+  const auto& o = c.optimizer;
+
+  at_least("model.n_layer", m.n_layer, 1);
+  at_least("model.n_head", m.n_head, 1);
+  at_least("model.n_embd", m.n_embd, 1);
+  at_least("model.vocab_size", m.vocab_size, 1);
+  at_least("model.n_kv_head", m.n_kv_head, 0, " (0 = model.n_head)");
+  at_least("model.ffn_hidden", m.ffn_hidden, 0, " (0 = the default of model.arch)");
+  TS_CHECK(
+      m.n_embd % m.n_head == 0,
+      "model.n_embd ({}) must be divisible by model.n_head ({}): each head has n_embd / n_head "
+      "channels",
+      m.n_embd, m.n_head);
+  if (m.arch == "llama") {
+    int64_t kv = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
+    TS_CHECK(m.n_head % kv == 0,
+             "model.n_kv_head ({}) must divide model.n_head ({}): each key/value head serves "
+             "n_head / n_kv_head query heads",
+             m.n_kv_head, m.n_head);
+    TS_CHECK(m.n_embd / m.n_head % 2 == 0,
+             "model.arch = llama needs an even head size for rotary embeddings, but model.n_embd / "
+             "model.n_head = {} / {} = {}",
+             m.n_embd, m.n_head, m.n_embd / m.n_head);
+  } else {
+    TS_CHECK(!m.rope || m.n_embd / m.n_head % 2 == 0,
+             "model.rope needs an even head size, but model.n_embd / model.n_head = {} / {} = {}",
+             m.n_embd, m.n_head, m.n_embd / m.n_head);
+    TS_CHECK(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
+             "model.n_kv_head ({}) applies to model.arch = llama only ({} has model.n_head = {} "
+             "key/value heads): leave it 0",
+             m.n_kv_head, m.arch, m.n_head);
+  }
+  TS_CHECK(m.arch != "llama" || m.gelu == "exact",
+           "model.gelu = {} applies to model.arch = gpt2 (Llama's MLP is SwiGLU, without GELU)", m.gelu);
+  in_range("model.dropout", m.dropout, 0, 1, true);
+  TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
+  TS_CHECK(m.norm_eps > 0 && m.norm_eps < 1, "model.norm_eps must be in (0, 1), got {}", m.norm_eps);
+  for (const auto& key : split_list(c.checkpoint.allow_resume_change)) {
+    const auto& exact = resume_exact_keys();
+    TS_CHECK(std::find(exact.begin(), exact.end(), key) != exact.end(),
+             "checkpoint.allow_resume_change: '{}' is not a key a resume insists on (valid: {}; other "
+             "changes only warn)",
+             key, fmt::join(exact, ", "));
+  }
+  TS_CHECK(m.vocab_size >= 256 || !t.tokenizer.empty() || (t.dataset != "fortunes" && t.dataset != "text"),
+           "model.vocab_size ({}) must be at least 256 for byte tokens (training.dataset = {})",
+           m.vocab_size, t.dataset);
+
+  at_least("training.batch_size", t.batch_size, 1, " (sequences per step)");
+  at_least("training.seq_len", t.seq_len, 1);
+  at_least("training.steps", t.steps, 1);
+  at_least("training.grad_accum", t.grad_accum, 1);
+  TS_CHECK(t.batch_size % t.grad_accum == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({})", t.batch_size,
+           t.grad_accum);
+  TS_CHECK(t.max_norm >= 0, "training.max_norm must be >= 0 (0 = no clipping), got {}", t.max_norm);
+  TS_CHECK(t.dataset != "text" || !t.text.empty(),
+           "training.dataset = text needs training.text (a text file)");
+  TS_CHECK(t.dataset != "shards" || (!t.train_shard.empty() && !t.val_shard.empty()),
+           "training.dataset = shards needs training.train_shard and training.val_shard");
+  // A data key the chosen dataset ignores is a mistake, not something to drop silently.
+  TS_CHECK(t.dataset == "text" || t.text.empty(),
+           "training.text is '{}' but training.dataset is '{}': add --training.dataset text to "
+           "train on it",
+           t.text, t.dataset);
+  for (const auto& [key, value] :
+       {std::pair{"training.train_shard", &t.train_shard}, {"training.val_shard", &t.val_shard}})
+    TS_CHECK(t.dataset == "shards" || value->empty(),
+             "{} is '{}' but training.dataset is '{}': add --training.dataset shards to train on "
+             "token shards",
+             key, *value, t.dataset);
+  not_empty("training.data_dir", t.data_dir);
+  at_least("training.eval_interval", t.eval_interval, 1, " (steps between validation runs)");
+  at_least("training.eval_batches", t.eval_batches, 1);
+  // What the run computes from these (token and sample counts, data positions) must fit in 64 bits.
+  (void)(key("training.batch_size", t.batch_size) * key("training.seq_len", t.seq_len));
+  (void)(key("training.steps", t.steps) * key("training.batch_size", t.batch_size));
+  (void)(key("training.eval_batches", t.eval_batches) * key("training.batch_size", t.batch_size));
+  parameter_count(c);
+
+  TS_CHECK(o.lr > 0, "optimizer.lr must be > 0, got {}", o.lr);
+  in_range("optimizer.beta1", o.beta1, 0, 1, true);
+  in_range("optimizer.beta2", o.beta2, 0, 1, true);
+  TS_CHECK(o.eps > 0, "optimizer.eps must be > 0, got {}", o.eps);
+  TS_CHECK(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0, got {}", o.weight_decay);
+  // Each step scales the weights by 1 - lr * weight_decay: at 1 or more they vanish or flip sign.
+  TS_CHECK(o.lr * o.weight_decay < 1,
+           "optimizer.lr x optimizer.weight_decay must be < 1 (each step scales the weights by "
+           "1 - lr x weight_decay), got {} x {} = {}",
+           o.lr, o.weight_decay, o.lr * o.weight_decay);
+  in_range("optimizer.momentum", o.momentum, 0, 1, true);
+  at_least("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0);
+  at_least("lr_scheduler.decay_steps", c.lr_scheduler.decay_steps, 0, " (0 = training.steps)");
+  TS_CHECK(c.lr_scheduler.decay_steps == 0 || c.lr_scheduler.decay_steps > c.lr_scheduler.warmup_steps,
+           "lr_scheduler.decay_steps ({}) must be greater than lr_scheduler.warmup_steps ({}): the decay ends "
+           "after the warmup (0 = at training.steps)",
+           c.lr_scheduler.decay_steps, c.lr_scheduler.warmup_steps);
+  TS_CHECK(c.lr_scheduler.decay_ratio > 0 && c.lr_scheduler.decay_ratio <= 1,
+           "lr_scheduler.decay_ratio must be in (0, 1], got {}", c.lr_scheduler.decay_ratio);
+  in_range("lr_scheduler.min_lr_ratio", c.lr_scheduler.min_lr_ratio, 0, 1, false,
+           " (final lr / peak lr)");
+
+  TS_CHECK(c.parallelism.data_parallel_replicate_degree >= 1,
+           "parallelism.data_parallel_replicate_degree must be >= 1, got {}",
+           c.parallelism.data_parallel_replicate_degree);
+  TS_CHECK(c.parallelism.data_parallel_shard_degree == -1 ||
+               c.parallelism.data_parallel_shard_degree >= 1,
+           "parallelism.data_parallel_shard_degree must be -1 or >= 1, got {}",
+           c.parallelism.data_parallel_shard_degree);
+  TS_CHECK(!c.parallelism.enable_sequence_parallel || c.parallelism.tensor_parallel_degree > 1,
+           "parallelism.enable_sequence_parallel splits activations over the tensor-parallel ranks: it needs "
+           "parallelism.tensor_parallel_degree > 1, got {}", c.parallelism.tensor_parallel_degree);
+  if (const int64_t tp = c.parallelism.tensor_parallel_degree; tp != 1) {
+    TS_CHECK(tp >= 1, "parallelism.tensor_parallel_degree must be >= 1, got {}", tp);
+    TS_CHECK(c.model.n_head % tp == 0, "model.n_head ({}) must be divisible by parallelism.tensor_parallel_degree "
+             "({}): each rank computes whole heads", c.model.n_head, tp);
+    const int64_t kv = c.model.n_kv_head > 0 ? c.model.n_kv_head : c.model.n_head;
+    TS_CHECK(kv % tp == 0, "model.n_kv_head ({}) must be divisible by parallelism.tensor_parallel_degree ({}): "
+             "each rank needs whole key/value heads", kv, tp);
+  }
+
+  not_empty("checkpoint.folder", c.checkpoint.folder);
+  at_least("checkpoint.interval", c.checkpoint.interval, 1);
+  at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
+  at_least("checkpoint.load_step", c.checkpoint.load_step, 0, " (0 = the latest)");
+  TS_CHECK(c.checkpoint.load_step == 0 || c.checkpoint.resume,
+           "checkpoint.load_step {} applies to a resume: add --checkpoint.resume true (or, for a new run from a "
+           "step's weights, --checkpoint.initial_load_path <folder>/step-NNNNNNNN)",
+           c.checkpoint.load_step);
+
+  at_least("metrics.log_interval", c.metrics.log_interval, 1);
+  TS_CHECK(c.metrics.peak_tflops >= 0,
+           "metrics.peak_tflops must be >= 0 (0 = this CPU's, measured), got {}", c.metrics.peak_tflops);
+
+  for (int64_t s : trace_steps(c))
+    TS_CHECK(s <= t.steps, "profiling.trace_steps names step {}, but training.steps is {}", s,
+             t.steps);
+  TS_CHECK(c.profiling.trace_steps.empty() || !c.profiling.trace_folder.empty(),
+           "profiling.trace_folder must not be empty when profiling.trace_steps is set");
+
+  at_least("sample.max_new_tokens", c.sample.max_new_tokens, 0, " (0 = no sample)");
+  TS_CHECK(c.sample.temperature >= 0, "sample.temperature must be >= 0 (0 = greedy), got {}",
+           c.sample.temperature);
+  at_least("sample.top_k", c.sample.top_k, 0, " (0 = all tokens)");
+  at_least("sample.interval", c.sample.interval, 0, " (0 = at the end only)");
+  TS_CHECK(c.sample.max_new_tokens == 0 || !c.sample.prompt.empty(),
+           "sample.prompt must not be empty when sample.max_new_tokens is {} (set it to 0 for no "
+           "sample)",
+           c.sample.max_new_tokens);
+}
+
+void validate_for_world(const TrainConfig& c, int world_size) {
+  const int64_t shard = mesh_shape(c, world_size).second, dp = data_parallel_ranks(c, world_size);
+  const int64_t n = c.parallelism.reshard_after_forward_degree;
+  TS_CHECK(n == 0 || (n >= 1 && shard % n == 0),
+           "parallelism.reshard_after_forward_degree ({}) must divide the shard degree ({} at {} ranks), or be 0",
+           n, shard, world_size);
+  int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", dp)).value;
+  int64_t below = c.training.batch_size / unit * unit, above = 0;
+  if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
+  TS_CHECK(c.training.batch_size % unit == 0,
+           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x {} ({}): "
+           "e.g. --training.batch_size {}",
+           c.training.batch_size, c.training.grad_accum, dp == world_size ? "ranks" : "data-parallel ranks", dp,
+           below > 0 && above != below ? fmt::format("{} or {}", below, above)
+                                       : fmt::format("{}", below > 0 ? below : above));
+  TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
+           "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
+}
+
+std::vector<int64_t> trace_steps(const TrainConfig& c) {
+  std::vector<int64_t> out;
+  std::string s = c.profiling.trace_steps;
+  size_t at = 0;
+  while (at < s.size()) {
+    size_t end = s.find(',', at);
+    std::string item = s.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TS_CHECK(used == item.size() && !item.empty() && v >= 1,
+             "profiling.trace_steps expects step numbers >= 1 separated by commas (e.g. "
+             "\"10,11\"), got '{}'",
+             s);
+    out.push_back(v);
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return out;
+}
+
+std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
+  int64_t rep = c.parallelism.data_parallel_replicate_degree;
+  int64_t shard = c.parallelism.data_parallel_shard_degree;
+  const int64_t tp = std::max<int64_t>(c.parallelism.tensor_parallel_degree, 1);
+  if (shard == -1) {
+    TS_CHECK(world_size % (rep * tp) == 0,
+             "parallelism.data_parallel_replicate_degree ({}){} must divide the number of ranks ({})", rep,
+             tp > 1 ? fmt::format(" x tensor_parallel_degree ({})", tp) : "", world_size);
+    shard = world_size / (rep * tp);
+  }
+  TS_CHECK((key("parallelism.data_parallel_replicate_degree", rep) *
+            key("parallelism.data_parallel_shard_degree", shard) * key("parallelism.tensor_parallel_degree", tp))
+                   .value == world_size,
+           "parallelism: replicate degree {} x shard degree {}{} = {} ranks, but the job has {}", rep, shard,
+           tp > 1 ? fmt::format(" x tensor-parallel degree {}", tp) : "", rep * shard * tp, world_size);
+  return {rep, shard};
+}
+
+int64_t data_parallel_ranks(const TrainConfig& c, int world_size) {
+  auto [rep, shard] = mesh_shape(c, world_size);
+  return rep * shard;
+}
+
+MeshDims mesh_dims(const TrainConfig& c, int world_size) {
+  auto [rep, shard] = mesh_shape(c, world_size);
+  const int64_t tp = c.parallelism.tensor_parallel_degree;
+  MeshDims d;
+  auto dim = [&](int64_t size, const char* name) { d.shape.push_back(size), d.names.emplace_back(name); };
+  if (rep > 1) dim(rep, "dp_replicate");
+  dim(shard, "dp_shard");
+  if (tp > 1) dim(tp, "tp");
+  return d;
+}
+
+int64_t parameter_count(const TrainConfig& c) {
+  const auto& m = c.model;
+  Size C = key("model.n_embd", m.n_embd), V = key("model.vocab_size", m.vocab_size);
+  Size L = key("model.n_layer", m.n_layer), zero{0, "0"};
+  Size embeddings = V * C;
+  Size head = m.tie_embeddings ? zero : C * V;
+  Size block = zero;
+  Size norm = m.arch == "llama" || !m.bias ? C : 2 * C;  // weight (and bias)
+  if (m.arch == "llama") {
+    Size kv = m.n_kv_head > 0 ? key("model.n_kv_head", m.n_kv_head) : key("model.n_head", m.n_head);
+    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden)
+                                   : Size{((8 * C).value / 3 + 63) / 64 * 64, "model.n_embd x 8/3"};
+    // q and o: C x C; k and v: C x (n_kv_head x head size) = C x C / (n_head / n_kv_head).
+    Size kv_width{m.n_embd / m.n_head * kv.value, "model.n_embd / model.n_head x " + kv.expr};
+    block = 2 * (C * C) + 2 * (C * kv_width) + 3 * (C * hidden) + 2 * C;
+  } else {
+    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden) : 4 * C;
+    Size biases = m.bias ? 3 * C + C + hidden + C : zero;  // c_attn, attn c_proj, c_fc, mlp c_proj
+    block = 4 * (C * C) + 2 * (C * hidden) + biases + 2 * norm;
+    if (!m.rope) embeddings = embeddings + key("training.seq_len", c.training.seq_len) * C;
+  }
+  return (embeddings + L * block + norm + head).value;
+}
+
+}  // namespace tessera::tools

@@ -1,0 +1,129 @@
+// tessera-train's Trainer, shared by the program's two files: tools/train.cpp
+// (the run: model, data, steps, logs, samples, main) and
+// tools/train_checkpoint.cpp (saving, resuming a saved run, initial weights).
+// Internal to tessera-train; not installed.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtensor/dtensor.h"
+#include "nn/models.h"
+#include "nn/optim.h"
+#include "tools/config.h"
+#include "tools/data.h"
+#include "tools/report.h"
+#include "tools/tokenizer.h"
+
+namespace tessera::train {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// A path inside job.dump_folder unless absolute.
+std::string out_path(const tools::TrainConfig& c, const std::string& p);
+
+class Trainer {
+ public:
+  explicit Trainer(tools::TrainConfig cfg)
+      : cfg_(std::move(cfg)),
+        T_(cfg_.training),
+        tp_(cfg_.parallelism.tensor_parallel_degree),
+        dp_(tools::data_parallel_ranks(cfg_, world_)),
+        dp_rank_(rank_ / tp_),
+        allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
+  int run();
+  // --eval-only: the validation loss of given weights (no training, nothing saved).
+  int evaluate_only();
+
+ private:
+  void build_model();
+  void build_optimizer();
+  int64_t resume(const std::string& dir);
+  void check_resume_config(const std::string& dir, const json& extra, int64_t step);
+  void load_initial_weights(const std::string& path);
+  void save(int64_t step);
+  void open_outputs();
+  void prepare_data();
+  void find_peak();
+  void report_setup();
+  int64_t restore_or_start();  // resume, initial weights or step 0; returns the first step
+  void run_step(int64_t step, int64_t start, Clock::time_point run_start);
+  void write_trace(int64_t step);
+  int stop_early(int64_t step);  // after a SIGINT/SIGTERM: the exit code
+  Tensor train_step(int64_t step);
+  // Reads the losses of the steps since the last read (one host sync) into
+  // the curve; throws if any is not finite. Returns the newest.
+  double read_losses();
+  double evaluate();
+  void log_line(int64_t step, double loss, double lr, double gnorm);
+  void finish(double total_s, int64_t start);  // start: the first step this run trained
+  void sample(const std::string& when);
+  std::string checkpoint_to_resume(const std::string& folder);  // "" at the end, else e.g. "step 100"
+  json extra_state(int64_t step);
+  void say(const std::string& text) {
+    if (rank_ == 0) progress_->line(text);
+  }
+
+  tools::TrainConfig cfg_;
+  const tools::TrainConfig::Training& T_;
+  int rank_ = dist::rank(), world_ = dist::world_size();
+  // Tensor parallelism: groups of tp_ consecutive ranks train on the same rows
+  // (data-parallel rank dp_rank_ of dp_).
+  int64_t tp_ = 1, dp_ = 1, dp_rank_ = 0;
+  MeshPtr mesh_;
+  Device device_ = Device::cpu();  // job.device
+  dist::ProcessGroupPtr control_group_;  // host-only agreements (stop requests) beside the device's collectives
+  std::shared_ptr<nn::LanguageModel> model_;
+  std::unique_ptr<optim::Optimizer> opt_;
+  optim::AdamW* adamw_ = nullptr;
+  optim::LRSchedule schedule_;
+  std::unique_ptr<data::Loader> train_, val_;
+  std::optional<data::BpeTokenizer> tokenizer_;  // training.tokenizer, if set
+  double baseline_ = 0;
+  int64_t micro_global_ = 0, micro_local_ = 0;
+  std::unique_ptr<tools::Progress> progress_;
+  std::unique_ptr<tools::JsonlWriter> jsonl_;
+  tools::LossCurve curve_;
+  double flops_per_token_ = 0;
+  double peak_flops_ = 0;  // MFU's denominator (0: none known, MFU not reported)
+  std::string peak_how_;
+  // The current log window.
+  Clock::time_point window_start_;
+  int64_t window_tokens_ = 0;
+  double window_wait_start_ = 0;
+  double excluded_s_ = 0, excluded_wait_s_ = 0;  // evaluation, checkpoints, traces in this window
+  double last_val_ = NAN;
+  bool stop_requested_ = false;       // SIGINT/SIGTERM on any rank: save and stop after this step
+  std::vector<std::pair<int64_t, Tensor>> pending_losses_;  // (step, loss on the device), not read yet
+  double last_loss_ = NAN;
+  int64_t window_syncs_ = 0;  // host syncs made by the steps between two log steps (0 expected)
+  std::vector<int64_t> trace_steps_;  // profiling.trace_steps
+  std::vector<std::string> allowed_;  // checkpoint.allow_resume_change: exactness keys that may differ
+  bool rng_restored_ = false;         // resume took every rank's saved dropout stream
+
+  // Runs fn outside the throughput window: its time and its waits on
+  // collectives count in neither tokens/s nor exposed communication.
+  template <class Fn>
+  void outside_window(Fn&& fn) {
+    auto t0 = Clock::now();
+    double w0 = dist::total_wait_seconds();
+    fn();
+    excluded_s_ += seconds_since(t0);
+    excluded_wait_s_ += dist::total_wait_seconds() - w0;
+  }
+};
+
+}  // namespace tessera::train
