@@ -110,6 +110,12 @@ TEST_CASE("a blocked shard holds this rank's chunk of every block, through distr
   // A dim that is not three equal blocks is refused, naming the sizes.
   CHECK_THROWS_WITH(distribute_tensor(randn({16, 4}, 8, DType::F64), mesh, blocked),
                     Catch::Contains("does not split into 3 equal blocks"));
+  for (int64_t bad : {0, -2}) {
+    INFO("blocks " << bad);
+    CHECK_THROWS_WITH(distribute_tensor(full, mesh, {Shard{0, bad}}), Catch::Contains("needs at least one block"));
+    CHECK_THROWS_WITH(from_local(local_tensor(d), mesh, {Shard{0, bad}}), Catch::Contains("needs at least one block"));
+    CHECK_THROWS_WITH(redistribute(d, {Shard{1, bad}}), Catch::Contains("needs at least one block"));
+  }
   // Ops without a rule for it refuse it rather than split it the plain way.
   CHECK_THROWS_WITH(ops::softmax(d, 0), Catch::Contains("blocked shard"));
 
