@@ -116,6 +116,27 @@ TEST_CASE("tensor hooks see and may replace gradients", "[tape][hooks]") {
   CHECK(post_acc == 1);
 }
 
+TEST_CASE("the leaves of one op complete in the op's input order, whatever their ids", "[tape][hooks]") {
+  // A DTensor leaf's gradient may need a collective as it completes (laid out
+  // as its parameter), so every rank must complete them in one order: the
+  // op's input order, not the order the leaves were made in (ids, which
+  // differ between ranks). Here many leaves made in a shuffled order feed
+  // one op each, and stacked ops share some.
+  std::vector<Tensor> made(12);
+  for (size_t i : {7u, 2u, 11u, 0u, 5u, 9u, 1u, 10u, 3u, 8u, 6u, 4u})
+    made[i] = leaf(i % 3 == 2 ? Shape{1} : Shape{1, 2}, 40 + i);  // x, w, b of a Linear(2, 1)
+  std::vector<size_t> order;
+  for (size_t i = 0; i < made.size(); ++i)
+    autograd::register_post_accumulate_grad_hook(made[i], [&order, i](const Tensor&) { order.push_back(i); });
+  // linear(x, w, b) uses three leaves at once; the loss reads them in index order.
+  Tensor total = zeros({}, DType::F64);
+  for (size_t i = 0; i + 2 < made.size(); i += 3)
+    total = total + sum(linear(made[i], made[i + 1], made[i + 2]));
+  autograd::backward(total);
+  // The last op's leaves complete first (the walk goes backwards), each op's in input order.
+  CHECK(order == std::vector<size_t>{9, 10, 11, 6, 7, 8, 3, 4, 5, 0, 1, 2});
+}
+
 TEST_CASE("markers run when the walk reaches them, in reverse order", "[tape][markers]") {
   std::vector<std::string> events;
   Tensor x = leaf({4}, 11);
