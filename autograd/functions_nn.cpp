@@ -133,7 +133,7 @@ Tensor dropout(const Tensor& x, double p, bool training) {
   TS_PROFILE("dropout");
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
-  Tensor mask = ops::dropout_mask_like(x, p, default_generator().next(x.numel()));
+  Tensor mask = ops::dropout_mask(x, p, default_generator().next(x.numel()));
   Tensor y = ops::mul(x, mask);
   if (should_record({x}))
     record("dropout", {x}, {y}, [mask](const TensorList& g) { return TensorList{ops::mul(g[0], mask)}; });

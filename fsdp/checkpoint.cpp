@@ -350,20 +350,16 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
     TS_CHECK(info->dtype == t.dtype() || (convert && is_floating(info->dtype) && is_floating(t.dtype())),
              "{}: tensor '{}' is {} in the checkpoint but {} in the model", md_file, name,
              dtype_name(info->dtype), dtype_name(t.dtype()));
-    // This rank's boxes of the tensor, and the saved chunks overlapping each.
-    for (const auto& [local, start, extent] : local_boxes(t)) {
-      if (shape_numel(extent) == 0) continue;
-      for (const auto& ch : info->chunks) {
-        Shape lo(start.size()), len(start.size());
-        bool overlap = true;
-        for (size_t d = 0; d < start.size(); ++d) {
-          lo[d] = std::max(start[d], ch.offsets[d]);
-          int64_t hi = std::min(start[d] + extent[d], ch.offsets[d] + ch.shape[d]);
-          len[d] = hi - lo[d];
-          if (len[d] <= 0) overlap = false;
-        }
-        if (!overlap) continue;
-        Tensor data = read_chunk(dir, *info, ch);
+    // The saved chunks, each read once, into the parts of this rank's boxes
+    // of the tensor (one, or one per block of a blocked shard) they overlap.
+    const std::vector<LocalBox> boxes = local_boxes(t);
+    for (const auto& ch : info->chunks) {
+      Tensor data;
+      for (const auto& [local, start, extent] : boxes) {
+        const auto common = chunk_overlap(ch, start, extent);
+        if (!common) continue;
+        const auto& [lo, len] = *common;
+        if (!data.defined()) data = read_chunk(dir, *info, ch);
         Tensor src = data, dst = local;
         for (size_t d = 0; d < start.size(); ++d) {
           src = ops::narrow(src, static_cast<int64_t>(d), lo[d] - ch.offsets[d], len[d]);

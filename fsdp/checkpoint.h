@@ -24,6 +24,7 @@
 // the tensor.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,12 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
 // Tensor bytes this process has read from checkpoint data files so far (a
 // resharding load reads only the chunks that overlap its shards).
 uint64_t checkpoint_bytes_read();
+
+// Where a saved chunk meets the box [start, start + extent) of its tensor:
+// the common part's global start and length per dim (none when they do not
+// meet, or the box is empty). What a load reads (load_checkpoint, and
+// tessera-ckpt read-plan, which prints it).
+std::optional<std::pair<Shape, Shape>> chunk_overlap(const ChunkInfo& chunk, const Shape& start, const Shape& extent);
 
 // One whole tensor assembled from all its chunks (each checked).
 Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor);

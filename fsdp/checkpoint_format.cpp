@@ -377,6 +377,17 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
   return t;
 }
 
+std::optional<std::pair<Shape, Shape>> chunk_overlap(const ChunkInfo& chunk, const Shape& start, const Shape& extent) {
+  if (shape_numel(extent) == 0) return std::nullopt;
+  Shape lo(start.size()), len(start.size());
+  for (size_t d = 0; d < start.size(); ++d) {
+    lo[d] = std::max(start[d], chunk.offsets[d]);
+    len[d] = std::min(start[d] + extent[d], chunk.offsets[d] + chunk.shape[d]) - lo[d];
+    if (len[d] <= 0) return std::nullopt;
+  }
+  return std::make_pair(lo, len);
+}
+
 Tensor read_full_tensor(const std::string& dir, const TensorInfo& tensor) {
   // Every chunk's bytes must be in its data file before the whole tensor is
   // allocated: metadata that claims a huge shape is refused, not zero-filled.

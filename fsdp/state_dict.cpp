@@ -146,15 +146,14 @@ void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
       if (e == nullptr) continue;
       TS_CHECK(e->shape == dst.shape(), "{}: tensor '{}' is {} in the file but {} in the model",
                path, name, shape_str(e->shape), shape_str(dst.shape()));
-      for (const auto& [local, start, extent] : local_boxes(dst)) {
+      for (auto& [local, start, extent] : local_boxes(dst)) {
         if (shape_numel(extent) == 0) continue;
         // Read this rank's rows only; narrow any other sharded dims in memory.
         Tensor src = start.empty() ? file.read(name, dst.dtype())
                                    : file.read_rows(name, start[0], extent[0], dst.dtype());
         for (size_t d = 1; d < start.size(); ++d)
           src = ops::narrow(src, static_cast<int64_t>(d), start[d], extent[d]);
-        Tensor into = local;
-        ops::copy_(into, src);
+        ops::copy_(local, src);
       }
     }
   } catch (const std::exception& e) {

@@ -134,22 +134,14 @@ void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec) {
               [&](const Tensor& t) { dispatch(t.device()).normal(t, mean, std, spec); });
 }
 
-Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
-                    Device device) {
+Tensor dropout_mask(const Tensor& like, double p, const RandomSpec& spec) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
-  Tensor u = empty(shape, DType::F32, device);
+  // Uniforms in f32, laid out as `like` (a DTensor's own layout comes from empty_like).
+  Tensor u = like.is_distributed() ? to(empty_like(like), DType::F32)
+                                   : empty(like.shape(), DType::F32, like.device());
   uniform_(u, 0.0, 1.0, spec);
-  Tensor keep = binary(BinaryOp::Ge, u, p);
-  Tensor mask = zeros(shape, dtype, device);
-  return where(keep, full({}, 1.0 / (1.0 - p), dtype, device), mask);
-}
-
-Tensor dropout_mask_like(const Tensor& x, double p, const RandomSpec& spec) {
-  if (!x.is_distributed()) return dropout_mask(x.shape(), p, spec, x.dtype(), x.device());
-  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
-  Tensor u = to(empty_like(x), DType::F32);
-  uniform_(u, 0.0, 1.0, spec);
-  return mul(to(binary(BinaryOp::Ge, u, p), x.dtype()), 1.0 / (1.0 - p));
+  return where(binary(BinaryOp::Ge, u, p), full({}, 1.0 / (1.0 - p), like.dtype(), like.device()),
+               full({}, 0.0, like.dtype(), like.device()));
 }
 
 }  // namespace ops

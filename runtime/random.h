@@ -51,13 +51,11 @@ uint64_t hash_name(const std::string& name);
 namespace ops {
 void uniform_(const Tensor& x, double low, double high, const RandomSpec& spec);
 void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec);
-// Multiplier for inverted dropout: 0 with probability p, else 1/(1-p).
-Tensor dropout_mask(const Shape& shape, double p, const RandomSpec& spec, DType dtype,
-                    Device device);
-// The same mask for x's shape, dtype and device, as a tensor laid out as x: a
-// DTensor's shard draws the counters of its global positions, so every
-// layout gets the single process's mask.
-Tensor dropout_mask_like(const Tensor& x, double p, const RandomSpec& spec);
+// Multiplier for inverted dropout, 0 with probability p, else 1/(1-p), with
+// the shape, dtype and device of `like` and laid out as it is: a DTensor's
+// shard draws the counters of its global positions, so every layout drops
+// what one process drops.
+Tensor dropout_mask(const Tensor& like, double p, const RandomSpec& spec);
 }  // namespace ops
 
 // ---- factories -----------------------------------------------------------------

@@ -187,12 +187,16 @@ int read_plan(const std::vector<std::string>& args) {
       if (show) std::printf("  rank %lld needs rows %lld..%lld%s\n", static_cast<long long>(r),
                             static_cast<long long>(begin), static_cast<long long>(begin + len - 1),
                             len == 0 ? " (none: an empty shard)" : "");
+      // This rank's box: its rows, every column (what load_checkpoint reads for it).
+      Shape start(t.shape.size(), 0), extent = t.shape;
+      if (!t.shape.empty()) start[0] = begin, extent[0] = len;
       for (const auto& c : t.chunks) {
+        const auto common = fsdp::chunk_overlap(c, start, extent);
+        if (!common) continue;
         const int64_t c0 = c.offsets.empty() ? 0 : c.offsets[0], c1 = c0 + (c.shape.empty() ? 1 : c.shape[0]);
-        const int64_t a = std::max(begin, c0), b = std::min(begin + len, c1);
-        if (a >= b) continue;
-        // Chunks of a 2-D layout split the columns too; their rows still say which to read.
-        const int64_t kept = static_cast<int64_t>(c.bytes) * (b - a) / std::max<int64_t>(c1 - c0, 1);
+        const int64_t a = t.shape.empty() ? 0 : common->first[0], b = t.shape.empty() ? 1 : a + common->second[0];
+        const int64_t kept =
+            static_cast<int64_t>(c.bytes) / std::max<int64_t>(shape_numel(c.shape), 1) * shape_numel(common->second);
         chunks_read[static_cast<size_t>(r)]++;
         bytes_read[static_cast<size_t>(r)] += static_cast<int64_t>(c.bytes);
         bytes_kept[static_cast<size_t>(r)] += kept;

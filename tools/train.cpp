@@ -34,7 +34,6 @@
 #include "nn/generate.h"
 #include "nn/models.h"
 #include "nn/optim.h"
-#include "nn/safetensors.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
 #include "runtime/parallel.h"

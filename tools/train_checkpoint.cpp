@@ -5,7 +5,6 @@
 // a fresh run from given weights (tools/trainer.h).
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/state_dict.h"

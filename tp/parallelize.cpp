@@ -330,8 +330,7 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
                              "model.norm"})
       plan.push_back({path, norm});
   }
-  plan.push_back({"lm_head", output_layer_style(c, loss_parallel, sequence_parallel)});
-  if (!plan.back().second) plan.pop_back();
+  if (StylePtr out = output_layer_style(c, loss_parallel, sequence_parallel)) plan.push_back({"lm_head", out});
   return plan;
 }
 

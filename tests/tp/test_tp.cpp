@@ -405,13 +405,7 @@ void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& name
   nn::Llama ref(c);
   ref.init_weights(5);
   ref.to(DType::F64);
-  auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, tp, false, sequence_parallel));
-  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = dp_mesh});
-  fsdp::fully_shard(*model, {.mesh = dp_mesh});
-  model->to_empty(Device::cpu());
-  model->init_weights(5);
-  model->to(DType::F64);
+  auto model = fsdp_tp_model<nn::Llama>(c, mesh, dp_names, 5, sequence_parallel);
   // A column-wise weight: tensor-parallel rows, FSDP's chunk of them inside.
   const Tensor q = *nn::find_in(model->state_dict(), "model.layers.0.self_attn.q_proj.weight");
   CHECK(dtensor_spec(q).mesh->dim_names().front() == "tp");
@@ -424,8 +418,7 @@ void run_fsdp_tp_parity(const Shape& shape, const std::vector<std::string>& name
   // Each data-parallel rank takes its rows of the global batch; the ranks of
   // one tensor-parallel group take the same rows.
   const int64_t rows = 2, global_rows = rows * dp;
-  int64_t dp_rank = 0;
-  for (size_t d = 0; d + 1 < names.size(); ++d) dp_rank = dp_rank * mesh->size(static_cast<int64_t>(d)) + mesh->get_local_rank(static_cast<int64_t>(d));
+  const int64_t dp_rank = dp_rank_of(mesh);
   for (int step = 0; step < 3; ++step) {
     INFO("step " << step);
     Tensor x = randint({global_rows, 7}, 0, c.vocab_size, 80 + step);
@@ -458,34 +451,8 @@ TEST_CASE("FSDP over tensor parallelism (2-D) and HSDP over it (3-D) follow one 
 }
 
 namespace {
-// One AdamW step on this data-parallel rank's rows of a global batch of 12.
-void train_rows(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t dp_rank, int64_t dp, int64_t vocab) {
-  const int64_t rows = 12 / dp;
-  Tensor x = randint({12, 7}, 0, vocab, seed), y = randint({12, 7}, 0, vocab, seed + 1);
-  autograd::backward(nn::cross_entropy(model(ops::narrow(x, 0, dp_rank * rows, rows)), ops::narrow(y, 0, dp_rank * rows, rows)));
-  opt.step();
-  opt.zero_grad();
-}
-
 std::shared_ptr<nn::Llama> fsdp_llama(const nn::TransformerConfig& c, const MeshPtr& mesh, uint64_t seed) {
-  // Tensor parallelism over the mesh's tp dim, FSDP over its dp dim.
-  auto model = nn::Llama::on_meta(c);
-  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, mesh->size(1)));
-  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = (*mesh)["dp"]});
-  fsdp::fully_shard(*model, {.mesh = (*mesh)["dp"]});
-  model->to_empty(Device::cpu());
-  model->init_weights(seed);
-  model->to(DType::F64);
-  return model;
-}
-
-void check_equal_params(nn::Module& a, nn::Module& b) {
-  auto pa = a.named_parameters(), pb = b.named_parameters();
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) {
-    INFO(pa[i].first);
-    CHECK(equal(whole(pa[i].second), whole(pb[i].second)));
-  }
+  return fsdp_tp_model<nn::Llama>(c, mesh, {"dp"}, seed);
 }
 }  // namespace
 

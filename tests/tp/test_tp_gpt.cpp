@@ -264,33 +264,14 @@ TEST_CASE("GPT-2 with sequence parallelism and dropout follows one process", "[t
 }
 
 namespace {
-// GPT-2 split over the mesh's tp dim, FSDP over the others (every block and the root).
-std::shared_ptr<nn::GPT> fsdp_tp_gpt(const nn::TransformerConfig& c, const MeshPtr& mesh,
-                                     const std::vector<std::string>& dp_names, uint64_t seed, bool sp = false) {
-  auto model = nn::GPT::on_meta(c);
-  tp::parallelize_module(*model, (*mesh)["tp"], tp::tensor_parallel_plan(*model, mesh->size(-1), false, sp));
-  MeshPtr dp = mesh->slice(dp_names);
-  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = dp});
-  fsdp::fully_shard(*model, {.mesh = dp});
-  model->to_empty(Device::cpu());
-  model->init_weights(seed);
-  model->to(DType::F64);
-  return model;
-}
-
-int64_t dp_rank_of(const MeshPtr& mesh) {
-  int64_t r = 0;
-  for (int64_t d = 0; d + 1 < mesh->ndim(); ++d) r = r * mesh->size(d) + mesh->get_local_rank(d);
-  return r;
-}
-
 void run_fsdp_tp_gpt(const Shape& shape, const std::vector<std::string>& names, bool sp) {
   INFO("mesh " << shape_str(shape) << (sp ? ", sequence parallel" : ""));
   MeshPtr mesh = init_device_mesh("cpu", shape, names);
   const int64_t tp = mesh->size(-1), dp = mesh->size() / tp;
+  const std::vector<std::string> dp_names(names.begin(), names.end() - 1);
   const nn::TransformerConfig c = gpt_config();
   auto ref = reference_gpt(c, 5);
-  auto model = fsdp_tp_gpt(c, mesh, std::vector<std::string>(names.begin(), names.end() - 1), 5, sp);
+  auto model = fsdp_tp_model<nn::GPT>(c, mesh, dp_names, 5, sp);
   // c_attn: each block's tensor-parallel rows, FSDP's chunk of them inside.
   const Tensor qkv = *nn::find_in(model->state_dict(), "transformer.h.0.attn.c_attn.weight");
   CHECK(dtensor_spec(qkv).placements.front() == Placement{Shard{0, 3}});
@@ -308,7 +289,7 @@ void run_fsdp_tp_gpt(const Shape& shape, const std::vector<std::string>& names, 
     Tensor tloss = nn::cross_entropy((*model)(ops::narrow(x, 0, r * rows, rows)), ops::narrow(y, 0, r * rows, rows));
     autograd::backward(tloss);
     Tensor mean = ops::reshape(ops::clone(detach(tloss)), {1});
-    mesh->slice(std::vector<std::string>(names.begin(), names.end() - 1))->flat_group()->all_reduce(mean, {dist::ReduceOp::Avg})->wait();
+    mesh->slice(dp_names)->flat_group()->all_reduce(mean, {dist::ReduceOp::Avg})->wait();
     CHECK(mean.item() == Approx(rloss.item()).epsilon(1e-12));
     clip_compare_and_step(*model, *ref, topt, ropt);
   }
@@ -333,16 +314,9 @@ TEST_CASE("GPT-2 checkpoints move between FSDP x TP, TP, FSDP and one process", 
   const nn::TransformerConfig c = gpt_config();
   optim::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
   MeshPtr mesh = init_device_mesh("cpu", {w / tp, tp}, {"dp", "tp"});
-  auto two_d = fsdp_tp_gpt(c, mesh, {"dp"}, 5);
+  auto two_d = fsdp_tp_model<nn::GPT>(c, mesh, {"dp"}, 5);
   optim::AdamW two_d_opt(two_d->parameters(), o);
-  {
-    const int64_t rows = 12 / mesh->size(0), r = mesh->get_local_rank(0);
-    Tensor x = randint({12, 7}, 0, c.vocab_size, 100), y = randint({12, 7}, 0, c.vocab_size, 101);
-    autograd::backward(
-        nn::cross_entropy((*two_d)(ops::narrow(x, 0, r * rows, rows)), ops::narrow(y, 0, r * rows, rows)));
-    two_d_opt.step();
-    two_d_opt.zero_grad();
-  }
+  train_rows(*two_d, two_d_opt, 100, mesh->get_local_rank(0), mesh->size(0), c.vocab_size);
   SharedDir a, b;
   fsdp::save_checkpoint(a.path.string(), 1, *two_d, &two_d_opt);
   const std::string dir = fsdp::latest_checkpoint(a.path.string());
@@ -357,18 +331,13 @@ TEST_CASE("GPT-2 checkpoints move between FSDP x TP, TP, FSDP and one process", 
   optim::AdamW split_opt(split->parameters(), o);
   fsdp::load_checkpoint(dir, *split, &split_opt);
   MeshPtr flat = init_device_mesh("cpu", {w, 1}, {"dp", "tp"});
-  auto fsdp_only = fsdp_tp_gpt(c, flat, {"dp"}, 98);
+  auto fsdp_only = fsdp_tp_model<nn::GPT>(c, flat, {"dp"}, 98);
   optim::AdamW fsdp_opt(fsdp_only->parameters(), o);
   fsdp::load_checkpoint(dir, *fsdp_only, &fsdp_opt);
-  auto want = two_d->named_parameters();
   for (nn::Module* loaded : {static_cast<nn::Module*>(&plain), static_cast<nn::Module*>(split.get()),
                              static_cast<nn::Module*>(fsdp_only.get())}) {
-    auto got = loaded->named_parameters();
-    REQUIRE(got.size() == want.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      INFO(got[i].first);
-      CHECK(equal(whole(got[i].second), whole(want[i].second)));
-    }
+    INFO(loaded->type_name());
+    check_equal_params(*loaded, *two_d);
   }
   // And the moments came along: one more step of each agrees.
   Tensor x = randint({12, 7}, 0, c.vocab_size, 110), y = randint({12, 7}, 0, c.vocab_size, 111);
@@ -379,12 +348,8 @@ TEST_CASE("GPT-2 checkpoints move between FSDP x TP, TP, FSDP and one process", 
   check_parity(*split, plain, 1e-10, false);
   // Saved by tensor parallelism, read back as FSDP x TP.
   fsdp::save_checkpoint(b.path.string(), 2, *split, &split_opt);
-  auto again = fsdp_tp_gpt(c, mesh, {"dp"}, 97);
+  auto again = fsdp_tp_model<nn::GPT>(c, mesh, {"dp"}, 97);
   optim::AdamW again_opt(again->parameters(), o);
   fsdp::load_checkpoint(fsdp::latest_checkpoint(b.path.string()), *again, &again_opt);
-  auto now = split->named_parameters(), back = again->named_parameters();
-  for (size_t i = 0; i < now.size(); ++i) {
-    INFO(now[i].first);
-    CHECK(equal(whole(back[i].second), whole(now[i].second)));
-  }
+  check_equal_params(*again, *split);
 }

@@ -94,4 +94,51 @@ std::shared_ptr<Model> tp_model(const nn::TransformerConfig& c, const MeshPtr& m
   return model;
 }
 
+// The same: tensor parallelism over the mesh's "tp" dim, then FSDP over the
+// dims named in dp_names (every block, then the root): PyTorch's 2-D (3-D with HSDP).
+template <class Model>
+std::shared_ptr<Model> fsdp_tp_model(const nn::TransformerConfig& c, const MeshPtr& mesh,
+                                     const std::vector<std::string>& dp_names, uint64_t seed,
+                                     bool sequence_parallel = false) {
+  auto model = Model::on_meta(c);
+  tp::parallelize_module(*model, (*mesh)["tp"],
+                         tp::tensor_parallel_plan(*model, (*mesh)["tp"]->size(), false, sequence_parallel));
+  MeshPtr dp = mesh->slice(dp_names);
+  for (auto& b : model->blocks) fsdp::fully_shard(*b, {.mesh = dp});
+  fsdp::fully_shard(*model, {.mesh = dp});
+  model->to_empty(Device::cpu());
+  model->init_weights(seed);
+  model->to(DType::F64);
+  return model;
+}
+
+// This rank's data-parallel rank on a mesh whose last dim is "tp" (the
+// ranks of one tensor-parallel group take the same rows).
+inline int64_t dp_rank_of(const MeshPtr& mesh) {
+  int64_t r = 0;
+  for (int64_t d = 0; d + 1 < mesh->ndim(); ++d) r = r * mesh->size(d) + mesh->get_local_rank(d);
+  return r;
+}
+
+// One AdamW step on this data-parallel rank's rows of a global batch of 12.
+inline void train_rows(nn::Module& model, optim::AdamW& opt, uint64_t seed, int64_t dp_rank, int64_t dp,
+                       int64_t vocab) {
+  const int64_t rows = 12 / dp;
+  Tensor x = randint({12, 7}, 0, vocab, seed), y = randint({12, 7}, 0, vocab, seed + 1);
+  autograd::backward(
+      nn::cross_entropy(model(ops::narrow(x, 0, dp_rank * rows, rows)), ops::narrow(y, 0, dp_rank * rows, rows)));
+  opt.step();
+  opt.zero_grad();
+}
+
+// Every parameter of a equal to b's, bit for bit (gathered).
+inline void check_equal_params(nn::Module& a, nn::Module& b) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    INFO(pa[i].first);
+    CHECK(equal(whole(pa[i].second), whole(pb[i].second)));
+  }
+}
+
 }  // namespace tessera::testing
