@@ -28,6 +28,9 @@ struct TrainConfig {
     std::string device = "cpu";
     // Refuse a run whose planned peak (tools/plan.h) exceeds the memory available.
     bool check_memory = true;
+    // Keep each rank's threads to cores of its own when the node's ranks fit
+    // them (tools::rank_cpus); false leaves placement to the OS.
+    bool bind_cores = true;
   } job;
   struct Model {
     std::string arch = "gpt2";  // gpt2 | llama

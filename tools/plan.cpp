@@ -16,6 +16,7 @@
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/cpu/peak.h"
+#include "runtime/parallel.h"
 #include "tp/parallelize.h"
 
 namespace tessera::tools {
@@ -72,6 +73,18 @@ int threads_per_rank(int ranks_here) {
   if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp != nullptr && std::atoi(omp) > 0) return std::atoi(omp);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, ranks_here));
+}
+
+std::vector<int> rank_cpus(int local_rank, int local_size, int threads) {
+  TS_CHECK(local_size >= 1 && local_rank >= 0 && local_rank < local_size && threads >= 1,
+           "rank_cpus: expected local rank 0..{} and a positive thread count, got rank {} and {} thread(s)",
+           local_size - 1, local_rank, threads);
+  const std::vector<int> allowed = allowed_cpus();
+  const auto online = static_cast<size_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const auto need = static_cast<size_t>(local_size) * static_cast<size_t>(threads);
+  if (local_size == 1 || allowed.size() < online || need > allowed.size()) return {};
+  const auto first = allowed.begin() + static_cast<std::ptrdiff_t>(local_rank) * threads;
+  return {first, first + threads};
 }
 
 double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* unit) {

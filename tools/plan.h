@@ -99,6 +99,18 @@ class PlanAsGpu {
 // node: OMP_NUM_THREADS when set, else the cores divided among the ranks.
 int threads_per_rank(int ranks_here);
 
+// The CPUs tessera-train keeps a rank's threads to (job.bind_cores): rank
+// `local_rank` of the node's `local_size`, `threads` each, gets its own
+// consecutive block of the CPUs the process may use when the node's ranks fit
+// them, so that no two ranks share a core and a rank's communication thread
+// runs beside its own compute (measured: benchmarks/README.md, the planner).
+// Empty, for no pinning, when they do not fit (4 ranks on 2 cores: the
+// scheduler then gives a waiting rank's core to one that computes), for a
+// node of one rank (nothing to keep apart; and two single-rank jobs would
+// both take the first cores), or when the launcher already bound the rank
+// (its mask is narrower than the machine's CPUs).
+std::vector<int> rank_cpus(int local_rank, int local_size, int threads);
+
 // MFU's denominator when metrics.peak_tflops is 0 (the default): this node's
 // peak FLOP/s for products of `param_dtype` ("float32" or "bfloat16") on the
 // CPUs `ranks_here` ranks of `threads` threads use (at most all of them),

@@ -22,6 +22,7 @@
 #include "runtime/check.h"
 #include "runtime/cpu/isa.h"
 #include "runtime/parallel.h"
+#include "tools/plan.h"
 
 namespace tessera::tools {
 
@@ -217,9 +218,9 @@ std::vector<double> roofline_kernels(const kernel_log::Log& log, const Hardware&
 
 // ---- kernels on this machine ----------------------------------------------------------
 
-std::string kernel_cache_path(const std::string& dir, int threads, int concurrent) {
-  const std::string key =
-      fmt::format("{} {} threads {} ranks {}", cpu_model(), cpu::isa_name(cpu::active_isa()), threads, concurrent);
+std::string kernel_cache_path(const std::string& dir, int threads, int concurrent, bool pinned) {
+  const std::string key = fmt::format("{} {} threads {} ranks {}{}", cpu_model(), cpu::isa_name(cpu::active_isa()),
+                                      threads, concurrent, pinned ? " pinned" : "");
   return fmt::format("{}/kernel-times-{:016x}.tsv", dir, std::hash<std::string>{}(key));
 }
 
@@ -229,13 +230,29 @@ constexpr double kColdBytes = 64.0 * 1048576.0;
 
 namespace {
 
+// Runs body(c) for every worker c = 0 .. concurrent-1 at once, each on a
+// thread of its own with `threads` threads, kept to rank c's cores when
+// `pinned` (tools::rank_cpus); one unpinned worker runs on the caller.
+void on_workers(int concurrent, int threads, bool pinned, const std::function<void(int)>& body) {
+  auto worker = [&](int c) {
+    if (pinned)
+      if (const std::vector<int> cpus = rank_cpus(c, concurrent, threads); !cpus.empty()) pin_thread_to(cpus);
+    set_num_threads(threads);
+    body(c);
+  };
+  if (concurrent == 1 && !pinned) return worker(0);
+  std::vector<std::thread> pool;
+  for (int c = 0; c < concurrent; ++c) pool.emplace_back(worker, c);
+  for (auto& t : pool) t.join();
+}
+
 // Seconds of one call of `k` as a rank runs it: alongside the node's other
 // ranks (`concurrent` workers, each running it too on buffers of its own,
 // with `threads` threads). Once to warm caches and pages, then three batches
 // of at least 2 ms, each started together on every worker and timed until the
 // last worker finishes (the workers share the cores); the fastest batch (the
 // others met interference).
-double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent) {
+double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent, bool pinned) {
   // A memory-bound kernel (no FLOPs logged) seldom finds its operands in
   // cache in a step, as it would run again and again on the same buffers:
   // each worker rotates over copies of them that together exceed the
@@ -259,8 +276,7 @@ double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent) {
   constexpr int kBatches = 3;
   std::vector<double> starts(static_cast<size_t>(concurrent * kBatches)), ends(starts.size());
   std::barrier sync(concurrent);
-  auto worker = [&](int c) {
-    set_num_threads(threads);
+  on_workers(concurrent, threads, pinned, [&](int c) {
     const auto& mine = runs[static_cast<size_t>(c)];
     for (const auto& run : mine) run();
     for (int batch = 0; batch < kBatches; ++batch) {
@@ -270,14 +286,7 @@ double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent) {
       for (int i = 0; i < reps; ++i) mine[static_cast<size_t>(i % copies)]();
       ends[slot] = now_s();
     }
-  };
-  if (concurrent == 1) {
-    worker(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int c = 0; c < concurrent; ++c) pool.emplace_back(worker, c);
-    for (auto& t : pool) t.join();
-  }
+  });
   double best = std::numeric_limits<double>::infinity();
   for (int batch = 0; batch < kBatches; ++batch) {
     const auto first = starts.begin() + batch * concurrent, last = ends.begin() + batch * concurrent;
@@ -287,9 +296,57 @@ double time_kernel(const kernel_log::Kernel& k, int threads, int concurrent) {
   return best;
 }
 
+// The step's kernels replayed in program order, again and again for at
+// least kReplaySeconds on every worker at once (each on buffers of its own,
+// one set per distinct signature): seconds per step. A kernel timed alone
+// for milliseconds meets neither what the kernels before it left in the
+// caches nor the machine's speed over seconds (on a shared host it moves by
+// 2x over seconds: benchmarks/README.md, the planner); the replay does, and
+// averages over the swings. 0 when the buffers would take more than
+// `budget_bytes`.
+constexpr double kReplaySeconds = 2.0;
+
+double replay_step(const kernel_log::Log& log, double summed_seconds, int threads, int concurrent, bool pinned,
+                   double budget_bytes) {
+  std::unordered_map<std::string, size_t> slot;
+  std::vector<size_t> order;
+  std::vector<const kernel_log::Kernel*> distinct;
+  double bytes = 0;
+  for (const auto& k : log.kernels) {
+    auto [it, fresh] = slot.emplace(k.signature, distinct.size());
+    if (fresh) distinct.push_back(&k), bytes += k.bytes;
+    order.push_back(it->second);
+  }
+  if (order.empty() || bytes * concurrent > budget_bytes) return 0;
+  std::vector<std::vector<std::function<void()>>> runs(static_cast<size_t>(concurrent));
+  for (auto& mine : runs)
+    for (const auto* k : distinct) mine.push_back(k->prepare());
+  const int reps = static_cast<int>(std::clamp(std::ceil(kReplaySeconds / std::max(summed_seconds, 1e-6)), 1.0, 1e6));
+  std::vector<double> starts(static_cast<size_t>(concurrent)), ends(starts.size());
+  std::barrier sync(concurrent);
+  on_workers(concurrent, threads, pinned, [&](int c) {
+    const auto& mine = runs[static_cast<size_t>(c)];
+    for (size_t i : order) mine[i]();  // warm: pages, caches, thread pools
+    sync.arrive_and_wait();
+    starts[static_cast<size_t>(c)] = now_s();
+    for (int r = 0; r < reps; ++r)
+      for (size_t i : order) mine[i]();
+    ends[static_cast<size_t>(c)] = now_s();
+  });
+  return (*std::max_element(ends.begin(), ends.end()) - *std::min_element(starts.begin(), starts.end())) / reps;
+}
+
+// The replay's entry in the kernel cache: one per sequence of signatures.
+std::string replay_key(const kernel_log::Log& log) {
+  size_t h = 0;
+  for (const auto& k : log.kernels) h = h * 1000003u ^ std::hash<std::string>{}(k.signature);
+  return fmt::format("replay of {} kernels {:016x}", log.kernels.size(), h);
+}
+
 }  // namespace
 
-Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path) {
+Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path,
+                            bool pinned) {
   TS_CHECK(threads >= 1 && concurrent >= 1, "measure_kernels: expected positive thread and rank counts, got {} and {}",
            threads, concurrent);
   // The cache: one line per signature, "seconds<TAB>signature".
@@ -323,18 +380,29 @@ Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurr
       continue;
     }
     seen.insert(k.signature);
-    const double seconds = time_kernel(k, threads, concurrent);
+    const double seconds = time_kernel(k, threads, concurrent, pinned);
     known[k.signature] = seconds;
     ++cal.measured;
     cal.seconds.push_back(seconds);
   }
-  if (!cache_path.empty() && cal.measured > 0) {
+  // Every kernel scaled alike so that the step takes what its replay took.
+  const double summed = std::accumulate(cal.seconds.begin(), cal.seconds.end(), 0.0);
+  const std::string key = replay_key(log);
+  bool replayed = false;
+  if (auto it = known.find(key); it != known.end() && it->second > 0) {
+    cal.replay_scale = it->second;
+  } else if (summed > 0) {
+    const double step = replay_step(log, summed, threads, concurrent, pinned, 0.25 * available_host_memory());
+    if (step > 0) cal.replay_scale = known[key] = step / summed, replayed = true;
+  }
+  for (double& x : cal.seconds) x *= cal.replay_scale;
+  if (!cache_path.empty() && (cal.measured > 0 || replayed)) {
     std::error_code ec;
     std::filesystem::create_directories(std::filesystem::path(cache_path).parent_path(), ec);
     std::ofstream out(cache_path, std::ios::trunc);
     out << "# tessera kernel times (seconds, signature): " << cpu_model() << ", "
         << cpu::isa_name(cpu::active_isa()) << ", " << threads << " thread(s) in each of " << concurrent
-        << " rank(s)\n";
+        << " rank(s)" << (pinned ? ", each pinned to its cores" : "") << "\n";
     for (const auto& [sig, s] : known) out << fmt::format("{:.9g}\t{}\n", s, sig);
   }
   return cal;

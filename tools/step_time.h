@@ -4,8 +4,10 @@
 //
 //   compute: each kernel's time. On this machine it is measured: every
 //     distinct kernel of the step (by signature: dtypes, shapes, strides) runs
-//     on CPU tensors of its shapes with the rank's thread count, once, and the
-//     time is cached per CPU and thread count. On described hardware (a TOML
+//     on CPU tensors of its shapes with the rank's thread count, once, the
+//     times are scaled so that they sum to the step replayed in program
+//     order for about two seconds, and both are cached per CPU and thread
+//     count. On described hardware (a TOML
 //     file, below) it is a roofline: the larger of FLOPs at the peak rate and
 //     bytes at the memory bandwidth, each at a stated efficiency.
 //   communication: an alpha-beta model of each collective, t = alpha + beta x
@@ -76,17 +78,26 @@ CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collectiv
 // Seconds of each kernel in `log` (by index), measured on this CPU as a rank
 // runs it: with `threads` threads, while `concurrent` ranks (this node's) run
 // it at once, so that they share the cores, caches and memory bandwidth as
-// the ranks of a run do. Memory-bound kernels (no FLOPs logged) rotate over
+// the ranks of a run do (`pinned`: each worker kept to the cores
+// tools::rank_cpus gives its rank, as tessera-train keeps its ranks).
+// Memory-bound kernels (no FLOPs logged) rotate over
 // copies of their buffers larger than the last-level cache; products run on
 // one set. Each distinct signature is measured once and cached in
 // `cache_path` ("" for no cache).
+// Then the step's kernels are replayed in program order for about two
+// seconds on every worker at once, and every kernel's time is scaled by the
+// replay's step over their sum (replay_scale; 1 where the buffers of all the
+// kernels at once would take over a quarter of the memory available), also
+// cached.
 struct Calibration {
-  std::vector<double> seconds;
+  std::vector<double> seconds;       // replay_scale included
   int64_t measured = 0, cached = 0;  // distinct signatures
+  double replay_scale = 1;
 };
-Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path);
-// The cache file of this CPU, thread count and ranks per node in `dir`.
-std::string kernel_cache_path(const std::string& dir, int threads, int concurrent);
+Calibration measure_kernels(const kernel_log::Log& log, int threads, int concurrent, const std::string& cache_path,
+                            bool pinned = false);
+// The cache file of this CPU, thread count, ranks per node and pinning in `dir`.
+std::string kernel_cache_path(const std::string& dir, int threads, int concurrent, bool pinned = false);
 // Roofline seconds of each kernel on `hw`, in the dtype each kernel computes in.
 std::vector<double> roofline_kernels(const kernel_log::Log& log, const Hardware& hw);
 

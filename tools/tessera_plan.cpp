@@ -125,10 +125,15 @@ int main(int argc, char** argv) {
         } else {
           const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
           if (world > 1) comm = tools::load_comm_fits(tools::cache_dir());  // before measuring: it may throw
-          const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here);
-          tools::Calibration cal = tools::measure_kernels(log, threads, here, cache);
-          std::fprintf(stderr, "tessera-plan: %lld distinct kernel(s) measured, %lld from %s\n",
-                       static_cast<long long>(cal.measured), static_cast<long long>(cal.cached), cache.c_str());
+          // Kept to cores of their own as tessera-train keeps its ranks (job.bind_cores).
+          const bool pinned = cfg.job.bind_cores && !tools::rank_cpus(0, here, threads).empty();
+          const std::string cache = tools::kernel_cache_path(tools::cache_dir(), threads, here, pinned);
+          tools::Calibration cal = tools::measure_kernels(log, threads, here, cache, pinned);
+          std::fprintf(stderr,
+                       "tessera-plan: %lld distinct kernel(s) measured, %lld from %s; the step replayed takes "
+                       "%.3fx their sum\n",
+                       static_cast<long long>(cal.measured), static_cast<long long>(cal.cached), cache.c_str(),
+                       cal.replay_scale);
           seconds = std::move(cal.seconds);
           // With every core computing, the engine thread that moves a
           // collective runs only while its rank waits: no overlap.

@@ -12,6 +12,7 @@
 // Every rank runs this program; rank 0 alone prints and writes metrics.
 #include <signal.h>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -382,10 +383,19 @@ void Trainer::find_peak() {
   peak_how_ = unit + " loop, measured";
 }
 
+namespace {
+// " (rank 0 on CPU 0)" when this rank is kept to some of the machine's CPUs.
+std::string cpus_note() {
+  const std::vector<int> cpus = allowed_cpus();
+  if (cpus.empty() || cpus.size() >= std::max(1u, std::thread::hardware_concurrency())) return "";
+  return fmt::format(" (rank {} on CPU {})", dist::rank(), fmt::join(cpus, ","));
+}
+}  // namespace
+
 void Trainer::report_setup() {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
   say(fmt::format(
-      "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank | "
+      "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank{} | "
       "param {} reduce {}",
       cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
       (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
@@ -393,7 +403,7 @@ void Trainer::report_setup() {
                                  tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
                                  tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
                    : ""),
-      num_threads(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
+      num_threads(), cpus_note(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
   say(fmt::format(
       "data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "
       "per micro-batch) | unigram baseline {:.4f}",
@@ -612,6 +622,13 @@ void set_threads_per_rank() {
   set_num_threads(tools::threads_per_rank(dist::local_size()));
 }
 
+// job.bind_cores: this rank's threads (MPI's included) on cores of its own
+// when the node's ranks fit them (tools::rank_cpus).
+void bind_rank_to_cores() {
+  const std::vector<int> cpus = tools::rank_cpus(dist::local_rank(), dist::local_size(), num_threads());
+  if (!cpus.empty()) pin_process_to(cpus);
+}
+
 }  // namespace
 
 }  // namespace tessera::train
@@ -673,6 +690,7 @@ int main(int argc, char** argv) {
       tools::check_planned_memory(cfg, dist::world_size(), dist::local_size(), available);
       if (!deep) tools::check_memory(cfg, dist::world_size(), dist::local_size(), available);
     }
+    if (cfg.job.bind_cores) bind_rank_to_cores();
     parsed = true;
     g_training = true;
     Trainer trainer(cfg);

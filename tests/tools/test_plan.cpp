@@ -9,6 +9,7 @@
 #include "dtensor/dtensor.h"
 #include "runtime/allocator.h"
 #include "runtime/distributed.h"
+#include "runtime/parallel.h"
 #include "runtime/profiler.h"
 #include "runtime/random.h"
 #include "tools/plan.h"
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 using namespace tessera;
 
@@ -289,6 +291,16 @@ TEST_CASE("every kernel of a step's log runs on the CPU as logged, and its time 
   CHECK(again.cached == first.measured);
   REQUIRE(again.seconds.size() == first.seconds.size());
   for (size_t i = 0; i < first.seconds.size(); ++i) CHECK(again.seconds[i] == Approx(first.seconds[i]).epsilon(1e-8));
+  // The step replayed sets the scale of every kernel (cached with them): a
+  // replay of the same kernels is not a tenth or ten times their sum.
+  CHECK(first.replay_scale > 0.1);
+  CHECK(first.replay_scale < 10);
+  CHECK(again.replay_scale == Approx(first.replay_scale).epsilon(1e-8));
+  {
+    std::ifstream in(cache);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    CHECK(text.find(fmt::format("replay of {} kernels", log.kernels.size())) != std::string::npos);
+  }
   // Two ranks' workers at once: each kernel measured again (another cache file).
   tools::Calibration shared = tools::measure_kernels(log, 1, 2, tools::kernel_cache_path(dir, 1, 2));
   CHECK(shared.measured == first.measured);
@@ -300,6 +312,48 @@ TEST_CASE("every kernel of a step's log runs on the CPU as logged, and its time 
       if (log.kernels[i].flops > large_flops) large_flops = log.kernels[i].flops, large_gemm = first.seconds[i];
     }
   if (large_flops > 20 * small_flops) CHECK(large_gemm > small_gemm);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a rank's own cores: a block of the CPUs when the node's ranks fit them, else none", "[plan][time]") {
+  const std::vector<int> all = allowed_cpus();
+  const int n = static_cast<int>(all.size());
+  if (n < 2 || static_cast<unsigned>(n) < std::thread::hardware_concurrency()) return;  // bound by the launcher
+  // One thread per rank, as many ranks as CPUs: each rank one CPU, in order.
+  for (int r = 0; r < n; ++r) CHECK(tools::rank_cpus(r, n, 1) == std::vector<int>{all[static_cast<size_t>(r)]});
+  // Threads of a rank side by side, ranks after each other; a rank left over gets nothing.
+  if (n >= 4) {
+    CHECK(tools::rank_cpus(1, 2, 2) == std::vector<int>{all[2], all[3]});
+    CHECK(tools::rank_cpus(0, n / 2, 2) == std::vector<int>{all[0], all[1]});
+  }
+  // More ranks than CPUs (the scheduler balances them), or a node of one rank: no pinning.
+  CHECK(tools::rank_cpus(0, n + 1, 1).empty());
+  CHECK(tools::rank_cpus(n, n + 1, 1).empty());
+  CHECK(tools::rank_cpus(0, 2, n).empty());
+  CHECK(tools::rank_cpus(0, 1, n).empty());
+  CHECK(tools::rank_cpus(0, 1, 1).empty());  // one rank alone: nothing to keep apart
+  // A rank the launcher already bound (its mask narrower than the machine) stays as it is.
+  {
+    const std::vector<int> before = allowed_cpus();
+    pin_process_to({all.front()});
+    CHECK(tools::rank_cpus(0, 1, 1).empty());
+    CHECK(tools::rank_cpus(1, 2, 1).empty());
+    pin_process_to(before);
+  }
+  CHECK_THROWS_WITH(tools::rank_cpus(2, 2, 1), Catch::Contains("expected local rank 0..1"));
+  CHECK_THROWS_WITH(tools::rank_cpus(0, 2, 0), Catch::Contains("a positive thread count"));
+  // The calibration pinned as the ranks are: its own cache file, every kernel timed.
+  dist::init();
+  tools::Plan plan = tools::plan_run(small_llama(), 1, 0, /*log_step=*/true);
+  const std::string dir = fmt::format("{}/tessera-pinned-{}", std::filesystem::temp_directory_path().string(),
+                                      dist::rank());
+  std::filesystem::remove_all(dir);
+  CHECK(tools::kernel_cache_path(dir, 1, 2, true) != tools::kernel_cache_path(dir, 1, 2, false));
+  tools::Calibration pinned = tools::measure_kernels(*plan.step_log, 1, 2, tools::kernel_cache_path(dir, 1, 2, true),
+                                                     /*pinned=*/true);
+  REQUIRE(pinned.seconds.size() == plan.step_log->kernels.size());
+  for (double s : pinned.seconds) CHECK(s > 0);
+  CHECK(allowed_cpus() == all);  // the caller is left where it was
   std::filesystem::remove_all(dir);
 }
 

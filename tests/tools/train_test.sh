@@ -112,13 +112,20 @@ close w1.losses w2.losses 1e-5 || fail "2 ranks drifted from 1 rank"
 close w1.losses w4.losses 1e-5 || fail "4 ranks drifted from 1 rank"
 close w1.losses hsdp.losses 1e-5 || fail "HSDP drifted from 1 rank"
 grep -q "FSDP over 4" w4.log || fail "w4 run did not report its mesh"
+# job.bind_cores: ranks that fit the cores get cores of their own; a single
+# rank, or more ranks than cores, are left to the OS (tp2r below: off).
+cores=$(nproc)
+grep -q "thread(s)/rank (rank 0 on CPU" w1.log && fail "a single rank was pinned"
+if (( cores >= 2 )); then grep -q "1 thread(s)/rank (rank 0 on CPU" w2.log || fail "2 ranks on $cores cores: not pinned"; fi
+if (( cores < 4 )); then grep -q "(rank 0 on CPU" w4.log && fail "4 ranks on $cores cores were pinned"; fi
 echo "== Llama with tensor parallelism 2, alone and under FSDP"
 llama=(--model.arch llama --model.bias false --model.tie_embeddings false --training.steps 20)
 train 1 "${llama[@]}" --job.dump_folder l1 > l1.log
 train 2 "${llama[@]}" --job.dump_folder tp2 --parallelism.tensor_parallel_degree 2 > tp2.log
 train 4 "${llama[@]}" --job.dump_folder tp2x2 --parallelism.tensor_parallel_degree 2 > tp2x2.log
 train 2 "${llama[@]}" --job.dump_folder tp2r --parallelism.tensor_parallel_degree 2 \
-  --parallelism.disable_loss_parallel true > tp2r.log
+  --parallelism.disable_loss_parallel true --job.bind_cores false > tp2r.log
+grep -q "(rank 0 on CPU" tp2r.log && fail "job.bind_cores false still pinned the ranks"
 train 4 "${llama[@]}" --job.dump_folder tp2x2sp --parallelism.tensor_parallel_degree 2 \
   --parallelism.enable_sequence_parallel true > tp2x2sp.log
 for d in l1 tp2 tp2x2 tp2r tp2x2sp; do losses $d > $d.losses; done
