@@ -9,8 +9,10 @@
 # the machine with itself, not the model with the run. Each row therefore
 # times its kernels afresh just before and just after its run (an empty
 # kernel cache each time; the prediction is the mean of the two), and the
-# whole table is repeated `rounds` times, interleaved; the summary gives the
-# median of the rounds. A run's measured step is the median of the five log
+# whole table is repeated `rounds` times, interleaved; the summary gives per
+# row the median of the rounds' errors and how many rounds fell within 15%
+# (ROWS=file prints it again from the rows a run wrote to stderr). A run's
+# measured step is the median of the five log
 # windows of steps 16-40 (the median drops a window that met another job).
 # Fits the collectives first (bench_collectives --save) where this machine
 # has none for a world size; those fits are kept in $TESSERA_CACHE_DIR
@@ -58,20 +60,30 @@ measure() {
     printf "%s|%s|%s|%.1f|%s|%.1f\n", $1, $2, $3, (b[1] + a[1]) / 2, $6, (b[2] + a[2]) / 2 }'
 }
 configs=("" "--model.arch llama --model.n_kv_head 2 --model.bias false")
+# The table from the rounds' rows: each round is a run and the calibrations
+# beside it, so the error is the median of the rounds' own errors (the
+# step times and shares are medians too, each column on its own).
+summarize() {
+  echo "| config | ranks | measured ms/step | predicted ms/step | error | measured exposed | predicted exposed | rounds within 15% |"
+  echo "|---|---|---|---|---|---|---|---|"
+  local cfg rows m p e me pe within
+  for cfg in "default|1" "default|2" "default|4" "${configs[1]}|2" "${configs[1]}|4"; do
+    rows=$(grep -F -e "$cfg|" "$1" || true)
+    [[ -n $rows ]] || continue
+    m=$(echo "$rows" | cut -d'|' -f3 | median); p=$(echo "$rows" | cut -d'|' -f4 | median)
+    e=$(echo "$rows" | awk -F'|' '{ printf "%.4f\n", 100 * ($4 - $3) / $3 }' | median)
+    me=$(echo "$rows" | cut -d'|' -f5 | median); pe=$(echo "$rows" | cut -d'|' -f6 | median)
+    within=$(echo "$rows" | awk -F'|' '{ n++; if ($4 <= 1.15 * $3 && $4 >= 0.85 * $3) w++ } END { printf "%d of %d", w, n }')
+    awk -v c="${cfg%|*}" -v np="${cfg#*|}" -v m="$m" -v p="$p" -v e="$e" -v me="$me" -v pe="$pe" -v w="$within" \
+      'BEGIN { printf "| %s | %d | %.1f | %.1f | %+.1f%% | %.1f%% | %.1f%% | %s |\n", c, np, m, p, e, me, pe, w }'
+  done
+}
+# ROWS=file: only the table, from rows an earlier run printed (stderr).
+if [[ -n ${ROWS:-} ]]; then summarize "$ROWS"; exit 0; fi
 : >"$work/rows"
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
   for np in 1 2 4; do measure "$np" | tee -a "$work/rows" >&2; done
   for np in 2 4; do measure "$np" ${configs[1]} | tee -a "$work/rows" >&2; done
 done
-echo "| config | ranks | measured ms/step | predicted ms/step | error | measured exposed | predicted exposed | rounds within 15% |"
-echo "|---|---|---|---|---|---|---|---|"
-for cfg in "default|1" "default|2" "default|4" "${configs[1]}|2" "${configs[1]}|4"; do
-  rows=$(grep -F -e "$cfg|" "$work/rows" || true)
-  [[ -n $rows ]] || continue
-  m=$(echo "$rows" | cut -d'|' -f3 | median); p=$(echo "$rows" | cut -d'|' -f4 | median)
-  me=$(echo "$rows" | cut -d'|' -f5 | median); pe=$(echo "$rows" | cut -d'|' -f6 | median)
-  within=$(echo "$rows" | awk -F'|' '{ n++; if ($4 <= 1.15 * $3 && $4 >= 0.85 * $3) w++ } END { printf "%d of %d", w, n }')
-  awk -v c="${cfg%|*}" -v np="${cfg#*|}" -v m="$m" -v p="$p" -v me="$me" -v pe="$pe" -v w="$within" \
-    'BEGIN { printf "| %s | %d | %.1f | %.1f | %+.1f%% | %.1f%% | %.1f%% | %s |\n", c, np, m, p, 100 * (p - m) / m, me, pe, w }'
-done
+summarize "$work/rows"
