@@ -375,9 +375,15 @@ void Trainer::find_peak() {
   }
   double mine = 0;
   std::string unit;
-  if (dist::local_rank() == 0)
+  if (dist::local_rank() == 0) {
+    // A rank kept to its own cores (job.bind_cores) measures on all of the
+    // node's, every thread of it, and goes back to its own after.
+    const std::vector<int> own = allowed_cpus();
+    const bool pinned = !own.empty() && own != launch_cpus();
+    if (pinned) pin_process_to(launch_cpus());
     mine = tools::node_peak_flops(cfg_.mixed_precision.param_dtype, dist::local_size(), num_threads(), &unit);
-  else
+    if (pinned) pin_process_to(own);
+  } else
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   peak_flops_ = all_reduce(mine, dist::ReduceOp::Sum);
   peak_how_ = unit + " loop, measured";
