@@ -36,13 +36,13 @@ void set_num_threads(int n) {
 }
 
 #ifdef __linux__
-// Pinning may narrow the mask and widen it again up to these.
+namespace {
+// The CPUs the process was started with (the launcher's binding, else all):
+// pinning may narrow the mask and widen it again up to these.
 const std::vector<int>& launch_cpus() {
   static const std::vector<int> cpus = allowed_cpus();
   return cpus;
 }
-
-namespace {
 [[maybe_unused]] const bool launch_cpus_read = !launch_cpus().empty();  // at load, before anything pins
 
 cpu_set_t cpu_set_of(const std::vector<int>& cpus) {
@@ -90,10 +90,6 @@ void pin_process_to(const std::vector<int>& cpus) {
 }
 #else
 std::vector<int> allowed_cpus() { return {}; }
-const std::vector<int>& launch_cpus() {
-  static const std::vector<int> none;
-  return none;
-}
 void pin_thread_to(const std::vector<int>&) {}
 void pin_process_to(const std::vector<int>&) {}
 #endif

@@ -14,8 +14,6 @@ void set_num_threads(int n);
 // does nothing).
 // The CPUs this process may run on now (its affinity mask), ascending.
 std::vector<int> allowed_cpus();
-// Those it was started with (the launcher's binding, else all CPUs).
-const std::vector<int>& launch_cpus();
 // Keeps every thread of this process, and every thread started later, to
 // `cpus`: any of those it was started with (the launcher's binding, else all
 // CPUs), so a mask narrowed here can be widened again. Throws, naming the

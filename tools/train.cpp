@@ -375,21 +375,22 @@ void Trainer::find_peak() {
   }
   double mine = 0;
   std::string unit;
-  if (dist::local_rank() == 0) {
-    // A rank kept to its own cores (job.bind_cores) measures on all of the
-    // node's, every thread of it, and goes back to its own after.
-    const std::vector<int> own = allowed_cpus();
-    const bool pinned = !own.empty() && own != launch_cpus();
-    if (pinned) pin_process_to(launch_cpus());
+  if (dist::local_rank() == 0)
     mine = tools::node_peak_flops(cfg_.mixed_precision.param_dtype, dist::local_size(), num_threads(), &unit);
-    if (pinned) pin_process_to(own);
-  } else
+  else
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   peak_flops_ = all_reduce(mine, dist::ReduceOp::Sum);
   peak_how_ = unit + " loop, measured";
 }
 
 namespace {
+// job.bind_cores: this rank's threads (MPI's included) on cores of its own
+// when the node's ranks fit them (tools::rank_cpus).
+void bind_rank_to_cores() {
+  const std::vector<int> cpus = tools::rank_cpus(dist::local_rank(), dist::local_size(), num_threads());
+  if (!cpus.empty()) pin_process_to(cpus);
+}
+
 // " (rank 0 on CPU 0)" when this rank is kept to some of the machine's CPUs.
 std::string cpus_note() {
   const std::vector<int> cpus = allowed_cpus();
@@ -497,7 +498,8 @@ int Trainer::run() {
   prepare_data();
   build_model();
   build_optimizer();
-  find_peak();
+  find_peak();  // on every core the node's ranks use, before they keep to their own
+  if (cfg_.job.bind_cores) bind_rank_to_cores();
   report_setup();
   trace_steps_ = tools::trace_steps(cfg_);
   int64_t start = restore_or_start();
@@ -628,13 +630,6 @@ void set_threads_per_rank() {
   set_num_threads(tools::threads_per_rank(dist::local_size()));
 }
 
-// job.bind_cores: this rank's threads (MPI's included) on cores of its own
-// when the node's ranks fit them (tools::rank_cpus).
-void bind_rank_to_cores() {
-  const std::vector<int> cpus = tools::rank_cpus(dist::local_rank(), dist::local_size(), num_threads());
-  if (!cpus.empty()) pin_process_to(cpus);
-}
-
 }  // namespace
 
 }  // namespace tessera::train
@@ -696,7 +691,6 @@ int main(int argc, char** argv) {
       tools::check_planned_memory(cfg, dist::world_size(), dist::local_size(), available);
       if (!deep) tools::check_memory(cfg, dist::world_size(), dist::local_size(), available);
     }
-    if (cfg.job.bind_cores) bind_rank_to_cores();
     parsed = true;
     g_training = true;
     Trainer trainer(cfg);
