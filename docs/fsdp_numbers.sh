@@ -4,7 +4,9 @@
 # 16 x 128), the collectives each FSDP setting issues and the peak bytes held
 # in tensors, from tessera-plan (whose counts and peaks the plan tests check
 # against real runs, byte for byte). The test `docs-numbers` runs this and
-# compares it with the document, so the figures there cannot drift.
+# compares it with the document, so the figures there cannot drift; it runs
+# on every CPU kind (and again under TESSERA_CPU_ISA=baseline), so nothing
+# here may depend on the CPU it runs on.
 #   docs/fsdp_numbers.sh [BUILD]
 set -euo pipefail
 plan=${1:-build}/tools/tessera-plan
@@ -27,7 +29,13 @@ echo "|---|---|---|---|"
 row "FSDP, 2 ranks (prefetch on, reshard after forward)" 2
 row "FSDP, 2 ranks, \`parallelism.prefetch false\`" 2 --parallelism.prefetch false
 row "FSDP, 2 ranks, \`reshard_after_forward false\` (ZeRO-2)" 2 --parallelism.reshard_after_forward false
-row "FSDP, 2 ranks, bf16 parameters, f32 reduction" 2 --mixed_precision.param_dtype bfloat16
+# bf16 products run in bf16 only on CPUs whose oneDNN has bf16 kernels
+# (AVX512-BF16 or AMX); elsewhere on f32 copies, which raise the peak. Both
+# rows are planned explicitly, so the table is the same on every CPU.
+row "FSDP, 2 ranks, bf16 parameters, f32 reduction (bf16 products: AVX512-BF16 or AMX)" 2 \
+  --mixed_precision.param_dtype bfloat16 --bf16-products native
+row "FSDP, 2 ranks, bf16 parameters, f32 reduction (products on f32 copies: AVX2 CPUs)" 2 \
+  --mixed_precision.param_dtype bfloat16 --bf16-products f32
 row "FSDP, 2 ranks, activation checkpointing (\`full\`)" 2 --activation_checkpoint.mode full
 row "FSDP, 4 ranks" 4
 row "HSDP, 4 ranks: 2 replicas x 2 shards" 4 --parallelism.data_parallel_replicate_degree 2

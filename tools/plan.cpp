@@ -15,6 +15,7 @@
 #include "nn/layers.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
+#include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/parallel.h"
 #include "tp/parallelize.h"
@@ -57,6 +58,22 @@ int64_t storage_bytes(const TensorList& tensors) {
 }
 
 std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+// Plan::bf16_products: what the meta device assumes now, and why.
+std::string bf16_products_assumed() {
+  if (meta_kernels::native_dtypes()) return "bf16 (planned as a GPU)";
+  switch (meta_kernels::bf16_products()) {
+    case meta_kernels::Bf16Products::Native: return "bf16 (as a CPU with bf16 GEMM kernels: --bf16-products native)";
+    case meta_kernels::Bf16Products::F32Copies: return "f32 copies (as a CPU without them: --bf16-products f32)";
+    case meta_kernels::Bf16Products::ThisCpu: break;
+  }
+  const char* cap = std::getenv("TESSERA_CPU_ISA");
+  const bool capped = cap != nullptr && *cap != '\0';
+  if (cpu::bf16_gemm_native())
+    return fmt::format("bf16 (this CPU's oneDNN {} kernels)", cpu::bf16_gemm_amx() ? "AMX" : "AVX512-BF16");
+  if (capped) return fmt::format("f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA={})", cap);
+  return "f32 copies (this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM)";
+}
 
 }  // namespace
 
@@ -172,6 +189,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   std::tie(plan.replicate, plan.shard) = mesh_shape(cfg, world_size);
   plan.parameters = parameter_count(cfg);
   plan.micro_batch = T.batch_size / T.grad_accum / data_parallel_ranks(cfg, world_size);
+  plan.bf16_products = bf16_products_assumed();
 
   MetaAccounting accounting;
   MeshPtr mesh = simulated_mesh(cfg, world_size, rank);
@@ -335,6 +353,7 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                    cfg.model.arch, p.parameters, p.world_size,
                    p.replicate > 1 ? fmt::format(" (HSDP {} x {})", p.replicate, p.shard) : "", p.rank,
                    p.micro_batch, cfg.training.seq_len, cfg.training.grad_accum));
+  if (cfg.mixed_precision.param_dtype != "float32") line(fmt::format("bf16 matrix products: in {}", p.bf16_products));
   line("memory per rank (bytes held in tensors, as the allocator counts them):");
   line(fmt::format("  sharded parameters          {:>12}", mib(static_cast<double>(p.sharded_parameters))));
   line(fmt::format("  optimizer state             {:>12}", mib(static_cast<double>(p.optimizer_state))));

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "runtime/check.h"
+#include "runtime/kernel_log.h"
 #include "runtime/parallel.h"
 #include "tools/config.h"
 #include "tools/plan.h"
@@ -60,7 +61,8 @@ int main(int argc, char** argv) {
         continue;
       }
       std::string flag = a.substr(0, a.find('='));
-      if (flag != "--ranks" && flag != "--rank" && flag != "--hardware" && flag != "--ranks-per-node") {
+      if (flag != "--ranks" && flag != "--rank" && flag != "--hardware" && flag != "--ranks-per-node" &&
+          flag != "--bf16-products") {
         rest.push_back(argv[i]);
         continue;
       }
@@ -80,6 +82,12 @@ int main(int argc, char** argv) {
         rank = static_cast<int>(parse_count("--rank", value, 0));
       } else if (flag == "--ranks-per-node") {
         per_node = static_cast<int>(parse_count("--ranks-per-node", value, 1));
+      } else if (flag == "--bf16-products") {
+        TS_CHECK(value == "cpu" || value == "native" || value == "f32",
+                 "--bf16-products: expected cpu (as this CPU runs them), native or f32, got '{}'", value);
+        meta_kernels::set_bf16_products(value == "native" ? meta_kernels::Bf16Products::Native
+                                        : value == "f32"  ? meta_kernels::Bf16Products::F32Copies
+                                                          : meta_kernels::Bf16Products::ThisCpu);
       } else {
         hardware = value;
       }
@@ -95,9 +103,16 @@ int main(int argc, char** argv) {
           "                     collectives from `mpirun -np N bench_collectives 16 --save`)\n"
           "  --hardware FILE    plan for described hardware (hardware/*.toml in the source tree): memory with\n"
           "                     native bf16 and NCCL's buffers, step time from a roofline (instead of --time)\n"
-          "  --ranks-per-node N ranks sharing a node (default: all of them)\n");
+          "  --ranks-per-node N ranks sharing a node (default: all of them)\n"
+          "  --bf16-products cpu|native|f32\n"
+          "                     bf16 matrix products planned as this CPU runs them (cpu, the default: bf16\n"
+          "                     where oneDNN has AVX512-BF16 or AMX kernels, else on f32 copies), or as\n"
+          "                     another CPU would (the f32 copies add to a bf16 run's peak)\n");
       return 0;
     }
+    TS_CHECK(meta_kernels::bf16_products() == meta_kernels::Bf16Products::ThisCpu || (hardware.empty() && !time),
+             "--bf16-products plans another CPU's memory; it does not go with {} (which {})",
+             time ? "--time" : "--hardware", time ? "times this CPU's kernels" : "plans a GPU: bf16 products in bf16");
     const tools::Hardware hw = hardware.empty() ? tools::Hardware{} : tools::load_hardware(hardware);
     std::optional<tools::PlanAsGpu> as_gpu;
     if (!hardware.empty()) as_gpu.emplace();

@@ -299,12 +299,20 @@ namespace tessera::meta_kernels {
 namespace kl = kernel_log;
 
 namespace {
+Bf16Products bf16_products_ = Bf16Products::ThisCpu;  // set_bf16_products
+
 DType compute_dtype(KernelFamily family, DType dtype) {
-  return kl::native_dtypes ? dtype : cpu::compute_dtype(family, dtype);
+  if (kl::native_dtypes) return dtype;
+  if (family == KernelFamily::Matmul && dtype == DType::BF16 && bf16_products_ != Bf16Products::ThisCpu)
+    return bf16_products_ == Bf16Products::Native ? DType::BF16 : DType::F32;
+  return cpu::compute_dtype(family, dtype);
 }
 }  // namespace
 
 void set_native_dtypes(bool native) { kl::native_dtypes = native; }
+bool native_dtypes() { return kl::native_dtypes; }
+void set_bf16_products(Bf16Products products) { bf16_products_ = products; }
+Bf16Products bf16_products() { return bf16_products_; }
 
 const KernelTable kTable = {
     .compute_dtype = compute_dtype,  // the CPU's, or native (a GPU's)
