@@ -4,7 +4,8 @@
 // fractions. Units, by the products they bound:
 //   Fma:     f32 fused multiply-add, AVX-512 where the kernels run their
 //            avx512 copy (runtime/cpu/isa.h; TESSERA_CPU_ISA caps it), else
-//            AVX2+FMA (a scalar FMA loop elsewhere: on other processors it
+//            AVX2+FMA where the CPU has it (OpenBLAS's kernels, which no cap
+//            reaches), else a scalar FMA loop (on other processors it
 //            understates the vector units);
 //   Bf16Dot: AVX512-BF16's vdpbf16ps (two bf16 products into each f32 lane);
 //   Amx:     AMX's tdpbf16ps on full 16 x 32 tiles (bf16 in, f32 accumulators).
