@@ -99,7 +99,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   TS_PROFILE("embedding");
   Tensor y = ops::embedding(weight, indices);
-  if (should_record({weight}) && weight.is_distributed()) {
+  if (should_record({weight}) && weight.is_subclass()) {
     // A DTensor table's gradient takes its layout; the closure keeps the
     // handle, not the bytes (FSDP releases a gathered table's storage).
     record("embedding", {weight}, {y}, [indices, weight](const TensorList& g) {

@@ -3,7 +3,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "runtime/dtensor_hook.h"
+#include "runtime/op_call.h"
 #include "runtime/ops.h"
 #include "runtime/profiler.h"
 #include "runtime/random.h"
@@ -27,7 +27,7 @@ ThreadState& state() {
 
 // True when nothing else refers to t's impl or bytes, so it may be updated in place.
 bool uniquely_owned(const Tensor& t) {
-  return t.impl_ptr().use_count() == 1 && !t.is_distributed() && t.storage().use_count() == 1 &&
+  return t.impl_ptr().use_count() == 1 && !t.is_subclass() && t.storage().use_count() == 1 &&
          t.is_contiguous();
 }
 
@@ -45,10 +45,10 @@ void accumulate(Tensor& slot, const Tensor& g) {
 void accumulate_into_leaf(const std::shared_ptr<TensorImpl>& impl, Tensor g) {
   Tensor leaf(impl);
   AutogradMeta& meta = leaf.autograd_meta();
-  // A DTensor parameter's gradient takes the parameter's layout first: a
-  // Partial gradient of a Replicate parameter (a sequence-parallel norm's
-  // weight, a batch-sharded Linear's) is reduced here, once per backward.
-  if (leaf.is_distributed() && g.is_distributed()) g = dispatch_relayout(g, leaf);
+  // A subclass parameter's gradient takes the parameter's layout first (for
+  // a DTensor: a partial sum of a replicated parameter, such as a
+  // sequence-parallel norm's weight, is reduced here, once per backward).
+  if (leaf.is_subclass() && g.is_subclass()) g = intercept_one({OpId::gradient_layout, "gradient layout", {g, leaf}});
   for (auto& hook : meta.hooks) {
     Tensor r = hook(g);
     if (r.defined()) g = r;
@@ -331,8 +331,9 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
 
 Tensor detach(const Tensor& x) {
   if (!x.defined()) return x;
-  // A DTensor's detached alias is a DTensor of the same spec over its local's alias.
-  if (x.is_distributed()) return dispatch_like("detach", x, [](const Tensor& local) { return ops::alias(local); });
+  // A subclass tensor's detached alias is laid out as it is, over its pieces' aliases.
+  if (x.is_subclass())
+    return intercept_one({OpId::detach, "detach", {x}, {}, [](const TensorList& l) { return TensorList{ops::alias(l[0])}; }});
   return ops::alias(x);
 }
 

@@ -41,7 +41,7 @@ double max_over_ranks(double v) {
 
 int64_t state_bytes(const TensorList& params, optim::AdamW& opt) {
   int64_t b = 0;
-  auto local = [](const Tensor& t) { return t.is_distributed() ? local_tensor(t) : t; };
+  auto local = [](const Tensor& t) { return is_dtensor(t) ? local_tensor(t) : t; };
   for (size_t j = 0; j < params.size(); ++j) {
     const Tensor& p = params[j];
     b += static_cast<int64_t>(local(p).nbytes());

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dtensor/redistribute.h"
+#include "dtensor/rules.h"
 #include "runtime/ops.h"
 #include "runtime/random.h"
 
@@ -13,11 +14,16 @@ std::string DTensorSpec::str() const {
                      shape_str(global_shape), shape_str(local.shape()));
 }
 
+std::string DTensorSpec::no_bytes_hint() const {
+  return "use its local tensor (to_local()); if it is an FSDP parameter, run the module as module(x) (forward(x) "
+         "skips the hooks that unshard it)";
+}
+
 const DTensorSpec& dtensor_spec(const Tensor& t) {
-  TS_CHECK(t.defined() && t.is_distributed(), "expected a DTensor, got a plain tensor {}",
+  TS_CHECK(t.defined() && t.is_subclass(), "expected a DTensor, got a plain tensor {}",
            t.defined() ? shape_str(t.shape()) : "(undefined)");
-  auto* spec = dynamic_cast<const DTensorSpec*>(t.impl()->dist.get());
-  TS_CHECK(spec != nullptr, "tensor carries a distributed spec that is not a DTensorSpec");
+  auto* spec = dynamic_cast<const DTensorSpec*>(t.impl()->subclass.get());
+  TS_CHECK(spec != nullptr, "tensor carries a subclass that is not a DTensorSpec");
   return *spec;
 }
 
@@ -76,7 +82,7 @@ std::pair<Shape, Shape> local_shape_and_offset(const Shape& global, const Device
 }
 
 std::vector<LocalBox> local_boxes(const Tensor& t) {
-  if (!t.is_distributed() || !any_blocked(dtensor_spec(t).placements)) return {local_box(t)};
+  if (!is_dtensor(t) || !any_blocked(dtensor_spec(t).placements)) return {local_box(t)};
   const DTensorSpec& spec = dtensor_spec(t);
   const std::vector<Runs> runs = local_runs(spec.global_shape, *spec.mesh, spec.placements,
                                             spec.mesh->get_coordinate());
@@ -105,7 +111,7 @@ std::vector<LocalBox> local_boxes(const Tensor& t) {
 }
 
 LocalBox local_box(const Tensor& t) {
-  if (!t.is_distributed()) return {t, Shape(t.shape().size(), 0), t.shape()};
+  if (!is_dtensor(t)) return {t, Shape(t.shape().size(), 0), t.shape()};
   const DTensorSpec& spec = dtensor_spec(t);
   auto [shape, offset] =
       local_shape_and_offset(spec.global_shape, *spec.mesh, spec.placements, spec.mesh->get_coordinate());
@@ -129,7 +135,7 @@ Placements normalize_placements(const Placements& placements, const DeviceMesh& 
 }
 
 Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Shape global_shape) {
-  TS_CHECK(local.defined() && !local.is_distributed(), "make_dtensor: the local tensor must be a plain tensor");
+  TS_CHECK(local.defined() && !is_dtensor(local), "make_dtensor: the local tensor must be a plain tensor");
   auto expected = local_shape(global_shape, *mesh, placements, mesh->get_coordinate());
   TS_CHECK(local.shape() == expected,
            "DTensor: local shape {} does not match the shard {} of global shape {} with placements {} on {}",
@@ -145,7 +151,8 @@ Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Sh
   impl->strides = contiguous_strides(global_shape);
   impl->dtype = local.dtype();
   impl->device = local.device();
-  impl->dist = std::move(spec);
+  impl->subclass = std::move(spec);
+  detail::register_sharding_rules();  // before the first op on a DTensor
   return Tensor(std::move(impl));
 }
 
@@ -172,7 +179,7 @@ Placements partial_as_replicate(const Placements& ps) {
 }  // namespace
 
 Tensor distribute_tensor_local(const Tensor& full, MeshPtr mesh, const Placements& placements_in) {
-  TS_CHECK(!full.is_distributed(), "distribute_tensor: the input is already a DTensor");
+  TS_CHECK(!is_dtensor(full), "distribute_tensor: the input is already a DTensor");
   Placements placements = normalize_placements(placements_in, *mesh, full.dim(), "distribute_tensor");
   for (const auto& p : placements)
     TS_CHECK(!is_partial(p), "distribute_tensor: {} is not allowed (Shard or Replicate only)", placement_str(p));

@@ -1,7 +1,8 @@
 // DTensor: a local tensor plus a spec (mesh, one placement per mesh dim,
 // global shape). To the code above it a DTensor *is a* Tensor: its impl has
-// the global shape, no bytes of its own, and carries the spec; raw ops on it
-// are routed here (dtensor/ops.cpp) through runtime/dtensor_hook.h.
+// the global shape, no bytes of its own, and carries the spec as a tensor
+// subclass (runtime/tensor.h); raw ops on it reach the sharding rules of
+// dtensor/rules*.cpp by op id through runtime/op_call.h.
 #pragma once
 
 #include <optional>
@@ -12,13 +13,17 @@
 
 namespace tessera {
 
-struct DTensorSpec final : DistSpec {
+struct DTensorSpec final : TensorSubclass {
   MeshPtr mesh;
   Placements placements;
   Shape global_shape;
   Tensor local;
   std::string str() const override;
+  std::string no_bytes_hint() const override;
 };
+
+// Whether t is a DTensor (the only tensor subclass Tensor has).
+inline bool is_dtensor(const Tensor& t) { return t.is_subclass(); }
 
 // The spec of a DTensor (throws for plain tensors).
 const DTensorSpec& dtensor_spec(const Tensor& t);

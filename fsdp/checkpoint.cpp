@@ -65,7 +65,7 @@ nn::StateDict tensors_of(nn::Module& model, optim::AdamW* opt, bool create_optim
 }
 
 std::string placements_of(const Tensor& t) {
-  return t.is_distributed() ? placements_str(dtensor_spec(t).placements) : "plain";
+  return is_dtensor(t) ? placements_str(dtensor_spec(t).placements) : "plain";
 }
 
 json shape_json(const Shape& s) {
@@ -106,7 +106,7 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
   DataFile file((tmp_dir / file_name).string(), rank);
   for (const auto& [name, t] : tensors) {
     bool owner = rank == 0;
-    if (t.is_distributed()) {
+    if (is_dtensor(t)) {
       const DTensorSpec& spec = dtensor_spec(t);
       owner = true;
       for (size_t i = 0; i < spec.placements.size(); ++i) {

@@ -10,6 +10,11 @@
 
 namespace tessera::fsdp {
 
+trace::Lane trace_lane() {
+  static const trace::Lane lane = trace::register_lane("fsdp");
+  return lane;
+}
+
 namespace {
 std::atomic<bool> skip_copy_in_wait{false};
 std::atomic<int> reduce_scatter_stall_us{0};
@@ -28,7 +33,7 @@ void FSDPStreams::init(Device device) {
 
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const dist::ProcessGroupPtr& group,
                                    DType dtype, const FSDPStreams& streams, std::optional<BufferState>& previous) {
-  trace::Scope span(trace::Lane::FSDP, "all-gather copy-in");
+  trace::Scope span(trace_lane(), "all-gather copy-in");
   AllGatherResult r;
   r.world = group ? group->size() : 1;
   int rank = group ? group->rank() : 0;
@@ -64,7 +69,7 @@ BufferState foreach_all_gather_copy_out(AllGatherResult& r, const std::vector<FS
   Stream& compute = current_stream(r.output.device());
   compute.wait_event(*r.event);
   if (r.work) r.work->wait(compute);
-  trace::Scope span(trace::Lane::FSDP, "all-gather copy-out");
+  trace::Scope span(trace_lane(), "all-gather copy-out");
   autograd::NoGradGuard no_grad;
   Tensor rows = ops::view(r.output, {r.world, r.row});
   for (size_t i = 0; i < params.size(); ++i) {
@@ -112,7 +117,7 @@ DivideOps divide_ops(const MeshInfo& m, std::optional<double> factor) {
 ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::vector<Tensor>& grads,
                             const MeshInfo& m, DType reduce_dtype, const DivideOps& ops_in, bool all_reduce_grads,
                             Tensor* partial_output, const FSDPStreams& streams, std::optional<BufferState>& input_state) {
-  trace::Scope span(trace::Lane::FSDP, "reduce-scatter copy-in");
+  trace::Scope span(trace_lane(), "reduce-scatter copy-in");
   Device device = params.front()->sharded_data.device();
   Stream& compute = current_stream(device);
   if (input_state) {  // the previous copy-in buffer: reusable once the reduce-scatter stream used it
@@ -209,7 +214,7 @@ std::shared_ptr<Event> finish_reduce(ReduceResult& r, const FSDPStreams& streams
   if (r.done) return nullptr;  // accumulated for a later all-reduce
   Stream& rs = *streams.reduce_scatter;
   if (r.all_reduce) r.all_reduce->wait(rs);
-  trace::Scope span(trace::Lane::FSDP, "gradient view-out");
+  trace::Scope span(trace_lane(), "gradient view-out");
   autograd::NoGradGuard no_grad;
   if (int us = reduce_scatter_stall_us.load(std::memory_order_relaxed); us > 0 && !rs.synchronous())
     rs.enqueue("test stall", [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });

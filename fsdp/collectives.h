@@ -15,6 +15,7 @@
 
 #include "fsdp/fsdp_param.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 
 namespace tessera::fsdp {
 
@@ -109,5 +110,9 @@ void advance_reduce(ReduceResult& r, const FSDPStreams& streams);
 // Waits for everything and writes the sharded gradients (adding to existing
 // ones) on the reduce-scatter stream; returns that stream's event after it.
 std::shared_ptr<Event> finish_reduce(ReduceResult& r, const FSDPStreams& streams);
+
+// FSDP's own lane in traces ("fsdp"): its copies into and out of the
+// collectives' buffers, unshard and reshard.
+trace::Lane trace_lane();
 
 }  // namespace tessera::fsdp

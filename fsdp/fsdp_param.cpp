@@ -8,7 +8,7 @@ namespace tessera::fsdp {
 
 namespace {
 // The parameter FSDP shards: a plain parameter, or a tensor-parallel DTensor's local tensor.
-Tensor local_of(const Tensor& param) { return param.is_distributed() ? dtensor_spec(param).local : param; }
+Tensor local_of(const Tensor& param) { return is_dtensor(param) ? dtensor_spec(param).local : param; }
 }  // namespace
 
 FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
@@ -18,7 +18,7 @@ FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const
   MeshPtr sharded_mesh = mesh_info.mesh;
   Placements outer;  // the tensor-parallel placement, outside FSDP's
   Shape global = param.shape();
-  if (param_in.is_distributed()) {
+  if (is_dtensor(param_in)) {
     const DTensorSpec& spec = dtensor_spec(param_in);
     TS_CHECK(spec.mesh->ndim() == 1 && !is_partial(spec.placements[0]),
              "fully_shard: parameter {} is a DTensor {}; FSDP composes with tensor parallelism (Shard or Replicate "
@@ -122,7 +122,7 @@ void FSDPParam::free_unsharded() {
 }
 
 Tensor FSDPParam::local_grad(const Tensor& grad) const {
-  if (!grad.defined() || !grad.is_distributed()) return grad;
+  if (!grad.defined() || !is_dtensor(grad)) return grad;
   return local_at(grad, tp_placements);
 }
 
@@ -164,7 +164,7 @@ void FSDPParam::to_unsharded() {
 
 void FSDPParam::reset_sharded_param() {
   Tensor current = current_registered();
-  if (!current.is_distributed() || current.is_same(sharded_param)) return;
+  if (!is_dtensor(current) || current.is_same(sharded_param)) return;
   const DTensorSpec& spec = dtensor_spec(current);
   Tensor local = spec.local;
   // A new padded buffer in the registered tensor's dtype and device, holding its values.

@@ -86,7 +86,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   if (training_state == TrainingState::PreBackward && !unshard_in_backward) return;
   lazy_init();
   comm_ctx->event("unshard", *this);
-  trace::Scope span(trace::Lane::FSDP, "unshard");
+  trace::Scope span(trace_lane(), "unshard");
   FSDPStreams& streams = comm_ctx->streams;
   streams.init(fsdp_params.front()->sharded_data.device());
   // Outside forward (a user's unshard, or backward reading post-forward
@@ -136,7 +136,7 @@ void FSDPParamGroup::reshard() {
   }
   if (sharded_state == ShardedState::Sharded) return;
   comm_ctx->event("reshard", *this);
-  trace::Scope span(trace::Lane::FSDP, "reshard");
+  trace::Scope span(trace_lane(), "reshard");
   to_sharded();
 }
 

@@ -104,7 +104,7 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
 
   std::vector<std::unique_ptr<FSDPParam>> params;
   for (auto& m : managed_params(module, options.ignored_params)) {
-    if (!m.param.is_distributed() && m.param.storage() && !m.param.storage()->is_allocated() &&
+    if (!is_dtensor(m.param) && m.param.storage() && !m.param.storage()->is_allocated() &&
         !m.param.storage()->release_note.empty()) {
       TS_CHECK(false,
                "fully_shard: parameter {} is already managed by another FSDP group ({}). For shared/tied "

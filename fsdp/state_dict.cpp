@@ -10,7 +10,7 @@ void for_each_full_tensor(const nn::StateDict& state, bool rank0_only,
   autograd::NoGradGuard no_grad;
   bool mine = !rank0_only || dist::rank() == 0;
   for (const auto& [name, t] : state) {
-    if (!t.is_distributed()) {
+    if (!is_dtensor(t)) {
       fn(name, mine ? t : Tensor());
       continue;
     }
@@ -75,7 +75,7 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
       if (src == nullptr) continue;
       value = ops::to(*src, dst.dtype());
     }
-    if (dst.is_distributed()) {
+    if (is_dtensor(dst)) {
       const DTensorSpec& spec = dtensor_spec(dst);
       Tensor local = spec.local;
       ops::copy_(local, local_tensor(distribute_tensor_local(value, spec.mesh, spec.placements)));
@@ -105,7 +105,7 @@ void save_safetensors(nn::Module& model, const std::string& path,
   // One tensor gathered at a time, in header order; only rank 0 writes.
   auto gather = [&](size_t i) {
     const Tensor& t = state[i].second;
-    Tensor whole = t.is_distributed() ? full_tensor(t) : t;
+    Tensor whole = is_dtensor(t) ? full_tensor(t) : t;
     return ops::to(whole, out_dtype(t));
   };
   std::string error;
@@ -117,7 +117,7 @@ void save_safetensors(nn::Module& model, const std::string& path,
     }
   } else {
     for (size_t i = 0; i < entries.size(); ++i)
-      if (state[i].second.is_distributed()) full_tensor(state[i].second);
+      if (is_dtensor(state[i].second)) full_tensor(state[i].second);
   }
   dist::throw_if_any_failed(dist::world(), error, "save_safetensors");
 }

@@ -18,13 +18,13 @@ std::vector<int64_t> generate(LanguageModel& model, const std::vector<int64_t>& 
   std::vector<int64_t> ctx = prompt, out;
   // The tokens go where the weights are (a DTensor parameter: its local tensor's device).
   Tensor first = model.parameters().front();
-  Device device = first.is_distributed() ? local_tensor(first).device() : first.device();
+  Device device = is_dtensor(first) ? local_tensor(first).device() : first.device();
   int64_t vocab = model.config.vocab_size;
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     int64_t t = std::min<int64_t>(static_cast<int64_t>(ctx.size()), model.config.block_size);
     std::vector<int64_t> window(ctx.end() - t, ctx.end());
     Tensor logits = model(from_vector(window, {1, t}, device));
-    if (logits.is_distributed()) logits = full_tensor(logits);  // a loss-parallel output layer's
+    if (is_dtensor(logits)) logits = full_tensor(logits);  // a loss-parallel output layer's
     std::vector<double> last = ops::select(ops::select(logits, 0, 0), 0, t - 1).to_vector<double>();
     int64_t next = 0;
     if (opt.temperature == 0.0) {

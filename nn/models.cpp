@@ -92,7 +92,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
            shape_str(targets.shape()), shape_str(logits.shape()), shape_str(expect));
   const int64_t v = logits.size(-1), rows = leading_numel(logits.shape());
   Tensor flat_targets = ops::reshape(targets, {targets.numel()});
-  if (logits.is_distributed()) {
+  if (is_dtensor(logits)) {
     // Loss parallelism (dtensor/ops.cpp): logits whose classes are split over
     // a mesh dim, e.g. a column-wise output layer's. The leading dims are
     // flattened on each rank's block (the classes, the last dim, stay split);

@@ -189,7 +189,7 @@ void Module::to(DType dtype) {
 void Module::to_empty(Device device) {
   autograd::NoGradGuard no_grad;
   convert_slots(*this, [device](const Tensor& t) {
-    if (!t.is_distributed()) return empty(t.shape(), t.dtype(), device);
+    if (!is_dtensor(t)) return empty(t.shape(), t.dtype(), device);
     // A sharded parameter gets bytes for its local shard only.
     const DTensorSpec& spec = dtensor_spec(t);
     return make_dtensor(empty(spec.local.shape(), t.dtype(), device), spec.mesh, spec.placements, spec.global_shape);

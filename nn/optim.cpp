@@ -46,7 +46,7 @@ void Optimizer::zero_grad(bool set_to_none) {
 void Optimizer::check_params() const {
   for (const auto& g : groups_)
     for (const auto& p : g.params)
-      TS_CHECK(p.is_distributed() || !p.storage() || p.storage()->is_allocated() || p.is_meta(),
+      TS_CHECK(is_dtensor(p) || !p.storage() || p.storage()->is_allocated() || p.is_meta(),
                "optimizer: a parameter's storage has been released ({}): this optimizer holds parameters "
                "that no longer train",
                p.storage()->release_note.empty() ? "freed" : p.storage()->release_note);
@@ -62,14 +62,14 @@ std::vector<ParamGroup> one_group(const TensorList& params, double lr, double wd
 }
 
 // The tensor a kernel updates: a DTensor's local shard, a plain tensor itself.
-Tensor local_of(const Tensor& t) { return t.is_distributed() ? local_tensor(t) : t; }
+Tensor local_of(const Tensor& t) { return is_dtensor(t) ? local_tensor(t) : t; }
 
 // Whether `others` are laid out as p: plain tensors, or DTensors on p's mesh
 // with p's placements (so that updating the local tensors updates the whole).
 bool same_layout(const Tensor& p, std::initializer_list<Tensor> others) {
   for (const Tensor& o : others) {
-    if (o.is_distributed() != p.is_distributed()) return false;
-    if (!p.is_distributed()) continue;
+    if (is_dtensor(o) != is_dtensor(p)) return false;
+    if (!is_dtensor(p)) continue;
     const DTensorSpec &a = dtensor_spec(p), &b = dtensor_spec(o);
     if (!(*a.mesh == *b.mesh) || a.placements != b.placements || a.global_shape != b.global_shape) return false;
   }
@@ -293,7 +293,7 @@ Tensor grad_norm(const TensorList& params) {
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    if (!g.is_distributed()) {
+    if (!is_dtensor(g)) {
       plain.push_back(g);
       device = g.device();
       continue;

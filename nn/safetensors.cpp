@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <limits>
 
+#include "dtensor/dtensor.h"
+
 namespace tessera::nn {
 
 static_assert(std::endian::native == std::endian::little,
@@ -253,7 +255,7 @@ void save_safetensors(const std::string& path, const StateDict& state,
   std::vector<SafetensorsEntry> entries;
   uint64_t offset = 0;
   for (const auto& [name, t] : state) {
-    TS_CHECK(!t.is_distributed(),
+    TS_CHECK(!is_dtensor(t),
              "save_safetensors: '{}' is a DTensor; gather it first (fsdp::full_state_dict)", name);
     SafetensorsEntry e{name, t.dtype(), t.shape(), offset, offset + t.nbytes()};
     offset = e.end;

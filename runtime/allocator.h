@@ -1,6 +1,7 @@
 // Every allocation goes through one caching allocator per device, so memory
-// claims are measured, not guessed, and FSDP's per-layer unshard/reshard
-// reuses blocks instead of reaching malloc (or cudaMalloc) every layer.
+// claims are measured, not guessed, and per-layer gathers and frees of
+// sharded parameters reuse blocks instead of reaching malloc (or cudaMalloc)
+// every layer.
 //
 // Blocks know the stream they were allocated on (the device's current stream
 // at the time). A freed block goes back to that stream's cache, as in
@@ -14,7 +15,7 @@
 // done when they are freed. Freeing is deterministic and never syncs the host.
 // A tensor that a second stream reads must be kept alive by its user (a
 // reference held until the allocating stream has waited for the reader's
-// event): FSDP's buffers are (see fsdp/collectives.h).
+// event), as the layers above keep their collectives' buffers.
 #pragma once
 
 #include <cstddef>
@@ -64,7 +65,7 @@ class CachingAllocator : public Allocator {
   void empty_cache() override;
 
   // Sizes are rounded up to this, and a cached block is taken for a request up
-  // to 1/8 smaller than itself (no splitting: FSDP asks for the same sizes every step).
+  // to 1/8 smaller than itself (no splitting: a training step asks for the same sizes every step).
   static constexpr size_t kRound = 512;
 
  protected:

@@ -54,7 +54,7 @@ struct Log {
   std::vector<Event> events;  // in program order
   // The host's own time in the recorded step: its wall time less the time
   // spent logging (what the framework costs around the kernels: autograd,
-  // FSDP's bookkeeping, allocation, shape checks).
+  // the parallelisms' bookkeeping, allocation, shape checks).
   double host_seconds = 0;
 };
 

@@ -97,8 +97,8 @@ const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<d
 // AdamW's update of many parameters in one pass over each (runtime/math.h,
 // adamw_update): params[i] with grads[i], exp_avgs[i] and exp_avg_sqs[i]. Each
 // quadruple adamw_fusable: one float dtype (bf16/f16 computed in f32 and
-// rounded once per update), contiguous, one shape and device, local tensors
-// (not DTensors); no two share memory. Lists may mix dtypes; one device.
+// rounded once per update), contiguous, one shape and device, plain tensors
+// (not subclass tensors); no two share memory. Lists may mix dtypes; one device.
 void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
             const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
             const AdamWStep& step);
@@ -131,8 +131,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {});
 Shape matmul_shape(const Shape& a, const Shape& b);
 Shape linear_shape(const Shape& x, const Shape& w);
 // The gradients of y = linear(x, w, b) given dy = grad: {dx, dw, db}, each
-// computed only where `need` says (undefined otherwise). On DTensors the
-// placements follow the forward's rule (dtensor/ops.cpp).
+// computed only where `need` says (undefined otherwise).
 TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w, std::array<bool, 3> need);
 // out (+)= alpha * a @ b for 2-D a, b; a and b may be transposed views.
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha = 1.0,
@@ -163,8 +162,8 @@ NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
 // weight [V, D], indices i32/i64 of any shape -> [..., D]. Out-of-range indices throw.
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights);
-// The same, laid out as `weight` (whose values it does not read): a DTensor
-// table's gradient is a DTensor of its layout (dtensor/ops.cpp).
+// The same, laid out as `weight` (whose values it does not read): a subclass
+// table's gradient takes the table's layout.
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, const Tensor& weight);
 
 // Fused log-softmax + NLL over logits [N, C] and i64 targets [N]; the mean over

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <limits>
 
-#include "runtime/dtensor_hook.h"
+#include "runtime/op_call.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 #include "runtime/stream.h"
@@ -31,15 +31,10 @@ DType compute_dtype(Device device, KernelFamily family, DType dtype) {
 
 namespace {
 
-// Hands a DTensor op to the dtensor layer (runtime/dtensor_hook.h).
-std::vector<Tensor> route(const char* name, OpClass cls, std::vector<Tensor> inputs,
-                          std::function<std::vector<Tensor>(const std::vector<Tensor>&)> local) {
-  DistCall call;
-  call.name = name;
-  call.cls = cls;
-  call.inputs = std::move(inputs);
-  call.local = std::move(local);
-  return dispatch_distributed(call);
+// Hands an op on subclass tensors to their layer (runtime/op_call.h).
+TensorList route(OpId op, const char* name, TensorList inputs, std::function<TensorList(const TensorList&)> local,
+                 OpAttrs attrs = {}) {
+  return intercept({op, name, std::move(inputs), std::move(attrs), std::move(local)});
 }
 
 bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
@@ -80,9 +75,9 @@ const Tensor& update_inplace(const Tensor& x, const char* op, F&& f) {
 }  // namespace
 
 Tensor unary(UnaryOp op, const Tensor& x) {
-  if (x.is_distributed())
-    return route(unary_name(op), op == UnaryOp::Neg ? OpClass::LinearElementwise : OpClass::Elementwise, {x},
-                 [op](const TensorList& l) { return TensorList{unary(op, l[0])}; })[0];
+  if (x.is_subclass())
+    return route(OpId::unary, unary_name(op), {x}, [op](const TensorList& l) { return TensorList{unary(op, l[0])}; },
+                 {.linear = op == UnaryOp::Neg})[0];
   check_floating(x, unary_name(op));
   Tensor xc = upcast(x, kElementwise);
   Tensor out = empty(x.shape(), xc.dtype(), x.device());
@@ -91,8 +86,8 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 }
 
 Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y) {
-  if (any_distributed({&grad, &x, &y}))
-    return route("unary_backward", OpClass::Elementwise, {grad, x, y}, [op](const TensorList& l) {
+  if (intercepts({&grad, &x, &y}))
+    return route(OpId::unary_backward, "unary_backward", {grad, x, y}, [op](const TensorList& l) {
       return TensorList{unary_backward(op, l[0], l[1], l[2])};
     })[0];
   TS_CHECK(grad.shape() == x.shape(), "{}_backward: grad shape {} vs input shape {}",
@@ -108,9 +103,14 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Ten
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   const char* name = binary_name(op);
-  if (any_distributed({&a, &b}))
-    return route(name, op == BinaryOp::Add || op == BinaryOp::Sub ? OpClass::LinearElementwise : OpClass::Elementwise,
-                 {a, b}, [op](const TensorList& l) { return TensorList{binary(op, l[0], l[1])}; })[0];
+  if (intercepts({&a, &b})) {
+    // Linear in both operands: add and sub; mul and div by a plain scalar.
+    const bool by_scalar = !b.is_subclass() && b.dim() == 0;
+    const bool linear = op == BinaryOp::Add || op == BinaryOp::Sub ||
+                        ((op == BinaryOp::Mul || op == BinaryOp::Div) && by_scalar);
+    return route(OpId::binary, name, {a, b}, [op](const TensorList& l) { return TensorList{binary(op, l[0], l[1])}; },
+                 {.linear = linear})[0];
+  }
   TS_CHECK(a.dtype() == b.dtype(), "{}: dtype mismatch ({} and {}); convert one with to()", name,
            dtype_name(a.dtype()), dtype_name(b.dtype()));
   check_same_device(a, b, name);
@@ -143,8 +143,8 @@ Tensor binary(BinaryOp op, double a, const Tensor& b) {
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
-  if (any_distributed({&cond, &a, &b}))
-    return route("where", OpClass::Elementwise, {cond, a, b},
+  if (intercepts({&cond, &a, &b}))
+    return route(OpId::where, "where", {cond, a, b},
                  [](const TensorList& l) { return TensorList{where(l[0], l[1], l[2])}; })[0];
   TS_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got {}",
            dtype_name(cond.dtype()));
@@ -162,8 +162,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 // ---- in-place ---------------------------------------------------------------
 
 const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
-  if (any_distributed({&dst, &src})) {
-    route("copy_", OpClass::InPlace, {dst, src}, [non_blocking](const TensorList& l) {
+  if (intercepts({&dst, &src})) {
+    route(OpId::copy_, "copy_", {dst, src}, [non_blocking](const TensorList& l) {
       return TensorList{copy_(l[0], l[1], non_blocking)};
     });
     return dst;
@@ -189,8 +189,8 @@ const Tensor& copy_(const Tensor& dst, const Tensor& src, bool non_blocking) {
 }
 
 const Tensor& fill_(const Tensor& x, double value) {
-  if (x.is_distributed()) {
-    route("fill_", OpClass::InPlace, {x}, [value](const TensorList& l) {
+  if (x.is_subclass()) {
+    route(OpId::fill_, "fill_", {x}, [value](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{fill_(t, value)};
     });
@@ -215,10 +215,10 @@ Tensor operand(const Tensor& x, const Tensor& other, const char* op) {
 
 // x op= value, the scalar kept in the compute dtype (f32 for a bf16 x: rounded
 // to bf16 first, 0.99 would become 0.990234375).
-const Tensor& update_with_scalar(const Tensor& x, BinaryOp op, const char* name, double value) {
-  if (any_distributed({&x})) {
-    route(name, OpClass::InPlace, {x}, [op, name, value](const TensorList& l) {
-      return TensorList{update_with_scalar(l[0], op, name, value)};
+const Tensor& update_with_scalar(const Tensor& x, OpId id, BinaryOp op, const char* name, double value) {
+  if (x.is_subclass()) {
+    route(id, name, {x}, [id, op, name, value](const TensorList& l) {
+      return TensorList{update_with_scalar(l[0], id, op, name, value)};
     });
     return x;
   }
@@ -229,8 +229,8 @@ const Tensor& update_with_scalar(const Tensor& x, BinaryOp op, const char* name,
 }  // namespace
 
 const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
-  if (any_distributed({&x, &other})) {
-    route("add_", OpClass::InPlace, {x, other}, [alpha](const TensorList& l) {
+  if (intercepts({&x, &other})) {
+    route(OpId::add_, "add_", {x, other}, [alpha](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{add_(t, l[1], alpha)};
     });
@@ -238,15 +238,15 @@ const Tensor& add_(const Tensor& x, const Tensor& other, double alpha) {
   }
   Tensor o = operand(x, other, "add_");
   return update_inplace(x, "add_", [&](const Tensor& t) {
-    dispatch(t.device()).pointwise(PointwiseOp::AddScaled, t, o, {}, alpha);
+    dispatch(t.device()).pointwise(PointwiseOp::AddScaled, t, o, Tensor(), alpha);
   });
 }
 
-const Tensor& add_(const Tensor& x, double value) { return update_with_scalar(x, BinaryOp::Add, "add_", value); }
+const Tensor& add_(const Tensor& x, double value) { return update_with_scalar(x, OpId::add_, BinaryOp::Add, "add_", value); }
 
 const Tensor& mul_(const Tensor& x, const Tensor& other) {
-  if (any_distributed({&x, &other})) {
-    route("mul_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
+  if (intercepts({&x, &other})) {
+    route(OpId::mul_, "mul_", {x, other}, [](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{mul_(t, l[1])};
     });
@@ -258,11 +258,11 @@ const Tensor& mul_(const Tensor& x, const Tensor& other) {
   });
 }
 
-const Tensor& mul_(const Tensor& x, double value) { return update_with_scalar(x, BinaryOp::Mul, "mul_", value); }
+const Tensor& mul_(const Tensor& x, double value) { return update_with_scalar(x, OpId::mul_, BinaryOp::Mul, "mul_", value); }
 
 const Tensor& div_(const Tensor& x, const Tensor& other) {
-  if (any_distributed({&x, &other})) {
-    route("div_", OpClass::InPlace, {x, other}, [](const TensorList& l) {
+  if (intercepts({&x, &other})) {
+    route(OpId::div_, "div_", {x, other}, [](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{div_(t, l[1])};
     });
@@ -275,8 +275,8 @@ const Tensor& div_(const Tensor& x, const Tensor& other) {
 }
 
 const Tensor& addcmul_(const Tensor& x, const Tensor& a, const Tensor& b, double value) {
-  if (any_distributed({&x, &a, &b})) {
-    route("addcmul_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
+  if (intercepts({&x, &a, &b})) {
+    route(OpId::addcmul_, "addcmul_", {x, a, b}, [value](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{addcmul_(t, l[1], l[2], value)};
     });
@@ -289,8 +289,8 @@ const Tensor& addcmul_(const Tensor& x, const Tensor& a, const Tensor& b, double
 }
 
 const Tensor& addcdiv_(const Tensor& x, const Tensor& a, const Tensor& b, double value) {
-  if (any_distributed({&x, &a, &b})) {
-    route("addcdiv_", OpClass::InPlace, {x, a, b}, [value](const TensorList& l) {
+  if (intercepts({&x, &a, &b})) {
+    route(OpId::addcdiv_, "addcdiv_", {x, a, b}, [value](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{addcdiv_(t, l[1], l[2], value)};
     });
@@ -303,8 +303,8 @@ const Tensor& addcdiv_(const Tensor& x, const Tensor& a, const Tensor& b, double
 }
 
 const Tensor& lerp_(const Tensor& x, const Tensor& end, double weight) {
-  if (any_distributed({&x, &end})) {
-    route("lerp_", OpClass::InPlace, {x, end}, [weight](const TensorList& l) {
+  if (intercepts({&x, &end})) {
+    route(OpId::lerp_, "lerp_", {x, end}, [weight](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{lerp_(t, l[1], weight)};
     });
@@ -312,13 +312,13 @@ const Tensor& lerp_(const Tensor& x, const Tensor& end, double weight) {
   }
   Tensor o = operand(x, end, "lerp_");
   return update_inplace(x, "lerp_", [&](const Tensor& t) {
-    dispatch(t.device()).pointwise(PointwiseOp::Lerp, t, o, {}, weight);
+    dispatch(t.device()).pointwise(PointwiseOp::Lerp, t, o, Tensor(), weight);
   });
 }
 
 const Tensor& sqrt_(const Tensor& x) {
-  if (any_distributed({&x})) {
-    route("sqrt_", OpClass::InPlace, {x}, [](const TensorList& l) {
+  if (intercepts({&x})) {
+    route(OpId::sqrt_, "sqrt_", {x}, [](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{sqrt_(t)};
     });
@@ -330,8 +330,8 @@ const Tensor& sqrt_(const Tensor& x) {
 }
 
 const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<double> max) {
-  if (any_distributed({&x})) {
-    route("clamp_", OpClass::InPlace, {x}, [min, max](const TensorList& l) {
+  if (intercepts({&x})) {
+    route(OpId::clamp_, "clamp_", {x}, [min, max](const TensorList& l) {
       Tensor t = l[0];
       return TensorList{clamp_(t, min, max)};
     });
@@ -344,7 +344,7 @@ const Tensor& clamp_(const Tensor& x, std::optional<double> min, std::optional<d
 
 bool adamw_fusable(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
   for (const Tensor* t : {&p, &g, &m, &v})
-    if (!t->defined() || t->is_distributed() || !t->is_contiguous() ||
+    if (!t->defined() || t->is_subclass() || !t->is_contiguous() ||
         t->dtype() != p.dtype() || t->device() != p.device() || t->shape() != p.shape())
       return false;
   return is_floating(p.dtype());
@@ -446,18 +446,10 @@ Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dim
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
            std::optional<DType> out_dtype) {
-  if (x.is_distributed()) {
-    DistCall call;
-    call.name = "sum";
-    call.cls = OpClass::Reduction;
-    call.inputs = {x};
-    call.dims = dims_in;
-    call.keepdim = keepdim;
-    call.local = [dims_in, keepdim, out_dtype](const TensorList& l) {
+  if (x.is_subclass())
+    return route(OpId::sum, "sum", {x}, [dims_in, keepdim, out_dtype](const TensorList& l) {
       return TensorList{sum(l[0], dims_in, keepdim, out_dtype)};
-    };
-    return dispatch_distributed(call)[0];
-  }
+    }, {.dims = dims_in, .keepdim = keepdim})[0];
   auto dims = reduce_dims(x, dims_in, "sum");
   DType acc =
       is_floating(x.dtype()) ? compute_dtype(x.device(), kReduction, x.dtype()) : DType::I64;
@@ -469,7 +461,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
   check_floating(x, "mean");
-  if (x.is_distributed()) {  // the sum (Partial over sharded dims) divided by the global count
+  if (x.is_subclass()) {  // the subclass's sum divided by the logical count
     int64_t n = 1;
     for (int64_t d : reduce_dims(x, dims_in, "mean")) n *= x.shape()[d];
     return mul(sum(x, dims_in, keepdim), 1.0 / static_cast<double>(n));
@@ -482,7 +474,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
 }
 
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correction, bool keepdim) {
-  refuse_distributed("var", {&x});
+  if (x.is_subclass()) return route(OpId::var, "var", {x}, nullptr)[0];
   check_floating(x, "var");
   auto dims = reduce_dims(x, dims_in, "var");
   int64_t n = 1;
@@ -495,7 +487,13 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims_in, int64_t correct
 }
 
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
-  refuse_distributed("max", {&x});
+  if (x.is_subclass()) {
+    TensorList r = route(OpId::max, "max", {x}, [dim, keepdim](const TensorList& l) {
+      auto [values, indices] = max(l[0], dim, keepdim);
+      return TensorList{values, indices};
+    });
+    return {r[0], r[1]};
+  }
   dim = wrap_dim(dim, x.dim(), "max");
   Shape shape = reduced_shape(x, {dim}, keepdim);
   TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
@@ -514,13 +512,16 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
 }
 
 Tensor max(const Tensor& x) {
-  refuse_distributed("max", {&x});
+  if (x.is_subclass()) return route(OpId::max, "max", {x}, [](const TensorList& l) { return TensorList{max(l[0])}; })[0];
   TS_CHECK(x.numel() > 0, "max: cannot take the maximum of an empty tensor");
   return max(reshape(x, {-1}), 0, false).first;
 }
 
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
-  refuse_distributed("argmax", {&x});
+  if (x.is_subclass())
+    return route(OpId::argmax, "argmax", {x}, [dim, keepdim](const TensorList& l) {
+      return TensorList{argmax(l[0], dim, keepdim)};
+    })[0];
   return max(x, dim, keepdim).second;
 }
 
@@ -528,9 +529,7 @@ Tensor sum_squares(const std::vector<Tensor>& xs, Device device) {
   std::vector<Tensor> inputs;
   for (const Tensor& x : xs) {
     check_floating(x, "sum_squares");
-    TS_CHECK(!x.is_distributed(),
-             "sum_squares of a DTensor would be this rank's part only; use nn::grad_norm / "
-             "clip_grad_norm_ (which reduce across ranks) or sum(x * x) and full_tensor()");
+    if (x.is_subclass()) return route(OpId::sum_squares, "sum_squares", {x}, nullptr)[0];
     TS_CHECK(x.device() == device, "sum_squares: a tensor on {} among tensors on {}", x.device().str(),
              device.str());
     if (x.numel() > 0) inputs.push_back(contiguous(x));  // any floating dtype: the kernel squares in f64

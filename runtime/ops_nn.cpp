@@ -1,7 +1,7 @@
 // Matrix products and the fused neural-network ops.
 #include <cmath>
 
-#include "runtime/dtensor_hook.h"
+#include "runtime/op_call.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 #include "runtime/random.h"
@@ -100,14 +100,9 @@ Shape linear_shape(const Shape& x, const Shape& w) {
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
-  if (any_distributed({&a_in, &b_in})) {
-    DistCall call;
-    call.name = "matmul";
-    call.cls = OpClass::Linear;
-    call.inputs = {a_in, b_in};
-    call.local = [](const TensorList& l) { return TensorList{matmul(l[0], l[1])}; };
-    return dispatch_distributed(call)[0];
-  }
+  if (intercepts({&a_in, &b_in}))
+    return intercept_one({OpId::matmul, "matmul", {a_in, b_in}, {},
+                          [](const TensorList& l) { return TensorList{matmul(l[0], l[1])}; }});
   check_pair(a_in, b_in, "matmul");
   check_float(a_in, "matmul", "inputs");
   const Shape final_shape = matmul_shape(a_in.shape(), b_in.shape());
@@ -134,15 +129,9 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  if (any_distributed({&x, &w, &b})) {
-    DistCall call;
-    call.name = "linear";
-    call.cls = OpClass::Linear;
-    call.is_linear = true;
-    call.inputs = {x, w, b};
-    call.local = [](const TensorList& l) { return TensorList{linear(l[0], l[1], l[2])}; };
-    return dispatch_distributed(call)[0];
-  }
+  if (intercepts({&x, &w, &b}))
+    return intercept_one({OpId::linear, "linear", {x, w, b}, {},
+                          [](const TensorList& l) { return TensorList{linear(l[0], l[1], l[2])}; }});
   check_pair(x, w, "linear");
   check_float(x, "linear", "input");
   const Shape out_shape = linear_shape(x.shape(), w.shape());
@@ -162,15 +151,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
 }
 
 TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w, std::array<bool, 3> need) {
-  if (any_distributed({&grad, &x, &w})) {
-    DistCall call;
-    call.name = "linear_backward";
-    call.cls = OpClass::LinearBackward;
-    call.inputs = {grad, x, w};
-    call.need = need;
-    call.local = [need](const TensorList& l) { return linear_backward(l[0], l[1], l[2], need); };
-    return dispatch_distributed(call);
-  }
+  if (intercepts({&grad, &x, &w}))
+    return intercept({OpId::linear_backward, "linear_backward", {grad, x, w}, {.need = need},
+                      [need](const TensorList& l) { return linear_backward(l[0], l[1], l[2], need); }});
   TS_CHECK(linear_shape(x.shape(), w.shape()) == grad.shape(),
            "linear_backward: gradient {} is not the output of input {} and weight {}", shape_str(grad.shape()),
            shape_str(x.shape()), shape_str(w.shape()));
@@ -191,7 +174,10 @@ TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w,
 }
 
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool accumulate) {
-  refuse_distributed("gemm_into", {&out, &a, &b});
+  if (intercepts({&out, &a, &b})) {
+    intercept({OpId::gemm_into, "gemm_into", {out, a, b}});
+    return;
+  }
   TS_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
                out.size(0) == a.size(0) && out.size(1) == b.size(1),
            "gemm_into: shapes {} @ {} -> {} do not align", shape_str(a.shape()),
@@ -232,17 +218,18 @@ std::vector<int64_t> all_but(int64_t dim, int64_t nd, const char* op) {
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) {
-  if (x.is_distributed())
-    return dispatch_per_shard("softmax", {x}, all_but(dim, x.dim(), "softmax"), {0},
-                              [dim](const TensorList& l) { return TensorList{softmax(l[0], dim)}; })[0];
+  if (x.is_subclass())
+    return intercept_one({OpId::softmax, "softmax", {x}, {.dims = all_but(dim, x.dim(), "softmax"), .out_like = {0}},
+                          [dim](const TensorList& l) { return TensorList{softmax(l[0], dim)}; }});
   check_float(x, "softmax", "input");
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, false); });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  if (x.is_distributed())
-    return dispatch_per_shard("log_softmax", {x}, all_but(dim, x.dim(), "log_softmax"), {0},
-                              [dim](const TensorList& l) { return TensorList{log_softmax(l[0], dim)}; })[0];
+  if (x.is_subclass())
+    return intercept_one({OpId::log_softmax, "log_softmax", {x},
+                          {.dims = all_but(dim, x.dim(), "log_softmax"), .out_like = {0}},
+                          [dim](const TensorList& l) { return TensorList{log_softmax(l[0], dim)}; }});
   check_float(x, "log_softmax", "input");
   return along_last(x, dim, [&](const Tensor& o, const Tensor& m) { dispatch(x.device()).softmax(o, m, true); });
 }
@@ -258,17 +245,17 @@ Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, b
 }  // namespace
 
 Tensor softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
-  if (any_distributed({&grad, &y}))
-    return dispatch_per_shard("softmax_backward", {grad, y}, all_but(dim, y.dim(), "softmax_backward"), {1},
-                              [dim](const TensorList& l) { return TensorList{softmax_backward(l[0], l[1], dim)}; })[0];
+  if (intercepts({&grad, &y}))
+    return intercept_one({OpId::softmax_backward, "softmax_backward", {grad, y},
+                          {.dims = all_but(dim, y.dim(), "softmax_backward"), .out_like = {1}},
+                          [dim](const TensorList& l) { return TensorList{softmax_backward(l[0], l[1], dim)}; }});
   return softmax_backward_impl(grad, y, dim, false);
 }
 Tensor log_softmax_backward(const Tensor& grad, const Tensor& y, int64_t dim) {
-  if (any_distributed({&grad, &y}))
-    return dispatch_per_shard("log_softmax_backward", {grad, y}, all_but(dim, y.dim(), "log_softmax_backward"), {1},
-                              [dim](const TensorList& l) {
-                                return TensorList{log_softmax_backward(l[0], l[1], dim)};
-                              })[0];
+  if (intercepts({&grad, &y}))
+    return intercept_one({OpId::log_softmax_backward, "log_softmax_backward", {grad, y},
+                          {.dims = all_but(dim, y.dim(), "log_softmax_backward"), .out_like = {1}},
+                          [dim](const TensorList& l) { return TensorList{log_softmax_backward(l[0], l[1], dim)}; }});
   return softmax_backward_impl(grad, y, dim, true);
 }
 
@@ -290,16 +277,12 @@ void check_norm_args(const Tensor& x, const Tensor& w, const Tensor& b, const ch
 
 NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, bool rms) {
   const char* op = rms ? "rms_norm" : "layer_norm";
-  if (any_distributed({&x, &w, &b})) {
-    DistCall call;
-    call.name = op;
-    call.cls = OpClass::Norm;
-    call.inputs = {x, w, b};
-    call.local = [eps, rms](const TensorList& l) {
-      NormResult r = norm_forward(l[0], l[1], l[2], eps, rms);
-      return TensorList{r.y, r.mean, r.rstd};
-    };
-    TensorList r = dispatch_distributed(call);
+  if (intercepts({&x, &w, &b})) {
+    TensorList r = intercept({rms ? OpId::rms_norm : OpId::layer_norm, op, {x, w, b}, {},
+                              [eps, rms](const TensorList& l) {
+                                NormResult n = norm_forward(l[0], l[1], l[2], eps, rms);
+                                return TensorList{n.y, n.mean, n.rstd};
+                              }});
     return {r[0], r[1], r[2]};
   }
   check_norm_args(x, w, b, op);
@@ -317,17 +300,14 @@ NormResult norm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doubl
 
 NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
                         const Tensor& rstd, bool need_wb, bool has_bias, bool rms) {
-  if (any_distributed({&dy, &x, &w})) {
-    DistCall call;
-    call.name = rms ? "rms_norm_backward" : "layer_norm_backward";
-    call.cls = OpClass::NormBackward;
-    call.inputs = {dy, x, w, mean, rstd};
-    call.need = {true, need_wb && w.defined(), need_wb && has_bias};
-    call.local = [need_wb, has_bias, rms](const TensorList& l) {
-      NormGrads g = norm_backward(l[0], l[1], l[2], l[3], l[4], need_wb, has_bias, rms);
-      return TensorList{g.dx, g.dweight, g.dbias};
-    };
-    TensorList g = dispatch_distributed(call);
+  if (intercepts({&dy, &x, &w})) {
+    const OpId id = rms ? OpId::rms_norm_backward : OpId::layer_norm_backward;
+    TensorList g = intercept({id, op_name(id), {dy, x, w, mean, rstd},
+                              {.need = {true, need_wb && w.defined(), need_wb && has_bias}},
+                              [need_wb, has_bias, rms](const TensorList& l) {
+                                NormGrads n = norm_backward(l[0], l[1], l[2], l[3], l[4], need_wb, has_bias, rms);
+                                return TensorList{n.dx, n.dweight, n.dbias};
+                              }});
     return {g[0], g[1], g[2]};
   }
   TS_CHECK(dy.shape() == x.shape(), "{}_backward: grad shape {} vs input {}",
@@ -370,14 +350,9 @@ NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
 // ---- embedding, cross-entropy -------------------------------------------------
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
-  if (any_distributed({&weight, &indices})) {  // e.g. a vocabulary-parallel table
-    DistCall call;
-    call.name = "embedding";
-    call.cls = OpClass::Embedding;
-    call.inputs = {weight, indices};
-    call.local = [](const TensorList& l) { return TensorList{embedding(l[0], l[1])}; };
-    return dispatch_distributed(call)[0];
-  }
+  if (intercepts({&weight, &indices}))  // e.g. a vocabulary-parallel table
+    return intercept_one({OpId::embedding, "embedding", {weight, indices}, {},
+                          [](const TensorList& l) { return TensorList{embedding(l[0], l[1])}; }});
   TS_CHECK(weight.dim() == 2, "embedding: weight must be 2-D [num, dim], got {}",
            shape_str(weight.shape()));
   TS_CHECK(indices.dtype() == DType::I64 || indices.dtype() == DType::I32,
@@ -392,7 +367,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 }
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
-  refuse_distributed("embedding_backward", {&grad, &indices});
+  if (intercepts({&grad, &indices}))  // without the table, no layout for its gradient
+    return intercept_one({OpId::embedding_backward, "embedding_backward", {grad, indices}});
   int64_t d = grad.size(-1);
   DType cd = compute_dtype(grad.device(), kEmbedding, grad.dtype());
   Tensor gw = zeros({num_weights, d}, cd, grad.device());
@@ -405,29 +381,19 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
 }
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, const Tensor& weight) {
-  if (any_distributed({&grad, &indices, &weight})) {
-    DistCall call;
-    call.name = "embedding_backward";
-    call.cls = OpClass::EmbeddingBackward;
-    call.inputs = {grad, indices, weight};
-    call.local = [](const TensorList& l) { return TensorList{embedding_backward(l[0], l[1], l[2].size(0))}; };
-    return dispatch_distributed(call)[0];
-  }
+  if (intercepts({&grad, &indices, &weight}))
+    return intercept_one({OpId::embedding_backward, "embedding_backward", {grad, indices, weight}, {},
+                          [](const TensorList& l) { return TensorList{embedding_backward(l[0], l[1], l[2].size(0))}; }});
   return embedding_backward(grad, indices, weight.size(0));
 }
 
 CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index) {
-  if (any_distributed({&logits, &target})) {  // e.g. loss parallelism: logits sharded on the classes
-    DistCall call;
-    call.name = "cross_entropy";
-    call.cls = OpClass::CrossEntropy;
-    call.inputs = {logits, target};
-    call.ignore_index = ignore_index;
-    call.local = [ignore_index](const TensorList& l) {
-      CrossEntropyResult r = cross_entropy(l[0], l[1], ignore_index);
-      return TensorList{r.loss, r.lse, r.count};
-    };
-    TensorList r = dispatch_distributed(call);
+  if (intercepts({&logits, &target})) {  // e.g. loss parallelism: logits split on the classes
+    TensorList r = intercept({OpId::cross_entropy, "cross_entropy", {logits, target}, {.ignore_index = ignore_index},
+                              [ignore_index](const TensorList& l) {
+                                CrossEntropyResult c = cross_entropy(l[0], l[1], ignore_index);
+                                return TensorList{c.loss, c.lse, c.count};
+                              }});
     return {r[0], r[1], r[2]};
   }
   check_float(logits, "cross_entropy", "logits");
@@ -456,17 +422,11 @@ CrossEntropyResult cross_entropy(const Tensor& logits, const Tensor& target, int
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               const Tensor& lse, int64_t ignore_index, const Tensor& count) {
-  if (any_distributed({&grad_loss, &logits, &target, &lse, &count})) {
-    DistCall call;
-    call.name = "cross_entropy_backward";
-    call.cls = OpClass::CrossEntropyBackward;
-    call.inputs = {grad_loss, logits, target, lse, count};
-    call.ignore_index = ignore_index;
-    call.local = [ignore_index](const TensorList& l) {
-      return TensorList{cross_entropy_backward(l[0], l[1], l[2], l[3], ignore_index, l[4])};
-    };
-    return dispatch_distributed(call)[0];
-  }
+  if (intercepts({&grad_loss, &logits, &target, &lse, &count}))
+    return intercept_one({OpId::cross_entropy_backward, "cross_entropy_backward", {grad_loss, logits, target, lse, count},
+                          {.ignore_index = ignore_index}, [ignore_index](const TensorList& l) {
+                            return TensorList{cross_entropy_backward(l[0], l[1], l[2], l[3], ignore_index, l[4])};
+                          }});
   DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   Tensor g = empty(logits.shape(), cd, logits.device());
   {
@@ -500,11 +460,12 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                           double scale) {
-  if (any_distributed({&q, &k, &v})) {  // heads (and batch) split: each rank its own heads
-    auto r = dispatch_per_shard("attention", {q, k, v}, {0, 1}, {0, 0}, [=](const TensorList& l) {
-      AttentionResult a = attention(l[0], l[1], l[2], causal, scale);
-      return TensorList{a.out, a.lse};
-    });
+  if (intercepts({&q, &k, &v})) {  // independent over batch and heads
+    TensorList r = intercept({OpId::attention, "attention", {q, k, v}, {.dims = {0, 1}, .out_like = {0, 0}},
+                              [=](const TensorList& l) {
+                                AttentionResult a = attention(l[0], l[1], l[2], causal, scale);
+                                return TensorList{a.out, a.lse};
+                              }});
     return {r[0], r[1]};
   }
   check_attention(q, k, v);
@@ -523,12 +484,12 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   bool causal, double scale) {
-  if (any_distributed({&dout, &q, &k, &v, &out, &lse})) {
-    auto r = dispatch_per_shard("attention_backward", {dout, q, k, v, out, lse}, {0, 1}, {1, 2, 3},
-                                [=](const TensorList& l) {
-                                  AttentionGrads a = attention_backward(l[0], l[1], l[2], l[3], l[4], l[5], causal, scale);
-                                  return TensorList{a.dq, a.dk, a.dv};
-                                });
+  if (intercepts({&dout, &q, &k, &v, &out, &lse})) {
+    TensorList r = intercept({OpId::attention_backward, "attention_backward", {dout, q, k, v, out, lse},
+                              {.dims = {0, 1}, .out_like = {1, 2, 3}}, [=](const TensorList& l) {
+                                AttentionGrads a = attention_backward(l[0], l[1], l[2], l[3], l[4], l[5], causal, scale);
+                                return TensorList{a.dq, a.dk, a.dv};
+                              }});
     return {r[0], r[1], r[2]};
   }
   check_attention(q, k, v);
@@ -566,12 +527,11 @@ Tensor attention_reference(const Tensor& q, const Tensor& k, const Tensor& v, bo
 }
 
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
-  if (x.is_distributed()) {  // split on any dim before the positions [.., T, D]
+  if (x.is_subclass()) {  // independent over the dims before the positions [.., T, D]
     std::vector<int64_t> free;
     for (int64_t d = 0; d + 2 < x.dim(); ++d) free.push_back(d);
-    return dispatch_per_shard("rope", {x, cos, sin}, free, {0}, [inverse](const TensorList& l) {
-      return TensorList{rope(l[0], l[1], l[2], inverse)};
-    })[0];
+    return intercept_one({OpId::rope, "rope", {x, cos, sin}, {.dims = free, .out_like = {0}},
+                          [inverse](const TensorList& l) { return TensorList{rope(l[0], l[1], l[2], inverse)}; }});
   }
   check_float(x, "rope", "input");
   TS_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rope: input {} needs an even last dim",

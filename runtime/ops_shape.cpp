@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "runtime/dtensor_hook.h"
+#include "runtime/op_call.h"
 #include "runtime/kernels.h"
 #include "runtime/ops.h"
 
@@ -10,10 +10,7 @@ namespace tessera::ops {
 
 namespace {
 Tensor view_of(const char* op, const Tensor& x, Shape shape, Shape strides, int64_t offset) {
-  TS_CHECK(!x.is_distributed(),
-           "{}: no sharding rule for a DTensor ({}; DTensor views: reshape, view, permute, transpose); use its "
-           "local tensor (to_local()) or the whole one (full_tensor())",
-           op, x.str());
+  if (x.is_subclass()) return intercept_one({OpId::strided_view, op, {x}});  // its layer refuses, or says how
   return make_tensor(x.storage(), std::move(shape), std::move(strides), offset, x.dtype());
 }
 
@@ -83,7 +80,7 @@ Tensor as_strided(const Tensor& x, const Shape& shape, const Shape& strides, int
 
 Tensor view(const Tensor& x, Shape shape) {
   shape = infer_shape(std::move(shape), x.numel(), "view");
-  if (x.is_distributed()) return dispatch_view("view", x, std::move(shape), {});
+  if (x.is_subclass()) return intercept_one({OpId::view, "view", {x}, {.shape = std::move(shape)}});
   auto strides = view_strides(x.shape(), x.strides(), shape);
   TS_CHECK(strides.has_value(),
            "view: shape {} is not compatible with input shape {} and strides {}; use reshape",
@@ -93,7 +90,7 @@ Tensor view(const Tensor& x, Shape shape) {
 
 Tensor reshape(const Tensor& x, Shape shape) {
   shape = infer_shape(std::move(shape), x.numel(), "reshape");
-  if (x.is_distributed()) return dispatch_view("reshape", x, std::move(shape), {});
+  if (x.is_subclass()) return intercept_one({OpId::reshape, "reshape", {x}, {.shape = std::move(shape)}});
   auto strides = view_strides(x.shape(), x.strides(), shape);
   if (strides) return view_of("reshape", x, shape, *strides, x.storage_offset());
   return view(contiguous(x), shape);
@@ -112,10 +109,10 @@ Tensor permute(const Tensor& x, const std::vector<int64_t>& dims) {
     shape[i] = x.shape()[d];
     strides[i] = x.strides()[d];
   }
-  if (x.is_distributed()) {
+  if (x.is_subclass()) {
     std::vector<int64_t> perm(dims.size());
     for (int64_t i = 0; i < nd; ++i) perm[i] = wrap_dim(dims[i], nd, "permute");
-    return dispatch_view("permute", x, shape, perm);
+    return intercept_one({OpId::permute, "permute", {x}, {.dims = perm, .shape = shape}});
   }
   return view_of("permute", x, shape, strides, x.storage_offset());
 }
@@ -126,12 +123,12 @@ Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1) {
   dim1 = wrap_dim(dim1, nd, "transpose");
   Shape shape = x.shape(), strides = x.strides();
   if (nd == 0) return alias(x);
-  if (x.is_distributed()) {
+  if (x.is_subclass()) {
     std::vector<int64_t> perm(static_cast<size_t>(nd));
     for (int64_t i = 0; i < nd; ++i) perm[i] = i;
     std::swap(perm[dim0], perm[dim1]);
     std::swap(shape[dim0], shape[dim1]);
-    return dispatch_view("transpose", x, shape, perm);
+    return intercept_one({OpId::transpose, "transpose", {x}, {.dims = perm, .shape = shape}});
   }
   std::swap(shape[dim0], shape[dim1]);
   std::swap(strides[dim0], strides[dim1]);
@@ -279,12 +276,15 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 }
 
 Tensor contiguous(const Tensor& x) {
-  if (x.is_distributed()) return dispatch_like("contiguous", x, [](const Tensor& l) { return contiguous(l); });
+  if (x.is_subclass())
+    return intercept_one({OpId::contiguous, "contiguous", {x}, {},
+                          [](const TensorList& l) { return TensorList{contiguous(l[0])}; }});
   return x.is_contiguous() ? x : clone(x);
 }
 
 Tensor clone(const Tensor& x) {
-  if (x.is_distributed()) return dispatch_like("clone", x, [](const Tensor& l) { return clone(l); });
+  if (x.is_subclass())
+    return intercept_one({OpId::clone, "clone", {x}, {}, [](const TensorList& l) { return TensorList{clone(l[0])}; }});
   Tensor out = empty(x.shape(), x.dtype(), x.device());
   dispatch(x.device()).copy(out, x);
   return out;
@@ -292,7 +292,8 @@ Tensor clone(const Tensor& x) {
 
 Tensor to(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
-  if (x.is_distributed()) return dispatch_like("to", x, [dtype](const Tensor& l) { return to(l, dtype); });
+  if (x.is_subclass())
+    return intercept_one({OpId::to_dtype, "to", {x}, {}, [dtype](const TensorList& l) { return TensorList{to(l[0], dtype)}; }});
   Tensor out = empty(x.shape(), dtype, x.device());
   dispatch(x.device()).copy(out, x);
   return out;
@@ -300,8 +301,10 @@ Tensor to(const Tensor& x, DType dtype) {
 
 Tensor to(const Tensor& x, Device device, bool non_blocking) {
   if (x.device() == device) return x;
-  if (x.is_distributed())
-    return dispatch_like("to", x, [device, non_blocking](const Tensor& l) { return to(l, device, non_blocking); });
+  if (x.is_subclass())
+    return intercept_one({OpId::to_device, "to", {x}, {}, [device, non_blocking](const TensorList& l) {
+                            return TensorList{to(l[0], device, non_blocking)};
+                          }});
   TS_CHECK(!x.is_meta(), "to: a meta tensor has no values to copy to {} (use empty() there)", device.str());
   Tensor out = empty(x.shape(), x.dtype(), device);
   copy_(out, x, non_blocking);
@@ -309,7 +312,8 @@ Tensor to(const Tensor& x, Device device, bool non_blocking) {
 }
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
-  for (const Tensor& x : xs) refuse_distributed("cat", {&x});
+  for (const Tensor& x : xs)
+    if (x.is_subclass()) return intercept_one({OpId::cat, "cat", xs});
   TS_CHECK(!xs.empty(), "cat: expected at least one tensor");
   const Tensor& first = xs[0];
   dim = wrap_dim(dim, first.dim(), "cat");
@@ -340,7 +344,8 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
-  for (const Tensor& x : xs) refuse_distributed("stack", {&x});
+  for (const Tensor& x : xs)
+    if (x.is_subclass()) return intercept_one({OpId::stack, "stack", xs});
   TS_CHECK(!xs.empty(), "stack: expected at least one tensor");
   dim = wrap_dim(dim, xs[0].dim() + 1, "stack");
   std::vector<Tensor> parts;

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "runtime/cpu/dispatch.h"
-#include "runtime/dtensor_hook.h"
+#include "runtime/op_call.h"
 #include "runtime/kernels.h"
 #include "runtime/math.h"
 #include "runtime/ops.h"
@@ -105,30 +105,25 @@ void random_into(const Tensor& x, const char* what, F&& fill) {
 }  // namespace
 
 namespace {
-// A DTensor draws, for each local element, the counter of its position in the full tensor.
-void random_distributed(const char* name, const Tensor& x, const RandomSpec& spec,
-                        std::function<void(Tensor&, const RandomSpec&)> fill) {
-  DistCall call;
-  call.name = name;
-  call.cls = OpClass::Random;
-  call.inputs = {x};
-  call.spec = spec;
-  call.random_fill = std::move(fill);
-  dispatch_distributed(call);
+// A subclass tensor fills its pieces, each element drawing the
+// counter of its position in the whole tensor.
+void random_subclass(OpId op, const Tensor& x, const RandomSpec& spec,
+                     std::function<void(Tensor&, const RandomSpec&)> fill) {
+  intercept({op, op_name(op), {x}, {.random = spec, .fill = std::move(fill)}});
 }
 }  // namespace
 
 void uniform_(const Tensor& x, double low, double high, const RandomSpec& spec) {
-  if (x.is_distributed())
-    return random_distributed("uniform_", x, spec,
+  if (x.is_subclass())
+    return random_subclass(OpId::uniform_, x, spec,
                               [=](Tensor& l, const RandomSpec& s) { uniform_(l, low, high, s); });
   random_into(x, "uniform_",
               [&](const Tensor& t) { dispatch(t.device()).uniform(t, low, high, spec); });
 }
 
 void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec) {
-  if (x.is_distributed())
-    return random_distributed("normal_", x, spec,
+  if (x.is_subclass())
+    return random_subclass(OpId::normal_, x, spec,
                               [=](Tensor& l, const RandomSpec& s) { normal_(l, mean, std, s); });
   random_into(x, "normal_",
               [&](const Tensor& t) { dispatch(t.device()).normal(t, mean, std, spec); });
@@ -136,8 +131,8 @@ void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec) {
 
 Tensor dropout_mask(const Tensor& like, double p, const RandomSpec& spec) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);
-  // Uniforms in f32, laid out as `like` (a DTensor's own layout comes from empty_like).
-  Tensor u = like.is_distributed() ? to(empty_like(like), DType::F32)
+  // Uniforms in f32, laid out as `like` (a subclass tensor's own layout comes from empty_like).
+  Tensor u = like.is_subclass() ? to(empty_like(like), DType::F32)
                                    : empty(like.shape(), DType::F32, like.device());
   uniform_(u, 0.0, 1.0, spec);
   return where(binary(BinaryOp::Ge, u, p), full({}, 1.0 / (1.0 - p), like.dtype(), like.device()),
@@ -160,11 +155,15 @@ Tensor ones(const Shape& shape, DType dtype, Device device) {
   return full(shape, 1.0, dtype, device);
 }
 Tensor zeros_like(const Tensor& x) {
-  if (x.is_distributed()) return dispatch_like("zeros_like", x, [](const Tensor& l) { return zeros_like(l); });
+  if (x.is_subclass())
+    return intercept_one({OpId::zeros_like, "zeros_like", {x}, {},
+                          [](const TensorList& l) { return TensorList{zeros_like(l[0])}; }});
   return zeros(x.shape(), x.dtype(), x.device());
 }
 Tensor empty_like(const Tensor& x) {
-  if (x.is_distributed()) return dispatch_like("empty_like", x, [](const Tensor& l) { return empty_like(l); });
+  if (x.is_subclass())
+    return intercept_one({OpId::empty_like, "empty_like", {x}, {},
+                          [](const TensorList& l) { return TensorList{empty_like(l[0])}; }});
   return empty(x.shape(), x.dtype(), x.device());
 }
 Tensor scalar_tensor(double value, DType dtype, Device device) { return full({}, value, dtype, device); }

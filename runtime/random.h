@@ -52,9 +52,9 @@ namespace ops {
 void uniform_(const Tensor& x, double low, double high, const RandomSpec& spec);
 void normal_(const Tensor& x, double mean, double std, const RandomSpec& spec);
 // Multiplier for inverted dropout, 0 with probability p, else 1/(1-p), with
-// the shape, dtype and device of `like` and laid out as it is: a DTensor's
-// shard draws the counters of its global positions, so every layout drops
-// what one process drops.
+// the shape, dtype and device of `like` and laid out as it is: a subclass
+// tensor's piece draws the counters of its global positions, so every layout
+// drops what one process drops.
 Tensor dropout_mask(const Tensor& like, double p, const RandomSpec& spec);
 }  // namespace ops
 

@@ -1,7 +1,7 @@
 // A block of bytes on one device, shared by every view of it. Storage can be
-// released and re-allocated in place: FSDP frees an unsharded parameter's
-// bytes after forward while the tensor object (which autograd may have saved)
-// lives on, and re-allocates them before backward.
+// released and re-allocated in place: a sharded-parameter scheme frees a
+// gathered parameter's bytes after forward while the tensor object (which
+// autograd may have saved) lives on, and re-allocates them before backward.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +36,7 @@ class Storage {
   void allocate();
 
   // Why the bytes were released, for the error of whoever touches them next
-  // (FSDP notes which parameter was sharded).
+  // (the layer that released them says which parameter, and why).
   std::string release_note;
 
  private:

@@ -72,17 +72,16 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::data_ptr() const {
   const TensorImpl& t = checked();
-  TS_CHECK(t.dist == nullptr,
-           "data_ptr: this tensor is a DTensor ({}); use its local tensor (to_local()); if it is an "
-           "FSDP parameter, run the module as module(x) (forward(x) skips the hooks that unshard it)",
-           t.dist->str());
+  TS_CHECK(t.subclass == nullptr, "data_ptr: this tensor is a {}, with no bytes of its own; {}", t.subclass->str(),
+           t.subclass->no_bytes_hint());
   TS_CHECK(!t.device.is_meta(), "data_ptr: tensor {} is on the meta device and has no bytes",
            shape_str(t.shape));
   TS_CHECK(t.storage != nullptr, "data_ptr: tensor has no storage");
   TS_CHECK(t.storage->is_allocated(), "data_ptr: the storage of tensor {} has been released ({})",
            shape_str(t.shape),
            t.storage->release_note.empty()
-               ? "an FSDP parameter used while resharded? call unshard() or run the module as module(x)"
+               ? "used after its owner released it (a sharded parameter while resharded? run the module as "
+                 "module(x), whose hooks gather it)"
                : t.storage->release_note);
   return static_cast<char*>(t.storage->data()) + t.offset * dtype_size(t.dtype);
 }
@@ -154,7 +153,7 @@ std::string Tensor::str() const {
   if (!defined()) return "Tensor(undefined)";
   std::string head = fmt::format("Tensor({}, {}, {}", shape_str(shape()), dtype_name(dtype()),
                                  device().str());
-  if (is_distributed()) return head + ", " + impl_->dist->str() + ")";
+  if (is_subclass()) return head + ", " + impl_->subclass->str() + ")";
   if (device().is_meta() || !storage()->is_allocated() || numel() > 64) return head + ")";
   std::vector<double> v = to_vector<double>();
   return head + fmt::format(", [{:.6g}])", fmt::join(v, ", "));

@@ -41,15 +41,19 @@ struct AutogradMeta {
   std::vector<std::function<void(const Tensor&)>> post_accumulate_grad_hooks;  // leaves only
 };
 
-// The distributed spec of a DTensor (mesh, placements, local tensor). Declared
-// here so a Tensor can carry it; defined and interpreted by dtensor/.
-struct DistSpec {
-  virtual ~DistSpec() = default;
+// What a tensor subclass carries (PyTorch's wrapper subclasses): a tensor whose
+// impl has the logical shape and no bytes of its own, and whose ops are handed
+// to the layer that made it (runtime/op_call.h). runtime/ only holds it; the
+// layer above defines and interprets it.
+struct TensorSubclass {
+  virtual ~TensorSubclass() = default;
   virtual std::string str() const = 0;
+  // Why such a tensor's bytes cannot be read, and what to use instead.
+  virtual std::string no_bytes_hint() const = 0;
 };
 
 struct TensorImpl {
-  std::shared_ptr<Storage> storage;  // null for a DTensor (its bytes live in the local tensor)
+  std::shared_ptr<Storage> storage;  // null for a subclass tensor (its bytes live elsewhere)
   int64_t offset = 0;                // in elements
   Shape shape;
   Shape strides;  // in elements
@@ -57,7 +61,7 @@ struct TensorImpl {
   Device device;
   uint64_t id;  // unique per impl; autograd routes gradients by it
   std::unique_ptr<AutogradMeta> autograd;
-  std::shared_ptr<DistSpec> dist;
+  std::shared_ptr<TensorSubclass> subclass;
 
   TensorImpl();
 };
@@ -87,7 +91,7 @@ class Tensor {
 
   // Raw element pointer (at the tensor's offset), on any device: the host may
   // dereference it only where device().is_host_visible() (data<T>() checks).
-  // Throws for meta tensors, DTensors and released storage.
+  // Throws for meta tensors, subclass tensors and released storage.
   void* data_ptr() const;
   // data_ptr() for code that reads or writes the bytes on the host (file I/O,
   // checksums): refuses a tensor whose memory the host cannot read.
@@ -116,7 +120,8 @@ class Tensor {
   void set_grad(const Tensor& grad) const;
   AutogradMeta& autograd_meta() const;  // created on first use
 
-  bool is_distributed() const { return defined() && impl_->dist != nullptr; }
+  // A subclass tensor: its ops go through runtime/op_call.h.
+  bool is_subclass() const { return defined() && impl_->subclass != nullptr; }
   bool is_meta() const { return device().is_meta(); }
 
   std::string str() const;  // shape, dtype, device and (small tensors) values

@@ -36,18 +36,33 @@ std::string escape(const std::string& s) {
 }
 }  // namespace
 
+namespace {
+// Every lane's name, by lane number: the built-in ones, then the registered.
+std::mutex& lanes_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::vector<std::string>& lane_names() {
+  static std::vector<std::string> names = {"compute",  "all_gather", "reduce_scatter", "all_reduce",
+                                           "other collectives", "waiting for communication (exposed)", "memory"};
+  return names;
+}
+}  // namespace
+
 const char* lane_name(Lane lane) {
-  switch (lane) {
-    case Lane::Compute: return "compute";
-    case Lane::AllGather: return "all_gather";
-    case Lane::ReduceScatter: return "reduce_scatter";
-    case Lane::AllReduce: return "all_reduce";
-    case Lane::OtherCollective: return "other collectives";
-    case Lane::Wait: return "waiting for communication (exposed)";
-    case Lane::FSDP: return "fsdp";
-    case Lane::Memory: return "memory";
-  }
-  return "?";
+  std::lock_guard<std::mutex> lk(lanes_mu());
+  const auto& names = lane_names();
+  const auto i = static_cast<size_t>(lane);
+  return i < names.size() ? names[i].c_str() : "?";
+}
+
+Lane register_lane(const std::string& name) {
+  std::lock_guard<std::mutex> lk(lanes_mu());
+  auto& names = lane_names();
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] == name) return static_cast<Lane>(i);
+  names.push_back(name);
+  return static_cast<Lane>(names.size() - 1);
 }
 
 void enable(bool on) { detail::g_enabled.store(on); }
@@ -84,9 +99,15 @@ std::string chrome_trace_events(const std::vector<Span>& spans, int rank) {
   std::vector<std::string> events;
   events.push_back(fmt::format(R"({{"name":"process_name","ph":"M","pid":{},"args":{{"name":"rank {}"}}}})", rank,
                                rank));
-  for (int lane = 0; lane <= static_cast<int>(Lane::FSDP); ++lane)
-    events.push_back(fmt::format(R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
-                                 rank, lane, lane_name(static_cast<Lane>(lane))));
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu());
+    names = lane_names();
+  }
+  for (size_t lane = 0; lane < names.size(); ++lane)
+    if (static_cast<Lane>(lane) != Lane::Memory)  // a counter, not a thread
+      events.push_back(fmt::format(R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
+                                   rank, lane, escape(names[lane])));
   for (const auto& s : spans) {
     if (s.lane == Lane::Memory) {  // a counter: Perfetto draws it as a track of the rank's process
       events.push_back(fmt::format(R"J({{"name":"memory allocated ({})","ph":"C","pid":{},"ts":{:.3f},"args":{{"MiB":{:.4f}}}}})J",

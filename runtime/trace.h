@@ -1,5 +1,6 @@
 // Timeline tracing: spans on lanes (compute, each collective kind, time spent
-// waiting for collectives, FSDP bookkeeping) and a memory counter (the bytes
+// waiting for collectives, and lanes the layers above register for their own
+// work: a sharding scheme's copies, a pipeline's bubble) and a memory counter (the bytes
 // the caching allocator holds in tensors, sampled at every allocation and
 // free while tracing), written as Chrome trace /
 // Perfetto JSON (open in https://ui.perfetto.dev or chrome://tracing). The
@@ -13,8 +14,12 @@
 
 namespace tessera::trace {
 
-enum class Lane { Compute = 0, AllGather, ReduceScatter, AllReduce, OtherCollective, Wait, FSDP, Memory };
+// The built-in lanes; register_lane adds more after them.
+enum class Lane : int { Compute = 0, AllGather, ReduceScatter, AllReduce, OtherCollective, Wait, Memory };
 const char* lane_name(Lane lane);
+// A lane of its own for a layer's work, named `name` in traces (the same lane
+// again for the same name). Thread-safe.
+Lane register_lane(const std::string& name);
 
 struct Span {
   Lane lane;

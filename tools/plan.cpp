@@ -50,7 +50,7 @@ int64_t storage_bytes(const TensorList& tensors) {
   int64_t bytes = 0;
   for (const Tensor& t : tensors) {
     if (!t.defined()) continue;
-    const Tensor& local = t.is_distributed() ? dtensor_spec(t).local : t;
+    const Tensor& local = is_dtensor(t) ? dtensor_spec(t).local : t;
     if (local.storage() && seen.insert(local.storage().get()).second)
       bytes += static_cast<int64_t>(local.storage()->nbytes());
   }

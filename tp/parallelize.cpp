@@ -13,7 +13,7 @@ namespace {
 // mesh: a meta tensor gets a meta shard of the right shape (bytes come at
 // to_empty); a real one is cut from mesh rank 0's values.
 Tensor to_dtensor(const Tensor& t, const MeshPtr& mesh, const Placements& placements) {
-  TS_CHECK(!t.is_distributed(), "parallelize_module: a parameter is already a DTensor ({}); apply tensor "
+  TS_CHECK(!is_dtensor(t), "parallelize_module: a parameter is already a DTensor ({}); apply tensor "
            "parallelism before fully_shard, once per module", dtensor_spec(t).str());
   Tensor out;
   if (t.is_meta()) {
@@ -41,7 +41,7 @@ void shard_parameter(nn::Module& m, const std::string& name, const MeshPtr& mesh
 Tensor prepare_input(const Tensor& x, const MeshPtr& mesh, const Placement& layout, const Placement& desired,
                      std::optional<int64_t> global_last = std::nullopt) {
   Tensor dt = x;
-  if (!x.is_distributed()) {
+  if (!is_dtensor(x)) {
     std::optional<Shape> global;
     if (global_last && is_shard(layout) && (shard_dim(layout) == -1 || shard_dim(layout) == x.dim() - 1)) {
       Shape s = x.shape();
@@ -140,7 +140,7 @@ class PrepareOutput final : public ParallelStyle {
     const PrepareModuleOutput o = o_;
     m.register_forward_hook([mesh, o](nn::Module&, const TensorList&, TensorList& outputs) {
       Tensor y = outputs[0];
-      if (!y.is_distributed()) y = from_local(y, mesh, {o.output_layout});
+      if (!is_dtensor(y)) y = from_local(y, mesh, {o.output_layout});
       outputs[0] = prepare_output(y, mesh, o.desired_output_layout, o.use_local_output);
     });
   }
@@ -162,10 +162,10 @@ class SequenceSplit final : public ParallelStyle {
     const SequenceParallel o = o_;
     m.register_forward_pre_hook([mesh, o](nn::Module&, TensorList& inputs) {
       TS_CHECK(!inputs.empty() && inputs[0].defined(), "SequenceParallel: the module was called without an input");
-      if (!inputs[0].is_distributed()) inputs[0] = from_local(inputs[0], mesh, {Shard{o.sequence_dim}});
+      if (!is_dtensor(inputs[0])) inputs[0] = from_local(inputs[0], mesh, {Shard{o.sequence_dim}});
     });
     m.register_forward_hook([o](nn::Module&, const TensorList&, TensorList& outputs) {
-      if (o.use_local_output && outputs[0].is_distributed()) outputs[0] = to_local(outputs[0]);
+      if (o.use_local_output && is_dtensor(outputs[0])) outputs[0] = to_local(outputs[0]);
     });
   }
 

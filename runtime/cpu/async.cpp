@@ -205,7 +205,7 @@ std::shared_ptr<AsyncStream> make_stream() {
 // them: queued work does not keep memory alive, exactly as on a GPU.
 Tensor borrow(const Tensor& t) {
   if (!t.defined()) return t;
-  t.data_ptr();  // the same errors as any access: meta, DTensor, released storage
+  t.data_ptr();  // the same errors as any access: meta, subclass, released storage
   auto bytes = Storage::borrow(t.storage()->data(), t.storage()->nbytes(), Device::cpu());
   return make_tensor(std::move(bytes), t.shape(), t.strides(), t.storage_offset(), t.dtype());
 }
@@ -224,15 +224,15 @@ T borrow(const T& value) {
   return value;
 }
 
-// Queued<&KernelTable::f, name>::run has f's signature and queues the CPU's f
+// Queued<&KernelTable::f, op>::run has f's signature and queues the CPU's f
 // (of the instruction set in use when it runs) on the current stream.
-template <auto Entry, const char* Name>
+template <auto Entry, OpId Op>
 struct Queued;
-template <class... A, void (*KernelTable::*Entry)(A...), const char* Name>
-struct Queued<Entry, Name> {
+template <class... A, void (*KernelTable::*Entry)(A...), OpId Op>
+struct Queued<Entry, Op> {
   static void run(A... a) {
     current_stream(Device::async_cpu())
-        .enqueue(Name, [args = std::make_tuple(borrow(a)...)] { std::apply(cpu::table().*Entry, args); });
+        .enqueue(op_name(Op), [args = std::make_tuple(borrow(a)...)] { std::apply(cpu::table().*Entry, args); });
   }
 };
 
@@ -244,72 +244,24 @@ void copy_to_host(const Tensor& dst, const Tensor& src) {
   current_stream(Device::async_cpu()).enqueue("copy_to_host", [dst, s = borrow(src)] { cpu::table().copy(dst, s); });
 }
 
-#define TS_QUEUED(name)                    \
-  constexpr char name##_name[] = #name;    \
-  constexpr auto name##_queued = &Queued<&KernelTable::name, name##_name>::run;
-TS_QUEUED(copy)
-TS_QUEUED(fill)
-TS_QUEUED(unary)
-TS_QUEUED(unary_backward)
-TS_QUEUED(binary)
-TS_QUEUED(binary_scalar)
-TS_QUEUED(where)
-TS_QUEUED(pointwise)
-TS_QUEUED(clamp)
-TS_QUEUED(reduce)
-TS_QUEUED(argmax_rows)
-TS_QUEUED(sum_squares)
-TS_QUEUED(gemm)
-TS_QUEUED(adamw)
-TS_QUEUED(softmax)
-TS_QUEUED(softmax_backward)
-TS_QUEUED(layer_norm)
-TS_QUEUED(layer_norm_backward)
-TS_QUEUED(embedding)
-TS_QUEUED(embedding_backward)
-TS_QUEUED(cross_entropy)
-TS_QUEUED(cross_entropy_backward)
-TS_QUEUED(attention)
-TS_QUEUED(attention_backward)
-TS_QUEUED(rope)
-TS_QUEUED(uniform)
-TS_QUEUED(normal)
+// Every kernel of runtime/op_list.h queued, the copies with the host as above.
+constexpr KernelTable make_table() {
+  KernelTable t;
+  t.backend = "async_cpu";
+  t.compute_dtype = cpu::compute_dtype;  // as the CPU
+#define TS_QUEUED(name, family, compute, params) t.name = &Queued<&KernelTable::name, OpId::name>::run;
+#define TS_NONE(name, family)
+  TESSERA_OPS(TS_QUEUED, TS_NONE)
 #undef TS_QUEUED
+#undef TS_NONE
+  t.copy_from_host = copy_from_host;
+  t.copy_to_host = copy_to_host;
+  return t;
+}
 
 }  // namespace
 
-const KernelTable kTable = {
-    .compute_dtype = cpu::compute_dtype,  // as the CPU
-    .copy = copy_queued,
-    .copy_from_host = copy_from_host,
-    .copy_to_host = copy_to_host,
-    .fill = fill_queued,
-    .unary = unary_queued,
-    .unary_backward = unary_backward_queued,
-    .binary = binary_queued,
-    .binary_scalar = binary_scalar_queued,
-    .where = where_queued,
-    .pointwise = pointwise_queued,
-    .clamp = clamp_queued,
-    .reduce = reduce_queued,
-    .argmax_rows = argmax_rows_queued,
-    .sum_squares = sum_squares_queued,
-    .gemm = gemm_queued,
-    .adamw = adamw_queued,
-    .softmax = softmax_queued,
-    .softmax_backward = softmax_backward_queued,
-    .layer_norm = layer_norm_queued,
-    .layer_norm_backward = layer_norm_backward_queued,
-    .embedding = embedding_queued,
-    .embedding_backward = embedding_backward_queued,
-    .cross_entropy = cross_entropy_queued,
-    .cross_entropy_backward = cross_entropy_backward_queued,
-    .attention = attention_queued,
-    .attention_backward = attention_backward_queued,
-    .rope = rope_queued,
-    .uniform = uniform_queued,
-    .normal = normal_queued,
-};
+constinit const KernelTable kTable = make_table();
 
 Stream& default_stream() {
   // Never destroyed: tensors in static objects may queue work after main returns.

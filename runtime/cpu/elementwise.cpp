@@ -8,6 +8,7 @@
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/loops.h"
+#include "runtime/cpu/kernels_cpu.h"
 #include "runtime/kernels.h"
 
 namespace tessera::cpu::TS_CPU_ISA {
@@ -364,5 +365,17 @@ void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const s
     }
   });
 }
+
+// Copies with the host are copies (the CPU is the host), and the kernels
+// compiled once (GEMM: blas.cpp, whose libraries choose their own
+// instruction sets; the random fills: random.cpp) are this copy's too.
+void copy_from_host(const Tensor& dst, const Tensor& src) { copy(dst, src); }
+void copy_to_host(const Tensor& dst, const Tensor& src) { copy(dst, src); }
+void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const void* a,
+          int64_t lda, const void* b, int64_t ldb, double beta, void* c, int64_t ldc) {
+  cpu::gemm(dtype, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+void uniform(const Tensor& x, double low, double high, const RandomSpec& spec) { cpu::uniform(x, low, high, spec); }
+void normal(const Tensor& x, double mean, double std, const RandomSpec& spec) { cpu::normal(x, mean, std, spec); }
 
 }  // namespace tessera::cpu::TS_CPU_ISA

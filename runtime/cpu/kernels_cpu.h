@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "runtime/cpu/isa.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel.h"
 
@@ -52,54 +53,29 @@ inline int64_t attention_scratch_rows(int64_t work_items) {
   return std::max<int64_t>(1, std::min<int64_t>(num_threads(), work_items));
 }
 
-// The kernels every instruction-set copy defines.
-#define TS_CPU_ISA_KERNELS                                                                       \
-  void copy(const Tensor&, const Tensor&);                                                       \
-  void fill(const Tensor&, double);                                                              \
-  void unary(ops::UnaryOp, const Tensor&, const Tensor&);                                        \
-  void unary_backward(ops::UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&); \
-  void binary(ops::BinaryOp, const Tensor&, const Tensor&, const Tensor&);                       \
-  void binary_scalar(ops::BinaryOp, const Tensor&, const Tensor&, double, bool);                 \
-  void where(const Tensor&, const Tensor&, const Tensor&, const Tensor&);                        \
-  void pointwise(PointwiseOp, const Tensor&, const Tensor&, const Tensor&, double);              \
-  void clamp(const Tensor&, double, double);                                                     \
-  void reduce(ReduceOp, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);                \
-  void argmax_rows(const Tensor&, const Tensor&, const Tensor&);                                 \
-  void sum_squares(const Tensor&, const std::vector<Tensor>&);                                   \
-  void adamw(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,  \
-             const std::vector<Tensor>&, const ops::AdamWStep&);                                 \
-  void softmax(const Tensor&, const Tensor&, bool);                                              \
-  void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool);                       \
-  void layer_norm(const ops::NormResult&, const Tensor&, const Tensor&, const Tensor&, double,   \
-                  bool);                                                                         \
-  void layer_norm_backward(const ops::NormGrads&, const Tensor&, const Tensor&, const Tensor&,   \
-                           const Tensor&, const Tensor&, bool);                                  \
-  void embedding(const Tensor&, const Tensor&, const Tensor&);                                   \
-  void embedding_backward(const Tensor&, const Tensor&, const Tensor&);                          \
-  void cross_entropy(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);       \
-  void cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,        \
-                              const Tensor&, int64_t);                                           \
-  void attention(const ops::AttentionResult&, const Tensor&, const Tensor&, const Tensor&, bool, \
-                 double);                                                                        \
-  void attention_backward(const ops::AttentionGrads&, const Tensor&, const Tensor&,              \
-                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,      \
-                          double);                                                               \
-  void rope(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
-
+// Every kernel of runtime/op_list.h, declared in each instruction-set copy's
+// namespace; the copies' tables (table.cpp) take each from there, so a kernel
+// a copy lacks is a link error. GEMM and the random fills, compiled once
+// (above), are reached through each copy's forwarders (elementwise.cpp).
+#define TS_CPU_DECLARE(name, family, compute, params) void name params;
+#define TS_CPU_NONE(name, family)
 namespace baseline {
-TS_CPU_ISA_KERNELS
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
 }
 #if defined(TESSERA_CPU_ISA_VARIANTS)
 namespace avx2 {
-TS_CPU_ISA_KERNELS
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
 }
 namespace avx512 {
-TS_CPU_ISA_KERNELS
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
 }
 #endif
-#undef TS_CPU_ISA_KERNELS
+#undef TS_CPU_DECLARE
+#undef TS_CPU_NONE
 
-// The kernel table of the instruction set in use (runtime/cpu/isa.h).
+// The kernel table of the instruction set in use (runtime/cpu/isa.h), and
+// that of a given copy (null where this build has none).
 const KernelTable& table();
+const KernelTable* isa_table(Isa isa);
 
 }  // namespace tessera::cpu

@@ -146,19 +146,19 @@ double attention_flops(const TensorSpec& q, const TensorSpec& k, bool causal) {
   return 4 * b * h * t * s * d * (causal ? 0.5 : 1.0);
 }
 
-// Logged<&KernelTable::f, name>::run has f's signature: it logs the call
+// Logged<&KernelTable::f, op>::run has f's signature: it logs the call
 // (while recording) and runs nothing.
-template <auto Entry, const char* Name>
+template <auto Entry, OpId Op>
 struct Logged;
-template <class... A, void (*KernelTable::*Entry)(A...), const char* Name>
-struct Logged<Entry, Name> {
+template <class... A, void (*KernelTable::*Entry)(A...), OpId Op>
+struct Logged<Entry, Op> {
   static void run(A... a) {
     if (active == nullptr) return;
     LoggingTime timed;
     auto specs = std::make_tuple(spec_of(a)...);
     Kernel k;
-    k.name = Name;
-    k.signature = Name;
+    k.name = op_name(Op);
+    k.signature = op_name(Op);
     std::apply([&](const auto&... s) { ((k.signature += " " + text_of(s)), ...); }, specs);
     k.bytes = std::apply([](const auto&... s) { return (0.0 + ... + bytes_in(s)); }, specs);
     k.prepare = [specs] {
@@ -205,36 +205,6 @@ void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double
 void copy_from_host(const Tensor&, const Tensor&) {}
 void copy_to_host(const Tensor&, const Tensor&) {}
 
-#define TS_LOGGED(name)                    \
-  constexpr char name##_name[] = #name;    \
-  constexpr auto name##_logged = &Logged<&KernelTable::name, name##_name>::run;
-TS_LOGGED(copy)
-TS_LOGGED(fill)
-TS_LOGGED(unary)
-TS_LOGGED(unary_backward)
-TS_LOGGED(binary)
-TS_LOGGED(binary_scalar)
-TS_LOGGED(where)
-TS_LOGGED(pointwise)
-TS_LOGGED(clamp)
-TS_LOGGED(reduce)
-TS_LOGGED(argmax_rows)
-TS_LOGGED(sum_squares)
-TS_LOGGED(adamw)
-TS_LOGGED(softmax)
-TS_LOGGED(softmax_backward)
-TS_LOGGED(layer_norm)
-TS_LOGGED(layer_norm_backward)
-TS_LOGGED(embedding)
-TS_LOGGED(embedding_backward)
-TS_LOGGED(cross_entropy)
-TS_LOGGED(cross_entropy_backward)
-TS_LOGGED(attention)
-TS_LOGGED(attention_backward)
-TS_LOGGED(rope)
-TS_LOGGED(uniform)
-TS_LOGGED(normal)
-#undef TS_LOGGED
 
 // Attention logs its FLOPs too (from q's and k's shapes). The CPU's attention
 // takes per-thread scratch from the allocator, for as many threads as this
@@ -249,7 +219,7 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
                  cpu::attention_scratch_per_thread(q.size(3), widened(q))},
                 tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;
-  attention_logged(r, q, k, v, causal, scale);
+  Logged<&KernelTable::attention, OpId::attention>::run(r, q, k, v, causal, scale);
   active->kernels.back().flops = attention_flops(spec_of(q), spec_of(k), causal);
 }
 
@@ -260,7 +230,7 @@ void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const 
                  cpu::attention_backward_scratch_per_thread(q.size(2), k.size(2), q.size(3), widened(q))},
                 tessera::compute_dtype(q.dtype()), Device::meta());
   if (active == nullptr) return;
-  attention_backward_logged(g, dout, q, k, v, out, lse, causal, scale);
+  Logged<&KernelTable::attention_backward, OpId::attention_backward>::run(g, dout, q, k, v, out, lse, causal, scale);
   active->kernels.back().flops = 2.5 * attention_flops(spec_of(q), spec_of(k), causal);
 }
 
@@ -314,37 +284,27 @@ bool native_dtypes() { return kl::native_dtypes; }
 void set_bf16_products(Bf16Products products) { bf16_products_ = products; }
 Bf16Products bf16_products() { return bf16_products_; }
 
-const KernelTable kTable = {
-    .compute_dtype = compute_dtype,  // the CPU's, or native (a GPU's)
-    .copy = kl::copy_logged,
-    .copy_from_host = kl::copy_from_host,
-    .copy_to_host = kl::copy_to_host,
-    .fill = kl::fill_logged,
-    .unary = kl::unary_logged,
-    .unary_backward = kl::unary_backward_logged,
-    .binary = kl::binary_logged,
-    .binary_scalar = kl::binary_scalar_logged,
-    .where = kl::where_logged,
-    .pointwise = kl::pointwise_logged,
-    .clamp = kl::clamp_logged,
-    .reduce = kl::reduce_logged,
-    .argmax_rows = kl::argmax_rows_logged,
-    .sum_squares = kl::sum_squares_logged,
-    .gemm = kl::gemm,
-    .adamw = kl::adamw_logged,
-    .softmax = kl::softmax_logged,
-    .softmax_backward = kl::softmax_backward_logged,
-    .layer_norm = kl::layer_norm_logged,
-    .layer_norm_backward = kl::layer_norm_backward_logged,
-    .embedding = kl::embedding_logged,
-    .embedding_backward = kl::embedding_backward_logged,
-    .cross_entropy = kl::cross_entropy_logged,
-    .cross_entropy_backward = kl::cross_entropy_backward_logged,
-    .attention = kl::attention,
-    .attention_backward = kl::attention_backward,
-    .rope = kl::rope_logged,
-    .uniform = kl::uniform_logged,
-    .normal = kl::normal_logged,
-};
+namespace {
+// Every kernel of runtime/op_list.h logged, the products (gemm, attention)
+// with their FLOPs and the CPU's scratch.
+constexpr KernelTable make_table() {
+  KernelTable t;
+  t.backend = "meta";
+  t.compute_dtype = compute_dtype;  // the CPU's, or native (a GPU's)
+#define TS_LOGGED(name, family, compute, params) t.name = &kl::Logged<&KernelTable::name, OpId::name>::run;
+#define TS_NONE(name, family)
+  TESSERA_OPS(TS_LOGGED, TS_NONE)
+#undef TS_LOGGED
+#undef TS_NONE
+  t.copy_from_host = kl::copy_from_host;
+  t.copy_to_host = kl::copy_to_host;
+  t.gemm = kl::gemm;
+  t.attention = kl::attention;
+  t.attention_backward = kl::attention_backward;
+  return t;
+}
+}  // namespace
+
+constinit const KernelTable kTable = make_table();
 
 }  // namespace tessera::meta_kernels

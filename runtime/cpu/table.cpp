@@ -9,8 +9,6 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/isa.h"
 #include "runtime/cpu/kernels_cpu.h"
-#include "runtime/kernel_log.h"
-#include "runtime/cuda_backend.h"
 
 namespace tessera {
 namespace cpu {
@@ -33,50 +31,25 @@ DType compute_dtype(KernelFamily family, DType dtype) {
 
 namespace {
 
-// The table of one instruction-set copy of the kernels (GEMM and the random
-// fills are compiled once: blas.cpp and random.cpp).
-// clang-format off
-#define TS_CPU_TABLE(isa) \
-  KernelTable { \
-    .compute_dtype = compute_dtype, \
-    .copy = isa::copy, \
-    .copy_from_host = isa::copy, \
-    .copy_to_host = isa::copy, \
-    .fill = isa::fill, \
-    .unary = isa::unary, \
-    .unary_backward = isa::unary_backward, \
-    .binary = isa::binary, \
-    .binary_scalar = isa::binary_scalar, \
-    .where = isa::where, \
-    .pointwise = isa::pointwise, \
-    .clamp = isa::clamp, \
-    .reduce = isa::reduce, \
-    .argmax_rows = isa::argmax_rows, \
-    .sum_squares = isa::sum_squares, \
-    .gemm = gemm, \
-    .adamw = isa::adamw, \
-    .softmax = isa::softmax, \
-    .softmax_backward = isa::softmax_backward, \
-    .layer_norm = isa::layer_norm, \
-    .layer_norm_backward = isa::layer_norm_backward, \
-    .embedding = isa::embedding, \
-    .embedding_backward = isa::embedding_backward, \
-    .cross_entropy = isa::cross_entropy, \
-    .cross_entropy_backward = isa::cross_entropy_backward, \
-    .attention = isa::attention, \
-    .attention_backward = isa::attention_backward, \
-    .rope = isa::rope, \
-    .uniform = uniform, \
-    .normal = normal, \
-  }
-// clang-format on
-
-const KernelTable kBaseline = TS_CPU_TABLE(baseline);
+// The table of one instruction-set copy: every kernel of runtime/op_list.h
+// from the copy's namespace (kernels_cpu.h declares them all there).
+#define TS_CPU_TABLE(isa)                                                      \
+  []() constexpr {                                                              \
+    KernelTable t;                                                             \
+    t.backend = "cpu";                                                         \
+    t.compute_dtype = compute_dtype;                                           \
+    TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
+    return t;                                                                  \
+  }()
+#define TS_CPU_SKIP(name, family)
+#define TS_CPU_ENTRY_baseline(name, family, compute, params) t.name = baseline::name;
+constexpr KernelTable kBaseline = TS_CPU_TABLE(baseline);
 #if defined(TESSERA_CPU_ISA_VARIANTS)
-const KernelTable kAvx2 = TS_CPU_TABLE(avx2);
-const KernelTable kAvx512 = TS_CPU_TABLE(avx512);
+#define TS_CPU_ENTRY_avx2(name, family, compute, params) t.name = avx2::name;
+#define TS_CPU_ENTRY_avx512(name, family, compute, params) t.name = avx512::name;
+constexpr KernelTable kAvx2 = TS_CPU_TABLE(avx2);
+constexpr KernelTable kAvx512 = TS_CPU_TABLE(avx512);
 #endif
-#undef TS_CPU_TABLE
 
 const KernelTable& table_of(Isa isa) {
 #if defined(TESSERA_CPU_ISA_VARIANTS)
@@ -147,32 +120,13 @@ Isa set_isa(Isa isa) {
 
 const KernelTable& table() { return table_of(active().load(std::memory_order_relaxed)); }
 
+const KernelTable* isa_table(Isa isa) {
+#if !defined(TESSERA_CPU_ISA_VARIANTS)
+  if (isa != Isa::Baseline) return nullptr;
+#endif
+  return &table_of(isa);
+}
+
 }  // namespace cpu
-
-namespace {
-void (*op_boundary_hook)() = nullptr;
-// Tables a test installed, by DeviceType.
-const KernelTable* replaced[4] = {};
-}  // namespace
-
-const KernelTable* replace_kernels_for_testing(DeviceType type, const KernelTable* table) {
-  return std::exchange(replaced[static_cast<int>(type)], table);
-}
-
-const KernelTable& kernels(Device device) {
-  if (const KernelTable* t = replaced[static_cast<int>(device.type)]) return *t;
-  if (device.is_cpu()) return cpu::table();
-  if (device.type == DeviceType::AsyncCPU) return async_cpu::kTable;
-  if (device.is_meta()) return meta_kernels::kTable;  // runs nothing; logs while recording
-  if (device.is_cuda()) return cuda::kernel_table();
-  TS_CHECK(false, "no kernels for device {}", device.str());
-}
-
-void set_op_boundary_hook(void (*hook)()) { op_boundary_hook = hook; }
-
-const KernelTable& dispatch(Device device) {
-  if (op_boundary_hook != nullptr) op_boundary_hook();
-  return kernels(device);
-}
 
 }  // namespace tessera

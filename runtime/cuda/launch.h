@@ -61,8 +61,8 @@ void launch_softmax_backward(void* gx, const void* gy, const void* y, DType dtyp
 void launch_layer_norm(void* y, void* mean, void* rstd, const void* x, const void* w,
                        const void* b, DType dtype, DType stats, int64_t rows, int64_t n,
                        double eps, bool rms, cudaStream_t stream);
-// dw/db nullable; `scratch` holds 2 * kNormPartials * n doubles.
-constexpr int kNormPartials = 32;
+// dw/db nullable; `scratch` holds 2 * kNormRowBlocks * n doubles.
+constexpr int kNormRowBlocks = 32;
 void launch_layer_norm_backward(void* dx, void* dw, void* db, const void* dy, const void* x,
                                 const void* w, const void* mean, const void* rstd, DType dtype,
                                 DType stats, int64_t rows, int64_t n, bool rms, double* scratch,

@@ -1,5 +1,5 @@
 // The NCCL process group: CUDA tensors move over NCCL on the current CUDA
-// stream (FSDP's all-gather / reduce-scatter streams set it), host tensors and
+// stream (a caller's communication stream sets it), host tensors and
 // the group bookkeeping (ranks, subgroups, barriers, the unique id's exchange)
 // go through the MPI group it wraps. A Work is a CUDA event recorded after the
 // collective: wait(stream) is an event wait, wait() a host sync on it.
@@ -216,7 +216,7 @@ class NcclGroup final : public dist::ProcessGroup {
   static bool on_host(const Tensor& a, const Tensor& b) { return !a.device().is_cuda() && !b.device().is_cuda(); }
 
   void check(const Tensor& t, const char* op, const char* what) const {
-    TS_CHECK(t.defined() && !t.is_distributed(), "{}: {} must be a plain (local) tensor", op, what);
+    TS_CHECK(t.defined() && !t.is_subclass(), "{}: {} must be a plain (local) tensor", op, what);
     TS_CHECK(t.device() == device_, "{}: {} is on {}, but this group's GPU is {}", op, what, t.device().str(),
              device_.str());
     TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,

@@ -128,7 +128,7 @@ __global__ void layer_norm_dwdb_partial_kernel(double* pw, double* pb, const voi
   }
 }
 
-__global__ void sum_partials_kernel(void* out, DType dt, const double* partials, int parts, int64_t n) {
+__global__ void sum_row_blocks_kernel(void* out, DType dt, const double* partials, int parts, int64_t n) {
   TS_CUDA_LOOP(j, n) {
     double s = 0;
     for (int p = 0; p < parts; ++p) s += partials[p * n + j];
@@ -277,12 +277,12 @@ void launch_layer_norm_backward(void* dx, void* dw, void* db, const void* dy, co
                                                                       stats, n, rms);
     if (dw != nullptr || db != nullptr) {
       double* pw = dw != nullptr ? scratch : nullptr;
-      double* pb = db != nullptr ? scratch + kNormPartials * n : nullptr;
-      dim3 grid(grid_for(n), kNormPartials);
+      double* pb = db != nullptr ? scratch + kNormRowBlocks * n : nullptr;
+      dim3 grid(grid_for(n), kNormRowBlocks);
       layer_norm_dwdb_partial_kernel<C><<<grid, kThreads, 0, stream>>>(pw, pb, dy, x, mean, rstd, dtype,
                                                                        stats, rows, n, rms);
-      if (dw != nullptr) sum_partials_kernel<<<grid_for(n), kThreads, 0, stream>>>(dw, dtype, pw, kNormPartials, n);
-      if (db != nullptr) sum_partials_kernel<<<grid_for(n), kThreads, 0, stream>>>(db, dtype, pb, kNormPartials, n);
+      if (dw != nullptr) sum_row_blocks_kernel<<<grid_for(n), kThreads, 0, stream>>>(dw, dtype, pw, kNormRowBlocks, n);
+      if (db != nullptr) sum_row_blocks_kernel<<<grid_for(n), kThreads, 0, stream>>>(db, dtype, pb, kNormRowBlocks, n);
     }
   });
   check_launch(rms ? "rms_norm_backward" : "layer_norm_backward");

@@ -51,7 +51,7 @@ void complete(Collective& op, Collective::Stage stage, std::string error = "") {
   // The lambdas' references go now; keep_alive's stay until the collective is
   // waited for (release_buffers), so that memory is released at the same
   // point of the program on every run, however early the transfer finished
-  // (PyTorch's FSDP2 holds its reduce-scatter input until the next group's
+  // (PyTorch holds a reduce-scatter's input until the next group's
   // post-backward for the same reason). A collective nobody waits for
   // releases them when the last reference to it goes.
   op.start = nullptr;

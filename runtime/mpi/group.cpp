@@ -32,7 +32,7 @@ class DoneWork final : public Work {
 
 void check_tensor(const Tensor& t, const char* op, const char* what, bool simulated = false) {
   TS_CHECK(t.defined(), "{}: {} is undefined", op, what);
-  TS_CHECK(!t.is_distributed(), "{}: {} is a DTensor; pass its local tensor", op, what);
+  TS_CHECK(!t.is_subclass(), "{}: {} is a {}; pass a plain tensor (its local piece)", op, what, t.str());
   TS_CHECK(t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU || (simulated && t.is_meta()),
            "{}: {} is on {}; MPI process groups move host-memory tensors (cpu, async_cpu)", op, what,
            t.device().str());

@@ -7,6 +7,7 @@
 
 #include "autograd/functions.h"
 #include "dtensor/redistribute.h"
+#include "dtensor/rules.h"
 #include "nn/optim.h"
 #include "runtime/cuda_backend.h"
 #include "tests/dtensor/dtensor_helpers.h"
@@ -660,4 +661,14 @@ TEST_CASE("ops without a sharding rule refuse a DTensor, naming the op and its p
   CHECK_THROWS_WITH(ops::narrow(d, 1, 0, 2), Catch::Contains("narrow: no sharding rule") && Catch::Contains(spec));
   CHECK_THROWS_WITH(ops::unsqueeze(d, 0), Catch::Contains("unsqueeze: no sharding rule"));
   CHECK_THROWS_WITH(ops::expand(d, {2, 4, 6}), Catch::Contains("expand: no sharding rule"));
+}
+
+TEST_CASE("every op a DTensor can reach has a sharding rule or a refusal", "[dtensor][rules]") {
+  detail::register_sharding_rules();
+  for (int i = 0; i < kNumOps; ++i) {
+    const OpId op = static_cast<OpId>(i);
+    INFO(op_name(op));
+    if (op_family(op) == OpFamily::Kernel) CHECK(detail::rule_for(op) == nullptr);
+    else CHECK(detail::rule_for(op) != nullptr);
+  }
 }

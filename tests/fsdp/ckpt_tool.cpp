@@ -112,11 +112,11 @@ int main(int argc, char** argv) {
       int64_t bad = 0;
       for (auto& [k, v] : everything(r)) {
         Tensor full = ref.read(k);
-        Tensor expect = v.is_distributed()
+        Tensor expect = is_dtensor(v)
                             ? local_tensor(distribute_tensor_local(full, dtensor_spec(v).mesh,
                                                                    dtensor_spec(v).placements))
                             : full;
-        Tensor got = v.is_distributed() ? local_tensor(v) : v;
+        Tensor got = is_dtensor(v) ? local_tensor(v) : v;
         if (got.to_vector<double>() != expect.to_vector<double>()) {
           std::fprintf(stderr, "rank %d: %s differs\n", dist::rank(), k.c_str());
           ++bad;

@@ -142,7 +142,7 @@ inline void check_sharded_parity(nn::Module& fsdp_model, nn::Module& reference, 
     INFO(got[i].first);
     REQUIRE(got[i].first == ref[i].first);
     const Tensor& p = got[i].second;
-    REQUIRE(p.is_distributed());
+    REQUIRE(is_dtensor(p));
     const DTensorSpec& spec = dtensor_spec(p);
     Tensor expect = local_tensor(distribute_tensor_local(ref[i].second, spec.mesh, spec.placements));
     CHECK_CLOSE(local_tensor(p), expect, rtol, atol);

@@ -100,7 +100,7 @@ TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's
   for (size_t i = 0; i < sd.size(); ++i) {
     INFO(sd[i].first);
     CHECK(sd[i].first == ref_sd[i].first);
-    REQUIRE(sd[i].second.is_distributed());
+    REQUIRE(is_dtensor(sd[i].second));
     CHECK(sd[i].second.shape() == ref_sd[i].second.shape());
     if (const Tensor* p = nn::find_in(params, sd[i].first))
       CHECK(local_tensor(sd[i].second).data_ptr() == local_tensor(*p).data_ptr());  // no copy
@@ -122,7 +122,7 @@ TEST_CASE("sharded state dict aliases the shards; keys are the unsharded model's
   auto osd = opt.state_dict(model->named_parameters());
   const Tensor* m = nn::find_in(osd, "transformer.h.1.attn.c_attn.weight.exp_avg");
   REQUIRE(m != nullptr);
-  REQUIRE(m->is_distributed());
+  REQUIRE(is_dtensor(*m));
   CHECK(m->shape() == Shape{36, 12});
   const Tensor* step = nn::find_in(osd, "transformer.h.1.attn.c_attn.weight.step");
   REQUIRE(step != nullptr);
@@ -153,7 +153,7 @@ TEST_CASE("full state dict: rank 0 only or all, one parameter in memory at a tim
     for (size_t i = 0; i < full.size(); ++i) {
       INFO(full[i].first);
       CHECK(full[i].first == ref[i].first);
-      CHECK(!full[i].second.is_distributed());
+      CHECK(!is_dtensor(full[i].second));
       CHECK(equal(full[i].second, ref[i].second));
     }
   }
@@ -225,9 +225,9 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   uint64_t read = fsdp::checkpoint_bytes_read() - read_before;
   {  // At the same world size each rank reads exactly the bytes of its own shards.
     uint64_t mine = 0;
-    for (auto& [k, v] : fresh->state_dict()) mine += (v.is_distributed() ? local_tensor(v) : v).nbytes();
+    for (auto& [k, v] : fresh->state_dict()) mine += (is_dtensor(v) ? local_tensor(v) : v).nbytes();
     for (auto& [k, v] : fresh_opt.state_dict(fresh->named_parameters()))
-      mine += (v.is_distributed() ? local_tensor(v) : v).nbytes();
+      mine += (is_dtensor(v) ? local_tensor(v) : v).nbytes();
     uint64_t total = 0;
     for (auto& t : md.tensors)
       for (auto& ch : t.chunks) total += ch.bytes;
@@ -244,8 +244,8 @@ TEST_CASE("checkpoint round trip keeps the newest K and the training state", "[c
   for (size_t i = 0; i < a.size(); ++i) {
     INFO(a[i].first);
     CHECK(a[i].first == b[i].first);
-    CHECK(equal(a[i].second.is_distributed() ? local_tensor(a[i].second) : a[i].second,
-                b[i].second.is_distributed() ? local_tensor(b[i].second) : b[i].second));
+    CHECK(equal(is_dtensor(a[i].second) ? local_tensor(a[i].second) : a[i].second,
+                is_dtensor(b[i].second) ? local_tensor(b[i].second) : b[i].second));
   }
   // One more step from both gives the same parameters.
   train_steps(*model, opt, 1);

@@ -318,7 +318,7 @@ TEST_CASE("traces: lanes for compute and each collective, exposed time, one file
   CHECK(s.exposed_us <= t1 - t0);
   bool has_fsdp = false, has_ag = false, has_rs = false;
   for (auto& sp : spans) {
-    has_fsdp = has_fsdp || sp.lane == trace::Lane::FSDP;
+    has_fsdp = has_fsdp || sp.lane == fsdp::trace_lane();
     has_ag = has_ag || sp.lane == trace::Lane::AllGather;
     has_rs = has_rs || sp.lane == trace::Lane::ReduceScatter;
     CHECK(sp.end_us >= sp.start_us);

@@ -70,10 +70,10 @@ TEST_CASE("unshard/reshard by hand, divide factor, forward methods, reset after 
   // unshard(async) before the first forward gives the full parameters.
   auto handle = fsdp::unshard(*model.blocks()[0], true);
   handle.wait();
-  CHECK(!model.mlps->operator[](0).parameters()[0].is_distributed());
+  CHECK(!is_dtensor(model.mlps->operator[](0).parameters()[0]));
   CHECK(testing::equal(model.mlps->operator[](0).parameters()[0], ref.mlps->operator[](0).parameters()[0]));
   fsdp::reshard(*model.blocks()[0]);
-  CHECK(model.mlps->operator[](0).parameters()[0].is_distributed());
+  CHECK(is_dtensor(model.mlps->operator[](0).parameters()[0]));
   // A custom divide factor: the sum of gradients over ranks divided by the factor.
   fsdp::set_gradient_divide_factor(model, 2.0 * w);
   Tensor x = randn({12, 15}, 1, DType::F64), y = randn({12, 5}, 2, DType::F64);
@@ -113,13 +113,13 @@ TEST_CASE("unshard/reshard by hand, divide factor, forward methods, reset after 
   // unsharded inside, resharded after, gradients reduce-scattered as usual.
   auto& block = *model.blocks()[1];
   auto fc1_only = fsdp::register_fsdp_forward_method(block, [&](const TensorList& in) {
-    CHECK_FALSE(block.parameters()[0].is_distributed());  // unsharded inside
+    CHECK_FALSE(is_dtensor(block.parameters()[0]));  // unsharded inside
     return TensorList{static_cast<MLP&>(block).fc1->forward(in[0])};
   });
   Tensor z = randn({12, 17}, 4, DType::F64);  // 12 rows: whole rows on 1-4 ranks
   TensorList out = fc1_only({local_rows(z)});
   CHECK(out[0].shape() == Shape{local_rows(z).size(0), 8});
-  CHECK(block.parameters()[0].is_distributed());  // resharded after (reshard_after_forward)
+  CHECK(is_dtensor(block.parameters()[0]));  // resharded after (reshard_after_forward)
   autograd::backward(sum(out[0]));
   autograd::backward(sum(static_cast<MLP&>(ref.mlps->operator[](1)).fc1->forward(z)));
   for (auto& p : ref.parameters()) p.set_grad(p.grad().defined() ? ops::mul(p.grad(), 1.0 / w) : p.grad());
@@ -285,13 +285,13 @@ TEST_CASE("runtime controls: reshard after forward/backward, unshard in backward
   fsdp::set_reshard_after_backward(model, false);
   fsdp::set_reshard_after_forward(model, false);
   step(model, local_rows(idx));
-  CHECK_FALSE(model.out->weight.is_distributed());  // still the unsharded parameter
+  CHECK_FALSE(is_dtensor(model.out->weight));  // still the unsharded parameter
   reset(g);
   fsdp::set_requires_gradient_sync(model, true);
   fsdp::set_reshard_after_backward(model, true);
   step(model, local_rows(idx));
   CHECK(counts(g).ag == 0);
-  CHECK(model.out->weight.is_distributed());
+  CHECK(is_dtensor(model.out->weight));
   // Not the last backward: reductions may stay in flight; the next last backward completes them.
   ref.zero_grad();
   model.zero_grad();
@@ -306,8 +306,8 @@ TEST_CASE("runtime controls: reshard after forward/backward, unshard in backward
   // Ignored parameters stay whole and unmanaged.
   EmbedHead partial;
   fsdp::fully_shard(partial, {.mesh = mesh, .ignored_params = {partial.out->bias}});
-  CHECK(partial.out->weight.is_distributed());
-  CHECK_FALSE(partial.out->bias.is_distributed());
+  CHECK(is_dtensor(partial.out->weight));
+  CHECK_FALSE(is_dtensor(partial.out->bias));
   CHECK(partial.out->bias.storage()->is_allocated());
   autograd::clear_tape();
 }

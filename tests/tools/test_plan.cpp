@@ -95,7 +95,7 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
         for (size_t g = 0; g < adamw->param_groups().size(); ++g)
           for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j)
             for (const Tensor* t : {&adamw->state(g, j).exp_avg, &adamw->state(g, j).exp_avg_sq}) {
-              const Tensor local = t->is_distributed() ? local_tensor(*t) : *t;
+              const Tensor local = is_dtensor(*t) ? local_tensor(*t) : *t;
               m.optimizer_state += static_cast<int64_t>(local.storage()->nbytes());
             }
     }

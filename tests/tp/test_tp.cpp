@@ -60,7 +60,7 @@ TEST_CASE("a column-wise then a row-wise Linear give the unsplit MLP's values an
 
   mesh->get_group(0)->reset_stats();
   Tensor yt = (*model)(xt);
-  CHECK_FALSE(yt.is_distributed());  // use_local_output: the model sees a plain tensor
+  CHECK_FALSE(is_dtensor(yt));  // use_local_output: the model sees a plain tensor
   // Forward: the row-wise output's Partial -> Replicate, one all-reduce (none
   // on one rank, where nothing is split).
   const int64_t one = w > 1 ? 1 : 0;
@@ -93,7 +93,7 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
   ref.to(DType::F64);
   auto model = tp_llama(c, mesh, 5, loss_parallel);
   const bool head_split = loss_parallel || c.tie_embeddings;
-  CHECK(model->lm_head->weight.is_distributed() == head_split);
+  CHECK(is_dtensor(model->lm_head->weight) == head_split);
   CHECK(dtensor_spec(model->embed_tokens->weight).placements == Placements{Shard{0}});
   CHECK(model->lm_head->weight.is_same(model->embed_tokens->weight) == c.tie_embeddings);
   for (const char* p : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"}) {
@@ -122,7 +122,7 @@ TEST_CASE("Llama with tensor parallelism follows one process over AdamW steps, w
     const int64_t gathered = on * (c.tie_embeddings && !loss_parallel ? 1 : 0);
     CHECK(stats(mesh).all_reduce == per_layer + on + loss);
     CHECK(stats(mesh).all_gather == gathered);
-    CHECK_FALSE(tloss.is_distributed());
+    CHECK_FALSE(is_dtensor(tloss));
     autograd::backward(tloss);
     const auto s = stats(mesh);
     CHECK(s.all_reduce == 2 * per_layer + on + loss + head_input);  // and their inputs' gradients
@@ -165,7 +165,7 @@ TEST_CASE("Llama with sequence parallelism follows one process, gathering and sc
     autograd::backward(rloss);
     mesh->get_group(0)->reset_stats();
     Tensor tloss = nn::cross_entropy((*model)(x), y);
-    REQUIRE(seen.is_distributed());
+    REQUIRE(is_dtensor(seen));
     CHECK(dtensor_spec(seen).placements == Placements{Shard{1}});
     CHECK(local_tensor(seen).size(1) ==
           local_shape_and_offset({3, 7, c.n_embd}, *mesh, {Shard{1}}, mesh->get_coordinate()).first[1]);
@@ -231,7 +231,7 @@ TEST_CASE("norms on sequence-split DTensors: rows normalised where they lie, wei
       xt.set_requires_grad(true);
       Tensor in = from_local(xt, mesh, {Shard{dim}}, x0.shape());
       Tensor out = (*split)(in);
-      REQUIRE(out.is_distributed());
+      REQUIRE(is_dtensor(out));
       CHECK(dtensor_spec(out).placements == Placements{Shard{dim}});
       mesh->get_group(0)->reset_stats();
       // Each rank's loss over its own rows: their sum is the reference's.
@@ -577,7 +577,7 @@ TEST_CASE("a column-wise layer may hand on its DTensor: elementwise ops follow i
                                         {"fc2", tp::style(tp::RowwiseParallel{})}});
   bool sharded = false;  // what fc1 hands to ReLU
   model->fc1->register_forward_hook([&](nn::Module&, const TensorList&, TensorList& out) {
-    sharded = out[0].is_distributed() && dtensor_spec(out[0]).placements == Placements{Shard{2}};
+    sharded = is_dtensor(out[0]) && dtensor_spec(out[0]).placements == Placements{Shard{2}};
   });
   model->to_empty(Device::cpu());
   model->init_weights(3);
@@ -618,7 +618,7 @@ TEST_CASE("a Llama whose attention and MLP run on DTensors follows one process",
     if (fqn == "model.layers.0.self_attn.o_proj") o_proj = m;
   REQUIRE(o_proj != nullptr);
   o_proj->register_forward_hook([&](nn::Module&, const TensorList& in, TensorList&) {
-    heads_split = in[0].is_distributed() && dtensor_spec(in[0]).placements == Placements{Shard{2}};
+    heads_split = is_dtensor(in[0]) && dtensor_spec(in[0]).placements == Placements{Shard{2}};
   });
   model->to_empty(Device::cpu());
   model->init_weights(8);
@@ -669,7 +669,7 @@ TEST_CASE("loss parallelism: cross-entropy on class-sharded logits, never gather
     auto s = stats(mesh);
     CHECK(s.all_reduce == (w > 1 ? 3 : 0));
     CHECK(s.all_gather + s.reduce_scatter + s.broadcast + s.all_to_all == 0);
-    REQUIRE(loss.is_distributed());
+    REQUIRE(is_dtensor(loss));
     CHECK(dtensor_spec(loss).placements == Placements{Replicate{}});
     CHECK(std::abs(local_tensor(loss).item() - ref_loss.item()) <= 1e-13 * std::abs(ref_loss.item()));
     autograd::backward(loss);
@@ -693,7 +693,7 @@ TEST_CASE("nn::cross_entropy on DTensor logits: class-sharded [B, T, V], and pen
   x.set_requires_grad(true);
   Tensor xs = distribute_tensor_local(x, mesh, {Shard{2}});
   Tensor loss = nn::cross_entropy(xs, target);
-  CHECK_FALSE(loss.is_distributed());
+  CHECK_FALSE(is_dtensor(loss));
   CHECK(loss.item() == Approx(ref_loss.item()).epsilon(1e-13));
   autograd::backward(loss);
   CHECK_CLOSE(full_tensor(xs.grad()), ref.grad(), 1e-12, 1e-15);

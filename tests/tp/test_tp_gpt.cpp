@@ -158,7 +158,7 @@ TEST_CASE("a fused projection split block by block gives the unsplit layer's val
   xt.set_requires_grad(true);
   autograd::backward(sum(ref(xr) * probe));
   Tensor yt = fused(xt);  // this rank's q, k and v features, side by side
-  CHECK_FALSE(yt.is_distributed());
+  CHECK_FALSE(is_dtensor(yt));
   CHECK(equal(yt, ops::contiguous(ops::transpose(blocked_piece(ops::contiguous(ops::transpose(ref(x0), 0, 2)), 3, w,
                                                                 dist::rank()),
                                                  0, 2))));
@@ -181,7 +181,7 @@ TEST_CASE("GPT-2 with tensor parallelism follows one process over AdamW steps, w
   auto model = tp_gpt(c, mesh, 5, loss_parallel);
   const bool head_split = loss_parallel || c.tie_embeddings;
   CHECK(dtensor_spec(model->wte->weight).placements == Placements{Shard{0}});
-  CHECK_FALSE(model->wpe->weight.is_distributed());  // the positions stay whole
+  CHECK_FALSE(is_dtensor(model->wpe->weight));  // the positions stay whole
   const Tensor qkv = *nn::find_in(model->state_dict(), "transformer.h.1.attn.c_attn.weight");
   CHECK(dtensor_spec(qkv).placements == Placements{Shard{0, 3}});
   CHECK(local_tensor(qkv).size(0) == 3 * c.n_embd / w);
@@ -239,7 +239,7 @@ TEST_CASE("GPT-2 with sequence parallelism and dropout follows one process", "[t
     default_generator().set_offset(offset);  // the same draws for the split model
     mesh->get_group(0)->reset_stats();
     Tensor tloss = nn::cross_entropy((*model)(x), y);
-    REQUIRE(seen.is_distributed());
+    REQUIRE(is_dtensor(seen));
     CHECK(dtensor_spec(seen).placements == Placements{Shard{1}});
     // Forward: the embedding's rows all-reduced (then split locally, after the
     // positions are added); per block, attention's and the MLP's inputs

@@ -14,7 +14,7 @@ inline MeshPtr tp_mesh() { return init_device_mesh("cpu", {world()}, {"tp"}); }
 // A parameter's whole value on every rank (a DTensor gathered, a plain tensor as is).
 inline Tensor whole(const Tensor& t) {
   autograd::NoGradGuard no_grad;
-  return t.is_distributed() ? full_tensor(t) : t;
+  return is_dtensor(t) ? full_tensor(t) : t;
 }
 
 // Every parameter (and, with grads, its gradient) of the split model against
