@@ -23,7 +23,21 @@ void LanguageModel::check_tokens(const Tensor& idx) const {
            config.block_size);
 }
 
-GPT::GPT(const TransformerConfig& cfg, Device device) : LanguageModel(cfg) {
+namespace {
+TransformerConfig with_arch(TransformerConfig cfg, const char* arch) {
+  cfg.arch = arch;
+  return cfg;
+}
+}  // namespace
+
+std::shared_ptr<LanguageModel> make_model(const TransformerConfig& cfg, Device device) {
+  cfg.validate();
+  if (cfg.arch == "llama") return std::make_shared<Llama>(cfg, device);
+  return std::make_shared<GPT>(cfg, device);
+}
+
+GPT::GPT(const TransformerConfig& config_in, Device device) : LanguageModel(with_arch(config_in, "gpt2")) {
+  const TransformerConfig& cfg = config;
   cfg.validate();
   // Built on meta, then materialised: each weight is initialised once, by FQN.
   Device build = Device::meta();
@@ -58,7 +72,8 @@ Tensor GPT::forward(const Tensor& idx) {
   return (*lm_head)((*ln_f)(x));
 }
 
-Llama::Llama(const TransformerConfig& cfg, Device device) : LanguageModel(cfg) {
+Llama::Llama(const TransformerConfig& config_in, Device device) : LanguageModel(with_arch(config_in, "llama")) {
+  const TransformerConfig& cfg = config;
   cfg.validate();
   Device build = Device::meta();
   model = register_module("model", std::make_shared<ModuleDict>());

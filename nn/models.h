@@ -27,7 +27,8 @@ class LanguageModel : public Module {
 class GPT : public LanguageModel {
  public:
   // Builds on `device`; on a real device the weights are initialised from cfg seed 0
-  // (call init_weights(seed) for another seed).
+  // (call init_weights(seed) for another seed). config.arch is set to "gpt2"
+  // (Llama's to "llama") whatever cfg.arch says.
   GPT(const TransformerConfig& cfg, Device device = Device::cpu());
   static std::shared_ptr<GPT> on_meta(const TransformerConfig& cfg) {
     return std::make_shared<GPT>(cfg, Device::meta());
@@ -59,6 +60,10 @@ class Llama : public LanguageModel {
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> lm_head;
 };
+
+// The model cfg.arch names (gpt2: GPT, llama: Llama), built on `device`
+// (meta: no bytes until to_empty); cfg is validated first.
+std::shared_ptr<LanguageModel> make_model(const TransformerConfig& cfg, Device device = Device::cpu());
 
 // Mean cross-entropy of logits [..., V] against targets [...] (i64). Logits
 // that are a DTensor with the classes split over a mesh dim (a loss-parallel

@@ -2,22 +2,74 @@
 
 #include <cmath>
 
+#include "runtime/checked.h"
+
 namespace tessera::nn {
 
-void TransformerConfig::validate() const {
-  TS_CHECK(vocab_size > 0 && block_size > 0 && n_layer >= 0 && n_head > 0 && n_embd > 0,
-           "model config: sizes must be positive (vocab_size {}, block_size {}, n_layer {}, "
-           "n_head {}, n_embd {})",
-           vocab_size, block_size, n_layer, n_head, n_embd);
-  TS_CHECK(n_embd % n_head == 0, "model config: n_embd {} is not divisible by n_head {}", n_embd,
-           n_head);
-  TS_CHECK(n_head % kv_heads() == 0, "model config: n_head {} is not a multiple of n_kv_head {}",
-           n_head, kv_heads());
-  TS_CHECK(dropout >= 0.0 && dropout < 1.0, "model config: dropout {} not in [0, 1)", dropout);
-  TS_CHECK(!rope || (n_embd / n_head) % 2 == 0,
-           "model config: rope needs an even head size, got n_embd {} / n_head {} = {}", n_embd, n_head,
-           n_embd / n_head);
-  TS_CHECK(!rope || rope_theta > 0, "model config: rope_theta must be positive, got {}", rope_theta);
+int64_t TransformerConfig::mlp_hidden() const {
+  if (ffn_hidden > 0) return ffn_hidden;
+  return arch == "llama" ? (8 * n_embd / 3 + 63) / 64 * 64 : 4 * n_embd;
+}
+
+void TransformerConfig::validate(const FieldNames& names) const {
+  auto f = [&](const char* field) { return field_name(names, field); };
+  auto at_least = [&](const char* field, int64_t v, int64_t min, const char* note = "") {
+    TS_CHECK(v >= min, "{} must be >= {}{}, got {}", f(field), min, note, v);
+  };
+  TS_CHECK(arch == "gpt2" || arch == "llama", "{}: expected gpt2 or llama, got '{}'", f("arch"), arch);
+  at_least("n_layer", n_layer, 1);
+  at_least("n_head", n_head, 1);
+  at_least("n_embd", n_embd, 1);
+  at_least("vocab_size", vocab_size, 1);
+  at_least("block_size", block_size, 1);
+  at_least("n_kv_head", n_kv_head, 0, fmt::format(" (0 = {})", f("n_head")).c_str());
+  at_least("ffn_hidden", ffn_hidden, 0, fmt::format(" (0 = the default of {})", f("arch")).c_str());
+  TS_CHECK(n_embd % n_head == 0,
+           "{} ({}) must be divisible by {} ({}): each head has n_embd / n_head channels", f("n_embd"), n_embd,
+           f("n_head"), n_head);
+  if (arch == "llama") {
+    TS_CHECK(n_head % kv_heads() == 0,
+             "{} ({}) must divide {} ({}): each key/value head serves n_head / n_kv_head query heads",
+             f("n_kv_head"), n_kv_head, f("n_head"), n_head);
+    TS_CHECK(head_dim() % 2 == 0,
+             "{} = llama needs an even head size for rotary embeddings, but {} / {} = {} / {} = {}", f("arch"),
+             f("n_embd"), f("n_head"), n_embd, n_head, head_dim());
+    TS_CHECK(!gelu_tanh, "{} applies to {} = gpt2 (Llama's MLP is SwiGLU, without GELU)", f("gelu_tanh"), f("arch"));
+  } else {
+    TS_CHECK(!rope || head_dim() % 2 == 0, "{} needs an even head size, but {} / {} = {} / {} = {}", f("rope"),
+             f("n_embd"), f("n_head"), n_embd, n_head, head_dim());
+    TS_CHECK(n_kv_head == 0 || n_kv_head == n_head,
+             "{} ({}) applies to {} = llama only ({} has {} = {} key/value heads): leave it 0", f("n_kv_head"),
+             n_kv_head, f("arch"), arch, f("n_head"), n_head);
+  }
+  TS_CHECK(dropout >= 0 && dropout < 1, "{} must be in [0, 1), got {}", f("dropout"), dropout);
+  TS_CHECK(rope_theta > 0, "{} must be > 0, got {}", f("rope_theta"), rope_theta);
+  TS_CHECK(norm_eps > 0 && norm_eps < 1, "{} must be in (0, 1), got {}", f("norm_eps"), norm_eps);
+  parameter_count(names);
+}
+
+int64_t TransformerConfig::parameter_count(const FieldNames& names) const {
+  auto key = [&](const char* field, int64_t v) { return named(field_name(names, field), v); };
+  const CheckedInt C = key("n_embd", n_embd), V = key("vocab_size", vocab_size), L = key("n_layer", n_layer);
+  const CheckedInt zero{0, "0"};
+  CheckedInt embeddings = V * C;
+  const CheckedInt head = tie_embeddings ? zero : C * V;
+  const CheckedInt norm = arch == "llama" || !bias ? C : 2 * C;  // weight (and bias)
+  CheckedInt block;
+  if (arch == "llama") {
+    const CheckedInt kv = n_kv_head > 0 ? key("n_kv_head", n_kv_head) : key("n_head", n_head);
+    const CheckedInt hidden = ffn_hidden > 0 ? key("ffn_hidden", ffn_hidden)
+                                             : CheckedInt{((8 * C).value / 3 + 63) / 64 * 64, C.expr + " x 8/3"};
+    // q and o: C x C; k and v: C x (n_kv_head x head size).
+    const CheckedInt kv_width{n_embd / n_head * kv.value, C.expr + " / " + field_name(names, "n_head") + " x " + kv.expr};
+    block = 2 * (C * C) + 2 * (C * kv_width) + 3 * (C * hidden) + 2 * C;
+  } else {
+    const CheckedInt hidden = ffn_hidden > 0 ? key("ffn_hidden", ffn_hidden) : 4 * C;
+    const CheckedInt biases = bias ? 3 * C + C + hidden + C : zero;  // c_attn, attn c_proj, c_fc, mlp c_proj
+    block = 4 * (C * C) + 2 * (C * hidden) + biases + 2 * norm;
+    if (!rope) embeddings = embeddings + key("block_size", block_size) * C;  // transformer.wpe
+  }
+  return (embeddings + L * block + norm + head).value;
 }
 
 Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {

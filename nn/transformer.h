@@ -1,11 +1,16 @@
 // Transformer building blocks shared by the GPT-2 and Llama models.
 #pragma once
 
+#include <functional>
+#include <string>
+
 #include "nn/layers.h"
+#include "runtime/checked.h"
 
 namespace tessera::nn {
 
 struct TransformerConfig {
+  std::string arch = "gpt2";  // gpt2 | llama: the model make_model builds (nn/models.h)
   int64_t vocab_size = 256;
   int64_t block_size = 128;  // maximum sequence length
   int64_t n_layer = 4;
@@ -24,7 +29,23 @@ struct TransformerConfig {
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t head_dim() const { return n_embd / n_head; }
-  void validate() const;  // throws naming the inconsistent field
+  // The width of the MLP: ffn_hidden, else 4 * n_embd (GPT-2) or Llama's
+  // 8/3 * n_embd rounded up to a multiple of 64.
+  int64_t mlp_hidden() const;
+
+  // What a caller calls a field in its messages: tessera-train maps
+  // "n_embd" to "model.n_embd" and "block_size" to "training.seq_len".
+  // Empty: the fields' own names.
+  using FieldNames = tessera::FieldNames;
+  // Every field against its range and the others, for arch; throws naming
+  // the field, the value found and what is allowed (every model a Tessera
+  // program builds, trains, imports or exports is checked here).
+  void validate(const FieldNames& names = {}) const;
+  // The parameter count from the configuration alone, nothing built; every
+  // product and sum is checked, and an overflow throws naming the fields.
+  // Tied weights count once; GPT-2's position table counts (nanoGPT's
+  // summary line leaves it out: LanguageModel::num_parameters).
+  int64_t parameter_count(const FieldNames& names = {}) const;
 };
 
 // GPT-2 MLP: c_fc -> GELU -> c_proj.

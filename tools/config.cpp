@@ -485,6 +485,36 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
   return true;
 }
 
+train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
+  const auto& p = cfg.parallelism;
+  return {.dp_replicate = p.data_parallel_replicate_degree,
+          .dp_shard = p.data_parallel_shard_degree,
+          .tp = p.tensor_parallel_degree,
+          .loss_parallel = !p.disable_loss_parallel,
+          .sequence_parallel = p.enable_sequence_parallel,
+          .reshard_after_forward = p.reshard_after_forward,
+          .reshard_after_forward_degree = p.reshard_after_forward_degree,
+          .prefetch = p.prefetch,
+          .param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
+          .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)};
+}
+
+train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {
+  const auto& o = cfg.optimizer;
+  return {.name = o.name, .lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps,
+          .weight_decay = o.weight_decay, .momentum = o.momentum};
+}
+
+train::ScheduleOptions schedule_options(const TrainConfig& cfg) {
+  const auto& s = cfg.lr_scheduler;
+  return {.name = s.name, .warmup_steps = s.warmup_steps, .min_lr_ratio = s.min_lr_ratio,
+          .decay_steps = s.decay_steps, .decay_ratio = s.decay_ratio};
+}
+
+train::StepOptions step_options(const TrainConfig& cfg) {
+  return {.grad_accum = cfg.training.grad_accum, .max_norm = cfg.training.max_norm};
+}
+
 bool loss_parallel(const TrainConfig& cfg) {
   return cfg.parallelism.tensor_parallel_degree > 1 && !cfg.parallelism.disable_loss_parallel;
 }
@@ -555,6 +585,7 @@ DType dtype_of(const std::string& name) { return name == "bfloat16" ? DType::BF1
 
 nn::TransformerConfig transformer_config(const TrainConfig& c) {
   nn::TransformerConfig m;
+  m.arch = c.model.arch;
   m.vocab_size = c.model.vocab_size;
   m.block_size = c.training.seq_len;
   m.n_layer = c.model.n_layer;
@@ -589,9 +620,26 @@ std::vector<std::string> split_list(const std::string& list) {
   return out;
 }
 
+void set_model(TrainConfig& c, const nn::TransformerConfig& m) {
+  c.model.arch = m.arch;
+  c.model.vocab_size = m.vocab_size;
+  c.training.seq_len = m.block_size;
+  c.model.n_layer = m.n_layer;
+  c.model.n_head = m.n_head;
+  c.model.n_kv_head = m.n_kv_head;
+  c.model.n_embd = m.n_embd;
+  c.model.ffn_hidden = m.ffn_hidden;
+  c.model.dropout = m.dropout;
+  c.model.bias = m.bias;
+  c.model.tie_embeddings = m.tie_embeddings;
+  c.model.rope = m.arch == "gpt2" && m.rope;
+  c.model.rope_theta = m.rope_theta;
+  c.model.gelu = m.gelu_tanh ? "tanh" : "exact";
+  c.model.norm_eps = m.norm_eps;
+}
+
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device) {
-  if (c.model.arch == "llama") return std::make_shared<nn::Llama>(transformer_config(c), device);
-  return std::make_shared<nn::GPT>(transformer_config(c), device);
+  return nn::make_model(transformer_config(c), device);
 }
 
 std::string model_to_json(TrainConfig& cfg) {

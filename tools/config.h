@@ -14,6 +14,9 @@
 #include <vector>
 
 #include "nn/models.h"
+#include "train/optimizer.h"
+#include "train/parallelize.h"
+#include "train/step.h"
 
 namespace tessera::tools {
 
@@ -198,8 +201,8 @@ void resolve_config(TrainConfig& cfg);
 void validate_for_world(const TrainConfig& cfg, int world_size);
 // The steps named by profiling.trace_steps (1-based), validated.
 std::vector<int64_t> trace_steps(const TrainConfig& cfg);
-// The model's parameter count from the configuration alone (nothing built);
-// every product and sum is checked, and an overflow throws naming the keys.
+// The model's parameter count from the configuration alone (nothing built:
+// nn::TransformerConfig::parameter_count under the keys' names).
 int64_t parameter_count(const TrainConfig& cfg);
 // A lower bound of the host memory one rank needs: its shard of the f32
 // weights, gradients and optimizer state, and one micro-batch's logits.
@@ -232,12 +235,15 @@ bool loss_parallel(const TrainConfig& cfg);
 // parallelism.enable_sequence_parallel.
 bool sequence_parallel(const TrainConfig& cfg);
 // tessera-train's mesh, outermost dim first: dp_replicate (when > 1), dp_shard,
-// tp (when > 1), as sizes and names.
-struct MeshDims {
-  Shape shape;
-  std::vector<std::string> names;
-};
+// tp (when > 1), as sizes and names (train::mesh_dims, its errors naming the keys).
+using MeshDims = train::MeshDims;
 MeshDims mesh_dims(const TrainConfig& cfg, int world_size);
+
+// The library's options (train/) the configuration's sections map to.
+train::ParallelismOptions parallelism_options(const TrainConfig& cfg);
+train::OptimizerOptions optimizer_options(const TrainConfig& cfg);
+train::ScheduleOptions schedule_options(const TrainConfig& cfg);
+train::StepOptions step_options(const TrainConfig& cfg);
 // The [model] section (and training.seq_len, the block size) as a JSON object
 // of strings, stored in checkpoints and exported files so tools can rebuild
 // the model; and back (unknown keys are errors).
@@ -250,8 +256,14 @@ std::vector<std::string> split_list(const std::string& list);
 // The dtype a config value names ("bfloat16" or "float32").
 DType dtype_of(const std::string& name);
 
-// The model's configuration for nn::GPT / nn::Llama (block size = seq_len).
+// The model's configuration for nn::make_model (block size = seq_len), and
+// back: [model] and training.seq_len from a model's configuration (an import).
 nn::TransformerConfig transformer_config(const TrainConfig& c);
+void set_model(TrainConfig& c, const nn::TransformerConfig& m);
+// nn's names of the model's fields as the config keys that set them
+// ("n_embd" -> "model.n_embd", "block_size" -> "training.seq_len"), for its
+// validation messages.
+nn::TransformerConfig::FieldNames model_key_names();
 // The model of c.model.arch, built on `device` (meta: no bytes until to_empty).
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device);
 std::string model_to_json(TrainConfig& cfg);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "runtime/check.h"
+#include "runtime/checked.h"
 #include "tools/config.h"
 
 namespace tessera::tools {
@@ -26,32 +27,7 @@ void not_empty(const char* key, const std::string& v) {
   TS_CHECK(!v.empty(), "{} must not be empty", key);
 }
 
-// A size built from configuration values, carrying the expression it came
-// from: every product and sum is checked, and an overflow names the keys.
-struct Size {
-  int64_t value;
-  std::string expr;
-};
-Size key(const char* name, int64_t value) {
-  return {value, name};
-}
-Size operator*(const Size& a, const Size& b) {
-  int64_t r = 0;
-  TS_CHECK(!__builtin_mul_overflow(a.value, b.value, &r),
-           "{} x {} = {} x {} overflows a 64-bit integer: make one of them smaller", a.expr,
-           b.expr, a.value, b.value);
-  return {r, a.expr + " x " + b.expr};
-}
-Size operator*(int64_t k, const Size& a) {
-  return Size{k, std::to_string(k)} * a;
-}
-Size operator+(const Size& a, const Size& b) {
-  int64_t r = 0;
-  TS_CHECK(!__builtin_add_overflow(a.value, b.value, &r),
-           "{} + {} = {} + {} overflows a 64-bit integer: make one of them smaller", a.expr,
-           b.expr, a.value, b.value);
-  return {r, "(" + a.expr + " + " + b.expr + ")"};
-}
+CheckedInt key(const char* name, int64_t value) { return named(name, value); }
 
 }  // namespace
 
@@ -60,41 +36,8 @@ void validate(const TrainConfig& c) {
   const auto& t = c.training;
   const auto& o = c.optimizer;
 
-  at_least("model.n_layer", m.n_layer, 1);
-  at_least("model.n_head", m.n_head, 1);
-  at_least("model.n_embd", m.n_embd, 1);
-  at_least("model.vocab_size", m.vocab_size, 1);
-  at_least("model.n_kv_head", m.n_kv_head, 0, " (0 = model.n_head)");
-  at_least("model.ffn_hidden", m.ffn_hidden, 0, " (0 = the default of model.arch)");
-  TS_CHECK(
-      m.n_embd % m.n_head == 0,
-      "model.n_embd ({}) must be divisible by model.n_head ({}): each head has n_embd / n_head "
-      "channels",
-      m.n_embd, m.n_head);
-  if (m.arch == "llama") {
-    int64_t kv = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
-    TS_CHECK(m.n_head % kv == 0,
-             "model.n_kv_head ({}) must divide model.n_head ({}): each key/value head serves "
-             "n_head / n_kv_head query heads",
-             m.n_kv_head, m.n_head);
-    TS_CHECK(m.n_embd / m.n_head % 2 == 0,
-             "model.arch = llama needs an even head size for rotary embeddings, but model.n_embd / "
-             "model.n_head = {} / {} = {}",
-             m.n_embd, m.n_head, m.n_embd / m.n_head);
-  } else {
-    TS_CHECK(!m.rope || m.n_embd / m.n_head % 2 == 0,
-             "model.rope needs an even head size, but model.n_embd / model.n_head = {} / {} = {}",
-             m.n_embd, m.n_head, m.n_embd / m.n_head);
-    TS_CHECK(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
-             "model.n_kv_head ({}) applies to model.arch = llama only ({} has model.n_head = {} "
-             "key/value heads): leave it 0",
-             m.n_kv_head, m.arch, m.n_head);
-  }
-  TS_CHECK(m.arch != "llama" || m.gelu == "exact",
-           "model.gelu = {} applies to model.arch = gpt2 (Llama's MLP is SwiGLU, without GELU)", m.gelu);
-  in_range("model.dropout", m.dropout, 0, 1, true);
-  TS_CHECK(m.rope_theta > 0, "model.rope_theta must be > 0, got {}", m.rope_theta);
-  TS_CHECK(m.norm_eps > 0 && m.norm_eps < 1, "model.norm_eps must be in (0, 1), got {}", m.norm_eps);
+  // The model is nn's to check (nn/transformer.h), under the keys' names.
+  transformer_config(c).validate(model_key_names());
   for (const auto& key : split_list(c.checkpoint.allow_resume_change)) {
     const auto& exact = resume_exact_keys();
     TS_CHECK(std::find(exact.begin(), exact.end(), key) != exact.end(),
@@ -136,7 +79,6 @@ void validate(const TrainConfig& c) {
   (void)(key("training.batch_size", t.batch_size) * key("training.seq_len", t.seq_len));
   (void)(key("training.steps", t.steps) * key("training.batch_size", t.batch_size));
   (void)(key("training.eval_batches", t.eval_batches) * key("training.batch_size", t.batch_size));
-  parameter_count(c);
 
   TS_CHECK(o.lr > 0, "optimizer.lr must be > 0, got {}", o.lr);
   in_range("optimizer.beta1", o.beta1, 0, 1, true);
@@ -210,11 +152,7 @@ void validate(const TrainConfig& c) {
 }
 
 void validate_for_world(const TrainConfig& c, int world_size) {
-  const int64_t shard = mesh_shape(c, world_size).second, dp = data_parallel_ranks(c, world_size);
-  const int64_t n = c.parallelism.reshard_after_forward_degree;
-  TS_CHECK(n == 0 || (n >= 1 && shard % n == 0),
-           "parallelism.reshard_after_forward_degree ({}) must divide the shard degree ({} at {} ranks), or be 0",
-           n, shard, world_size);
+  const int64_t dp = mesh_dims(c, world_size).data_parallel();  // the degrees against the ranks
   int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", dp)).value;
   int64_t below = c.training.batch_size / unit * unit, above = 0;
   if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
@@ -253,62 +191,40 @@ std::vector<int64_t> trace_steps(const TrainConfig& c) {
   return out;
 }
 
-std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
-  int64_t rep = c.parallelism.data_parallel_replicate_degree;
-  int64_t shard = c.parallelism.data_parallel_shard_degree;
-  const int64_t tp = std::max<int64_t>(c.parallelism.tensor_parallel_degree, 1);
-  if (shard == -1) {
-    TS_CHECK(world_size % (rep * tp) == 0,
-             "parallelism.data_parallel_replicate_degree ({}){} must divide the number of ranks ({})", rep,
-             tp > 1 ? fmt::format(" x tensor_parallel_degree ({})", tp) : "", world_size);
-    shard = world_size / (rep * tp);
-  }
-  TS_CHECK((key("parallelism.data_parallel_replicate_degree", rep) *
-            key("parallelism.data_parallel_shard_degree", shard) * key("parallelism.tensor_parallel_degree", tp))
-                   .value == world_size,
-           "parallelism: replicate degree {} x shard degree {}{} = {} ranks, but the job has {}", rep, shard,
-           tp > 1 ? fmt::format(" x tensor-parallel degree {}", tp) : "", rep * shard * tp, world_size);
-  return {rep, shard};
+namespace {
+// train's names of the parallelism options as the keys that set them.
+FieldNames parallelism_key_names() {
+  return [](const char* field) -> std::string {
+    const std::string f = field;
+    if (f == "dp_replicate") return "parallelism.data_parallel_replicate_degree";
+    if (f == "dp_shard") return "parallelism.data_parallel_shard_degree";
+    if (f == "tp") return "parallelism.tensor_parallel_degree";
+    if (f == "sequence_parallel") return "parallelism.enable_sequence_parallel";
+    return "parallelism." + f;
+  };
 }
-
-int64_t data_parallel_ranks(const TrainConfig& c, int world_size) {
-  auto [rep, shard] = mesh_shape(c, world_size);
-  return rep * shard;
-}
+}  // namespace
 
 MeshDims mesh_dims(const TrainConfig& c, int world_size) {
-  auto [rep, shard] = mesh_shape(c, world_size);
-  const int64_t tp = c.parallelism.tensor_parallel_degree;
-  MeshDims d;
-  auto dim = [&](int64_t size, const char* name) { d.shape.push_back(size), d.names.emplace_back(name); };
-  if (rep > 1) dim(rep, "dp_replicate");
-  dim(shard, "dp_shard");
-  if (tp > 1) dim(tp, "tp");
-  return d;
+  return train::mesh_dims(parallelism_options(c), world_size, parallelism_key_names());
 }
 
-int64_t parameter_count(const TrainConfig& c) {
-  const auto& m = c.model;
-  Size C = key("model.n_embd", m.n_embd), V = key("model.vocab_size", m.vocab_size);
-  Size L = key("model.n_layer", m.n_layer), zero{0, "0"};
-  Size embeddings = V * C;
-  Size head = m.tie_embeddings ? zero : C * V;
-  Size block = zero;
-  Size norm = m.arch == "llama" || !m.bias ? C : 2 * C;  // weight (and bias)
-  if (m.arch == "llama") {
-    Size kv = m.n_kv_head > 0 ? key("model.n_kv_head", m.n_kv_head) : key("model.n_head", m.n_head);
-    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden)
-                                   : Size{((8 * C).value / 3 + 63) / 64 * 64, "model.n_embd x 8/3"};
-    // q and o: C x C; k and v: C x (n_kv_head x head size) = C x C / (n_head / n_kv_head).
-    Size kv_width{m.n_embd / m.n_head * kv.value, "model.n_embd / model.n_head x " + kv.expr};
-    block = 2 * (C * C) + 2 * (C * kv_width) + 3 * (C * hidden) + 2 * C;
-  } else {
-    Size hidden = m.ffn_hidden > 0 ? key("model.ffn_hidden", m.ffn_hidden) : 4 * C;
-    Size biases = m.bias ? 3 * C + C + hidden + C : zero;  // c_attn, attn c_proj, c_fc, mlp c_proj
-    block = 4 * (C * C) + 2 * (C * hidden) + biases + 2 * norm;
-    if (!m.rope) embeddings = embeddings + key("training.seq_len", c.training.seq_len) * C;
-  }
-  return (embeddings + L * block + norm + head).value;
+std::pair<int64_t, int64_t> mesh_shape(const TrainConfig& c, int world_size) {
+  const MeshDims d = mesh_dims(c, world_size);
+  return {d.replicate, d.shard};
 }
+
+int64_t data_parallel_ranks(const TrainConfig& c, int world_size) { return mesh_dims(c, world_size).data_parallel(); }
+
+nn::TransformerConfig::FieldNames model_key_names() {
+  return [](const char* field) -> std::string {
+    const std::string f = field;
+    if (f == "block_size") return "training.seq_len";
+    if (f == "gelu_tanh") return "model.gelu = tanh";
+    return "model." + f;
+  };
+}
+
+int64_t parameter_count(const TrainConfig& c) { return transformer_config(c).parameter_count(model_key_names()); }
 
 }  // namespace tessera::tools

@@ -18,7 +18,9 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/parallel.h"
-#include "tp/parallelize.h"
+#include "train/optimizer.h"
+#include "train/parallelize.h"
+#include "train/step.h"
 
 namespace tessera::tools {
 
@@ -123,62 +125,6 @@ std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
   return out;
 }
 
-void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh) {
-  // Tensor parallelism first, over the innermost dim; FSDP over the others.
-  MeshPtr dp = mesh;
-  const auto& names = mesh->dim_names();
-  if (names.back() == "tp") {
-    tp::parallelize_module(model, (*mesh)["tp"], tp::tensor_parallel_plan(model, mesh->size(-1), loss_parallel(cfg),
-                                                                        sequence_parallel(cfg)));
-    dp = mesh->slice(std::vector<std::string>(names.begin(), names.end() - 1));
-  }
-  fsdp::FullyShardOptions opt{
-      .mesh = dp,
-      // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
-      .reshard_after_forward =
-          cfg.parallelism.reshard_after_forward_degree > 0
-              ? fsdp::ReshardAfterForward{static_cast<int>(cfg.parallelism.reshard_after_forward_degree)}
-          : cfg.parallelism.reshard_after_forward ? fsdp::ReshardAfterForward{}
-                                                  : fsdp::ReshardAfterForward{false},
-      .mp_policy = {.param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
-                    .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)}};
-  for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
-  fsdp::fully_shard(model, opt);
-  if (!cfg.parallelism.prefetch) fsdp::set_prefetch(model, false);
-}
-
-std::unique_ptr<optim::Optimizer> make_optimizer(nn::LanguageModel& model, const TrainConfig& cfg,
-                                                 optim::AdamW** adamw) {
-  // Weight decay on matrices only (nanoGPT's grouping).
-  TensorList decay, no_decay;
-  for (auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  const auto& o = cfg.optimizer;
-  if (adamw != nullptr) *adamw = nullptr;
-  if (o.name == "sgd")
-    return std::make_unique<optim::SGD>(
-        model.parameters(), optim::SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
-  auto opt = std::make_unique<optim::AdamW>(
-      std::vector<optim::ParamGroup>{{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}},
-      optim::AdamWOptions{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps});
-  if (adamw != nullptr) *adamw = opt.get();
-  return opt;
-}
-
-Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
-                        const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch) {
-  Tensor loss_sum;
-  for (int64_t m = 0; m < grad_accum; ++m) {
-    // Gradients are reduced once, after the last micro-batch.
-    fsdp::set_requires_gradient_sync(model, m + 1 == grad_accum);
-    auto [x, y] = batch(m);
-    Tensor loss = nn::cross_entropy(model(x), y);
-    if (!loss_sum.defined()) loss_sum = zeros({}, DType::F64, loss.device());
-    loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
-    autograd::backward(loss * (1.0 / static_cast<double>(grad_accum)));
-  }
-  return loss_sum;
-}
-
 namespace {
 
 Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
@@ -203,12 +149,12 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     // starts again once they are gone (at many ranks a full f32 copy of the
     // model can be larger than a step's peak).
     std::shared_ptr<nn::LanguageModel> model = make_model(cfg, Device::meta());
-    shard_model(*model, cfg, mesh);
+    train::parallelize(*model, mesh, parallelism_options(cfg));
     model->to_empty(Device::meta());
     reset_peak_memory_stats(Device::meta());
     model->init_weights(static_cast<uint64_t>(cfg.job.seed));
     optim::AdamW* adamw = nullptr;
-    std::unique_ptr<optim::Optimizer> opt = make_optimizer(*model, cfg, &adamw);
+    std::unique_ptr<optim::Optimizer> opt = train::make_optimizer(*model, optimizer_options(cfg), &adamw);
 
     std::vector<nn::Module::HookId> hooks;
     int64_t forward_base = 0;
@@ -236,7 +182,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
       std::shared_ptr<kernel_log::Log> log;
       std::optional<kernel_log::Recording> recording_kernels;
       if (step == 1 && log_step) recording_kernels.emplace(*(log = std::make_shared<kernel_log::Log>()));
-      Tensor loss_sum = forward_backward(*model, T.grad_accum, batch);
+      Tensor loss_sum = train::forward_backward(*model, T.grad_accum, batch);
       Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T.grad_accum)), {1});
       if (world_size > 1) world->all_reduce(mean, {dist::ReduceOp::Sum})->wait();
       if (step == 1) plan.forward_peak = peak() - steady;

@@ -2,9 +2,9 @@
 // any number of ranks, predicted before a run by running the step itself on
 // the meta device.
 //
-// The model is built and sharded exactly as tessera-train builds it
-// (shard_model, make_optimizer and forward_backward below are tessera-train's
-// own), over simulated process groups (dist::simulated_group) that play rank r
+// The model is built and sharded exactly as tessera-train builds it (with
+// train/'s parallelize, make_optimizer and forward_backward, from the
+// configuration's options), over simulated process groups (dist::simulated_group) that play rank r
 // of a world of W without communicating, and two training steps run on meta
 // tensors under a MetaAccounting (runtime/allocator.h). Every tensor the step
 // allocates is counted as the device's allocator counts it, every collective
@@ -27,28 +27,10 @@
 
 namespace tessera::tools {
 
-// tessera-train's parallelism: tensor parallelism over the mesh's "tp" dim
-// when it has one (its innermost), then FSDP over the others (every block,
-// then the root), with the config's reshard_after_forward and mixed precision.
-void shard_model(nn::LanguageModel& model, const TrainConfig& cfg, const MeshPtr& mesh);
-
 // The groups that parallelism.reshard_after_forward_degree N gives each FSDP
 // group for its backward all-gathers (N ranks each; a plan sums their
 // collectives as "dp_shard/post-forwardN"); none otherwise.
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model);
-
-// tessera-train's optimizer over the model's (sharded) parameters: AdamW with
-// weight decay on matrices only (nanoGPT's grouping), or SGD. `adamw` is set
-// to the AdamW when that is the choice.
-std::unique_ptr<optim::Optimizer> make_optimizer(nn::LanguageModel& model, const TrainConfig& cfg,
-                                                 optim::AdamW** adamw = nullptr);
-
-// The forward and backward passes of one optimizer step: grad_accum
-// micro-batches, gradients reduced after the last. batch(m) gives micro-batch
-// m's (inputs, targets) on the model's device. Returns the sum of the
-// micro-batches' losses (f64, on the device, not read).
-Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum,
-                        const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch);
 
 struct Plan {
   int world_size = 1, rank = 0;

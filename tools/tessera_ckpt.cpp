@@ -22,14 +22,14 @@
 //       A Hugging Face GPT-2 or Llama (config.json + model.safetensors, as
 //       save_pretrained writes it) as a step-0 checkpoint with its model
 //       configuration, which tessera-train continues. Its tokenizer.json goes
-//       along when it is byte-level BPE (tools/tokenizer.h).
+//       along when it is byte-level BPE (io/tokenizer.h).
 //   tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER
 //       A gpt2 or llama checkpoint as a folder that transformers'
-//       from_pretrained loads (tools/hf.h), with the tokenizer.json found
+//       from_pretrained loads (io/hf.h), with the tokenizer.json found
 //       beside the checkpoint (in it or the two folders above), if any.
 //   tessera-ckpt from-llmc MODEL.bin OUT_FOLDER
 //   tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype bfloat16]
-//       llm.c's GPT-2 model file (gpt2_124M.bin; tools/llmc_model.h) to a
+//       llm.c's GPT-2 model file (gpt2_124M.bin; io/llmc.h) to a
 //       step-0 checkpoint, and a gpt2 checkpoint to one llm.c continues.
 #include <nlohmann/json.hpp>
 
@@ -44,12 +44,12 @@
 #include "dtensor/placement.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/state_dict.h"
+#include "io/hf.h"
+#include "io/llmc.h"
+#include "io/tokenizer.h"
 #include "nn/models.h"
 #include "nn/safetensors.h"
 #include "tools/config.h"
-#include "tools/hf.h"
-#include "tools/llmc_model.h"
-#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -333,7 +333,7 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
   tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
   std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
   model->to_empty(Device::cpu());
-  tools::load_weights(*model, file, cfg.model.tie_embeddings, source);
+  io::load_weights(*model, file, cfg.model.tie_embeddings, source);
   json extra = {{"step", 0}, {"source", source}, {"data", {{"next_micro_batch", 0}}},
                 {"model", json::parse(tools::model_to_json(cfg))}};
   std::string dir = fsdp::save_checkpoint(out, 0, *model, nullptr, extra.dump());
@@ -351,14 +351,15 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
 int from_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
   tools::TrainConfig cfg;
-  tools::read_hf_config(cfg, args[0]);
-  int rc = save_as_checkpoint(cfg, tools::read_hf_weights(args[0], cfg), args[0], args[1]);
+  const nn::TransformerConfig model = io::read_hf_config(args[0]);
+  tools::set_model(cfg, model);
+  int rc = save_as_checkpoint(cfg, io::read_hf_weights(args[0], model), args[0], args[1]);
   // The model's tokenizer goes with it, where tessera-generate looks, if this
   // runtime can read it (GPT-2's byte-level BPE).
   fs::path tokenizer = fs::path(args[0]) / "tokenizer.json";
   if (fs::is_regular_file(tokenizer)) {
     try {
-      auto t = data::BpeTokenizer::load(tokenizer.string());
+      auto t = io::BpeTokenizer::load(tokenizer.string());
       fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
       std::printf("%s -> %s (%lld tokens)\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str(),
                   static_cast<long long>(t.vocab_size()));
@@ -372,7 +373,9 @@ int from_hf(const std::vector<std::string>& args) {
 int from_llmc(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-llmc needs MODEL.bin and OUT_FOLDER, got {} argument(s)", args.size());
   tools::TrainConfig cfg;
-  nn::StateDict file = tools::read_llmc_model(cfg, args[0]);
+  nn::TransformerConfig model;
+  nn::StateDict file = io::read_llmc_model(model, args[0]);
+  tools::set_model(cfg, model);
   return save_as_checkpoint(cfg, file, args[0], args[1]);
 }
 
@@ -394,8 +397,8 @@ std::pair<tools::TrainConfig, nn::StateDict> checkpoint_model(const std::string&
 int to_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
   auto [cfg, weights] = checkpoint_model(args[0], "to-hf");
-  tools::write_hf(args[1], cfg, weights);
-  if (std::string tokenizer = data::tokenizer_beside(checkpoint_dir(args[0])); !tokenizer.empty()) {
+  io::write_hf(args[1], tools::transformer_config(cfg), weights);
+  if (std::string tokenizer = io::tokenizer_beside(checkpoint_dir(args[0])); !tokenizer.empty()) {
     fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
     std::printf("%s -> %s\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str());
   }
@@ -413,7 +416,7 @@ int to_llmc(const std::vector<std::string>& args) {
     dtype = args[3] == "bfloat16" ? DType::BF16 : DType::F32;
   }
   auto [cfg, weights] = checkpoint_model(args[0], "to-llmc");
-  tools::write_llmc_model(args[1], cfg, weights, dtype);
+  io::write_llmc_model(args[1], tools::transformer_config(cfg), weights, dtype);
   std::printf("%s -> %s: llm.c GPT-2 model file, version %d (%s)\n", args[0].c_str(), args[1].c_str(),
               dtype == DType::BF16 ? 5 : 3, dtype_name(dtype));
   return 0;

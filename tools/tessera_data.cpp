@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "io/data.h"
+#include "io/tokenizer.h"
 #include "runtime/check.h"
-#include "tools/data.h"
-#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -84,13 +84,13 @@ int prepare(const std::vector<std::string>& args) {
   }
   TS_CHECK(!files.empty(), "prepare needs at least one text file");
   if (name.empty()) name = fs::path(files[0]).stem().string();
-  std::optional<data::BpeTokenizer> tokenizer;
-  if (!tokenizer_path.empty()) tokenizer = data::BpeTokenizer::load(tokenizer_path);
+  std::optional<io::BpeTokenizer> tokenizer;
+  if (!tokenizer_path.empty()) tokenizer = io::BpeTokenizer::load(tokenizer_path);
   auto [train, val] =
-      data::prepare_text_dataset(files, out, name, val_fraction, tokenizer ? &*tokenizer : nullptr);
+      io::prepare_text_dataset(files, out, name, val_fraction, tokenizer ? &*tokenizer : nullptr);
   std::printf("%s: %lld tokens\n%s: %lld tokens\n", train.c_str(),
-              static_cast<long long>(data::read_shard(train).size()), val.c_str(),
-              static_cast<long long>(data::read_shard(val).size()));
+              static_cast<long long>(io::read_shard(train).size()), val.c_str(),
+              static_cast<long long>(io::read_shard(val).size()));
   if (tokenizer)
     std::printf("train on them with: tessera-train --training.dataset shards --training.train_shard %s "
                 "--training.val_shard %s --training.tokenizer %s --model.vocab_size %lld\n",
@@ -101,11 +101,11 @@ int prepare(const std::vector<std::string>& args) {
 
 int info(const std::vector<std::string>& args) {
   std::vector<std::string> shards;
-  std::optional<data::BpeTokenizer> tokenizer;
+  std::optional<io::BpeTokenizer> tokenizer;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--tokenizer") {
       TS_CHECK(i + 1 < args.size(), "--tokenizer needs a value");
-      tokenizer = data::BpeTokenizer::load(args[++i]);
+      tokenizer = io::BpeTokenizer::load(args[++i]);
     } else {
       TS_CHECK(args[i].rfind("--", 0) != 0, "unknown option '{}' (valid: --tokenizer)", args[i]);
       shards.push_back(args[i]);
@@ -113,10 +113,10 @@ int info(const std::vector<std::string>& args) {
   }
   TS_CHECK(!shards.empty(), "info needs at least one shard");
   for (const auto& path : shards) {
-    auto tokens = data::read_shard(path);
+    auto tokens = io::read_shard(path);
     auto [lo, hi] = std::minmax_element(tokens.begin(), tokens.end());
     std::printf("%s: llm.c shard version %d, %zu tokens (%.1f MB)", path.c_str(),
-                data::kShardVersion, tokens.size(), static_cast<double>(fs::file_size(path)) / 1e6);
+                io::kShardVersion, tokens.size(), static_cast<double>(fs::file_size(path)) / 1e6);
     if (tokens.empty()) {
       std::printf("\n");
       continue;
@@ -130,7 +130,7 @@ int info(const std::vector<std::string>& args) {
     if (tokenizer || *hi < 256) {
       std::vector<int64_t> head(
           tokens.begin(), tokens.begin() + static_cast<long>(std::min<size_t>(80, tokens.size())));
-      std::string text = tokenizer ? tokenizer->decode(head) : data::decode_bytes(head);
+      std::string text = tokenizer ? tokenizer->decode(head) : io::decode_bytes(head);
       for (char& c : text)
         if (c == '\n' || c == '\t') c = ' ';
       std::printf("  begins: \"%s\"\n", text.c_str());

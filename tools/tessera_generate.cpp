@@ -24,11 +24,11 @@
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/state_dict.h"
+#include "io/tokenizer.h"
 #include "nn/generate.h"
 #include "nn/models.h"
 #include "nn/safetensors.h"
 #include "tools/config.h"
-#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -97,15 +97,15 @@ int run(int argc, char** argv) {
 
   // The tokenizer: given, or beside the weights.
   if (tokenizer_path.empty())
-    tokenizer_path = data::tokenizer_beside(safetensors ? fs::path(path).parent_path().string() : dir);
-  std::optional<data::BpeTokenizer> tokenizer;
+    tokenizer_path = io::tokenizer_beside(safetensors ? fs::path(path).parent_path().string() : dir);
+  std::optional<io::BpeTokenizer> tokenizer;
   if (!tokenizer_path.empty()) {
-    tokenizer = data::BpeTokenizer::load(tokenizer_path);
+    tokenizer = io::BpeTokenizer::load(tokenizer_path);
     TS_CHECK(tokenizer->vocab_size() <= cfg.model.vocab_size,
              "tokenizer {} has {} tokens but the model's vocabulary is {}: not this model's tokenizer",
              tokenizer_path, tokenizer->vocab_size(), cfg.model.vocab_size);
   }
-  std::vector<int64_t> prompt = data::prompt_tokens(tokenizer ? &*tokenizer : nullptr, cfg.sample.prompt);
+  std::vector<int64_t> prompt = io::prompt_tokens(tokenizer ? &*tokenizer : nullptr, cfg.sample.prompt);
   TS_CHECK(!prompt.empty(), "--sample.prompt must not be empty");
   std::string tokens = tokenizer ? fmt::format("tokenizer {} ({} tokens)", tokenizer_path,
                                                tokenizer->vocab_size())
@@ -120,7 +120,7 @@ int run(int argc, char** argv) {
                {cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k,
                 static_cast<uint64_t>(cfg.job.seed)},
                [&](int64_t t) {
-                 const std::string text = data::token_text(tokenizer ? &*tokenizer : nullptr, t);
+                 const std::string text = io::token_text(tokenizer ? &*tokenizer : nullptr, t);
                  std::fwrite(text.data(), 1, text.size(), stdout);
                  std::fflush(stdout);
                });

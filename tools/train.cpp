@@ -32,6 +32,8 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/state_dict.h"
+#include "io/data.h"
+#include "io/tokenizer.h"
 #include "nn/generate.h"
 #include "nn/models.h"
 #include "nn/optim.h"
@@ -41,17 +43,18 @@
 #include "runtime/random.h"
 #include "runtime/trace.h"
 #include "tools/config.h"
-#include "tools/data.h"
 #include "tools/plan.h"
 #include "tools/report.h"
-#include "tools/tokenizer.h"
 #include "tools/trainer.h"
+#include "train/optimizer.h"
+#include "train/parallelize.h"
+#include "train/step.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-namespace tessera::train {
+namespace tessera::tools {
 
 std::string out_path(const tools::TrainConfig& c, const std::string& p) {
   return fs::path(p).is_absolute() ? p : (fs::path(c.job.dump_folder) / p).string();
@@ -93,32 +96,13 @@ double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nul
 // With a tokenizer, the shards' names carry its fingerprint: another
 // tokenizer (or a changed file) prepares its own.
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::TrainConfig& c,
-                                                                 const data::BpeTokenizer* tokenizer) {
-  std::string train_path, val_path;
-  if (c.training.dataset == "shards") {
-    train_path = c.training.train_shard;
-    val_path = c.training.val_shard;
-  } else {
-    bool text = c.training.dataset == "text";
-    std::string name = text ? fs::path(c.training.text).stem().string() : "fortunes";
-    if (tokenizer != nullptr) name += "_bpe-" + data::file_fingerprint(c.training.tokenizer);
-    train_path = (fs::path(c.training.data_dir) / (name + "_train.bin")).string();
-    val_path = (fs::path(c.training.data_dir) / (name + "_val.bin")).string();
-    std::string error;
-    if (dist::rank() == 0 && (!fs::exists(train_path) || !fs::exists(val_path))) {
-      try {
-        auto files =
-            text ? std::vector<std::string>{c.training.text} : data::default_corpus_files();
-        std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(),
-                    train_path.c_str(), val_path.c_str());
-        data::prepare_text_dataset(files, c.training.data_dir, name, 0.1, tokenizer);
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-    }
-    dist::throw_if_any_failed(dist::world(), error, "preparing the data");
-  }
-  return {data::read_shard(train_path), data::read_shard(val_path)};
+                                                                 const io::BpeTokenizer* tokenizer) {
+  if (c.training.dataset == "shards") return {io::read_shard(c.training.train_shard), io::read_shard(c.training.val_shard)};
+  const bool text = c.training.dataset == "text";
+  std::string name = text ? fs::path(c.training.text).stem().string() : "fortunes";
+  if (tokenizer != nullptr) name += "_bpe-" + io::file_fingerprint(c.training.tokenizer);
+  return io::text_dataset(text ? std::vector<std::string>{c.training.text} : io::default_corpus_files(),
+                          c.training.data_dir, name, tokenizer);
 }
 
 // Test hook: TESSERA_TEST_KILL="rank:step" kills that rank (SIGKILL) when it
@@ -178,15 +162,15 @@ void watch_stop_signals() {
 void Trainer::build_model() {
   const std::string device_type =
       cfg_.job.device != "auto" ? cfg_.job.device : (cuda::is_available() ? "cuda" : "cpu");
-  const tools::MeshDims dims = tools::mesh_dims(cfg_, world_);  // tensor-parallel groups: consecutive ranks
-  mesh_ = init_device_mesh(device_type, dims.shape, dims.names);
+  tools::mesh_dims(cfg_, world_);  // the degrees against the ranks, the errors naming the keys
+  mesh_ = train::make_mesh(tools::parallelism_options(cfg_), device_type);  // tensor-parallel groups: consecutive ranks
   device_ = mesh_->device();
   model_ = tools::make_model(cfg_, Device::meta());
   const int64_t built = model_->num_parameters(false), predicted = tools::parameter_count(cfg_);
   TS_CHECK(built == predicted,
            "internal: the model has {} parameters, tools::parameter_count predicted {}", built,
            predicted);
-  tools::shard_model(*model_, cfg_, mesh_);  // as the planner does (tools/plan.h)
+  train::parallelize(*model_, mesh_, tools::parallelism_options(cfg_));  // as the planner does (tools/plan.h)
   model_->to_empty(device_);
   model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
@@ -197,38 +181,29 @@ void Trainer::build_model() {
 }
 
 void Trainer::build_optimizer() {
-  opt_ = tools::make_optimizer(*model_, cfg_, &adamw_);  // as the planner does
-  const auto& o = cfg_.optimizer;
-  const auto& s = cfg_.lr_scheduler;
-  schedule_ = {.kind = optim::schedule_kind(s.name),
-               .max_lr = o.lr,
-               .min_lr = o.lr * s.min_lr_ratio,
-               .warmup = s.warmup_steps,
-               .total = s.decay_steps > 0 ? s.decay_steps : T_.steps,
-               .decay_ratio = s.decay_ratio};
+  opt_ = train::make_optimizer(*model_, tools::optimizer_options(cfg_), &adamw_);  // as the planner does
+  schedule_ = train::make_schedule(tools::schedule_options(cfg_), cfg_.optimizer.lr, T_.steps);
 }
 
-// One optimizer step's forward and backward passes. The loss, averaged over
-// micro-batches and ranks, stays on the device (read at log steps); whether
-// any rank was asked to stop travels in a host all-reduce of its own, so a
-// step makes no host sync.
-Tensor Trainer::train_step(int64_t step) {
-  opt_->set_lr(schedule_.lr_at(step));
-  Tensor loss_sum = tools::forward_backward(*model_, T_.grad_accum, [&](int64_t m) {
-    // overfit_batch: the first step's micro-batches, every step.
-    auto [x, y] = train_->batch((T_.overfit_batch ? 0 : step) * T_.grad_accum + m, micro_local_, dp_rank_, dp_);
-    return std::pair{x.to(device_), y.to(device_)};
-  });
-  Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T_.grad_accum)), {1});
-  if (world_ > 1)  // over NCCL on CUDA (the mesh's group), MPI otherwise
-    (device_.is_cuda() ? mesh_->flat_group() : dist::world())
-        ->all_reduce(mean, {dist::ReduceOp::Sum})
-        ->wait(current_stream(device_));
+// One optimizer step (train::train_step): the loss, averaged over
+// micro-batches and ranks, and the gradient norm stay on the device (read at
+// log steps); whether any rank was asked to stop travels in a host all-reduce
+// of its own, so a step makes no host sync.
+std::pair<Tensor, Tensor> Trainer::train_step(int64_t step) {
+  train::StepResult r = train::train_step(
+      *model_, *opt_, schedule_.lr_at(step), tools::step_options(cfg_),
+      [&](int64_t m) {
+        // overfit_batch: the first step's micro-batches, every step.
+        auto [x, y] = train_->batch((T_.overfit_batch ? 0 : step) * T_.grad_accum + m, micro_local_, dp_rank_, dp_);
+        return std::pair{x.to(device_), y.to(device_)};
+      },
+      // Over NCCL on CUDA (the mesh's group), MPI otherwise.
+      world_ == 1 ? nullptr : device_.is_cuda() ? mesh_->flat_group() : dist::world());
   // On a group of its own: on the world group it would queue behind the loss
   // all-reduce, which starts only when the device has computed the loss.
   if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
   stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
-  return ops::binary(ops::BinaryOp::Div, mean, static_cast<double>(world_));
+  return {r.loss, r.grad_norm};
 }
 
 double Trainer::read_losses() {
@@ -330,7 +305,7 @@ void Trainer::prepare_data() {
   micro_global_ = T_.batch_size / T_.grad_accum;
   micro_local_ = micro_global_ / dp_;
   if (!T_.tokenizer.empty()) {
-    tokenizer_ = data::BpeTokenizer::load(T_.tokenizer);
+    tokenizer_ = io::BpeTokenizer::load(T_.tokenizer);
     TS_CHECK(cfg_.model.vocab_size >= tokenizer_->vocab_size(),
              "model.vocab_size ({}) is smaller than the vocabulary of training.tokenizer {} ({} "
              "tokens): set --model.vocab_size {} (or more, e.g. a multiple of 64)",
@@ -350,10 +325,10 @@ void Trainer::prepare_data() {
                "token {} in the {} data ({}) is outside model.vocab_size {}", t, split, T_.dataset,
                cfg_.model.vocab_size);
   }
-  baseline_ = data::unigram_baseline(train_tokens, val_tokens, cfg_.model.vocab_size);
-  train_ = std::make_unique<data::Loader>(std::move(train_tokens), T_.seq_len,
+  baseline_ = io::unigram_baseline(train_tokens, val_tokens, cfg_.model.vocab_size);
+  train_ = std::make_unique<io::Loader>(std::move(train_tokens), T_.seq_len,
                                           static_cast<uint64_t>(cfg_.job.seed));
-  val_ = std::make_unique<data::Loader>(std::move(val_tokens), T_.seq_len,
+  val_ = std::make_unique<io::Loader>(std::move(val_tokens), T_.seq_len,
                                         static_cast<uint64_t>(cfg_.job.seed));
   curve_.baseline = baseline_;
 }
@@ -440,11 +415,8 @@ void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start)
   bool tracing = std::find(trace_steps_.begin(), trace_steps_.end(), step + 1) != trace_steps_.end();
   if (tracing) trace::enable(true);
   int64_t syncs_before = host_sync_count();
-  pending_losses_.emplace_back(step + 1, train_step(step));
-  Tensor gnorm = T_.max_norm > 0 ? nn::clip_grad_norm_(model_->parameters(), T_.max_norm)
-                                 : nn::grad_norm(model_->parameters());
-  opt_->step();
-  opt_->zero_grad();
+  auto [step_loss, gnorm] = train_step(step);
+  pending_losses_.emplace_back(step + 1, step_loss);
   bool last = step + 1 == T_.steps;
   bool log_step = (step + 1) % M.log_interval == 0 || last || step == start;
   // Off the host the losses are read at log steps only (one sync); on the
@@ -602,8 +574,8 @@ void Trainer::finish(double total_s, int64_t start) {
 // draws the same tokens from the same seed; rank 0 prints them.
 void Trainer::sample(const std::string& when) {
   if (cfg_.sample.max_new_tokens <= 0) return;
-  const data::BpeTokenizer* tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
-  std::vector<int64_t> prompt = data::prompt_tokens(tokenizer, cfg_.sample.prompt);
+  const io::BpeTokenizer* tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+  std::vector<int64_t> prompt = io::prompt_tokens(tokenizer, cfg_.sample.prompt);
   if (rank_ == 0) {
     progress_->finish();
     std::printf("\n--- sample%s (temperature %.2f, top-k %lld) ---\n%s", when.empty() ? "" : (" at " + when).c_str(),
@@ -614,7 +586,7 @@ void Trainer::sample(const std::string& when) {
                 static_cast<uint64_t>(cfg_.job.seed)},
                [&](int64_t t) {
                  if (rank_ != 0) return;
-                 const std::string text = data::token_text(tokenizer, t);
+                 const std::string text = io::token_text(tokenizer, t);
                  std::fwrite(text.data(), 1, text.size(), stdout);
                  std::fflush(stdout);
                });
@@ -632,9 +604,9 @@ void set_threads_per_rank() {
 
 }  // namespace
 
-}  // namespace tessera::train
+}  // namespace tessera::tools
 
-using namespace tessera::train;
+using namespace tessera::tools;
 
 int main(int argc, char** argv) {
   tools::TrainConfig cfg;

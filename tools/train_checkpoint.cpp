@@ -12,7 +12,7 @@
 #include "runtime/random.h"
 #include "tools/trainer.h"
 
-namespace tessera::train {
+namespace tessera::tools {
 
 namespace fs = std::filesystem;
 
@@ -312,4 +312,4 @@ int64_t Trainer::restore_or_start() {
   return start;
 }
 
-}  // namespace tessera::train
+}  // namespace tessera::tools

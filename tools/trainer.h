@@ -16,14 +16,14 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
+#include "io/data.h"
+#include "io/tokenizer.h"
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "tools/config.h"
-#include "tools/data.h"
 #include "tools/report.h"
-#include "tools/tokenizer.h"
 
-namespace tessera::train {
+namespace tessera::tools {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -63,7 +63,7 @@ class Trainer {
   void run_step(int64_t step, int64_t start, Clock::time_point run_start);
   void write_trace(int64_t step);
   int stop_early(int64_t step);  // after a SIGINT/SIGTERM: the exit code
-  Tensor train_step(int64_t step);
+  std::pair<Tensor, Tensor> train_step(int64_t step);  // (loss, gradient norm), on the device
   // Reads the losses of the steps since the last read (one host sync) into
   // the curve; throws if any is not finite. Returns the newest.
   double read_losses();
@@ -90,8 +90,8 @@ class Trainer {
   std::unique_ptr<optim::Optimizer> opt_;
   optim::AdamW* adamw_ = nullptr;
   optim::LRSchedule schedule_;
-  std::unique_ptr<data::Loader> train_, val_;
-  std::optional<data::BpeTokenizer> tokenizer_;  // training.tokenizer, if set
+  std::unique_ptr<io::Loader> train_, val_;
+  std::optional<io::BpeTokenizer> tokenizer_;  // training.tokenizer, if set
   double baseline_ = 0;
   int64_t micro_global_ = 0, micro_local_ = 0;
   std::unique_ptr<tools::Progress> progress_;
@@ -126,4 +126,4 @@ class Trainer {
   }
 };
 
-}  // namespace tessera::train
+}  // namespace tessera::tools

@@ -37,3 +37,12 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/policies.h"
 #include "fsdp/state_dict.h"
+
+#include "io/data.h"
+#include "io/hf.h"
+#include "io/llmc.h"
+#include "io/tokenizer.h"
+
+#include "train/optimizer.h"
+#include "train/parallelize.h"
+#include "train/step.h"

@@ -19,11 +19,11 @@
 #include <string>
 
 #include "fsdp/checkpoint.h"
+#include "io/data.h"
+#include "io/tokenizer.h"
 #include "nn/safetensors.h"
 #include "runtime/distributed.h"
 #include "tools/config.h"
-#include "tools/data.h"
-#include "tools/tokenizer.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -33,7 +33,7 @@ namespace {
 enum class Target { Shards, Metadata, DataFile, Safetensors, Toml, Tokenizer };
 Target g_target;
 fs::path g_dir;  // this process's scratch folder (file readers read real files)
-std::optional<data::BpeTokenizer> g_bpe;  // the test fixture's GPT-2 style tokenizer
+std::optional<io::BpeTokenizer> g_bpe;  // the test fixture's GPT-2 style tokenizer
 
 void write_file(const fs::path& p, const uint8_t* data, size_t size) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
@@ -61,7 +61,7 @@ void run_one(const uint8_t* data, size_t size) {
     case Target::Shards: {
       fs::path p = g_dir / "shard.bin";
       write_file(p, data, size);
-      (void)data::read_shard(p.string());
+      (void)io::read_shard(p.string());
       break;
     }
     case Target::Metadata:
@@ -109,7 +109,7 @@ void run_one(const uint8_t* data, size_t size) {
       // itself under the fixture's tokenizer.
       std::string_view bytes(reinterpret_cast<const char*>(data), size);
       if (size > 0 && data[0] == '{') {
-        auto t = data::BpeTokenizer::from_json(std::string(bytes), "fuzz/tokenizer.json");
+        auto t = io::BpeTokenizer::from_json(std::string(bytes), "fuzz/tokenizer.json");
         std::vector<int64_t> ids = t.encode("Hello  world, it's 42\n<|endoftext|>\xff");
         (void)t.decode(ids);
       } else {
@@ -147,7 +147,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   g_datafile_md = fsdp::parse_metadata(kDataFileMetadata, "datafile seed");
   if (g_target == Target::Tokenizer) {
     const char* bpe = std::getenv("TESSERA_BPE");  // set by libfuzzer.sh
-    g_bpe = data::BpeTokenizer::load(bpe != nullptr ? bpe : "tests/fixtures/bpe/tokenizer.json");
+    g_bpe = io::BpeTokenizer::load(bpe != nullptr ? bpe : "tests/fixtures/bpe/tokenizer.json");
   }
   std::atexit([] { fs::remove_all(g_dir); });
   return 0;

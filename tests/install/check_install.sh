@@ -1,4 +1,4 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # Installs the build into a temporary root and checks it as an embedding
 # engine would use it:
 #   - libtessera.so.0 (SONAME) and libtessera.a are there;
@@ -8,7 +8,11 @@
 #     static with --static) and with CMake's find_package(Tessera) (shared and
 #     static), and each program runs
 #     without LD_LIBRARY_PATH; the static one also has no wider instruction
-#     outside the kernels' AVX2/AVX-512 copies (tests/tools/check_isa.sh).
+#     outside the kernels' AVX2/AVX-512 copies (tests/tools/check_isa.sh);
+#   - tests/install/train_hf.cpp, built the same four ways, loads a Hugging
+#     Face GPT-2 folder and its tokenizer.json, trains it with FSDP over 2 ranks
+#     for three steps and writes a checkpoint: its losses equal tessera-train's
+#     on the same data and seed, bit for bit.
 set -eu
 build_dir=$1
 source_dir=$2
@@ -75,3 +79,43 @@ env -u LD_LIBRARY_PATH ldd "$root/cmake-build/embed_shared" | grep -q "$libdir/l
 ! env -u LD_LIBRARY_PATH ldd "$root/cmake-build/embed_static" | grep -q libtessera || fail "CMake static program loads libtessera.so"
 [ "$sanitize" != none ] || "$source_dir/tests/tools/check_isa.sh" "$root/cmake-build/embed_static" "$native"
 echo "install: pkg-config (shared, static), CMake (shared, static) programs built and ran"
+
+# What tessera-train does, from the installed library alone: a Hugging Face
+# GPT-2 folder with its tokenizer (made here by tessera-train and tessera-ckpt
+# to-hf from the build), sharded over 2 ranks, three steps, a checkpoint.
+[ "$sanitize" = none ] || { echo "install: the training program is not run under $sanitize"; exit 0; }
+tools=$build_dir/tools
+mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none -np 2"
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+text=$source_dir/README.md  # any text the tokenizer encodes
+model=(--model.n_layer 2 --model.n_embd 48 --model.n_head 3 --model.vocab_size 1024 --training.seq_len 32)
+( cd "$root" && "$tools/tessera-train" "${model[@]}" --training.steps 4 --training.batch_size 4 \
+    --training.tokenizer "$source_dir/tests/fixtures/bpe/tokenizer.json" --training.dataset text \
+    --training.text "$text" --job.dump_folder src --training.data_dir src/data --checkpoint.enable true \
+    --sample.max_new_tokens 0 --metrics.progress off > src.log 2>&1 ) || { cat "$root/src.log"; fail "tessera-train could not make the model"; }
+"$tools/tessera-ckpt" to-hf "$root/src/checkpoint" "$root/hf" > /dev/null || fail "tessera-ckpt to-hf failed"
+[ -f "$root/hf/tokenizer.json" ] || fail "to-hf did not copy the tokenizer beside the model"
+"$tools/tessera-ckpt" from-hf "$root/hf" "$root/imported" > /dev/null || fail "tessera-ckpt from-hf failed"
+( cd "$root" && $mpi "$tools/tessera-train" "${model[@]}" --checkpoint.initial_load_path imported \
+    --training.tokenizer hf/tokenizer.json --training.dataset text --training.text "$text" --training.steps 3 \
+    --training.batch_size 8 --job.dump_folder ref --training.data_dir ref/data --sample.max_new_tokens 0 \
+    --metrics.log_interval 1 --metrics.progress off > ref.log 2>&1 ) || { cat "$root/ref.log"; fail "the reference run failed"; }
+want=$(python3 -c 'import json, sys
+print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if "\"loss\"" in l))' "$root/ref/metrics.jsonl")
+c++ -O1 -Wall -Wextra -Wpedantic -Werror "$source_dir/tests/install/train_hf.cpp" $flags -Wl,-rpath,"$libdir" \
+  -o "$root/train_hf" || fail "train_hf.cpp does not build with pkg-config"
+c++ -O1 "$source_dir/tests/install/train_hf.cpp" $cflags "$libdir/libtessera.a" \
+  $(pkg-config "$pcflags" --static --libs tessera | sed 's/-ltessera\b//') -o "$root/train_hf_static_pc" \
+  || fail "train_hf.cpp does not link statically with pkg-config --static"
+for prog in "$root/train_hf" "$root/train_hf_static_pc" "$root/cmake-build/train_hf_shared" \
+            "$root/cmake-build/train_hf_static"; do
+  work=$root/run-$(basename "$prog")
+  out=$(env -u LD_LIBRARY_PATH $mpi "$prog" "$root/hf" "$text" "$work" 2>&1) || { echo "$out"; fail "$prog failed"; }
+  got=$(python3 -c 'import sys
+print(" ".join(repr(float(l.split()[3])) for l in sys.stdin if l.startswith("step ")))' <<< "$out")
+  [ "$got" = "$want" ] || fail "$(basename "$prog"): losses $got, tessera-train's $want"
+  ls "$work"/checkpoint/step-00000003/metadata.json > /dev/null || fail "$(basename "$prog") wrote no checkpoint"
+  "$tools/tessera-ckpt" list "$work/checkpoint" > /dev/null || fail "the checkpoint of $(basename "$prog") does not read"
+done
+echo "install: a Hugging Face GPT-2 and its tokenizer trained with FSDP over 2 ranks from the installed library" \
+  "(pkg-config and CMake, shared and static): losses $want, equal to tessera-train's; checkpoints written"

@@ -226,10 +226,10 @@ TEST_CASE("Llama loss and gradients equal a primitive-op reference (f64)", "[nn]
 }
 
 TEST_CASE("GPT and Llama gradients match central differences (f64)", "[nn][gpt][llama]") {
-  auto cfg = tiny_cfg();
-  cfg.n_kv_head = 1;  // Llama: grouped-query attention
+  auto cfg = tiny_cfg(), gqa = cfg;
+  gqa.n_kv_head = 1;  // Llama: grouped-query attention
   std::vector<std::shared_ptr<nn::LanguageModel>> models = {std::make_shared<nn::GPT>(cfg),
-                                                            std::make_shared<nn::Llama>(cfg)};
+                                                            std::make_shared<nn::Llama>(gqa)};
   for (auto& m : models) {
     INFO(m->type_name());
     m->to(DType::F64);

@@ -195,7 +195,7 @@ TEST_CASE("bad input gives clear exceptions", "[nn][errors]") {
                     Catch::Contains("target 7 at position 1 is out of range for 5 classes"));
   auto cfg = tiny();
   cfg.n_head = 4;
-  CHECK_THROWS_WITH(nn::GPT(cfg), Catch::Contains("n_embd 6 is not divisible by n_head 4"));
+  CHECK_THROWS_WITH(nn::GPT(cfg), Catch::Contains("n_embd (6) must be divisible by n_head (4)"));
 }
 
 TEST_CASE("apply visits every module once, children before their parent", "[nn][module]") {

@@ -1,5 +1,5 @@
 // The planner against the run it plans: on every rank of 1-4, tessera-train's
-// model, FSDP and optimizer (tools::shard_model, make_optimizer,
+// model, FSDP and optimizer (train::parallelize, make_optimizer,
 // forward_backward) train two steps on the CPU, and tools::plan_run's
 // prediction for that rank is checked against what the allocator and the
 // process groups counted. Awkward sizes: 3 heads, a vocabulary of 259, shards
@@ -68,11 +68,11 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
   reset_peak_memory_stats();
   {
     auto model = tools::make_model(cfg, Device::meta());
-    tools::shard_model(*model, cfg, mesh);
+    train::parallelize(*model, mesh, tools::parallelism_options(cfg));
     model->to_empty(Device::cpu());
     model->init_weights(7);
     optim::AdamW* adamw = nullptr;
-    auto opt = tools::make_optimizer(*model, cfg, &adamw);
+    auto opt = train::make_optimizer(*model, tools::optimizer_options(cfg), &adamw);
     const int64_t dp = tools::data_parallel_ranks(cfg, world);
   const int64_t micro = cfg.training.batch_size / cfg.training.grad_accum / dp;
     for (int step = 0; step < 2; ++step) {
@@ -87,7 +87,7 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
         return std::pair{randint({micro, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed),
                          randint({micro, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed + 500)};
       };
-      Tensor loss = tools::forward_backward(*model, cfg.training.grad_accum, batch);
+      Tensor loss = train::forward_backward(*model, cfg.training.grad_accum, batch);
       nn::clip_grad_norm_(model->parameters(), cfg.training.max_norm);
       opt->step();
       opt->zero_grad();

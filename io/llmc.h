@@ -15,17 +15,17 @@
 
 #include <string>
 
-#include "nn/module.h"
-#include "tools/config.h"
+#include "nn/transformer.h"
 
-namespace tessera::tools {
+namespace tessera::io {
 
-// The model settings (and training.seq_len = max_seq_len) and weights (by
+// The model's configuration (block_size = max_seq_len) and weights (by
 // Tessera's names, float32) of an llm.c model file; every size and the file's
 // length are checked against the header, naming what differs.
-nn::StateDict read_llmc_model(TrainConfig& cfg, const std::string& path);
+nn::StateDict read_llmc_model(nn::TransformerConfig& cfg, const std::string& path);
 // Writes whole tensors by Tessera's names as an llm.c model file, in float32
 // (version 3) or bfloat16 (version 5); the model must be one llm.c computes.
-void write_llmc_model(const std::string& path, const TrainConfig& cfg, const nn::StateDict& weights, DType dtype);
+void write_llmc_model(const std::string& path, const nn::TransformerConfig& cfg, const nn::StateDict& weights,
+                      DType dtype);
 
-}  // namespace tessera::tools
+}  // namespace tessera::io

@@ -10,7 +10,7 @@
 
 #include "runtime/tensor.h"
 
-namespace tessera::data {
+namespace tessera::io {
 
 class BpeTokenizer;
 
@@ -43,6 +43,14 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
                                                          double val_fraction = 0.1,
                                                          const BpeTokenizer* tokenizer = nullptr);
 
+// The training and validation tokens of text files, as every rank of the job
+// needs them: <dir>/<name>_train.bin and _val.bin, prepared by rank 0 where
+// they are not there yet (the others wait; an error there is raised on
+// every rank), then read by each. What tessera-train's text datasets use.
+std::pair<std::vector<uint16_t>, std::vector<uint16_t>> text_dataset(const std::vector<std::string>& files,
+                                                                     const std::string& dir, const std::string& name,
+                                                                     const BpeTokenizer* tokenizer = nullptr);
+
 // A short fingerprint of a file's bytes (16 hex digits, FNV-1a): names the
 // shards a tokenizer made, so that a changed tokenizer never reuses them.
 std::string file_fingerprint(const std::string& path);
@@ -73,4 +81,4 @@ class Loader {
 double unigram_baseline(const std::vector<uint16_t>& train, const std::vector<uint16_t>& eval,
                         int64_t vocab);
 
-}  // namespace tessera::data
+}  // namespace tessera::io

@@ -1,4 +1,4 @@
-// Byte-level BPE from a Hugging Face tokenizer.json (tools/tokenizer.h) against
+// Byte-level BPE from a Hugging Face tokenizer.json (io/tokenizer.h) against
 // the `tokenizers` library: tests/fixtures/make_bpe_tokenizer.py trained two
 // tokenizers on the default corpus and wrote, for hostile texts and corpus
 // excerpts, the ids and decoded text that library gives.
@@ -12,11 +12,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/tokenizer.h"
 #include "runtime/check.h"
-#include "tools/tokenizer.h"
 
 using namespace tessera;
-using data::BpeTokenizer;
+using io::BpeTokenizer;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
@@ -72,12 +72,12 @@ TEST_CASE("bpe matches tokenizers", "[bpe]") {
   CHECK_FALSE(tok.added_token("<|end|>").has_value());
   check_cases(tok, "tokenizer");
   // What tessera-train's samples and tessera-generate print, with and without a tokenizer.
-  CHECK(data::prompt_tokens(&tok, "Hello world") == tok.encode("Hello world"));
-  CHECK(data::prompt_tokens(nullptr, "ab\xff") == std::vector<int64_t>{97, 98, 255});
-  CHECK(data::token_text(&tok, 0) == "<|endoftext|>");
-  CHECK(data::token_text(&tok, 1100) == "[1100]");  // a padded model vocabulary's id
-  CHECK(data::token_text(nullptr, 65) == "A");
-  CHECK(data::token_text(nullptr, 300) == "[300]");
+  CHECK(io::prompt_tokens(&tok, "Hello world") == tok.encode("Hello world"));
+  CHECK(io::prompt_tokens(nullptr, "ab\xff") == std::vector<int64_t>{97, 98, 255});
+  CHECK(io::token_text(&tok, 0) == "<|endoftext|>");
+  CHECK(io::token_text(&tok, 1100) == "[1100]");  // a padded model vocabulary's id
+  CHECK(io::token_text(nullptr, 65) == "A");
+  CHECK(io::token_text(nullptr, 300) == "[300]");
 }
 
 TEST_CASE("bpe add_prefix_space", "[bpe]") {
@@ -118,7 +118,7 @@ TEST_CASE("bpe round trips any bytes", "[bpe]") {
   std::string s = "I'll  see\t\tyou's 42x";
   std::vector<std::string> words;
   for (size_t i = 0; i < s.size();) {
-    size_t e = data::gpt2_word_end(s, i);
+    size_t e = io::gpt2_word_end(s, i);
     REQUIRE(e > i);
     words.push_back(s.substr(i, e - i));
     i = e;

@@ -1,4 +1,4 @@
-#include "tools/tokenizer.h"
+#include "io/tokenizer.h"
 
 #include <nlohmann/json.hpp>
 
@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "runtime/check.h"
-#include "tools/unicode_classes.h"
+#include "io/unicode_classes.h"
 
-namespace tessera::data {
+namespace tessera::io {
 
 using json = nlohmann::json;
 
@@ -431,4 +431,4 @@ std::string tokenizer_beside(const std::string& dir) {
   return "";
 }
 
-}  // namespace tessera::data
+}  // namespace tessera::io

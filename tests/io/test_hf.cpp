@@ -1,4 +1,4 @@
-// Hugging Face GPT-2 both ways (tools/hf.h), against a fixture written by
+// Hugging Face GPT-2 both ways (io/hf.h), against a fixture written by
 // transformers (tests/fixtures/make_hf_gpt2.py): a small random GPT-2 with
 // awkward sizes and the logits transformers computed for a batch of tokens.
 #include <cstdlib>
@@ -8,10 +8,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/hf.h"
 #include "nn/models.h"
 #include "nn/safetensors.h"
 #include "tests/helpers.h"
-#include "tools/hf.h"
 
 using namespace tessera;
 using namespace tessera::testing;
@@ -25,10 +25,10 @@ std::string fixture(const std::string& name = "hf-gpt2") {
 }
 
 // The model of an HF folder's config.json, with its weights.
-std::shared_ptr<nn::LanguageModel> load(const std::string& dir, tools::TrainConfig& cfg) {
-  tools::read_hf_config(cfg, dir);
-  auto model = tools::make_model(cfg, Device::cpu());
-  tools::load_weights(*model, tools::read_hf_weights(dir, cfg), cfg.model.tie_embeddings, dir);
+std::shared_ptr<nn::LanguageModel> load(const std::string& dir, nn::TransformerConfig& cfg) {
+  cfg = io::read_hf_config(dir);
+  auto model = io::load_hf_model(dir);
+  CHECK(model->config.n_embd == cfg.n_embd);
   return model;
 }
 
@@ -43,6 +43,14 @@ void check_same_tensors(const fs::path& ours_path, const fs::path& theirs_path) 
   }
 }
 
+// The fields an HF folder carries, equal.
+bool same_config(const nn::TransformerConfig& a, const nn::TransformerConfig& b) {
+  return a.arch == b.arch && a.vocab_size == b.vocab_size && a.block_size == b.block_size && a.n_layer == b.n_layer &&
+         a.n_head == b.n_head && a.kv_heads() == b.kv_heads() && a.n_embd == b.n_embd &&
+         a.mlp_hidden() == b.mlp_hidden() && a.bias == b.bias && a.tie_embeddings == b.tie_embeddings &&
+         a.rope_theta == b.rope_theta && a.norm_eps == b.norm_eps && a.gelu_tanh == b.gelu_tanh;
+}
+
 struct TempDir {
   fs::path path = fs::temp_directory_path() / ("tessera-hf-" + std::to_string(::getpid()));
   TempDir() { fs::create_directories(path); }
@@ -52,14 +60,15 @@ struct TempDir {
 }  // namespace
 
 TEST_CASE("a Hugging Face GPT-2 loads and gives transformers' logits", "[hf]") {
-  tools::TrainConfig cfg;
+  nn::TransformerConfig cfg;
   auto model = load(fixture(), cfg);
-  CHECK(cfg.model.n_layer == 2);
-  CHECK(cfg.model.n_head == 3);
-  CHECK(cfg.model.n_embd == 24);
-  CHECK(cfg.model.vocab_size == 67);
-  CHECK(cfg.training.seq_len == 13);
-  CHECK(cfg.model.gelu == "tanh");  // "gelu_new"
+  CHECK(cfg.arch == "gpt2");
+  CHECK(cfg.n_layer == 2);
+  CHECK(cfg.n_head == 3);
+  CHECK(cfg.n_embd == 24);
+  CHECK(cfg.vocab_size == 67);
+  CHECK(cfg.block_size == 13);
+  CHECK(cfg.gelu_tanh);  // "gelu_new"
   nn::SafetensorsFile expected((fs::path(fixture()) / "expected.safetensors").string());
   Tensor ids = expected.read("input_ids"), want = expected.read("logits");
   model->eval();
@@ -72,9 +81,9 @@ TEST_CASE("a Hugging Face GPT-2 loads and gives transformers' logits", "[hf]") {
   model->to(DType::F64);
   CHECK_CLOSE((*model)(ids), ops::to(want, DType::F64), 1e-5, 1e-5);
   // With the exact GELU instead (not what the file says), the logits move: the activation matters.
-  tools::TrainConfig exact = cfg;
-  exact.model.gelu = "exact";
-  auto other = tools::make_model(exact, Device::cpu());
+  nn::TransformerConfig exact = cfg;
+  exact.gelu_tanh = false;
+  auto other = nn::make_model(exact);
   other->load_state_dict(model->state_dict());
   other->to(DType::F32);
   other->eval();
@@ -82,10 +91,10 @@ TEST_CASE("a Hugging Face GPT-2 loads and gives transformers' logits", "[hf]") {
 }
 
 TEST_CASE("a GPT-2 written for Hugging Face reads back bit for bit, in transformers' layout", "[hf]") {
-  tools::TrainConfig cfg;
+  nn::TransformerConfig cfg;
   auto model = load(fixture(), cfg);
   TempDir out;
-  tools::write_hf(out.path.string(), cfg, model->state_dict());
+  io::write_hf(out.path.string(), cfg, model->state_dict());
   // The same tensors as the file transformers wrote, under the same names and
   // layout (Conv1D [in, out]); the tied output layer not stored.
   check_same_tensors(out.path / "model.safetensors", fs::path(fixture()) / "model.safetensors");
@@ -98,51 +107,84 @@ TEST_CASE("a GPT-2 written for Hugging Face reads back bit for bit, in transform
     CHECK(a[key] == b[key]);
   }
   // And it loads back as the same model.
-  tools::TrainConfig again;
+  nn::TransformerConfig again;
   auto reloaded = load(out.path.string(), again);
-  CHECK(tools::model_to_json(again) == tools::model_to_json(cfg));
+  CHECK(same_config(again, cfg));
+}
+
+TEST_CASE("a tied output layer is the embedding table, and a file contradicting its config is refused", "[hf]") {
+  const nn::TransformerConfig cfg = io::read_hf_config(fixture());
+  REQUIRE(cfg.tie_embeddings);
+  nn::StateDict w = io::read_hf_weights(fixture(), cfg);
+  std::map<std::string, Tensor> by_name(w.begin(), w.end());
+  REQUIRE(by_name.count("lm_head.weight") == 1);  // under the model's name too, as its state dict has it
+  CHECK(equal(by_name["lm_head.weight"], by_name["transformer.wte.weight"]));
+  // The same file with an lm_head.weight of its own: equal to wte is fine, another matrix is refused.
+  TempDir dir;
+  fs::copy_file(fs::path(fixture()) / "config.json", dir.path / "config.json");
+  nn::SafetensorsFile f((fs::path(fixture()) / "model.safetensors").string());
+  for (bool same : {true, false}) {
+    nn::StateDict state;
+    for (const auto& e : f.entries()) state.emplace_back(e.name, f.read(e.name));
+    Tensor wte = f.read("transformer.wte.weight");
+    state.emplace_back("lm_head.weight", same ? wte : ops::add(wte, 1e-3));
+    nn::save_safetensors((dir.path / "model.safetensors").string(), state);
+    if (same) {
+      CHECK(io::read_hf_weights(dir.path.string(), cfg).size() == w.size());
+    } else {
+      CHECK_THROWS_WITH(io::read_hf_weights(dir.path.string(), cfg),
+                        Catch::Contains("ties the output layer to the embedding") &&
+                            Catch::Contains("lm_head.weight that differs from transformer.wte.weight"));
+    }
+  }
 }
 
 TEST_CASE("Hugging Face GPT-2 folders Tessera cannot take are refused, naming why", "[hf][errors]") {
   TempDir dir;
   auto write = [&](const std::string& text) { std::ofstream(dir.path / "config.json") << text; };
-  tools::TrainConfig cfg;
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, (dir.path / "none").string()), Catch::Contains("cannot read"));
+  CHECK_THROWS_WITH(io::read_hf_config((dir.path / "none").string()), Catch::Contains("cannot read"));
   write("{\"model_type\": \"bert\"}");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()),
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()),
                     Catch::Contains("has model_type 'bert'; Tessera reads gpt2 (GPT2LMHeadModel) and llama"));
   write(R"({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8,
             "intermediate_size": 16, "vocab_size": 5, "max_position_embeddings": 8,
             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}})");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()), Catch::Contains("scales RoPE (rope_type 'llama3')"));
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()), Catch::Contains("scales RoPE (rope_type 'llama3')"));
   write(R"({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8,
             "intermediate_size": 16, "vocab_size": 5, "max_position_embeddings": 8, "hidden_act": "gelu"})");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()), Catch::Contains("hidden_act 'gelu'"));
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()), Catch::Contains("hidden_act 'gelu'"));
   write(R"({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "vocab_size": 5, "n_positions": 4,
             "activation_function": "relu"})");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()),
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()),
                     Catch::Contains("activation_function 'relu'"));
   write(R"({"model_type": "gpt2", "n_layer": 0})");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()),
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()),
                     Catch::Contains("needs \"n_layer\" as a positive integer, got 0"));
   write("{not json");
-  CHECK_THROWS_WITH(tools::read_hf_config(cfg, dir.path.string()), Catch::Contains("is not valid JSON"));
-  CHECK_THROWS_WITH(tools::read_hf_weights(dir.path.string(), cfg), Catch::Contains("has neither model.safetensors nor model.safetensors.index.json"));
-  cfg.model.arch = "gpt2";
-  cfg.model.rope = true;
-  CHECK_THROWS_WITH(tools::write_hf(dir.path.string(), cfg, {}), Catch::Contains("learned positions"));
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()), Catch::Contains("is not valid JSON"));
+  nn::TransformerConfig cfg;
+  CHECK_THROWS_WITH(io::read_hf_weights(dir.path.string(), cfg), Catch::Contains("has neither model.safetensors nor model.safetensors.index.json"));
+  cfg.arch = "gpt2";
+  cfg.rope = true;
+  CHECK_THROWS_WITH(io::write_hf(dir.path.string(), cfg, {}), Catch::Contains("learned positions"));
+  // What any model must satisfy is checked on import too, under the file's names.
+  write(R"({"model_type": "gpt2", "n_layer": 2, "n_head": 3, "n_embd": 8, "vocab_size": 5, "n_positions": 4})");
+  CHECK_THROWS_WITH(io::read_hf_config(dir.path.string()),
+                    Catch::Contains("config.json's \"n_embd\" (8) must be divisible by") &&
+                        Catch::Contains("config.json's \"n_head\" (3)"));
 }
 
 TEST_CASE("a Hugging Face Llama loads and gives transformers' logits, and writes back bit for bit", "[hf][llama]") {
-  tools::TrainConfig cfg;
+  nn::TransformerConfig cfg;
   auto model = load(fixture("hf-llama"), cfg);
-  CHECK(cfg.model.arch == "llama");
-  CHECK(cfg.model.n_kv_head == 2);  // grouped-query attention
-  CHECK(cfg.model.ffn_hidden == 40);
-  CHECK(cfg.model.rope_theta == 500.0);
-  CHECK(cfg.model.norm_eps == 1e-6);
-  CHECK_FALSE(cfg.model.tie_embeddings);
-  CHECK(cfg.training.seq_len == 16);
+  CHECK(cfg.arch == "llama");
+  CHECK(model->config.arch == "llama");
+  CHECK(cfg.n_kv_head == 2);  // grouped-query attention
+  CHECK(cfg.ffn_hidden == 40);
+  CHECK(cfg.rope_theta == 500.0);
+  CHECK(cfg.norm_eps == 1e-6);
+  CHECK_FALSE(cfg.tie_embeddings);
+  CHECK(cfg.block_size == 16);
   nn::SafetensorsFile expected((fs::path(fixture("hf-llama")) / "expected.safetensors").string());
   Tensor ids = expected.read("input_ids"), want = expected.read("logits");
   autograd::NoGradGuard no_grad;
@@ -151,31 +193,30 @@ TEST_CASE("a Hugging Face Llama loads and gives transformers' logits, and writes
   model->to(DType::F64);
   CHECK_CLOSE((*model)(ids), ops::to(want, DType::F64), 1e-5, 1e-5);
   // RoPE's base and RMSNorm's epsilon are read, not defaulted: Tessera's defaults give other logits.
-  for (auto change : {+[](tools::TrainConfig& c) { c.model.rope_theta = 10000.0; },
-                      +[](tools::TrainConfig& c) { c.model.norm_eps = 1e-5; }}) {
-    tools::TrainConfig other_cfg = cfg;
+  for (auto change : {+[](nn::TransformerConfig& c) { c.rope_theta = 10000.0; },
+                      +[](nn::TransformerConfig& c) { c.norm_eps = 1e-5; }}) {
+    nn::TransformerConfig other_cfg = cfg;
     change(other_cfg);
-    auto other = tools::make_model(other_cfg, Device::cpu());
+    auto other = nn::make_model(other_cfg);
     other->load_state_dict(model->state_dict());
     other->to(DType::F64);
     other->eval();
     CHECK_FALSE(allclose((*other)(ids), ops::to(want, DType::F64), 1e-5, 1e-5));
   }
   TempDir out;
-  tools::write_hf(out.path.string(), cfg, model->state_dict());
+  io::write_hf(out.path.string(), cfg, model->state_dict());
   check_same_tensors(out.path / "model.safetensors", fs::path(fixture("hf-llama")) / "model.safetensors");
-  tools::TrainConfig again;
+  nn::TransformerConfig again;
   load(out.path.string(), again);
-  CHECK(tools::model_to_json(again) == tools::model_to_json(cfg));
+  CHECK(same_config(again, cfg));
 }
 
 TEST_CASE("a sharded Hugging Face Llama reads as the one file", "[hf][llama]") {
   // save_pretrained's layout above max_shard_size: model-0000N-of-0000M.safetensors
   // and model.safetensors.index.json mapping each tensor to its file.
   const fs::path src = fixture("hf-llama");
-  tools::TrainConfig cfg;
-  tools::read_hf_config(cfg, src.string());
-  nn::StateDict whole = tools::read_hf_weights(src.string(), cfg);
+  const nn::TransformerConfig cfg = io::read_hf_config(src.string());
+  nn::StateDict whole = io::read_hf_weights(src.string(), cfg);
   nn::SafetensorsFile f((src / "model.safetensors").string());
   const auto& entries = f.entries();
   REQUIRE(entries.size() > 3);
@@ -196,7 +237,7 @@ TEST_CASE("a sharded Hugging Face Llama reads as the one file", "[hf][llama]") {
     std::ofstream(dir.path / "model.safetensors.index.json") << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", m}}.dump();
   };
   write_index(map);
-  nn::StateDict sharded = tools::read_hf_weights(dir.path.string(), cfg);
+  nn::StateDict sharded = io::read_hf_weights(dir.path.string(), cfg);
   REQUIRE(sharded.size() == whole.size());
   std::map<std::string, Tensor> by_name(sharded.begin(), sharded.end());
   for (const auto& [name, t] : whole) {
@@ -207,7 +248,7 @@ TEST_CASE("a sharded Hugging Face Llama reads as the one file", "[hf][llama]") {
   // An index and shards that disagree are refused, naming the tensor.
   auto error = [&] {
     try {
-      tools::read_hf_weights(dir.path.string(), cfg);
+      io::read_hf_weights(dir.path.string(), cfg);
     } catch (const Error& e) {
       return std::string(e.what());
     }

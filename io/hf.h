@@ -14,28 +14,32 @@
 // RoPE's base, and whether the output layer is tied.
 #pragma once
 
+#include <memory>
 #include <string>
 
-#include "nn/module.h"
-#include "tools/config.h"
+#include "nn/models.h"
 
-namespace tessera::tools {
+namespace tessera::io {
 
-// The [model] settings (and training.seq_len: GPT-2's n_positions, Llama's
-// max_position_embeddings) of the model in an HF folder's config.json;
-// throws naming the field Tessera cannot take.
-void read_hf_config(TrainConfig& cfg, const std::string& dir);
-// Its weights under Tessera's names and layout, as float32 tensors (cfg: as
-// read_hf_config left it): model.safetensors, or the shards that
+// The model in an HF folder's config.json, as Tessera's configuration (arch
+// gpt2 or llama; block_size: GPT-2's n_positions, Llama's
+// max_position_embeddings), validated as any model is; throws naming the
+// file and the field Tessera cannot take.
+nn::TransformerConfig read_hf_config(const std::string& dir);
+// Its weights under Tessera's names and layout, as float32 tensors (cfg: what
+// read_hf_config returned): model.safetensors, or the shards that
 // model.safetensors.index.json maps every tensor to.
-nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg);
+nn::StateDict read_hf_weights(const std::string& dir, const nn::TransformerConfig& cfg);
 // Writes `weights` (whole tensors by Tessera's names) as an HF folder:
 // model.safetensors in float32 and config.json. gpt2 needs learned
 // positions, biases and a tied output layer; llama takes any Tessera Llama.
-void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights);
-// Copies `weights` (Tessera's names) into `model`: every weight the model has
-// must be there with its shape (a tied output layer is its embedding table),
-// and none may be left over; errors name `source`.
+void write_hf(const std::string& dir, const nn::TransformerConfig& cfg, const nn::StateDict& weights);
+// Copies `weights` (Tessera's names) into `model` (plain tensors: a model not
+// yet sharded; a sharded one takes them through fsdp::load_full_state_dict):
+// every weight the model has must be there with its shape (a tied output layer
+// is its embedding table), and none may be left over; errors name `source`.
 void load_weights(nn::Module& model, const nn::StateDict& weights, bool tied, const std::string& source);
+// read_hf_config, nn::make_model on `device` and load_weights in one call.
+std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir, Device device = Device::cpu());
 
-}  // namespace tessera::tools
+}  // namespace tessera::io

@@ -24,7 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace tessera::data {
+namespace tessera::io {
 
 class BpeTokenizer {
  public:
@@ -88,4 +88,4 @@ std::string tokenizer_beside(const std::string& dir);
 // at byte `begin` of `text`. Exposed for tests.
 size_t gpt2_word_end(std::string_view text, size_t begin);
 
-}  // namespace tessera::data
+}  // namespace tessera::io

@@ -1,4 +1,4 @@
-#include "tools/data.h"
+#include "io/data.h"
 
 #include <cmath>
 #include <cstdio>
@@ -6,10 +6,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "runtime/distributed.h"
 #include "runtime/random.h"
-#include "tools/tokenizer.h"
+#include "io/tokenizer.h"
 
-namespace tessera::data {
+namespace tessera::io {
 
 namespace fs = std::filesystem;
 
@@ -216,4 +217,23 @@ double unigram_baseline(const std::vector<uint16_t>& train, const std::vector<ui
   return eval.empty() ? 0.0 : nll / static_cast<double>(eval.size());
 }
 
-}  // namespace tessera::data
+std::pair<std::vector<uint16_t>, std::vector<uint16_t>> text_dataset(const std::vector<std::string>& files,
+                                                                     const std::string& dir, const std::string& name,
+                                                                     const BpeTokenizer* tokenizer) {
+  const std::string train_path = (std::filesystem::path(dir) / (name + "_train.bin")).string();
+  const std::string val_path = (std::filesystem::path(dir) / (name + "_val.bin")).string();
+  std::string error;
+  if (dist::rank() == 0 && (!std::filesystem::exists(train_path) || !std::filesystem::exists(val_path))) {
+    try {
+      std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(), train_path.c_str(),
+                  val_path.c_str());
+      prepare_text_dataset(files, dir, name, 0.1, tokenizer);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  dist::throw_if_any_failed(dist::world(), error, "preparing the data");
+  return {read_shard(train_path), read_shard(val_path)};
+}
+
+}  // namespace tessera::io

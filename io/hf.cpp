@@ -1,4 +1,4 @@
-#include "tools/hf.h"
+#include "io/hf.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -13,7 +13,7 @@
 #include "runtime/check.h"
 #include "runtime/ops.h"
 
-namespace tessera::tools {
+namespace tessera::io {
 
 namespace {
 
@@ -54,8 +54,7 @@ int64_t positive(const json& c, const char* key, const std::string& path) {
 
 namespace {
 
-void read_gpt2_config(TrainConfig& cfg, const json& c, const std::string& path) {
-  auto& m = cfg.model;
+void read_gpt2_config(nn::TransformerConfig& m, const json& c, const std::string& path) {
   m.arch = "gpt2";
   m.n_layer = positive(c, "n_layer", path);
   m.n_head = positive(c, "n_head", path);
@@ -72,7 +71,7 @@ void read_gpt2_config(TrainConfig& cfg, const json& c, const std::string& path) 
   TS_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu",
            "Hugging Face GPT-2: {} has activation_function '{}'; Tessera's GPT-2 MLP takes gelu_new or "
            "gelu_pytorch_tanh (model.gelu tanh) and gelu (exact)", path, act);
-  m.gelu = act == "gelu" ? "exact" : "tanh";
+  m.gelu_tanh = act != "gelu";
   const double eps = c.value("layer_norm_epsilon", 1e-5);
   TS_CHECK(std::abs(eps - 1e-5) <= 1e-12, "Hugging Face GPT-2: {} has layer_norm_epsilon {}; Tessera's GPT-2 "
            "LayerNorm uses 1e-5", path, eps);
@@ -82,11 +81,10 @@ void read_gpt2_config(TrainConfig& cfg, const json& c, const std::string& path) 
            "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn); Tessera's is 1/sqrt(head size)", path);
   m.dropout = 0.0;
   m.norm_eps = 1e-5;
-  cfg.training.seq_len = positive(c, "n_positions", path);  // the learned positions' table
+  m.block_size = positive(c, "n_positions", path);  // the learned positions' table
 }
 
-void read_llama_config(TrainConfig& cfg, const json& c, const std::string& path) {
-  auto& m = cfg.model;
+void read_llama_config(nn::TransformerConfig& m, const json& c, const std::string& path) {
   m.arch = "llama";
   m.n_layer = positive(c, "num_hidden_layers", path);
   m.n_head = positive(c, "num_attention_heads", path);
@@ -117,23 +115,40 @@ void read_llama_config(TrainConfig& cfg, const json& c, const std::string& path)
   TS_CHECK(type == "default", "Hugging Face Llama: {} scales RoPE (rope_type '{}'); Tessera computes the "
            "unscaled rotation only", path, type);
   m.rope_theta = c.value("rope_theta", rope != nullptr ? rope->value("rope_theta", 10000.0) : 10000.0);
-  cfg.training.seq_len = positive(c, "max_position_embeddings", path);
+  m.block_size = positive(c, "max_position_embeddings", path);
 }
 
 }  // namespace
 
-void read_hf_config(TrainConfig& cfg, const std::string& dir) {
+nn::TransformerConfig read_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   const json c = read_json(path);
   TS_CHECK(c.is_object(), "Hugging Face model: {} must hold a JSON object", path);
   const std::string type = c.value("model_type", std::string());
-  if (type == "gpt2") return read_gpt2_config(cfg, c, path);
-  if (type == "llama") return read_llama_config(cfg, c, path);
-  TS_CHECK(false, "Hugging Face model: {} has model_type '{}'; Tessera reads gpt2 (GPT2LMHeadModel) and llama "
-           "(LlamaForCausalLM)", path, type);
+  nn::TransformerConfig m;
+  if (type == "gpt2") read_gpt2_config(m, c, path);
+  else if (type == "llama") read_llama_config(m, c, path);
+  else
+    TS_CHECK(false, "Hugging Face model: {} has model_type '{}'; Tessera reads gpt2 (GPT2LMHeadModel) and llama "
+             "(LlamaForCausalLM)", path, type);
+  // What any model must satisfy, checked before anything is built or written,
+  // under the file's own names.
+  const bool gpt2 = type == "gpt2";
+  const std::map<std::string, std::string> keys = {
+      {"n_layer", gpt2 ? "n_layer" : "num_hidden_layers"},  {"n_head", gpt2 ? "n_head" : "num_attention_heads"},
+      {"n_embd", gpt2 ? "n_embd" : "hidden_size"},           {"n_kv_head", "num_key_value_heads"},
+      {"ffn_hidden", gpt2 ? "n_inner" : "intermediate_size"}, {"vocab_size", "vocab_size"},
+      {"block_size", gpt2 ? "n_positions" : "max_position_embeddings"},
+      {"norm_eps", gpt2 ? "layer_norm_epsilon" : "rms_norm_eps"}, {"rope_theta", "rope_theta"},
+      {"gelu_tanh", "activation_function"}};
+  m.validate([&](const char* field) {
+    auto it = keys.find(field);
+    return fmt::format("Hugging Face model: {}'s \"{}\"", path, it != keys.end() ? it->second : field);
+  });
+  return m;
 }
 
-nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
+nn::StateDict read_hf_weights(const std::string& dir, const nn::TransformerConfig& cfg) {
   // One model.safetensors, or the shards model.safetensors.index.json names
   // (save_pretrained splits models above its max_shard_size, 5 GB by default).
   const std::string single = (fs::path(dir) / "model.safetensors").string();
@@ -160,7 +175,7 @@ nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
       shards[(fs::path(dir) / f).string()].push_back(name);
     }
   }
-  const bool gpt2 = cfg.model.arch == "gpt2";
+  const bool gpt2 = cfg.arch == "gpt2";
   nn::StateDict out;
   for (const auto& [path, listed] : shards) {
     nn::SafetensorsFile f(path);
@@ -190,6 +205,28 @@ nn::StateDict read_hf_weights(const std::string& dir, const TrainConfig& cfg) {
       out.emplace_back(name, t);
     }
   }
+  // A tied output layer is its embedding table: named under both, as the
+  // model's state dict has it. A file that also stores a different lm_head
+  // contradicts its own config.json, and is refused rather than read as either.
+  if (cfg.tie_embeddings) {
+    const std::string table = gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight";
+    auto find = [&](const std::string& name) {
+      return std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == name; });
+    };
+    auto embedding = find(table), head = find("lm_head.weight");
+    TS_CHECK(embedding != out.end(), "Hugging Face model: {} has no {}", dir, table);
+    if (head == out.end()) {
+      out.emplace_back("lm_head.weight", embedding->second);
+    } else {
+      const bool same = head->second.shape() == embedding->second.shape() &&
+                        ops::sum(ops::binary(ops::BinaryOp::Ne, head->second, embedding->second), {}, false, DType::F64)
+                                .item() == 0;
+      TS_CHECK(same,
+               "Hugging Face model: {}'s config.json ties the output layer to the embedding (tie_word_embeddings), "
+               "but its weights hold an lm_head.weight that differs from {}; untie it in config.json, or drop "
+               "lm_head.weight", dir, table);
+    }
+  }
   return out;
 }
 
@@ -210,12 +247,11 @@ void load_weights(nn::Module& model, const nn::StateDict& weights, bool tied, co
            weights.size(), used);
 }
 
-void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDict& weights) {
-  const auto& m = cfg.model;
+void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::StateDict& weights) {
   const bool gpt2 = m.arch == "gpt2";
   TS_CHECK(!gpt2 || (!m.rope && m.bias && m.tie_embeddings),
            "Hugging Face GPT-2 export: the model must be gpt2 with learned positions, biases and a tied output "
-           "layer (model.arch {}, model.rope {}, model.bias {}, model.tie_embeddings {})",
+           "layer (arch {}, rope {}, bias {}, tie_embeddings {})",
            m.arch, m.rope, m.bias, m.tie_embeddings);
   fs::create_directories(dir);
   std::vector<nn::SafetensorsEntry> entries;
@@ -236,12 +272,12 @@ void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDic
   if (gpt2) {
     c = {{"architectures", {"GPT2LMHeadModel"}},
          {"model_type", "gpt2"},
-         {"activation_function", m.gelu == "tanh" ? "gelu_new" : "gelu"},
+         {"activation_function", m.gelu_tanh ? "gelu_new" : "gelu"},
          {"n_layer", m.n_layer},
          {"n_head", m.n_head},
          {"n_embd", m.n_embd},
          {"n_inner", m.ffn_hidden > 0 ? json(m.ffn_hidden) : json(nullptr)},
-         {"n_positions", cfg.training.seq_len},
+         {"n_positions", m.block_size},
          {"vocab_size", m.vocab_size},
          {"layer_norm_epsilon", m.norm_eps},
          {"tie_word_embeddings", true},
@@ -267,7 +303,7 @@ void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDic
          {"head_dim", m.n_embd / m.n_head},
          {"hidden_size", m.n_embd},
          {"intermediate_size", hidden},
-         {"max_position_embeddings", cfg.training.seq_len},
+         {"max_position_embeddings", m.block_size},
          {"vocab_size", m.vocab_size},
          {"rms_norm_eps", m.norm_eps},
          {"rope_theta", m.rope_theta},
@@ -282,4 +318,12 @@ void write_hf(const std::string& dir, const TrainConfig& cfg, const nn::StateDic
   std::ofstream((fs::path(dir) / "config.json").string()) << c.dump(2) << "\n";
 }
 
-}  // namespace tessera::tools
+std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir, Device device) {
+  const nn::TransformerConfig cfg = read_hf_config(dir);
+  auto model = nn::make_model(cfg, Device::meta());
+  model->to_empty(device);
+  load_weights(*model, read_hf_weights(dir, cfg), cfg.tie_embeddings, dir);
+  return model;
+}
+
+}  // namespace tessera::io

@@ -1,4 +1,4 @@
-#include "tools/llmc_model.h"
+#include "io/llmc.h"
 
 #include <fmt/format.h>
 
@@ -10,9 +10,10 @@
 #include <memory>
 
 #include "runtime/check.h"
+#include "runtime/checked.h"
 #include "runtime/ops.h"
 
-namespace tessera::tools {
+namespace tessera::io {
 
 namespace {
 
@@ -65,7 +66,7 @@ using File = std::unique_ptr<std::FILE, FileCloser>;
 
 }  // namespace
 
-nn::StateDict read_llmc_model(TrainConfig& cfg, const std::string& path) {
+nn::StateDict read_llmc_model(nn::TransformerConfig& cfg, const std::string& path) {
   std::error_code ec;
   TS_CHECK(std::filesystem::is_regular_file(path, ec), "llm.c model '{}' does not exist or is not a file", path);
   File f(std::fopen(path.c_str(), "rb"));
@@ -83,15 +84,7 @@ nn::StateDict read_llmc_model(TrainConfig& cfg, const std::string& path) {
     TS_CHECK(v > 0, "llm.c model '{}': header {} is {}, expected a positive size", path, name, v);
   TS_CHECK(s.Vp >= s.V && s.C % s.NH == 0, "llm.c model '{}': padded_vocab_size {} < vocab_size {}, or channels {} "
            "not divisible by num_heads {}", path, s.Vp, s.V, s.C, s.NH);
-  const DType stored = h[1] == kVersionBF16 ? DType::BF16 : DType::F32;
-  const auto blocks = layout(s);
-  int64_t numel = 0;
-  for (const auto& b : blocks) numel += shape_numel(b.shape);
-  const auto want = static_cast<uintmax_t>(1024 + numel * static_cast<int64_t>(dtype_size(stored)));
-  const auto size = std::filesystem::file_size(path, ec);
-  TS_CHECK(!ec && size == want, "llm.c model '{}' is {} bytes, but its header ({} layers, {} channels, {} x {} "
-           "tokens, version {}) needs exactly {}", path, size, s.L, s.C, s.Vp, s.maxT, h[1], want);
-  auto& m = cfg.model;
+  nn::TransformerConfig m;
   m.arch = "gpt2";
   m.n_layer = s.L;
   m.n_head = s.NH;
@@ -102,10 +95,25 @@ nn::StateDict read_llmc_model(TrainConfig& cfg, const std::string& path) {
   m.bias = true;
   m.tie_embeddings = true;
   m.rope = false;
-  m.gelu = "tanh";
+  m.gelu_tanh = true;
   m.dropout = 0.0;
   m.norm_eps = 1e-5;
-  cfg.training.seq_len = s.maxT;
+  m.block_size = s.maxT;
+  m.validate([&](const char* field) { return fmt::format("llm.c model '{}': {}", path, field); });
+  // Every size the header claims checked (products included) before any is used.
+  const DType stored = h[1] == kVersionBF16 ? DType::BF16 : DType::F32;
+  const auto blocks = layout(s);
+  CheckedInt numel{0, "0"};
+  for (const auto& b : blocks) {
+    CheckedInt n{1, b.what};
+    for (int64_t d : b.shape) n = n * d;
+    numel = numel + n;
+  }
+  const auto want = static_cast<uintmax_t>((numel * static_cast<int64_t>(dtype_size(stored)) + 1024).value);
+  const auto size = std::filesystem::file_size(path, ec);
+  TS_CHECK(!ec && size == want, "llm.c model '{}' is {} bytes, but its header ({} layers, {} channels, {} x {} "
+           "tokens, version {}) needs exactly {}", path, size, s.L, s.C, s.Vp, s.maxT, h[1], want);
+  cfg = m;
   nn::StateDict out;
   for (const auto& b : blocks) {
     Tensor block = empty(b.shape, stored);
@@ -123,18 +131,18 @@ nn::StateDict read_llmc_model(TrainConfig& cfg, const std::string& path) {
   return out;
 }
 
-void write_llmc_model(const std::string& path, const TrainConfig& cfg, const nn::StateDict& weights, DType dtype) {
-  const auto& m = cfg.model;
+void write_llmc_model(const std::string& path, const nn::TransformerConfig& m, const nn::StateDict& weights,
+                      DType dtype) {
   TS_CHECK(dtype == DType::F32 || dtype == DType::BF16, "llm.c model: float32 or bfloat16, not {}",
            dtype_name(dtype));
   TS_CHECK(m.arch == "gpt2" && m.bias && m.tie_embeddings && !m.rope && (m.ffn_hidden == 0 || m.ffn_hidden == 4 * m.n_embd),
            "llm.c model: llm.c's GPT-2 has biases, a tied output layer, learned positions and a 4 x n_embd MLP "
-           "(model.arch {}, model.bias {}, model.tie_embeddings {}, model.rope {}, model.ffn_hidden {})",
+           "(arch {}, bias {}, tie_embeddings {}, rope {}, ffn_hidden {})",
            m.arch, m.bias, m.tie_embeddings, m.rope, m.ffn_hidden);
-  TS_CHECK(m.gelu == "tanh", "llm.c model: llm.c computes GELU's tanh approximation, but this model uses the exact "
-           "GELU (model.gelu exact); it would compute another function there");
+  TS_CHECK(m.gelu_tanh, "llm.c model: llm.c computes GELU's tanh approximation, but this model uses the exact "
+           "GELU (gelu_tanh false: tessera-train's model.gelu exact); it would compute another function there");
   std::map<std::string, Tensor> by_name(weights.begin(), weights.end());
-  Sizes s{cfg.training.seq_len, m.vocab_size, m.n_layer, m.n_head, m.n_embd, (m.vocab_size + 127) / 128 * 128};
+  Sizes s{m.block_size, m.vocab_size, m.n_layer, m.n_head, m.n_embd, (m.vocab_size + 127) / 128 * 128};
   std::array<int32_t, 256> h{};
   h[0] = kMagic;
   h[1] = dtype == DType::BF16 ? kVersionBF16 : kVersionF32;
@@ -177,4 +185,4 @@ void write_llmc_model(const std::string& path, const TrainConfig& cfg, const nn:
   std::filesystem::rename(tmp, path);
 }
 
-}  // namespace tessera::tools
+}  // namespace tessera::io

@@ -1,0 +1,60 @@
+// The parallelism recipe of a language model, from plain options (in the
+// spirit of TorchTitan's parallelize_llama): the device mesh the degrees make,
+// tensor parallelism over its innermost dim, FSDP (HSDP on a 2-D data-parallel
+// mesh) over the others, mixed precision and prefetch. What tessera-train and
+// the planner run; an embedder's program calls the same.
+//
+//   train::ParallelismOptions opt{.tp = 2, .param_dtype = DType::BF16};
+//   MeshPtr mesh = train::make_mesh(opt);
+//   auto model = nn::make_model(cfg, Device::meta());
+//   train::parallelize(*model, mesh, opt);
+//   model->to_empty(mesh->device());
+//   model->init_weights(seed);
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dtensor/device_mesh.h"
+#include "nn/models.h"
+#include "runtime/checked.h"
+
+namespace tessera::train {
+
+struct ParallelismOptions {
+  int64_t dp_replicate = 1;  // > 1: HSDP, a 2-D (dp_replicate, dp_shard) mesh
+  int64_t dp_shard = -1;     // ranks a parameter is sharded over (-1: the ranks left)
+  // > 1: Megatron tensor parallelism (tp/parallelize.h) over groups of this
+  // many consecutive ranks, the mesh's innermost dim.
+  int64_t tp = 1;
+  bool loss_parallel = true;       // with tp: the output layer split over the vocabulary, the loss on its shards
+  bool sequence_parallel = false;  // with tp: the residual stream and norms split on the sequence too
+  // FSDP: free each block's gathered parameters after forward (false: ZeRO-2,
+  // no all-gather in backward); a degree > 0 keeps them sharded over groups of
+  // that many ranks instead (ZeRO++'s hpZ), and must divide dp_shard.
+  bool reshard_after_forward = true;
+  int64_t reshard_after_forward_degree = 0;
+  bool prefetch = true;  // false: each group's all-gather only when the group runs
+  DType param_dtype = DType::F32;   // the gathered parameters' (and the computation's) dtype
+  DType reduce_dtype = DType::F32;  // the gradients' reduce-scatter dtype
+};
+
+// The mesh, outermost dim first: dp_replicate (when > 1), dp_shard, tp (when
+// > 1), for world_size ranks; throws naming the option (through `names`, as
+// nn's validation does) when the degrees do not make world_size.
+struct MeshDims {
+  Shape shape;
+  std::vector<std::string> names;
+  int64_t replicate = 1, shard = 1, tp = 1;
+  int64_t data_parallel() const { return replicate * shard; }  // ranks that see different data
+};
+MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const FieldNames& names = {});
+// init_device_mesh over every rank of the job with mesh_dims' shape and names.
+MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_type = "cpu");
+
+// Shards `model` (built on meta, not yet materialised) over `mesh` (made by
+// make_mesh): tensor parallelism over its "tp" dim when it has one, then FSDP
+// over the others, each block and then the root.
+void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& options);
+
+}  // namespace tessera::train

@@ -1,0 +1,39 @@
+// One training step of a language model: its micro-batches' forward and
+// backward passes, the loss averaged over micro-batches and ranks, gradient
+// clipping and the optimizer's update. What tessera-train's loop calls each
+// step; the planner runs the same on the meta device.
+#pragma once
+
+#include <functional>
+#include <utility>
+
+#include "nn/models.h"
+#include "nn/optim.h"
+#include "runtime/distributed.h"
+
+namespace tessera::train {
+
+// Micro-batch m's (inputs, targets) on the model's device.
+using BatchFn = std::function<std::pair<Tensor, Tensor>(int64_t micro_batch)>;
+
+// The forward and backward passes of one optimizer step: grad_accum
+// micro-batches, each loss scaled by 1 / grad_accum, gradients reduced after
+// the last. Returns the sum of the micro-batches' losses (f64, on the device,
+// not read: no host sync).
+Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const BatchFn& batch);
+
+struct StepOptions {
+  int64_t grad_accum = 1;  // micro-batches per step
+  double max_norm = 1.0;   // gradient clipping (0: off; the norm is still computed)
+};
+struct StepResult {
+  Tensor loss;       // the mean over micro-batches and `loss_group`'s ranks: f64 [1], on the device
+  Tensor grad_norm;  // the total gradient norm before clipping (0-dim, on the device)
+};
+// Sets the learning rate, runs forward_backward, averages the loss over the
+// ranks of `loss_group` (null or one rank: none), clips, steps and zeroes the
+// gradients. Nothing is read on the host.
+StepResult train_step(nn::LanguageModel& model, optim::Optimizer& optimizer, double lr, const StepOptions& options,
+                      const BatchFn& batch, const dist::ProcessGroupPtr& loss_group);
+
+}  // namespace tessera::train
