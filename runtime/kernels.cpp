@@ -22,7 +22,7 @@ bool KernelTable::supports(OpId op) const {
   case OpId::name: return name != nullptr;
 #define TS_NO_KERNEL(name, family) \
   case OpId::name: return false;
-    TESSERA_OPS(TS_HAS_KERNEL, TS_NO_KERNEL)
+    TESSERA_OPS(TS_HAS_KERNEL, TS_HAS_KERNEL, TS_NO_KERNEL)
 #undef TS_HAS_KERNEL
 #undef TS_NO_KERNEL
   }

@@ -6,6 +6,7 @@
 // Internal to the library (not installed): adding an op adds an entry.
 #pragma once
 
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -24,15 +25,19 @@ struct KernelTable {
   // out, ...)`. Null where the backend lacks the kernel.
 #define TS_KERNEL_ENTRY(name, family, compute, params) void(*name) params = nullptr;
 #define TS_NO_ENTRY(name, family)
-  TESSERA_OPS(TS_KERNEL_ENTRY, TS_NO_ENTRY)
+  TESSERA_OPS(TS_KERNEL_ENTRY, TS_KERNEL_ENTRY, TS_NO_ENTRY)
 #undef TS_KERNEL_ENTRY
+  // The kernels the backend says it does not have (the CUDA table: the
+  // list's CPU_KERNEL rows). Any other null entry is a forgotten one:
+  // tests/runtime/test_ops.cpp fails on it.
+  std::array<bool, kNumOps> lacks{};
   // Whether the table has `op`'s kernel (false for ops without a kernel row).
   bool supports(OpId op) const;
 };
 
 // A table with the device it serves: what `kernels` and `dispatch` return.
 // Each call has its entry's name and arguments and throws when the backend
-// lacks the kernel.
+// lacks the kernel (an op with a composite checks supports() first).
 class Kernels {
  public:
   Kernels(const KernelTable& table, Device device) : table_(&table), device_(device) {}
@@ -45,7 +50,7 @@ class Kernels {
     if (table_->name == nullptr) missing(OpId::name);        \
     table_->name(std::forward<A>(args)...);                  \
   }
-  TESSERA_OPS(TS_KERNEL_CALL, TS_NO_ENTRY)
+  TESSERA_OPS(TS_KERNEL_CALL, TS_KERNEL_CALL, TS_NO_ENTRY)
 #undef TS_KERNEL_CALL
 
  private:

@@ -18,23 +18,24 @@ enum class OpFamily : uint8_t {
 // Every op of runtime/op_list.h, in its order.
 enum class OpId : uint16_t {
 #define TS_OP_ID(name, ...) name,
-  TESSERA_OPS(TS_OP_ID, TS_OP_ID)
+  TESSERA_OPS(TS_OP_ID, TS_OP_ID, TS_OP_ID)
 #undef TS_OP_ID
 };
 
 namespace detail {
 #define TS_OP_COUNT(...) +1
-inline constexpr int kNumOps = 0 TESSERA_OPS(TS_OP_COUNT, TS_OP_COUNT);
+inline constexpr int kNumOps = 0 TESSERA_OPS(TS_OP_COUNT, TS_OP_COUNT, TS_OP_COUNT);
 #undef TS_OP_COUNT
 #define TS_OP_NAME(name, ...) #name,
-inline constexpr const char* kOpNames[] = {TESSERA_OPS(TS_OP_NAME, TS_OP_NAME)};
+inline constexpr const char* kOpNames[] = {TESSERA_OPS(TS_OP_NAME, TS_OP_NAME, TS_OP_NAME)};
 #undef TS_OP_NAME
 #define TS_OP_FAMILY(name, family, ...) OpFamily::family,
-inline constexpr OpFamily kOpFamilies[] = {TESSERA_OPS(TS_OP_FAMILY, TS_OP_FAMILY)};
+inline constexpr OpFamily kOpFamilies[] = {TESSERA_OPS(TS_OP_FAMILY, TS_OP_FAMILY, TS_OP_FAMILY)};
 #undef TS_OP_FAMILY
 #define TS_KERNEL_YES(...) true,
 #define TS_KERNEL_NO(...) false,
-inline constexpr bool kOpHasKernel[] = {TESSERA_OPS(TS_KERNEL_YES, TS_KERNEL_NO)};
+inline constexpr bool kOpHasKernel[] = {TESSERA_OPS(TS_KERNEL_YES, TS_KERNEL_YES, TS_KERNEL_NO)};
+inline constexpr bool kOpCpuOnly[] = {TESSERA_OPS(TS_KERNEL_NO, TS_KERNEL_YES, TS_KERNEL_NO)};
 #undef TS_KERNEL_YES
 #undef TS_KERNEL_NO
 }  // namespace detail
@@ -45,6 +46,8 @@ constexpr const char* op_name(OpId op) { return detail::kOpNames[static_cast<int
 constexpr OpFamily op_family(OpId op) { return detail::kOpFamilies[static_cast<int>(op)]; }
 // Whether the op has a kernel-table entry of its own (a KERNEL row).
 constexpr bool op_has_kernel(OpId op) { return detail::kOpHasKernel[static_cast<int>(op)]; }
+// Whether its kernel is on the CPU's backends only (a CPU_KERNEL row).
+constexpr bool op_cpu_only(OpId op) { return detail::kOpCpuOnly[static_cast<int>(op)]; }
 
 // The families of float kernels a backend declares its dtypes for: each
 // family's kernels receive their float inputs in one dtype per input dtype.

@@ -1,10 +1,17 @@
 // Every op Tessera has, declared once (in the spirit of ggml's op list and
 // PyTorch's native_functions.yaml). Each row is one op:
 //
-//   KERNEL(name, family, compute, (params))  an op with a kernel-table entry of
-//                                            its own: `name`, taking `params`
-//   OP(name, family)                         an op built on other ops' kernels
-//                                            (linear on gemm) or on none (views)
+//   KERNEL(name, family, compute, (params))      an op with a kernel-table entry
+//                                                of its own: `name`, taking
+//                                                `params`, on every backend
+//   CPU_KERNEL(name, family, compute, (params))  the same, with kernels on the
+//                                                CPU's backends only (cpu, meta,
+//                                                async_cpu): the CUDA table says
+//                                                it lacks them, and the op runs a
+//                                                composite there or fails naming
+//                                                the op and the device
+//   OP(name, family)                             an op built on other ops' kernels
+//                                                (linear on gemm) or on none (views)
 //
 // family   what the op is (OpFamily): how a tensor subclass's layer finds
 //          its rule for the op (it registers one per op id, a file per
@@ -28,7 +35,7 @@
 #pragma once
 
 // clang-format off
-#define TESSERA_OPS(KERNEL, OP)                                                                                  \
+#define TESSERA_OPS(KERNEL, CPU_KERNEL, OP)                                                                            \
   /* ---- copies and fills ---- */                                                                              \
   /* same shape, any strides, any dtypes (converting) */                                                        \
   KERNEL(copy, Kernel, Elementwise, (const Tensor& dst, const Tensor& src))                                     \

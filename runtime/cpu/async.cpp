@@ -251,7 +251,7 @@ constexpr KernelTable make_table() {
   t.compute_dtype = cpu::compute_dtype;  // as the CPU
 #define TS_QUEUED(name, family, compute, params) t.name = &Queued<&KernelTable::name, OpId::name>::run;
 #define TS_NONE(name, family)
-  TESSERA_OPS(TS_QUEUED, TS_NONE)
+  TESSERA_OPS(TS_QUEUED, TS_QUEUED, TS_NONE)
 #undef TS_QUEUED
 #undef TS_NONE
   t.copy_from_host = copy_from_host;

@@ -60,14 +60,14 @@ inline int64_t attention_scratch_rows(int64_t work_items) {
 #define TS_CPU_DECLARE(name, family, compute, params) void name params;
 #define TS_CPU_NONE(name, family)
 namespace baseline {
-TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_DECLARE, TS_CPU_NONE)
 }
 #if defined(TESSERA_CPU_ISA_VARIANTS)
 namespace avx2 {
-TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_DECLARE, TS_CPU_NONE)
 }
 namespace avx512 {
-TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_NONE)
+TESSERA_OPS(TS_CPU_DECLARE, TS_CPU_DECLARE, TS_CPU_NONE)
 }
 #endif
 #undef TS_CPU_DECLARE

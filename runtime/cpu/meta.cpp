@@ -293,7 +293,7 @@ constexpr KernelTable make_table() {
   t.compute_dtype = compute_dtype;  // the CPU's, or native (a GPU's)
 #define TS_LOGGED(name, family, compute, params) t.name = &kl::Logged<&KernelTable::name, OpId::name>::run;
 #define TS_NONE(name, family)
-  TESSERA_OPS(TS_LOGGED, TS_NONE)
+  TESSERA_OPS(TS_LOGGED, TS_LOGGED, TS_NONE)
 #undef TS_LOGGED
 #undef TS_NONE
   t.copy_from_host = kl::copy_from_host;

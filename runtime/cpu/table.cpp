@@ -38,7 +38,7 @@ namespace {
     KernelTable t;                                                             \
     t.backend = "cpu";                                                         \
     t.compute_dtype = compute_dtype;                                           \
-    TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
+    TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
     return t;                                                                  \
   }()
 #define TS_CPU_SKIP(name, family)
