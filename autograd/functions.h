@@ -56,6 +56,9 @@ Tensor sigmoid(const Tensor& x);
 Tensor relu(const Tensor& x);
 Tensor gelu(const Tensor& x, bool tanh_approximation = false);
 Tensor silu(const Tensor& x);
+// silu(gate) * up (Llama's MLP gate) in one fused kernel where the device has
+// it (runtime/op_list.h's swiglu), the bits of silu then mul either way.
+Tensor swiglu(const Tensor& gate, const Tensor& up);
 Tensor sin(const Tensor& x);
 Tensor cos(const Tensor& x);
 Tensor square(const Tensor& x);

@@ -2,6 +2,8 @@
 #include <cmath>
 
 #include "autograd/functions.h"
+#include "runtime/kernels.h"
+#include "runtime/op_call.h"
 #include "runtime/profiler.h"
 
 namespace tessera {
@@ -40,6 +42,49 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
       return ops::linear_backward(g[0], x, weight, {gx, gw, gb});
     });
   }
+  return y;
+}
+
+namespace {
+
+// The fused kernels on plain tensors (through the op's rule on DTensors, the
+// same two ops where the device has no fused kernel).
+Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
+  if (intercepts({&gate, &up}))
+    return intercept_one({OpId::swiglu, "swiglu", {gate, up}, {},
+                          [](const TensorList& l) { return TensorList{swiglu_forward(l[0], l[1])}; }});
+  TS_CHECK(gate.shape() == up.shape() && gate.dtype() == up.dtype() && gate.device() == up.device(),
+           "swiglu: gate {} and up {} differ (expected one shape, dtype and device)", gate.str(), up.str());
+  TS_CHECK(is_floating(gate.dtype()), "swiglu: expected floating-point tensors, got {}", dtype_name(gate.dtype()));
+  Kernels k = dispatch(gate.device());
+  if (!k.supports(OpId::swiglu) || k.compute_dtype(KernelFamily::Elementwise, gate.dtype()) != gate.dtype())
+    return ops::mul(ops::unary(ops::UnaryOp::Silu, gate), up);
+  Tensor out = empty(gate.shape(), gate.dtype(), gate.device());
+  k.swiglu(out, ops::contiguous(gate), ops::contiguous(up));
+  return out;
+}
+
+TensorList swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  if (intercepts({&grad, &gate, &up}))
+    return intercept({OpId::swiglu_backward, "swiglu_backward", {grad, gate, up}, {},
+                      [](const TensorList& l) { return swiglu_backward(l[0], l[1], l[2]); }});
+  Kernels k = dispatch(gate.device());
+  if (!k.supports(OpId::swiglu_backward) || k.compute_dtype(KernelFamily::Elementwise, gate.dtype()) != gate.dtype()) {
+    Tensor a = ops::unary(ops::UnaryOp::Silu, gate);
+    return {ops::unary_backward(ops::UnaryOp::Silu, ops::mul(grad, up), gate, Tensor()), ops::mul(grad, a)};
+  }
+  TensorList d = {empty(gate.shape(), gate.dtype(), gate.device()), empty(up.shape(), up.dtype(), up.device())};
+  k.swiglu_backward(d[0], d[1], ops::contiguous(grad), ops::contiguous(gate), ops::contiguous(up));
+  return d;
+}
+
+}  // namespace
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  TS_PROFILE("swiglu");
+  Tensor y = swiglu_forward(gate, up);
+  if (should_record({gate, up}))
+    record("swiglu", {gate, up}, {y}, [gate, up](const TensorList& g) { return swiglu_backward(g[0], gate, up); });
   return y;
 }
 

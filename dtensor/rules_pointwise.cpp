@@ -53,7 +53,8 @@ TensorList like(OpCall& call) {
 }  // namespace
 
 void register_pointwise_rules() {
-  for (OpId op : {OpId::unary, OpId::unary_backward, OpId::binary, OpId::where}) register_rule(op, elementwise);
+  for (OpId op : {OpId::unary, OpId::unary_backward, OpId::binary, OpId::where, OpId::swiglu, OpId::swiglu_backward})
+    register_rule(op, elementwise);
   for (OpId op : {OpId::copy_, OpId::fill_, OpId::add_, OpId::mul_, OpId::div_, OpId::addcmul_, OpId::addcdiv_,
                   OpId::lerp_, OpId::sqrt_, OpId::clamp_})
     register_rule(op, inplace);

@@ -56,6 +56,11 @@
   /* in place on x (any strides); a, b expanded to x's shape; b unused for AddScaled/Lerp */                    \
   KERNEL(pointwise, Kernel, Elementwise, (PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b, double s)) \
   KERNEL(clamp, Kernel, Elementwise, (const Tensor& x, double lo, double hi))                                   \
+  /* Llama's MLP gate: out = silu(gate) * up, the bits of silu then mul in every dtype (silu(gate) rounded   \
+     to it first); gate, up and out of one shape, contiguous. Its backward: dgate and dup from grad */          \
+  CPU_KERNEL(swiglu, Pointwise, Elementwise, (const Tensor& out, const Tensor& gate, const Tensor& up))         \
+  CPU_KERNEL(swiglu_backward, Pointwise, Elementwise,                                                           \
+         (const Tensor& dgate, const Tensor& dup, const Tensor& grad, const Tensor& gate, const Tensor& up))    \
   OP(copy_, InPlace) OP(fill_, InPlace) OP(add_, InPlace) OP(mul_, InPlace) OP(div_, InPlace)                   \
   OP(addcmul_, InPlace) OP(addcdiv_, InPlace) OP(lerp_, InPlace) OP(sqrt_, InPlace) OP(clamp_, InPlace)         \
   /* ---- reductions ---- */                                                                                    \

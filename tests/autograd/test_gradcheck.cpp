@@ -295,3 +295,30 @@ TEST_CASE("gradcheck fails for a wrong backward and says where", "[gradcheck]") 
     CHECK_THAT(missing.message, Catch::Contains("input 1 element"));
   }
 }
+
+TEST_CASE("swiglu: central differences, and the bits of silu then mul in every dtype and on async_cpu", "[gradcheck][swiglu]") {
+  for (int64_t n : kSizes)
+    GRADCHECK([](const TensorList& x) { return swiglu(x[0], x[1]); }, rnd({n, 3}, 70 + n), rnd({n, 3}, 80 + n));
+  for (DType dtype : {DType::F32, DType::F64, DType::BF16, DType::F16})
+    for (Device device : {Device::cpu(), Device::async_cpu()})
+      for (Shape shape : {Shape{1}, Shape{17, 3}, Shape{5, 40001}}) {  // the last crosses the threads' pieces
+        INFO(dtype_name(dtype) << " " << device.str() << " " << shape_str(shape));
+        auto make = [&](uint64_t seed) {
+          Tensor t = ops::to(ops::mul(randn(shape, seed), 3.0), dtype).to(device);
+          t.set_requires_grad(true);
+          return t;
+        };
+        Tensor g1 = make(1), u1 = make(2), g2 = make(1), u2 = make(2);
+        Tensor grad = ops::to(randn(shape, 3), dtype).to(device);
+        Tensor fused = swiglu(g1, u1), unfused = silu(g2) * u2;
+        autograd::backward({fused, unfused}, {grad, grad});
+        auto host = [](const Tensor& t) { return t.to(Device::cpu()); };
+        CHECK(testing::equal(host(fused), host(unfused)));
+        CHECK(testing::equal(host(g1.grad()), host(g2.grad())));
+        CHECK(testing::equal(host(u1.grad()), host(u2.grad())));
+      }
+  CHECK_THROWS_WITH(swiglu(randn({2, 3}, 1), randn({3, 2}, 2)), Catch::Contains("swiglu: gate") &&
+                                                                      Catch::Contains("differ"));
+  CHECK_THROWS_WITH(swiglu(zeros({2}, DType::I64), zeros({2}, DType::I64)),
+                    Catch::Contains("swiglu: expected floating-point tensors, got i64"));
+}

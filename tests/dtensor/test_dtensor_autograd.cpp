@@ -261,3 +261,25 @@ TEST_CASE("gradients through Replicate -> Partial and Partial -> Replicate / Sha
         x0, ones_mask);
   }
 }
+
+TEST_CASE("swiglu on split features: each rank's gate and up, its gradients laid out as they are",
+          "[dtensor][autograd][swiglu]") {
+  const int64_t w = world();
+  MeshPtr mesh = init_device_mesh("cpu", {w}, {"tp"});
+  // 7 features: uneven pieces at 2-4 ranks, none on some.
+  Tensor gate0 = randn({3, 7}, 5, DType::F64), up0 = randn({3, 7}, 6, DType::F64), g0 = randn({3, 7}, 7, DType::F64);
+  Tensor gate = distribute_tensor(gate0, mesh, {Shard{1}}), up = distribute_tensor(up0, mesh, {Shard{1}});
+  gate.set_requires_grad(true), up.set_requires_grad(true);
+  Tensor y = swiglu(gate, up);
+  REQUIRE(dtensor_spec(y).placements == Placements{Shard{1}});
+  autograd::backward(y, distribute_tensor(g0, mesh, {Shard{1}}));
+  // The same on whole tensors, on every rank.
+  Tensor wg = ops::clone(gate0), wu = ops::clone(up0);
+  wg.set_requires_grad(true), wu.set_requires_grad(true);
+  Tensor wy = swiglu(wg, wu);
+  autograd::backward(wy, g0);
+  CHECK(equal(full_tensor(y), wy));
+  CHECK(dtensor_spec(gate.grad()).placements == Placements{Shard{1}});
+  CHECK(equal(full_tensor(gate.grad()), wg.grad()));
+  CHECK(equal(full_tensor(up.grad()), wu.grad()));
+}
