@@ -1,9 +1,9 @@
 // Training-step throughput and peak memory of the GPT benchmark model
 // (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW; or another
-// depth and width, one head per 64 channels), with a per-op time breakdown
-// of one step.
-//   bench_step [steps] [layers] [width] [f32|bf16]   (bf16: parameters,
-//   activations and AdamW state all in bf16, to profile the 16-bit kernels)
+// depth and width, one head per 64 channels; or the Llama of the same sizes),
+// with a per-op time breakdown of one step.
+//   bench_step [steps] [layers] [width] [f32|bf16] [gpt2|llama]   (bf16:
+//   parameters, activations and AdamW state all in bf16, to profile the 16-bit kernels)
 #include <sys/resource.h>
 
 #include <chrono>
@@ -27,16 +27,19 @@ int main(int argc, char** argv) {
   cfg.n_embd = argc > 3 ? std::atoi(argv[3]) : 256;
   cfg.n_head = cfg.n_embd / 64;
   std::string dtype = argc > 4 ? argv[4] : "f32";
+  cfg.arch = argc > 5 ? argv[5] : "gpt2";
   if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0 ||
-      (dtype != "f32" && dtype != "bf16")) {
+      (dtype != "f32" && dtype != "bf16") || (cfg.arch != "gpt2" && cfg.arch != "llama")) {
     std::fprintf(
         stderr,
-        "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16]\n");
+        "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16] [gpt2|llama]\n");
     return 2;
   }
   cfg.tie_embeddings = true;
+  cfg.bias = cfg.arch == "gpt2";
   int64_t batch = 8, seq = 128;
-  nn::GPT model(cfg);
+  auto made = nn::make_model(cfg);
+  nn::LanguageModel& model = *made;
   model.init_weights(1);
   if (dtype == "bf16") model.to(DType::BF16);
   optim::AdamW opt(model.parameters(), {.lr = 3e-4, .weight_decay = 0.1});

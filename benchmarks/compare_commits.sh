@@ -3,8 +3,9 @@
 # benchmarks, side by side: bench_step (one process) and bench_fsdp (2 ranks,
 # the "fsdp" row) of the two builds alternate ROUNDS times in one run and the
 # medians are compared. Only the ratio is meaningful on these noisy machines;
-# above 1 means this tree is faster.
-#   benchmarks/compare_commits.sh [base-commit] [build-dir] [rounds]
+# above 1 means this tree is faster. STEP_ARGS are bench_step's arguments
+# (default "10": ten steps of the GPT; "10 4 256 f32 llama" for the Llama).
+#   [STEP_ARGS=...] benchmarks/compare_commits.sh [base-commit] [build-dir] [rounds]
 # The base is built (release) in a git worktree under /tmp.
 set -eu
 base=${1:-HEAD~1}
@@ -25,8 +26,8 @@ step_ms() { sed -nE 's/.*step ([0-9.]+) ms.*/\1/p' | head -1; }
 fsdp_ms() { awk '$1 == "fsdp" {print $2}'; }
 ours_step=(); base_step=(); ours_fsdp=(); base_fsdp=()
 for r in $(seq "$rounds"); do
-  ours_step+=("$("$root/$build/benchmarks/bench_step" 10 | step_ms)")
-  base_step+=("$("$wt/build/benchmarks/bench_step" 10 | step_ms)")
+  ours_step+=("$("$root/$build/benchmarks/bench_step" ${STEP_ARGS:-10} | step_ms)")
+  base_step+=("$("$wt/build/benchmarks/bench_step" ${STEP_ARGS:-10} | step_ms)")
   ours_fsdp+=("$(OMP_NUM_THREADS=1 $mpi -np 2 -x OMP_NUM_THREADS "$root/$build/benchmarks/bench_fsdp" 8 | fsdp_ms)")
   base_fsdp+=("$(OMP_NUM_THREADS=1 $mpi -np 2 -x OMP_NUM_THREADS "$wt/build/benchmarks/bench_fsdp" 8 | fsdp_ms)")
   echo "round $r: bench_step ${ours_step[-1]} vs ${base_step[-1]} ms, bench_fsdp (2 ranks) ${ours_fsdp[-1]} vs ${base_fsdp[-1]} ms"
@@ -36,5 +37,5 @@ report() {
   awk -v n="$1" -v a="$2" -v b="$3" -v s="$sha" \
     'BEGIN { printf "%-22s this tree %7.1f ms, %s %7.1f ms -> ratio %.3f (base / this)\n", n, a, s, b, b / a }'
 }
-report "bench_step (1 rank)" "$(median "${ours_step[@]}")" "$(median "${base_step[@]}")"
+report "bench_step ${STEP_ARGS:-10} (1 rank)" "$(median "${ours_step[@]}")" "$(median "${base_step[@]}")"
 report "bench_fsdp (2 ranks)" "$(median "${ours_fsdp[@]}")" "$(median "${base_fsdp[@]}")"
