@@ -109,7 +109,7 @@ SwiGLUMLP::SwiGLUMLP(const TransformerConfig& cfg, Device device) {
 }
 
 Tensor SwiGLUMLP::forward(const Tensor& x) {
-  return (*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x));
+  return (*down_proj)(swiglu((*gate_proj)(x), (*up_proj)(x)));  // silu(gate) * up, fused
 }
 
 std::pair<Tensor, Tensor> RotaryTables::get(int64_t t, int64_t head_dim, double theta, DType dtype,

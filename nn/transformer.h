@@ -59,7 +59,8 @@ class GeluMLP : public Module {
   bool tanh_approximation = false;
 };
 
-// Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+// Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), the gate fused
+// (swiglu: one output instead of silu's and the product's).
 class SwiGLUMLP : public Module {
  public:
   SwiGLUMLP(const TransformerConfig& cfg, Device device);
