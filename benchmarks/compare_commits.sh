@@ -19,7 +19,7 @@ if [ ! -x "$wt/build/benchmarks/bench_fsdp" ]; then
   rm -rf "$wt"
   git -C "$root" worktree prune
   git -C "$root" worktree add --detach "$wt" "$sha" >/dev/null
-  (cd "$wt" && meson setup build --buildtype=release -Dtests=false >/dev/null && meson compile -C build >/dev/null)
+  (cd "$wt" && meson setup build --buildtype=release -Dtests=false -Dcuda=disabled >/dev/null && meson compile -C build >/dev/null)
 fi
 mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none"
 step_ms() { sed -nE 's/.*step ([0-9.]+) ms.*/\1/p' | head -1; }
