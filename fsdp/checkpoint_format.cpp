@@ -14,6 +14,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "runtime/json_scan.h"
+
 namespace tessera::fsdp {
 
 namespace fs = std::filesystem;
@@ -254,6 +256,7 @@ TensorInfo parse_tensor(const json& t, const std::string& file) {
 }  // namespace
 
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& file) {
+  check_json_nesting(text, file);  // before anything copies or prints a value (its "extra" above all)
   json md;
   try {
     md = json::parse(text);

@@ -11,6 +11,7 @@
 
 #include "nn/safetensors.h"
 #include "runtime/check.h"
+#include "runtime/json_scan.h"
 #include "runtime/ops.h"
 
 namespace tessera::io {
@@ -31,23 +32,73 @@ bool is_conv1d_weight(const std::string& name) {
   return false;
 }
 
+// config.json and the index are a few KiB: anything far larger, or not a
+// regular file, is not one of them.
+constexpr uintmax_t kMaxJsonBytes = uintmax_t{64} << 20;
+
 json read_json(const std::string& path) {
-  std::ifstream in(path);
-  TS_CHECK(in.good(), "Hugging Face GPT-2: cannot read {} (a folder as save_pretrained writes it holds config.json "
-           "and model.safetensors)", path);
+  std::error_code ec;
+  TS_CHECK(fs::exists(path, ec), "Hugging Face model: cannot read {} (a folder as save_pretrained writes it holds "
+           "config.json and model.safetensors)", path);
+  TS_CHECK(fs::is_regular_file(path, ec), "Hugging Face model: {} is not a regular file", path);
+  const uintmax_t size = fs::file_size(path, ec);
+  TS_CHECK(!ec && size <= kMaxJsonBytes, "Hugging Face model: {} is {} bytes; a config or index is read up to {} MiB",
+           path, size, kMaxJsonBytes >> 20);
+  std::ifstream in(path, std::ios::binary);
+  TS_CHECK(in.good(), "Hugging Face model: cannot read {}", path);
+  std::string text(static_cast<size_t>(size), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  check_json_nesting(text, "Hugging Face model: " + path);  // before anything copies or prints a value
   try {
-    return json::parse(in);
+    return json::parse(text);
   } catch (const json::exception& e) {
-    TS_CHECK(false, "Hugging Face GPT-2: {} is not valid JSON: {}", path, e.what());
+    TS_CHECK(false, "Hugging Face model: {} is not valid JSON: {}", path, e.what());
   }
   return {};
 }
 
+// A field of config.json of the type Tessera reads it as, or `fallback` where
+// the file leaves it out (or sets it null); a value of another type is an
+// error naming the file and the key, not the JSON library's.
+std::string shown(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 80 ? s.substr(0, 80) + "..." : s;
+}
+bool get_bool(const json& c, const char* key, bool fallback, const std::string& path) {
+  if (!c.contains(key) || c[key].is_null()) return fallback;
+  TS_CHECK(c[key].is_boolean(), "Hugging Face model: {}: \"{}\" must be true or false, got {}", path, key,
+           shown(c[key]));
+  return c[key].get<bool>();
+}
+double get_number(const json& c, const char* key, double fallback, const std::string& path) {
+  if (!c.contains(key) || c[key].is_null()) return fallback;
+  TS_CHECK(c[key].is_number(), "Hugging Face model: {}: \"{}\" must be a number, got {}", path, key, shown(c[key]));
+  const double v = c[key].get<double>();
+  TS_CHECK(std::isfinite(v), "Hugging Face model: {}: \"{}\" must be finite, got {}", path, key, shown(c[key]));
+  return v;
+}
+std::string get_string(const json& c, const char* key, const std::string& fallback, const std::string& path) {
+  if (!c.contains(key) || c[key].is_null()) return fallback;
+  TS_CHECK(c[key].is_string(), "Hugging Face model: {}: \"{}\" must be a string, got {}", path, key, shown(c[key]));
+  return c[key].get<std::string>();
+}
+// An integer field: absent (or null) is `fallback`; a fraction, a string or a
+// value outside [1, 2^31) is an error naming it.
+int64_t get_int(const json& c, const char* key, int64_t fallback, const std::string& path) {
+  if (!c.contains(key) || c[key].is_null()) return fallback;
+  const json& v = c[key];
+  TS_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
+                                     std::abs(v.get<double>()) < 9e15),
+           "Hugging Face model: {}: \"{}\" must be an integer, got {}", path, key, shown(v));
+  const int64_t x = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+  TS_CHECK(x >= 1 && x < (int64_t{1} << 31), "Hugging Face model: {} needs \"{}\" as a positive integer, got {}{}",
+           path, key, shown(v), x >= 1 ? " (at most 2^31 - 1)" : "");
+  return x;
+}
 int64_t positive(const json& c, const char* key, const std::string& path) {
-  TS_CHECK(c.contains(key) && c[key].is_number_integer() && c[key].get<int64_t>() > 0,
-           "Hugging Face GPT-2: {} needs \"{}\" as a positive integer, got {}", path, key,
-           c.contains(key) ? c[key].dump() : std::string("nothing"));
-  return c[key].get<int64_t>();
+  TS_CHECK(c.contains(key) && !c[key].is_null(), "Hugging Face model: {} needs \"{}\" as a positive integer, got "
+           "nothing", path, key);
+  return get_int(c, key, 0, path);
 }
 
 }  // namespace
@@ -63,20 +114,20 @@ void read_gpt2_config(nn::TransformerConfig& m, const json& c, const std::string
   m.n_kv_head = 0;
   m.rope = false;
   m.bias = true;
-  m.tie_embeddings = c.value("tie_word_embeddings", true);
+  m.tie_embeddings = get_bool(c, "tie_word_embeddings", true, path);
   TS_CHECK(m.tie_embeddings, "Hugging Face GPT-2: {} unties the output layer (tie_word_embeddings false); "
            "Tessera reads GPT-2 with lm_head tied to wte", path);
-  m.ffn_hidden = c.contains("n_inner") && c["n_inner"].is_number_integer() ? c["n_inner"].get<int64_t>() : 0;
-  const std::string act = c.value("activation_function", std::string("gelu_new"));
+  m.ffn_hidden = get_int(c, "n_inner", 0, path);  // null: 4 x n_embd
+  const std::string act = get_string(c, "activation_function", "gelu_new", path);
   TS_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu",
            "Hugging Face GPT-2: {} has activation_function '{}'; Tessera's GPT-2 MLP takes gelu_new or "
            "gelu_pytorch_tanh (model.gelu tanh) and gelu (exact)", path, act);
   m.gelu_tanh = act != "gelu";
-  const double eps = c.value("layer_norm_epsilon", 1e-5);
+  const double eps = get_number(c, "layer_norm_epsilon", 1e-5, path);
   TS_CHECK(std::abs(eps - 1e-5) <= 1e-12, "Hugging Face GPT-2: {} has layer_norm_epsilon {}; Tessera's GPT-2 "
            "LayerNorm uses 1e-5", path, eps);
-  TS_CHECK(c.value("scale_attn_weights", true) && !c.value("scale_attn_by_inverse_layer_idx", false) &&
-               !c.value("reorder_and_upcast_attn", false),
+  TS_CHECK(get_bool(c, "scale_attn_weights", true, path) && !get_bool(c, "scale_attn_by_inverse_layer_idx", false, path) &&
+               !get_bool(c, "reorder_and_upcast_attn", false, path),
            "Hugging Face GPT-2: {} changes the attention's scaling (scale_attn_weights false, "
            "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn); Tessera's is 1/sqrt(head size)", path);
   m.dropout = 0.0;
@@ -88,33 +139,34 @@ void read_llama_config(nn::TransformerConfig& m, const json& c, const std::strin
   m.arch = "llama";
   m.n_layer = positive(c, "num_hidden_layers", path);
   m.n_head = positive(c, "num_attention_heads", path);
-  m.n_kv_head = c.contains("num_key_value_heads") ? positive(c, "num_key_value_heads", path) : m.n_head;
+  m.n_kv_head = get_int(c, "num_key_value_heads", m.n_head, path);
   m.n_embd = positive(c, "hidden_size", path);
   m.ffn_hidden = positive(c, "intermediate_size", path);
   m.vocab_size = positive(c, "vocab_size", path);
-  m.tie_embeddings = c.value("tie_word_embeddings", false);
+  m.tie_embeddings = get_bool(c, "tie_word_embeddings", false, path);
   m.bias = false;
   m.dropout = 0.0;
-  TS_CHECK(!c.value("attention_bias", false) && !c.value("mlp_bias", false),
+  TS_CHECK(!get_bool(c, "attention_bias", false, path) && !get_bool(c, "mlp_bias", false, path),
            "Hugging Face Llama: {} has attention_bias or mlp_bias; Tessera's Llama has no biases", path);
-  TS_CHECK(c.value("hidden_act", std::string("silu")) == "silu",
-           "Hugging Face Llama: {} has hidden_act '{}'; Tessera's Llama MLP is SwiGLU (silu)", path,
-           c.value("hidden_act", std::string()));
-  TS_CHECK(!c.contains("head_dim") || c["head_dim"].is_null() ||
-               c["head_dim"].get<int64_t>() * m.n_head == m.n_embd,
-           "Hugging Face Llama: {} has head_dim {} but hidden_size / num_attention_heads = {}; Tessera's heads "
-           "split hidden_size", path, c.contains("head_dim") ? c["head_dim"].dump() : "", m.n_embd / m.n_head);
-  m.norm_eps = c.value("rms_norm_eps", 1e-6);
+  const std::string act = get_string(c, "hidden_act", "silu", path);
+  TS_CHECK(act == "silu", "Hugging Face Llama: {} has hidden_act '{}'; Tessera's Llama MLP is SwiGLU (silu)", path,
+           act);
+  const int64_t head_dim = get_int(c, "head_dim", m.n_embd / m.n_head, path);
+  TS_CHECK(head_dim * m.n_head == m.n_embd,
+           "Hugging Face Llama: {} has head_dim {} but hidden_size / num_attention_heads = {} / {}; Tessera's heads "
+           "split hidden_size", path, head_dim, m.n_embd, m.n_head);
+  m.norm_eps = get_number(c, "rms_norm_eps", 1e-6, path);
   // RoPE's base: rope_theta, or (transformers 5) rope_parameters.rope_theta;
   // scaled variants (Llama 3.1's "llama3", YaRN, ...) are not computed.
   const json* rope = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"]
                      : c.contains("rope_scaling") && c["rope_scaling"].is_object()    ? &c["rope_scaling"]
                                                                                          : nullptr;
-  const std::string type = rope != nullptr ? rope->value("rope_type", rope->value("type", std::string("default")))
-                                           : std::string("default");
+  const std::string type =
+      rope != nullptr ? get_string(*rope, "rope_type", get_string(*rope, "type", "default", path), path) : "default";
   TS_CHECK(type == "default", "Hugging Face Llama: {} scales RoPE (rope_type '{}'); Tessera computes the "
            "unscaled rotation only", path, type);
-  m.rope_theta = c.value("rope_theta", rope != nullptr ? rope->value("rope_theta", 10000.0) : 10000.0);
+  m.rope_theta = get_number(c, "rope_theta", rope != nullptr ? get_number(*rope, "rope_theta", 10000.0, path) : 10000.0,
+                            path);
   m.block_size = positive(c, "max_position_embeddings", path);
 }
 
@@ -124,7 +176,7 @@ nn::TransformerConfig read_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   const json c = read_json(path);
   TS_CHECK(c.is_object(), "Hugging Face model: {} must hold a JSON object", path);
-  const std::string type = c.value("model_type", std::string());
+  const std::string type = get_string(c, "model_type", "", path);
   nn::TransformerConfig m;
   if (type == "gpt2") read_gpt2_config(m, c, path);
   else if (type == "llama") read_llama_config(m, c, path);
@@ -141,10 +193,12 @@ nn::TransformerConfig read_hf_config(const std::string& dir) {
       {"block_size", gpt2 ? "n_positions" : "max_position_embeddings"},
       {"norm_eps", gpt2 ? "layer_norm_epsilon" : "rms_norm_eps"}, {"rope_theta", "rope_theta"},
       {"gelu_tanh", "activation_function"}};
-  m.validate([&](const char* field) {
+  const auto names = [&](const char* field) {
     auto it = keys.find(field);
     return fmt::format("Hugging Face model: {}'s \"{}\"", path, it != keys.end() ? it->second : field);
-  });
+  };
+  m.check_file_claims(names);
+  m.validate(names);
   return m;
 }
 
@@ -321,8 +375,10 @@ void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::
 std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir, Device device) {
   const nn::TransformerConfig cfg = read_hf_config(dir);
   auto model = nn::make_model(cfg, Device::meta());
+  const nn::StateDict weights = read_hf_weights(dir, cfg);
+  load_weights(*model, weights, cfg.tie_embeddings, dir);  // on meta: the names and shapes, before any memory
   model->to_empty(device);
-  load_weights(*model, read_hf_weights(dir, cfg), cfg.tie_embeddings, dir);
+  load_weights(*model, weights, cfg.tie_embeddings, dir);
   return model;
 }
 

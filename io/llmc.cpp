@@ -99,7 +99,9 @@ nn::StateDict read_llmc_model(nn::TransformerConfig& cfg, const std::string& pat
   m.dropout = 0.0;
   m.norm_eps = 1e-5;
   m.block_size = s.maxT;
-  m.validate([&](const char* field) { return fmt::format("llm.c model '{}': {}", path, field); });
+  const auto names = [&](const char* field) { return fmt::format("llm.c model '{}': {}", path, field); };
+  m.check_file_claims(names);
+  m.validate(names);
   // Every size the header claims checked (products included) before any is used.
   const DType stored = h[1] == kVersionBF16 ? DType::BF16 : DType::F32;
   const auto blocks = layout(s);

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <queue>
 #include <fstream>
 #include <sstream>
 
-#include "runtime/check.h"
 #include "io/unicode_classes.h"
+#include "runtime/check.h"
+#include "runtime/json_scan.h"
 
 namespace tessera::io {
 
@@ -169,14 +171,26 @@ size_t gpt2_word_end(std::string_view text, size_t begin) {
 // ---- The tokenizer ---------------------------------------------------------------
 
 BpeTokenizer BpeTokenizer::load(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  TS_CHECK(fs::exists(path, ec), "cannot read tokenizer '{}' (expected a Hugging Face tokenizer.json)", path);
+  TS_CHECK(fs::is_regular_file(path, ec), "tokenizer '{}' is not a regular file (a Hugging Face tokenizer.json)",
+           path);
+  const uintmax_t size = fs::file_size(path, ec);
+  TS_CHECK(!ec && size <= kMaxFileBytes, "tokenizer '{}' is {} bytes; a tokenizer.json is read up to {} MiB "
+           "(GPT-2's is 1.4 MB, the largest common ones 30 MB)", path, size, kMaxFileBytes >> 20);
   std::ifstream in(path, std::ios::binary);
   TS_CHECK(in.good(), "cannot read tokenizer '{}' (expected a Hugging Face tokenizer.json)", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_json(ss.str(), path);
+  std::string text(static_cast<size_t>(size), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  TS_CHECK(in.gcount() == static_cast<std::streamsize>(size), "tokenizer '{}': short read", path);
+  return from_json(text, path);
 }
 
 BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::string& source) {
+  TS_CHECK(json_text.size() <= kMaxFileBytes, "{}: {} bytes; a tokenizer.json is read up to {} MiB", source,
+           json_text.size(), kMaxFileBytes >> 20);
+  check_json_nesting(json_text, source);  // before anything copies or prints a value
   json root;
   try {
     root = json::parse(json_text);
@@ -214,20 +228,34 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
            source, type_of(post));
   t.ignore_merges_ = model.value("ignore_merges", false);
 
-  // The vocabulary: every entry's bytes, every byte's token.
+  // The vocabulary: every entry's bytes, every byte's token. Ids are checked
+  // against the number of entries before anything is sized by them (a file
+  // of a few bytes may claim id 2^31 - 1), and no two tokens share one.
   TS_CHECK(model.contains("vocab") && model["vocab"].is_object() && !model["vocab"].empty(),
            "{}: model.vocab is missing or empty", source);
+  const json& added_tokens = root.contains("added_tokens") ? root["added_tokens"] : json();
+  TS_CHECK(added_tokens.is_null() || added_tokens.is_array(), "{}: added_tokens is not a list", source);
+  const int64_t entries = static_cast<int64_t>(model["vocab"].size() + (added_tokens.is_array() ? added_tokens.size() : 0));
   const std::vector<uint32_t> chars = byte_characters();
   std::unordered_map<std::string, int32_t> entry_ids;
-  auto set_id = [&](int64_t id, std::string bytes, const std::string& what) {
-    TS_CHECK(id >= 0 && id < (int64_t{1} << 31), "{}: {} has id {}, outside [0, 2^31)", source,
-             what, id);
-    if (static_cast<size_t>(id) >= t.bytes_.size()) {
-      t.bytes_.resize(static_cast<size_t>(id) + 1);
-      t.known_.resize(static_cast<size_t>(id) + 1, false);
+  std::vector<std::string> owner;  // by id: what gave it (for the error that names both)
+  auto set_id = [&](int64_t id, std::string bytes, const std::string& what, bool added) {
+    TS_CHECK(id >= 0 && id < entries, "{}: {} has id {}; the file's {} tokens take ids 0..{}", source, what, id,
+             entries, entries - 1);
+    const auto i = static_cast<size_t>(id);
+    if (i >= t.bytes_.size()) {
+      t.bytes_.resize(i + 1);
+      t.known_.resize(i + 1, false);
+      owner.resize(i + 1);
     }
-    t.bytes_[static_cast<size_t>(id)] = std::move(bytes);
-    t.known_[static_cast<size_t>(id)] = true;
+    if (t.known_[i]) {  // GPT-2's <|endoftext|> is both a vocabulary entry and an added token: the same bytes
+      TS_CHECK(added && t.bytes_[i] == bytes, "{}: {} and {} both have id {}: each id names one token", source,
+               owner[i], what, id);
+      return;
+    }
+    t.bytes_[i] = std::move(bytes);
+    t.known_[i] = true;
+    owner[i] = what;
   };
   for (const auto& [entry, id] : model["vocab"].items()) {
     TS_CHECK(id.is_number_integer(), "{}: model.vocab[\"{}\"] is {}, expected an integer id",
@@ -237,8 +265,8 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
              "{}: model.vocab entry \"{}\" is not written in GPT-2's byte characters (not a "
              "byte-level BPE vocabulary)",
              source, entry);
-    set_id(id.get<int64_t>(), *bytes, fmt::format("model.vocab entry \"{}\"", entry));
-    entry_ids[entry] = id.get<int32_t>();
+    set_id(id.get<int64_t>(), *bytes, fmt::format("model.vocab entry \"{}\"", entry), false);
+    entry_ids[entry] = static_cast<int32_t>(id.get<int64_t>());
   }
   for (int b = 0; b < 256; ++b) {
     std::string entry;
@@ -277,36 +305,73 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
              "{}: merge {} (\"{}\" \"{}\") names a token the vocabulary lacks", source, rank, left,
              right);
     uint64_t key = static_cast<uint64_t>(l->second) << 32 | static_cast<uint32_t>(r->second);
-    t.merges_.try_emplace(key, Merge{rank, lr->second});  // the first (lowest) rank wins
+    // A pair listed twice takes its later rank, as the tokenizers library's map
+    // of merges (and GPT-2's encoder.py dict) keep the last entry.
+    t.merges_.insert_or_assign(key, Merge{rank, lr->second});
     ++rank;
   }
 
-  // Added tokens: matched in the text as they are.
-  if (root.contains("added_tokens") && !root["added_tokens"].is_null()) {
-    TS_CHECK(root["added_tokens"].is_array(), "{}: added_tokens is not a list", source);
-    for (const json& a : root["added_tokens"]) {
+  // Added tokens: matched in the text as they are, the longest at each position.
+  if (added_tokens.is_array()) {
+    for (const json& a : added_tokens) {
       TS_CHECK(a.is_object() && a.contains("id") && a["id"].is_number_integer() &&
                    a.contains("content") && a["content"].is_string() &&
                    !a["content"].get<std::string>().empty(),
-               "{}: added token {} lacks an integer id or a non-empty content", source, a.dump());
+               "{}: added token {} lacks an integer id or a non-empty content", source, a.dump().substr(0, 200));
       std::string content = a["content"].get<std::string>();
-      for (const char* flag : {"single_word", "lstrip", "rstrip"})
-        TS_CHECK(!a.value(flag, false), "{}: added token \"{}\" sets {}, which is not supported",
+      TS_CHECK(content.size() <= kMaxAddedBytes, "{}: added token {} is {} bytes; added tokens are read up to {} "
+               "(special tokens are words, not texts)", source, a["id"].dump(), content.size(), kMaxAddedBytes);
+      for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
+        const json& f = a.contains(flag) ? a[flag] : json(false);
+        TS_CHECK(f.is_boolean() || f.is_null(), "{}: added token \"{}\": {} must be true or false, got {}", source,
+                 content, flag, f.dump().substr(0, 100));
+        TS_CHECK(!f.is_boolean() || !f.get<bool>(), "{}: added token \"{}\" sets {}, which is not supported",
                  source, content, flag);
-      set_id(a["id"].get<int64_t>(), content, fmt::format("added token \"{}\"", content));
-      t.added_.push_back({content, a["id"].get<int32_t>()});
-      t.added_first_[static_cast<unsigned char>(content[0])] = true;
+      }
+      set_id(a["id"].get<int64_t>(), content, fmt::format("added token \"{}\"", content), true);
+      t.added_.push_back({content, static_cast<int32_t>(a["id"].get<int64_t>())});
     }
-    std::stable_sort(t.added_.begin(), t.added_.end(), [](const Added& x, const Added& y) {
-      return x.content.size() > y.content.size();
-    });
+    t.build_added_trie();
   }
   return t;
 }
 
+void BpeTokenizer::build_added_trie() {
+  trie_token_.assign(1, -1);
+  trie_next_.clear();
+  for (const Added& a : added_) {
+    added_first_[static_cast<unsigned char>(a.content[0])] = true;
+    int32_t node = 0;
+    for (unsigned char ch : a.content) {
+      auto [it, fresh] = trie_next_.try_emplace(static_cast<uint64_t>(node) << 8 | ch,
+                                                static_cast<int32_t>(trie_token_.size()));
+      if (fresh) trie_token_.push_back(-1);
+      node = it->second;
+    }
+    if (trie_token_[static_cast<size_t>(node)] < 0) trie_token_[static_cast<size_t>(node)] = a.id;
+  }
+}
+
+// The longest added token that starts at byte i of text: its length and id
+// (0, -1 if none). A walk down the trie of added tokens, so at most the
+// longest token's length of bytes is read (kMaxAddedBytes).
+std::pair<size_t, int32_t> BpeTokenizer::added_at(std::string_view text, size_t i) const {
+  std::pair<size_t, int32_t> best{0, -1};
+  if (i >= text.size() || !added_first_[static_cast<unsigned char>(text[i])]) return best;
+  int32_t node = 0;
+  for (size_t k = i; k < text.size(); ++k) {
+    auto it = trie_next_.find(static_cast<uint64_t>(node) << 8 | static_cast<unsigned char>(text[k]));
+    if (it == trie_next_.end()) break;
+    node = it->second;
+    if (trie_token_[static_cast<size_t>(node)] >= 0) best = {k + 1 - i, trie_token_[static_cast<size_t>(node)]};
+  }
+  return best;
+}
+
 std::optional<int64_t> BpeTokenizer::added_token(std::string_view content) const {
-  for (const Added& a : added_)
-    if (a.content == content) return a.id;
+  if (content.empty()) return std::nullopt;
+  auto [length, id] = added_at(content, 0);
+  if (id >= 0 && length == content.size()) return id;
   return std::nullopt;
 }
 
@@ -317,33 +382,49 @@ void BpeTokenizer::encode_word(std::string_view word, std::vector<int32_t>& out)
       out.push_back(it->second);
       return;
     }
-  for (char ch : word) out.push_back(byte_ids_[static_cast<unsigned char>(ch)]);
-  // The lowest-ranked adjacent pair, merged everywhere left to right, until none is left.
-  while (out.size() > 1) {
-    int32_t best = INT32_MAX, merged = -1;
-    uint64_t best_key = 0;
-    for (size_t i = 0; i + 1 < out.size(); ++i) {
-      uint64_t key = static_cast<uint64_t>(out[i]) << 32 | static_cast<uint32_t>(out[i + 1]);
-      auto it = merges_.find(key);
-      if (it != merges_.end() && it->second.rank < best) {
-        best = it->second.rank;
-        merged = it->second.merged;
-        best_key = key;
-      }
-    }
-    if (merged < 0) break;
-    size_t w = 0;
-    for (size_t i = 0; i < out.size(); ++w) {
-      if (i + 1 < out.size() &&
-          (static_cast<uint64_t>(out[i]) << 32 | static_cast<uint32_t>(out[i + 1])) == best_key) {
-        out[w] = merged;
-        i += 2;
-      } else {
-        out[w] = out[i++];
-      }
-    }
-    out.resize(w);
+  // The tokenizers library's merge loop (models/bpe/word.rs): the symbols in a
+  // linked list, every mergeable adjacent pair in a min-heap by (rank,
+  // position); the lowest is merged if it is still there, and the pairs it
+  // makes with its neighbours are pushed. O(n log n) in the word's length
+  // (rescanning the word for its best pair after each merge is O(n^2): a
+  // megabyte-long word took minutes).
+  const size_t n = word.size();
+  std::vector<int32_t> id(n), prev(n), next(n);
+  for (size_t i = 0; i < n; ++i) {
+    id[i] = byte_ids_[static_cast<unsigned char>(word[i])];
+    prev[i] = static_cast<int32_t>(i) - 1;
+    next[i] = i + 1 < n ? static_cast<int32_t>(i + 1) : -1;
   }
+  struct Candidate {
+    int32_t rank, pos, merged;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  auto push = [&](int32_t pos) {  // the pair that starts at symbol pos, if it merges
+    if (pos < 0 || next[static_cast<size_t>(pos)] < 0) return;
+    const uint64_t key = static_cast<uint64_t>(id[static_cast<size_t>(pos)]) << 32 |
+                         static_cast<uint32_t>(id[static_cast<size_t>(next[static_cast<size_t>(pos)])]);
+    if (auto it = merges_.find(key); it != merges_.end()) heap.push({it->second.rank, pos, it->second.merged});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int32_t>(i));
+  std::vector<bool> gone(n, false);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    const auto p = static_cast<size_t>(c.pos);
+    if (gone[p] || next[p] < 0) continue;
+    const auto q = static_cast<size_t>(next[p]);
+    const uint64_t key = static_cast<uint64_t>(id[p]) << 32 | static_cast<uint32_t>(id[q]);
+    auto it = merges_.find(key);
+    if (it == merges_.end() || it->second.merged != c.merged) continue;  // the pair changed since it was pushed
+    id[p] = c.merged;
+    gone[q] = true;
+    next[p] = next[q];
+    if (next[q] >= 0) prev[static_cast<size_t>(next[q])] = c.pos;
+    push(prev[p]);
+    push(c.pos);
+  }
+  for (int32_t i = n > 0 ? 0 : -1; i >= 0; i = next[static_cast<size_t>(i)]) out.push_back(id[static_cast<size_t>(i)]);
 }
 
 void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int64_t>& out,
@@ -377,23 +458,14 @@ std::vector<int64_t> BpeTokenizer::encode(std::string_view text) const {
   std::unordered_map<std::string, std::vector<int32_t>> cache;
   size_t start = 0;  // of the text not yet encoded
   for (size_t i = 0; i < text.size();) {
-    if (!added_first_[static_cast<unsigned char>(text[i])]) {
-      ++i;
-      continue;
-    }
-    const Added* hit = nullptr;
-    for (const Added& a : added_)  // longest first
-      if (text.compare(i, a.content.size(), a.content) == 0) {
-        hit = &a;
-        break;
-      }
-    if (!hit) {
+    auto [length, id] = added_at(text, i);
+    if (id < 0) {
       ++i;
       continue;
     }
     if (i > start) encode_piece(text.substr(start, i - start), out, cache);
-    out.push_back(hit->id);
-    i += hit->content.size();
+    out.push_back(id);
+    i += length;
     start = i;
   }
   if (start < text.size()) encode_piece(text.substr(start), out, cache);

@@ -48,6 +48,12 @@ class BpeTokenizer {
   // The id of an added token such as "<|endoftext|>", if the file has it.
   std::optional<int64_t> added_token(std::string_view content) const;
 
+  // What a file may claim: its size, and an added token's length (each
+  // position of a text is matched against them, so the work per byte is
+  // bounded by it). Larger ones are refused by name.
+  static constexpr size_t kMaxFileBytes = size_t{256} << 20;
+  static constexpr size_t kMaxAddedBytes = 256;
+
  private:
   struct Merge {
     int32_t rank, merged;
@@ -60,13 +66,19 @@ class BpeTokenizer {
   void encode_piece(std::string_view piece, std::vector<int64_t>& out,
                     std::unordered_map<std::string, std::vector<int32_t>>& cache) const;
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;
+  void build_added_trie();
+  std::pair<size_t, int32_t> added_at(std::string_view text, size_t i) const;
 
   std::vector<std::string> bytes_;  // by id; empty where no token has the id
   std::vector<bool> known_;         // by id: some token has it
   int32_t byte_ids_[256] = {};      // the one-byte tokens
   std::unordered_map<uint64_t, Merge> merges_;       // (left id << 32 | right id)
   std::unordered_map<std::string, int32_t> words_;   // ignore_merges: whole words in the vocabulary
-  std::vector<Added> added_;                          // longest first
+  std::vector<Added> added_;                          // as the file lists them
+  // The added tokens' bytes as a trie: node 0 the root, (node << 8 | byte)
+  // -> child, and the token that ends at a node (-1 where none does).
+  std::unordered_map<uint64_t, int32_t> trie_next_;
+  std::vector<int32_t> trie_token_;                   // empty: no added tokens
   bool added_first_[256] = {};                        // bytes an added token starts with
   bool add_prefix_space_ = false;
   bool use_regex_ = true;

@@ -1,9 +1,10 @@
 #include "nn/module.h"
 
-#include "dtensor/dtensor.h"
-
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
+
+#include "dtensor/dtensor.h"
 
 namespace tessera::nn {
 
@@ -68,13 +69,13 @@ void Module::add_child(const std::string& name, ModulePtr module) {
   TS_CHECK(child(name) == nullptr, "{}: child '{}' already registered", type_name(), name);
   TS_CHECK(name.find('.') == std::string::npos, "{}: child name '{}' may not contain '.'",
            type_name(), name);
+  child_index_.emplace(name, children_.size());
   children_.emplace_back(name, std::move(module));
 }
 
 Module* Module::child(const std::string& name) const {
-  for (const auto& [n, m] : children_)
-    if (n == name) return m.get();
-  return nullptr;
+  auto it = child_index_.find(name);
+  return it == child_index_.end() ? nullptr : children_[it->second].second.get();
 }
 
 Module& Module::submodule(const std::string& path) {
@@ -154,20 +155,19 @@ void convert_slots(Module& root, const std::function<Tensor(const Tensor&)>& con
   auto mods = root.named_modules();
   for (auto& [p, m] : mods)
     if (m->extension) m->extension->before_move(*m);
-  std::vector<std::pair<TensorImpl*, Tensor>> done;
+  // old impl -> (the old tensor, kept alive so its address is not reused; its conversion)
+  std::unordered_map<TensorImpl*, std::pair<Tensor, Tensor>> done;
   auto once = [&](Tensor& slot) {
     if (!slot.defined()) return;
-    for (auto& [old, fresh] : done)
-      if (old == slot.impl()) {
-        slot = fresh;
-        return;
-      }
-    TensorImpl* old = slot.impl();
-    Tensor keep = slot;  // keeps `old` alive so its address is not reused
+    if (auto it = done.find(slot.impl()); it != done.end()) {
+      slot = it->second.second;
+      return;
+    }
+    Tensor keep = slot;
     Tensor fresh = convert(slot);
     if (!fresh.is_same(slot) && keep.requires_grad() && is_floating(fresh.dtype()))
       fresh.set_requires_grad(true);
-    done.emplace_back(old, fresh);
+    done.emplace(keep.impl(), std::pair{keep, fresh});
     slot = fresh;
   };
   for (auto& [p, m] : mods) {
@@ -237,9 +237,16 @@ StateDict Module::state_dict() {
 void Module::load_state_dict(const StateDict& state, bool strict) {
   autograd::NoGradGuard no_grad;
   StateDict own = state_dict();
+  std::unordered_map<std::string, const Tensor*> given, mine;  // by name: no search per key
+  for (const auto& [k, v] : state) given.emplace(k, &v);
+  for (const auto& [k, v] : own) mine.emplace(k, &v);
+  auto lookup = [](const std::unordered_map<std::string, const Tensor*>& m, const std::string& name) {
+    auto it = m.find(name);
+    return it == m.end() ? nullptr : it->second;
+  };
   std::vector<std::string> missing, unexpected, mismatched;
   for (auto& [name, dst] : own) {
-    const Tensor* src = find_in(state, name);
+    const Tensor* src = lookup(given, name);
     if (src == nullptr) {
       missing.push_back(name);
       continue;
@@ -250,13 +257,13 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     }
   }
   for (auto& [name, t] : state)
-    if (find_in(own, name) == nullptr) unexpected.push_back(name);
+    if (lookup(mine, name) == nullptr) unexpected.push_back(name);
   TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", key_list(mismatched));
   TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
            "load_state_dict: missing keys [{}]; unexpected keys [{}]", key_list(missing),
            key_list(unexpected));
   for (auto& [name, dst] : own) {
-    const Tensor* src = find_in(state, name);
+    const Tensor* src = lookup(given, name);
     if (src == nullptr || src->is_same(dst)) continue;
     ops::copy_(dst, *src);
   }

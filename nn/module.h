@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -137,6 +138,7 @@ class Module {
   std::deque<Slot> params_;
   std::deque<Slot> buffers_;
   std::vector<std::pair<std::string, ModulePtr>> children_;
+  std::unordered_map<std::string, size_t> child_index_;  // name -> position in children_
   std::vector<std::pair<HookId, ForwardPreHook>> pre_hooks_;
   std::vector<std::pair<HookId, ForwardHook>> post_hooks_;
   HookId next_hook_ = 1;

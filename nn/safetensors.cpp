@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "dtensor/dtensor.h"
+#include "runtime/json_scan.h"
 
 namespace tessera::nn {
 
@@ -65,6 +66,7 @@ const char* safetensors_dtype(DType dt) {
 std::vector<SafetensorsEntry> SafetensorsFile::parse_header(
     const std::string& text, uint64_t data_size, const std::string& file,
     std::map<std::string, std::string>* metadata) {
+  check_json_nesting(text, file + ": the safetensors header");
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);

@@ -48,6 +48,11 @@ void TransformerConfig::validate(const FieldNames& names) const {
   parameter_count(names);
 }
 
+void TransformerConfig::check_file_claims(const FieldNames& names) const {
+  TS_CHECK(n_layer <= kMaxLayers, "{} is {}; a model read from a file has at most {} layers (the deepest trained "
+           "have a few hundred)", field_name(names, "n_layer"), n_layer, kMaxLayers);
+}
+
 int64_t TransformerConfig::parameter_count(const FieldNames& names) const {
   auto key = [&](const char* field, int64_t v) { return named(field_name(names, field), v); };
   const CheckedInt C = key("n_embd", n_embd), V = key("vocab_size", vocab_size), L = key("n_layer", n_layer);

@@ -27,6 +27,7 @@ struct TransformerConfig {
   bool gelu_tanh = false;  // GPT-2's MLP: GELU's tanh approximation (GPT-2, Hugging Face) instead of exact (nanoGPT)
   bool activation_checkpoint = false;  // recompute each block in backward
 
+
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t head_dim() const { return n_embd / n_head; }
   // The width of the MLP: ffn_hidden, else 4 * n_embd (GPT-2) or Llama's
@@ -46,6 +47,12 @@ struct TransformerConfig {
   // Tied weights count once; GPT-2's position table counts (nanoGPT's
   // summary line leaves it out: LanguageModel::num_parameters).
   int64_t parameter_count(const FieldNames& names = {}) const;
+  // What a file may claim beyond validate(): at most kMaxLayers layers, so
+  // that building the model it describes (on meta, before any weight is
+  // read) is bounded work. The importers call it (io/hf.h, io/llmc.h, a
+  // checkpoint's stored model).
+  static constexpr int64_t kMaxLayers = 10000;
+  void check_file_claims(const FieldNames& names = {}) const;
 };
 
 // GPT-2 MLP: c_fc -> GELU -> c_proj.

@@ -12,6 +12,7 @@
 #include <map>
 
 #include "runtime/check.h"
+#include "runtime/json_scan.h"
 
 namespace tessera::tools {
 
@@ -650,6 +651,7 @@ std::string model_to_json(TrainConfig& cfg) {
 }
 
 void model_from_json(TrainConfig& cfg, const std::string& text, const std::string& source) {
+  check_json_nesting(text, source + ": the stored model configuration");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -662,12 +664,17 @@ void model_from_json(TrainConfig& cfg, const std::string& text, const std::strin
   for (auto it = j.begin(); it != j.end(); ++it) {
     TS_CHECK(it.value().is_string(),
              "{}: the stored model configuration's '{}' must be a string, got {}", source,
-             it.key(), it.value().dump());
+             it.key(), it.value().dump().substr(0, 100));
     try {
       find_key(keys, it.key()).set(it.value().get<std::string>());
     } catch (const Error& e) {
       TS_CHECK(false, "{}: the stored model configuration: {}", source, e.what());
     }
+  }
+  try {
+    transformer_config(cfg).check_file_claims(model_key_names());
+  } catch (const Error& e) {
+    TS_CHECK(false, "{}: the stored model configuration: {}", source, e.what());
   }
 }
 

@@ -132,46 +132,6 @@ CommModel load_comm_fits(const std::string& dir) {
 
 // ---- described hardware ---------------------------------------------------------
 
-Hardware load_hardware(const std::string& path) {
-  std::error_code ec;
-  TS_CHECK(std::filesystem::is_regular_file(path, ec), "hardware file '{}' does not exist or is not a file", path);
-  toml::table t;
-  try {
-    t = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    TS_CHECK(false, "hardware file '{}': {} (line {})", path, std::string(e.description()), e.source().begin.line);
-  }
-  auto number = [&](const char* section, const char* key, bool required = true, double fallback = 0) {
-    auto v = t[section][key].value<double>();
-    TS_CHECK(v.has_value() || !required, "hardware file '{}': [{}] {} is missing (a number)", path, section, key);
-    double x = v.value_or(fallback);
-    TS_CHECK(std::isfinite(x) && x >= 0, "hardware file '{}': [{}] {} = {} must be a finite number >= 0", path,
-             section, key, x);
-    return x;
-  };
-  Hardware hw;
-  hw.name = t["name"].value_or(std::string(std::filesystem::path(path).stem()));
-  hw.source = t["source"].value_or(std::string());
-  hw.devices_per_node = static_cast<int>(number("node", "devices", true));
-  TS_CHECK(hw.devices_per_node >= 1, "hardware file '{}': [node] devices must be at least 1", path);
-  hw.memory_bytes = number("device", "memory_gib") * 1073741824.0;
-  hw.memory_bandwidth = number("device", "memory_bandwidth_gbs") * 1e9;
-  hw.peak_flops["bfloat16"] = number("device", "peak_tflops_bf16") * 1e12;
-  hw.peak_flops["float16"] = number("device", "peak_tflops_bf16") * 1e12;
-  hw.peak_flops["float32"] = number("device", "peak_tflops_f32") * 1e12;
-  hw.gemm_efficiency = number("device", "gemm_efficiency", false, 1);
-  hw.memory_efficiency = number("device", "memory_efficiency", false, 1);
-  hw.kernel_overhead_s = number("device", "kernel_overhead_us", false, 0) * 1e-6;
-  hw.intra_node_bandwidth = number("intra_node", "bandwidth_gbs") * 1e9;
-  hw.intra_node_latency_s = number("intra_node", "latency_us") * 1e-6;
-  hw.inter_node_bandwidth = number("inter_node", "bandwidth_gbs") * 1e9;
-  hw.inter_node_latency_s = number("inter_node", "latency_us") * 1e-6;
-  TS_CHECK(hw.memory_bandwidth > 0 && hw.peak_flops["bfloat16"] > 0 && hw.intra_node_bandwidth > 0 &&
-               hw.inter_node_bandwidth > 0 && hw.gemm_efficiency > 0 && hw.memory_efficiency > 0,
-           "hardware file '{}': bandwidths, peak FLOP/s and efficiencies must be positive", path);
-  return hw;
-}
-
 CommModel comm_model(const Hardware& hw, const std::vector<kernel_log::Collective>& collectives) {
   // Ring collectives: an all-gather or reduce-scatter of B bytes moves
   // (W-1)/W x B over each device's link in W-1 steps; an all-reduce twice that.

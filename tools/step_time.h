@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "runtime/kernel_log.h"
+#include "tools/hardware.h"
 
 namespace tessera::tools {
 
@@ -57,19 +58,6 @@ CommModel load_comm_fits(const std::string& dir);
 // weighted alike (small and large messages count the same).
 CollectiveFit fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
 
-// A machine as a hardware description file gives it (hardware/*.toml).
-struct Hardware {
-  std::string name, source;
-  int devices_per_node = 1;
-  double memory_bytes = 0;
-  std::map<std::string, double> peak_flops;  // by compute dtype: "bfloat16", "float32"
-  double memory_bandwidth = 0;               // bytes/s
-  double gemm_efficiency = 1, memory_efficiency = 1;
-  double kernel_overhead_s = 0;  // per kernel (launch)
-  double intra_node_bandwidth = 0, intra_node_latency_s = 0;  // per device, one direction
-  double inter_node_bandwidth = 0, inter_node_latency_s = 0;
-};
-Hardware load_hardware(const std::string& path);
 // Collectives on described hardware: a ring over the node's links when the
 // group is of consecutive ranks (dp_shard, its hpZ groups, the world) that
 // fit in a node, else over the slower inter-node links (HSDP's replicas).

@@ -332,6 +332,9 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
   tools::transformer_config(cfg).validate();  // the model alone: its tokens come from elsewhere
   tools::check_memory(cfg, 1, 1, tools::available_host_memory(), /*training=*/false);
   std::shared_ptr<nn::LanguageModel> model = tools::make_model(cfg, Device::meta());
+  // The file's names and shapes against the model its settings describe, on
+  // meta (nothing allocated), before the model takes memory.
+  io::load_weights(*model, file, cfg.model.tie_embeddings, source);
   model->to_empty(Device::cpu());
   io::load_weights(*model, file, cfg.model.tie_embeddings, source);
   json extra = {{"step", 0}, {"source", source}, {"data", {{"next_micro_batch", 0}}},
@@ -350,22 +353,28 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
 
 int from_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
+  // Everything is read and checked before anything is written: the model's
+  // settings (as any model's, nn/transformer.h), its weights against them, and
+  // its tokenizer, which goes with it where tessera-generate looks if this
+  // runtime can read it (GPT-2's byte-level BPE).
   tools::TrainConfig cfg;
   const nn::TransformerConfig model = io::read_hf_config(args[0]);
   tools::set_model(cfg, model);
-  int rc = save_as_checkpoint(cfg, io::read_hf_weights(args[0], model), args[0], args[1]);
-  // The model's tokenizer goes with it, where tessera-generate looks, if this
-  // runtime can read it (GPT-2's byte-level BPE).
-  fs::path tokenizer = fs::path(args[0]) / "tokenizer.json";
-  if (fs::is_regular_file(tokenizer)) {
+  const nn::StateDict weights = io::read_hf_weights(args[0], model);
+  const fs::path tokenizer = fs::path(args[0]) / "tokenizer.json";
+  std::optional<io::BpeTokenizer> bpe;
+  if (fs::exists(tokenizer)) {
     try {
-      auto t = io::BpeTokenizer::load(tokenizer.string());
-      fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
-      std::printf("%s -> %s (%lld tokens)\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str(),
-                  static_cast<long long>(t.vocab_size()));
+      bpe = io::BpeTokenizer::load(tokenizer.string());
     } catch (const Error& e) {
       std::printf("note: %s not copied: %s\n", tokenizer.c_str(), e.what());
     }
+  }
+  int rc = save_as_checkpoint(cfg, weights, args[0], args[1]);
+  if (bpe) {
+    fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
+    std::printf("%s -> %s (%lld tokens)\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str(),
+                static_cast<long long>(bpe->vocab_size()));
   }
   return rc;
 }
@@ -397,8 +406,19 @@ std::pair<tools::TrainConfig, nn::StateDict> checkpoint_model(const std::string&
 int to_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
   auto [cfg, weights] = checkpoint_model(args[0], "to-hf");
+  // The tokenizer beside the checkpoint goes with it only once it reads as
+  // one (a tokenizer.json that is a link to some other file is not copied).
+  const std::string tokenizer = io::tokenizer_beside(checkpoint_dir(args[0]));
+  std::optional<io::BpeTokenizer> bpe;
+  if (!tokenizer.empty()) {
+    try {
+      bpe = io::BpeTokenizer::load(tokenizer);
+    } catch (const Error& e) {
+      std::printf("note: %s not copied: %s\n", tokenizer.c_str(), e.what());
+    }
+  }
   io::write_hf(args[1], tools::transformer_config(cfg), weights);
-  if (std::string tokenizer = io::tokenizer_beside(checkpoint_dir(args[0])); !tokenizer.empty()) {
+  if (bpe) {
     fs::copy_file(tokenizer, fs::path(args[1]) / "tokenizer.json", fs::copy_options::overwrite_existing);
     std::printf("%s -> %s\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str());
   }

@@ -1,8 +1,10 @@
 // Coverage-guided fuzzing (libFuzzer, clang) of every reader of untrusted
 // input: llm.c token shards, checkpoint metadata, checkpoint data files,
-// safetensors files, tessera-train's TOML configuration and tokenizer.json
-// with the text it encodes. One program, the reader chosen by FUZZ_TARGET
-// (shards | metadata | datafile | safetensors | toml | tokenizer); the readers' sources are compiled into it with the fuzzer's coverage
+// safetensors files, tessera-train's TOML configuration, tokenizer.json
+// with the text it encodes, a Hugging Face folder's config.json and
+// model.safetensors.index.json, and hardware descriptions. One program, the
+// reader chosen by FUZZ_TARGET (shards | metadata | datafile | safetensors |
+// toml | tokenizer | hf | hardware); the readers' sources are compiled into it with the fuzzer's coverage
 // and AddressSanitizer + UBSan (tests/fuzz/libfuzzer.sh builds and runs it).
 //
 // Every input must be accepted or refused with a tessera::Error. Anything else
@@ -20,17 +22,19 @@
 
 #include "fsdp/checkpoint.h"
 #include "io/data.h"
+#include "io/hf.h"
 #include "io/tokenizer.h"
 #include "nn/safetensors.h"
 #include "runtime/distributed.h"
 #include "tools/config.h"
+#include "tools/hardware.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
 
 namespace {
 
-enum class Target { Shards, Metadata, DataFile, Safetensors, Toml, Tokenizer };
+enum class Target { Shards, Metadata, DataFile, Safetensors, Toml, Tokenizer, Hf, Hardware };
 Target g_target;
 fs::path g_dir;  // this process's scratch folder (file readers read real files)
 std::optional<io::BpeTokenizer> g_bpe;  // the test fixture's GPT-2 style tokenizer
@@ -121,6 +125,19 @@ void run_one(const uint8_t* data, size_t size) {
       }
       break;
     }
+    case Target::Hf: {
+      // A Hugging Face folder: the input is its config.json; where it names a
+      // model, the input again is its model.safetensors.index.json (whose
+      // shards do not exist: the weight map is read and checked first).
+      write_file(g_dir / "hf" / "config.json", data, size);
+      write_file(g_dir / "hf" / "model.safetensors.index.json", data, size);
+      const nn::TransformerConfig cfg = io::read_hf_config((g_dir / "hf").string());
+      (void)io::read_hf_weights((g_dir / "hf").string(), cfg);
+      break;
+    }
+    case Target::Hardware:
+      (void)tools::parse_hardware(std::string(reinterpret_cast<const char*>(data), size), "fuzz/hardware.toml");
+      break;
   }
 }
 
@@ -136,14 +153,18 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   else if (t == "safetensors") g_target = Target::Safetensors;
   else if (t == "toml") g_target = Target::Toml;
   else if (t == "tokenizer") g_target = Target::Tokenizer;
+  else if (t == "hf") g_target = Target::Hf;
+  else if (t == "hardware") g_target = Target::Hardware;
   else {
-    std::fprintf(stderr, "FUZZ_TARGET must be shards, metadata, datafile, safetensors, toml or tokenizer\n");
+    std::fprintf(stderr, "FUZZ_TARGET must be shards, metadata, datafile, safetensors, toml, tokenizer, hf or "
+                 "hardware\n");
     std::exit(2);
   }
   char tmpl[] = "/tmp/tessera-libfuzzer-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) std::exit(2);
   g_dir = tmpl;
   fs::create_directories(g_dir / "ckpt");
+  fs::create_directories(g_dir / "hf");
   g_datafile_md = fsdp::parse_metadata(kDataFileMetadata, "datafile seed");
   if (g_target == Target::Tokenizer) {
     const char* bpe = std::getenv("TESSERA_BPE");  // set by libfuzzer.sh

@@ -19,7 +19,7 @@ shift 2
 merge=0
 if [[ ${1:-} == merge ]]; then merge=1; shift; fi
 targets=("$@")
-(( ${#targets[@]} )) || targets=(shards metadata datafile safetensors toml tokenizer)
+(( ${#targets[@]} )) || targets=(shards metadata datafile safetensors toml tokenizer hf hardware)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cxx=${CLANGXX:-clang++}
 if ! command -v "$cxx" > /dev/null; then
@@ -36,7 +36,7 @@ fi
 
 # The build: only when a source is newer than the program.
 sources=(tests/fuzz/libfuzzer.cpp nn/safetensors.cpp fsdp/checkpoint_format.cpp io/data.cpp tools/config.cpp tools/config_check.cpp
-         io/tokenizer.cpp)
+         io/tokenizer.cpp io/hf.cpp tools/hardware.cpp runtime/json_scan.cpp)
 bin=$out/fuzz_readers_libfuzzer
 stale=0
 [[ -x $bin ]] || stale=1

@@ -552,5 +552,16 @@ cmp -s "$bpe" bpehf/tokenizer.json || fail "to-hf did not take the tokenizer alo
 cmp -s "$bpe" bpeck/tokenizer.json || fail "from-hf did not take the tokenizer along"
 echo '{"model": {"type": "Unigram"}}' > bad-tokenizer.json
 expect_error "bad-tokenizer.json: model.type is 'Unigram'" "$bin/tessera-data" prepare --tokenizer bad-tokenizer.json book.txt
+# A tokenizer.json beside a checkpoint that is a link to some other file is
+# not carried into an export; an import refused for its config writes nothing.
+cp -r bpe/checkpoint linked-ck
+ln -sf /etc/hostname linked-ck/tokenizer.json
+out=$("$bin/tessera-ckpt" to-hf linked-ck linkedhf 2>&1) || fail "to-hf with a bad tokenizer beside it: $out"
+grep -q "note: .*tokenizer.json not copied" <<< "$out" || fail "to-hf did not say the tokenizer was left: $out"
+[[ ! -e linkedhf/tokenizer.json ]] || fail "to-hf copied a link to /etc/hostname as the tokenizer"
+cp -r bpehf badhf
+sed -i 's/"n_head": 2/"n_head": 3/' badhf/config.json
+expect_error "badhf/config.json's \"n_embd\" (64) must be divisible by" "$bin/tessera-ckpt" from-hf badhf badck
+[[ ! -e badck ]] || fail "from-hf wrote a checkpoint for a config it refused"
 echo "bpe: prepared, trained, sampled, generated and converted with a tokenizer.json"
 echo "train_test: all passed"
