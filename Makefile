@@ -14,7 +14,7 @@ RANKS ?= 4
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root)
 MESON_FLAGS ?= --buildtype=release
 
-.PHONY: train test deps build install bench clean tsan asan fuzz
+.PHONY: train train-build test deps build install bench clean tsan asan fuzz
 
 # Installs the Debian packages that are not installed yet (nothing when all are).
 deps:
@@ -32,9 +32,16 @@ $(BUILD)/build.ninja:
 build: deps $(BUILD)/build.ninja
 	meson compile -C $(BUILD)
 
+# Only what the run needs: the library and tessera-train (ninja's [n/N] lines
+# are the progress). The tests, benchmarks and other tools wait for make test.
+train-build: deps $(BUILD)/build.ninja
+	@echo "building the library and tessera-train: about 8 minutes the first time on 2 cores" \
+	  "(make test builds the rest)"
+	meson compile -C $(BUILD) tessera-train
+
 # FSDP over $(RANKS) ranks (more ranks than cores is fine: --oversubscribe);
 # the progress bar when make's output is a terminal.
-train: build
+train: train-build
 	@progress=$$([ -t 1 ] && echo on || echo off); \
 	echo "mpirun -np $(RANKS) $(BUILD)/tools/tessera-train"; \
 	mpirun -np $(RANKS) --oversubscribe --bind-to none $(ROOT_FLAG) \

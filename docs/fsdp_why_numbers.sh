@@ -16,8 +16,8 @@ for w in 1 2 4; do
     /forward \+ backward, above/ { print "above=" $5 " " $6 }
     /held after each block/ { sub(/.*forward: /, ""); print "blocks=" $0 }
     /predicted peak/ { print "peak=" $3 " " $4 }
-    /^  dp_shard / { print "counts=" $3 " / " $5 " / " $7; print "sent=" $8 " " $9 }
-    /lower bound/ { print "ring=" $(NF-1) " " $NF }')
+    /^  dp_shard / { print "counts=" $3 " / " $5 " / " $7; print "sent=" $8 " " $9; print "ring=" $11 " " $12 }
+    /ZeRO-3.s estimate/ { print "zero3=" $(NF-4) " " $(NF-3) }')
 done
 # tessera-train's summary line counts as nanoGPT does, without the position
 # embeddings (seq_len x n_embd of the default configuration): say both.
@@ -38,4 +38,5 @@ echo "| held after each block's forward (above what was held before it) | ${v[1,
 echo "| **peak** (predicted = measured) | **${v[1,peak]}** | **${v[2,peak]}** | **${v[4,peak]}** |"
 echo "| all-gather / reduce-scatter / all-reduce per step | ${v[1,counts]} (a group of one: no communication) | ${v[2,counts]} | ${v[4,counts]} |"
 echo "| bytes handed to MPI per step | ${v[1,sent]} | ${v[2,sent]} | ${v[4,sent]} |"
-echo "| bytes a ring moves per rank: (W-1)/W x params x 12 | ${v[1,ring]} | ${v[2,ring]} | ${v[4,ring]} |"
+echo "| bytes a ring algorithm sends per rank, for those collectives | ${v[1,ring]} | ${v[2,ring]} | ${v[4,ring]} |"
+echo "| ZeRO-3's estimate, every parameter gathered twice: (W-1)/W x params x 12 | ${v[1,zero3]} | ${v[2,zero3]} | ${v[4,zero3]} |"

@@ -44,12 +44,17 @@ struct CollectiveStats {
   int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, all_to_all = 0,
           barrier = 0;
   int64_t mpi_calls = 0;  // collectives handed to MPI (0 at world size 1)
-  int64_t bytes = 0;      // payload bytes handed to MPI
+  int64_t bytes = 0;      // payload bytes handed to MPI (an all-gather's: this rank's shard)
+  // The bytes this rank sends over the wire by the bandwidth-optimal ring
+  // algorithms: an all-gather (W-1) x its shard, a reduce-scatter or
+  // all-to-all (W-1)/W of its input, an all-reduce 2 (W-1)/W of the tensor, a
+  // broadcast the tensor once (a chain). Counted by MPI groups, real or simulated.
+  int64_t ring_bytes = 0;
   int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + all_to_all + barrier; }
   CollectiveStats& operator+=(const CollectiveStats& o) {
     all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, all_reduce += o.all_reduce;
     broadcast += o.broadcast, all_to_all += o.all_to_all, barrier += o.barrier;
-    mpi_calls += o.mpi_calls, bytes += o.bytes;
+    mpi_calls += o.mpi_calls, bytes += o.bytes, ring_bytes += o.ring_bytes;
     return *this;
   }
 };

@@ -29,6 +29,10 @@ std::vector<Span>& buffer() {
 std::string escape(const std::string& s) {
   std::string out;
   for (char c : s) {
+    if (static_cast<unsigned char>(c) < 0x20) {  // control characters: JSON allows them only escaped
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+      continue;
+    }
     if (c == '"' || c == '\\') out += '\\';
     out += c;
   }
@@ -121,11 +125,13 @@ std::string chrome_trace_events(const std::vector<Span>& spans, int rank) {
   return fmt::format("{}", fmt::join(events, ",\n"));
 }
 
-std::string chrome_trace_file(const std::vector<std::string>& per_rank_events) {
+std::string chrome_trace_file(const std::vector<std::string>& per_rank_events, const std::string& title) {
   std::vector<std::string> nonempty;
   for (const auto& e : per_rank_events)
     if (!e.empty()) nonempty.push_back(e);
-  return fmt::format("{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n{}\n]}}\n", fmt::join(nonempty, ",\n"));
+  const std::string other = title.empty() ? "" : fmt::format("\"otherData\":{{\"title\":\"{}\"}},", escape(title));
+  return fmt::format("{{\"displayTimeUnit\":\"ms\",{}\"traceEvents\":[\n{}\n]}}\n", other,
+                     fmt::join(nonempty, ",\n"));
 }
 
 double covered_us(const std::vector<Span>& spans, Lane lane) {
@@ -152,12 +158,12 @@ Summary summarize(const std::vector<Span>& spans) {
           covered_us(spans, Lane::AllReduce), covered_us(spans, Lane::Wait)};
 }
 
-void write_chrome_trace(const std::string& path, const std::vector<Span>& spans) {
+void write_chrome_trace(const std::string& path, const std::vector<Span>& spans, const std::string& title) {
   std::vector<std::string> all = dist::all_gather_strings(dist::world(), chrome_trace_events(spans, dist::rank()));
   if (dist::rank() != 0) return;
   std::ofstream out(path);
   TS_CHECK(out.good(), "cannot write trace file '{}'", path);
-  out << chrome_trace_file(all);
+  out << chrome_trace_file(all, title);
   TS_CHECK(out.good(), "writing trace file '{}' failed", path);
 }
 

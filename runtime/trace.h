@@ -39,8 +39,11 @@ void memory_sample(const std::string& device, double allocated_bytes);
 std::vector<Span> take();
 // The spans as Chrome trace events, one process per rank and one thread per lane.
 std::string chrome_trace_events(const std::vector<Span>& spans, int rank);
-// A complete trace file body from already-formatted events (joined with commas).
-std::string chrome_trace_file(const std::vector<std::string>& per_rank_events);
+// A complete trace file body from already-formatted events (joined with
+// commas); a non-empty `title` (the run, step, ranks and settings) is kept as
+// "otherData": {"title": ...}, which Perfetto shows and tools/trace_png.py
+// draws as the picture's title.
+std::string chrome_trace_file(const std::vector<std::string>& per_rank_events, const std::string& title = "");
 // Total time covered by the spans of a lane (overlapping spans counted once).
 double covered_us(const std::vector<Span>& spans, Lane lane);
 
@@ -52,8 +55,8 @@ struct Summary {
 Summary summarize(const std::vector<Span>& spans);
 
 // Writes every rank's spans into one Chrome trace file at `path` (rank 0
-// writes; every rank of the world must call it).
-void write_chrome_trace(const std::string& path, const std::vector<Span>& spans);
+// writes; every rank of the world must call it), titled as chrome_trace_file says.
+void write_chrome_trace(const std::string& path, const std::vector<Span>& spans, const std::string& title = "");
 
 namespace detail {
 extern std::atomic<bool> g_enabled;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 
 #include "runtime/check.h"
 #include "runtime/json_scan.h"
@@ -302,7 +303,8 @@ const std::vector<Preset>& presets() {
          c.lr_scheduler.warmup_steps = 5;
          c.metrics.log_interval = 10;
          c.sample.max_new_tokens = 50;
-       }},
+       },
+       "tiny"},
       {"llama-small", "Llama (RoPE, RMSNorm, SwiGLU, GQA), 4 layers, d=256, 8 heads, 2 KV heads",
        [](TrainConfig& c) {
          c.model.arch = "llama";
@@ -316,7 +318,8 @@ const std::vector<Preset>& presets() {
          c.model.n_head = 6;
          c.model.n_embd = 384;
          c.training.steps = 2000;
-       }},
+       },
+       "medium"},
   };
   return p;
 }
@@ -422,6 +425,8 @@ void resolve_config(TrainConfig& cfg) {
     cfg.job.name = cfg.model.arch + "-" + data;
     // The same text in a tokenizer's tokens is another run (shards carry their own name).
     if (!cfg.training.tokenizer.empty() && cfg.training.dataset != "shards") cfg.job.name += "-bpe";
+    // So is another preset's model (the tiny preset's run beside the default one).
+    if (!cfg.job.preset_suffix.empty()) cfg.job.name += "-" + cfg.job.preset_suffix;
     for (char& ch : cfg.job.name)
       if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.') ch = '-';
   }
@@ -437,6 +442,7 @@ void resolve_config(TrainConfig& cfg) {
 
 bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program, bool print) {
   auto keys = config_keys(cfg);
+  std::vector<std::pair<std::string, std::string>> bases, overrides;  // (name, value) in the order given
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -446,13 +452,28 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
       std::printf("presets:\n");
       for (const auto& p : presets())
         std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
-      std::printf("\nkeys (default value):\n");
+      std::printf("\nkeys, by section: --KEY TYPE = DEFAULT, then what it does\n");
+      size_t width = 0;
+      for (const auto& k : keys) width = std::max(width, k.name.size());
+      std::string section;
       for (const auto& k : keys) {
-        std::string choices;
-        if (!k.choices.empty() && k.type == "string")
-          choices = fmt::format(" [{}]", fmt::join(k.choices, "|"));
-        std::printf("  --%-30s %-7s %s%s (%s)\n", k.name.c_str(), k.type.c_str(), k.help.c_str(),
-                    choices.c_str(), k.get().c_str());
+        const std::string here = k.name.substr(0, k.name.find('.'));
+        if (here != section) std::printf("\n[%s]\n", (section = here).c_str());
+        std::string text = k.help;
+        if (!k.choices.empty() && k.type == "string") text += fmt::format(" [{}]", fmt::join(k.choices, "|"));
+        std::printf("  --%-*s %-6s = %s\n", static_cast<int>(width), k.name.c_str(), k.type.c_str(),
+                    k.get().empty() ? "''" : k.get().c_str());
+        // The help under it, wrapped at 80 columns.
+        std::string line;
+        std::istringstream words(text);
+        for (std::string w; words >> w;) {
+          if (!line.empty() && 6 + line.size() + 1 + w.size() > 80) {
+            std::printf("      %s\n", line.c_str());
+            line.clear();
+          }
+          line += (line.empty() ? "" : " ") + w;
+        }
+        if (!line.empty()) std::printf("      %s\n", line.c_str());
       }
       return false;
     }
@@ -467,21 +488,27 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
       TS_CHECK(i + 1 < argc, "option '{}' needs a value", arg);
       value = argv[++i];
     }
-    if (name == "config") {
-      load_toml(cfg, value);
-    } else if (name == "preset") {
-      auto it = std::find_if(presets().begin(), presets().end(),
-                             [&](const Preset& p) { return p.name == value; });
-      if (it == presets().end()) {
-        std::vector<std::string> names;
-        for (const auto& p : presets()) names.push_back(p.name);
-        TS_CHECK(false, "unknown preset '{}' (valid: {})", value, fmt::join(names, ", "));
-      }
-      it->apply(cfg);
-    } else {
-      find_key(keys, name).set(value);
-    }
+    (name == "config" || name == "preset" ? bases : overrides).emplace_back(name, value);
   }
+  // Presets and --config files first (in the order given), then every
+  // --section.key, whatever its place on the line: a key given before
+  // --preset still wins over the preset (TorchTitan's rule).
+  for (const auto& [kind, value] : bases) {
+    if (kind == "config") {
+      load_toml(cfg, value);
+      continue;
+    }
+    const std::string& wanted = value;  // a structured binding cannot be captured before C++20 in clang
+    auto it = std::find_if(presets().begin(), presets().end(), [&](const Preset& p) { return p.name == wanted; });
+    if (it == presets().end()) {
+      std::vector<std::string> names;
+      for (const auto& p : presets()) names.push_back(p.name);
+      TS_CHECK(false, "unknown preset '{}' (valid: {})", value, fmt::join(names, ", "));
+    }
+    it->apply(cfg);
+    cfg.job.preset_suffix = it->run_suffix;
+  }
+  for (const auto& [name, value] : overrides) find_key(keys, name).set(value);
   resolve_config(cfg);
   return true;
 }

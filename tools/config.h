@@ -22,7 +22,7 @@ namespace tessera::tools {
 
 struct TrainConfig {
   struct Job {
-    std::string name = "";         // "" = <model.arch>-<dataset>, e.g. gpt2-fortunes, llama-book
+    std::string name = "";         // "" = <model.arch>-<dataset>[-<preset>], e.g. gpt2-fortunes, gpt2-fortunes-tiny
     std::string dump_folder = "";  // metrics, plots, traces, checkpoints; "" = out/<job.name>
     int64_t seed = 1234;
     // Where tensors live: cpu, cuda (this rank's GPU), auto (cuda when a GPU is
@@ -34,6 +34,9 @@ struct TrainConfig {
     // Keep each rank's threads to cores of its own when the node's ranks fit
     // them (tools::rank_cpus); false leaves placement to the OS.
     bool bind_cores = true;
+    // The last --preset's run suffix (not a config key): a run of another
+    // preset keeps its own folder (an empty job.name ends with it).
+    std::string preset_suffix = "";
   } job;
   struct Model {
     std::string arch = "gpt2";  // gpt2 | llama
@@ -168,10 +171,13 @@ struct ConfigKey {
 
 std::vector<ConfigKey> config_keys(TrainConfig& cfg);
 
-// Built-in presets: name, one-line description, and what they override.
+// Built-in presets: name, one-line description, what they override, and the
+// suffix an unnamed run of theirs takes, so that it keeps a folder of its own
+// (gpt2-fortunes-tiny beside the default run's gpt2-fortunes).
 struct Preset {
   std::string name, description;
   std::function<void(TrainConfig&)> apply;
+  std::string run_suffix = "";
 };
 const std::vector<Preset>& presets();
 
@@ -182,8 +188,10 @@ void load_toml(TrainConfig& cfg, const std::string& path);
 // text does not parse.
 std::map<std::string, std::string> toml_values(const std::string& text);
 // Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
-// `--section.key=value`, in order. Returns false when --help was asked (after
-// printing it when `print`: under mpirun only rank 0 prints).
+// `--section.key=value`. Presets and config files apply first, in the order
+// given; then every --section.key, wherever it stands (a flag always wins).
+// Returns false when --help was asked (after printing it when `print`: under
+// mpirun only rank 0 prints).
 bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& program,
                 bool print = true);
 // Checks every key's range and the keys' consistency (e.g. n_embd divisible

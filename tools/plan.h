@@ -101,8 +101,11 @@ std::vector<int> rank_cpus(int local_rank, int local_size, int threads);
 // peak FLOP/s for products of `param_dtype` ("float32" or "bfloat16") on the
 // CPUs `ranks_here` ranks of `threads` threads use (at most all of them),
 // measured on that many threads at once (runtime/cpu/peak.h: the FMA for
-// f32; AMX, else AVX512-BF16, for bf16). `unit` gets the unit's name.
-double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* unit = nullptr);
+// f32; AMX, else AVX512-BF16, for bf16). Load can only lower a measurement,
+// so the best one made for this CPU, unit and thread count is kept in
+// <cache_dir>/peaks.txt and the larger is returned. `how` gets the unit's name
+// and which of the two it is.
+double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* how = nullptr);
 
 // Plans rank `rank` of world_size ranks for `cfg` (validated here). Throws as
 // tessera-train would for a config that cannot run at that world size.
@@ -116,9 +119,9 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool log_ste
 // the ranks), each marked whether it fits. cfg.job.check_memory false skips it.
 void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes);
 
-// The plan as tables for a person; the lower bound of the bytes one rank
-// moves per step ((W-1)/W x params x (2 x param bytes + gradient bytes))
-// beside what the plan moves.
+// The plan as tables for a person: per group the bytes handed to MPI and
+// those a ring algorithm sends, beside ZeRO-3's estimate ((W-1)/W x params
+// x (2 x param bytes + gradient bytes), every parameter gathered twice).
 std::string format_plan(const Plan& plan, const TrainConfig& cfg);
 
 }  // namespace tessera::tools

@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
           const int nodes = (world + here - 1) / here;
           std::string unit;
           peak = nodes * tools::node_peak_flops(cfg.mixed_precision.param_dtype, here, threads, &unit);
-          source = fmt::format("{} loop, measured on this machine{}", unit, nodes > 1 ? fmt::format(", x {} nodes", nodes) : "");
+          source = fmt::format("{} on this machine{}", unit, nodes > 1 ? fmt::format(", x {} nodes", nodes) : "");
         }
         std::printf("  MFU at that step time: %.1f%% of %.4g TFLOP/s (%s)\n", 100 * flops / t.step_s / peak,
                     peak / 1e12, source.c_str());

@@ -12,10 +12,15 @@ scaled to the largest rank's peak. A time axis in milliseconds from the
 window's start, and a legend.
 
     tools/trace_png.py TRACE.json OUT.png [--title T] [--window FROM_MS TO_MS]
-                       [--ranks 0,1] [--width PIXELS]
+                       [--gathers FROM TO] [--ranks 0,1] [--width PIXELS]
 
 --window zooms on part of the trace (milliseconds from its first event),
-e.g. one block's forward; events are clipped to it. Needs python3 and
+e.g. one block's forward; events are clipped to it. --gathers zooms from the
+start of rank 0's FROM-th all-gather (counting from 1) to the start of its
+TO-th, which picks the same part of a step on any machine (with sequence
+parallelism a block's forward is two all-gathers: --gathers 3 5 is the
+second block's). The title is the run, step, ranks and settings tessera-train
+wrote into the trace (its otherData), else the file's name. Needs python3 and
 gnuplot (the README's install line brings both); prints why it cannot draw
 and exits 1 otherwise.
 """
@@ -59,6 +64,17 @@ def series_of(lane, name):
             "waiting for communication (exposed)": 6, "fsdp": 7}.get(lane)
 
 
+def gnuplot_title(title, width):
+    """The title as a gnuplot string, broken after a comma onto a second line
+    where it would not fit the picture's width (about 12 pixels a character, with the margins)."""
+    fits = max(40, width // 12)
+    if len(title) > fits and ", " in title:
+        cut = title.rfind(", ", 0, fits)
+        cut = cut if cut > 0 else title.find(", ")
+        title = title[:cut + 1] + "\n" + title[cut + 2:]
+    return '"%s"' % title.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def fail(message):
     print("trace_png: " + message, file=sys.stderr)
     sys.exit(1)
@@ -70,6 +86,7 @@ def main():
     ap.add_argument("png")
     ap.add_argument("--title", default=None)
     ap.add_argument("--window", nargs=2, type=float, metavar=("FROM_MS", "TO_MS"))
+    ap.add_argument("--gathers", nargs=2, type=int, metavar=("FROM", "TO"))
     ap.add_argument("--ranks", default=None, help="comma-separated ranks to draw (default: all)")
     ap.add_argument("--width", type=int, default=1600)
     args = ap.parse_args()
@@ -104,6 +121,16 @@ def main():
         fail("%s holds no timed events (ph X)" % args.trace)
     t0 = min(float(e["ts"]) for e in spans)
     lo, hi = (args.window if args.window else (0.0, max(float(e["ts"]) + float(e["dur"]) - t0 for e in spans) / 1e3))
+    if args.gathers:
+        first = min(e.get("pid") for e in spans)
+        starts = sorted((float(e["ts"]) - t0) / 1e3 for e in spans
+                        if e.get("pid") == first and lane_names.get((e.get("pid"), e.get("tid"))) == "all_gather")
+        a, b = args.gathers
+        if not 1 <= a < b:
+            fail("--gathers %d %d: expected 1 <= FROM < TO" % (a, b))
+        if b > len(starts):
+            fail("--gathers %d %d: rank %s has %d all-gather(s) in the trace" % (a, b, first, len(starts)))
+        lo, hi = starts[a - 1], starts[b - 1]
     if not hi > lo:
         fail("empty window: %g to %g ms" % (lo, hi))
     ranks = sorted({e.get("pid") for e in spans})
@@ -185,11 +212,13 @@ def main():
                 text = "%s  %s" % (rank_names.get(r, "rank %s" % r), label) if n == lanes[0][0] else label
                 tics.append('"%s" %.3f' % (text.replace('"', "'"), y_of(ri, n)))
         height = 140 + 26 * band * len(ranks)
-        title = args.title if args.title is not None else os.path.basename(args.trace)
+        other = data.get("otherData", {}) if isinstance(data, dict) else {}
+        written = other.get("title") if isinstance(other, dict) else None
+        title = args.title if args.title is not None else (str(written) if written else os.path.basename(args.trace))
         script = [
             "set terminal pngcairo size %d,%d font 'Sans,11'" % (args.width, max(height, 320)),
             "set output '%s'" % args.png.replace("'", "''"),
-            "set title '%s' font 'Sans,13' noenhanced" % title.replace("'", "''"),
+            "set title %s font 'Sans,13' noenhanced" % gnuplot_title(title, args.width),
             "set xlabel 'time (ms)'",
             "set xrange [%g:%g]" % (lo, hi),
             "set yrange [-0.5:%g]" % (band * len(ranks) - 1.0),

@@ -83,6 +83,59 @@ void write_status(const tools::TrainConfig& c, json status) {
   fs::rename(tmp, path, ec);
 }
 
+// A run's records in its folder: what a later command must not overwrite.
+const std::vector<std::string>& record_files() {
+  static const std::vector<std::string> files = {"status.json", "metrics.jsonl", "config.toml", "loss.png",
+                                                 "traces"};
+  return files;
+}
+
+// Rank 0's answer, on every rank (a collective: all ranks call it, and the
+// others' answers are ignored, so what rank 0 saw before any rank wrote
+// anything decides).
+int64_t rank0s(int64_t mine) {
+  if (dist::world_size() == 1) return mine;
+  Tensor t = full({1}, dist::rank() == 0 ? static_cast<double>(mine) : 0.0, DType::F64);
+  dist::world()->all_reduce(t, {dist::ReduceOp::Sum})->wait();
+  return static_cast<int64_t>(t.item());
+}
+
+// The first k >= 1 for which `folder`/<prefix><k> does not exist.
+int64_t first_free(const fs::path& folder, const std::string& prefix) {
+  int64_t k = 1;
+  while (fs::exists(folder / fmt::format("{}{}", prefix, k))) ++k;
+  return k;
+}
+
+// A new run may not write checkpoints where another run's are (the newer
+// would shadow or prune the other): refused before anything is written to the
+// folder, which then stays as it was.
+void refuse_other_runs_checkpoints(const tools::TrainConfig& c) {
+  if (!c.checkpoint.enable || c.checkpoint.resume) return;
+  const std::string folder = out_path(c, c.checkpoint.folder), existing = fsdp::latest_checkpoint(folder);
+  TS_CHECK(existing.empty(),
+           "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to continue it, "
+           "or choose another --checkpoint.folder or --job.dump_folder",
+           folder, fs::path(existing).filename().string());
+}
+
+// A new run (not a resume) into a folder that holds an earlier run's records
+// moves them into <folder>/earlier/<k>/ first, so that nothing of it is lost.
+// Rank 0 decides and moves; with `every_rank` every rank calls it (a
+// collective), else rank 0 alone does.
+void keep_earlier_records(const tools::TrainConfig& c, bool every_rank) {
+  const fs::path folder = c.job.dump_folder;
+  int64_t k = c.checkpoint.resume || !fs::exists(folder / "status.json") ? 0 : first_free(folder / "earlier", "");
+  if (every_rank) k = rank0s(k);
+  if (k == 0 || dist::rank() != 0) return;
+  const fs::path to = folder / "earlier" / std::to_string(k);
+  fs::create_directories(to);
+  for (const auto& f : record_files())
+    if (fs::exists(folder / f)) fs::rename(folder / f, to / f);
+  std::printf("the earlier run's records in %s (status, metrics, config, plot, traces) moved to %s\n",
+              folder.c_str(), to.c_str());
+}
+
 // Reduces a host scalar over all ranks (of `group`, default the world).
 double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nullptr) {
   if (dist::world_size() == 1) return v;
@@ -245,7 +298,20 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   double syncs = all_reduce(static_cast<double>(window_syncs_), dist::ReduceOp::Max);
   window_syncs_ = 0;
   double tok_s = static_cast<double>(window_tokens_) / window;
-  double mfu = peak_flops_ > 0 ? 100.0 * tok_s * flops_per_token_ / peak_flops_ : std::nan("");
+  // A peak below the rate the step reached is wrong (measured while the
+  // machine was busy, or given too low): MFU is never shown above 100%; the
+  // peak is raised to that rate, and the log says so once.
+  const double achieved = tok_s * flops_per_token_;
+  bool raised = false;
+  if (peak_flops_ > 0 && achieved > peak_flops_) {
+    if (rank_ == 0 && !peak_raised_)
+      say(fmt::format("note: this run reached {:.4g} TFLOP/s, above the peak MFU was taken against ({:.4g} TFLOP/s, "
+                      "{}): that peak is wrong, and MFU is now against the rate reached",
+                      achieved / 1e12, peak_flops_ / 1e12, peak_how_));
+    peak_flops_ = achieved;
+    peak_raised_ = raised = true;
+  }
+  double mfu = peak_flops_ > 0 ? 100.0 * achieved / peak_flops_ : std::nan("");
   if (rank_ == 0) {
     say(fmt::format(
         "step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
@@ -260,6 +326,7 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
         {"tokens_per_s", tok_s},
         {"tokens_per_s_per_rank", tok_s / world_},
         {"mfu_pct", mfu},
+        {"mfu_peak_raised", raised},
         {"peak_mem_mib_max_rank", peak_mib},
         {"exposed_comm_pct_max_rank", exposed},
         {"host_syncs_between_logs_max_rank", syncs},
@@ -276,17 +343,6 @@ void Trainer::open_outputs() {
   const auto& M = cfg_.metrics;
   progress_ = std::make_unique<tools::Progress>(T_.steps, rank_ == 0 ? M.progress : "off",
                                                 dist::launched());
-  // Before anything is written to the folder (the metrics file would be truncated).
-  if (cfg_.checkpoint.enable && !cfg_.checkpoint.resume) {
-    // Never mix two runs' checkpoints (the newer would shadow or prune the other).
-    std::string folder = out_path(cfg_, cfg_.checkpoint.folder),
-                existing = fsdp::latest_checkpoint(folder);
-    TS_CHECK(existing.empty(),
-             "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to "
-             "continue it, "
-             "or choose another --checkpoint.folder or --job.dump_folder",
-             folder, fs::path(existing).filename().string());
-  }
   if (rank_ == 0) fs::create_directories(cfg_.job.dump_folder);
   jsonl_ = std::make_unique<tools::JsonlWriter>(
       rank_ == 0 && !M.jsonl.empty() ? out_path(cfg_, M.jsonl) : "", cfg_.checkpoint.resume);
@@ -355,7 +411,7 @@ void Trainer::find_peak() {
   else
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   peak_flops_ = all_reduce(mine, dist::ReduceOp::Sum);
-  peak_how_ = unit + " loop, measured";
+  peak_how_ = unit;
 }
 
 namespace {
@@ -374,18 +430,24 @@ std::string cpus_note() {
 }
 }  // namespace
 
-void Trainer::report_setup() {
+// The mesh in words: "FSDP over 4", "HSDP 2x2 (replicate x shard) x tensor parallel 2 ...".
+std::string Trainer::layout() const {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
+  return (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
+         (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_, tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
+                                tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
+                  : "");
+}
+
+void Trainer::report_setup() {
   say(fmt::format(
-      "model {}: {} layers, d={}, {} parameters | {} rank(s): {} | {} thread(s)/rank{} | "
+      "model {}: {} layers, d={}, {} parameters{} | {} rank(s): {} | {} thread(s)/rank{} | "
       "param {} reduce {}",
-      cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(), world_,
-      (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
-          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_,
-                                 tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
-                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
-                   : ""),
-      num_threads(), cpus_note(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
+      cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(),
+      model_->num_parameters(false) != model_->num_parameters()
+          ? fmt::format(" ({} with the position table)", model_->num_parameters(false))
+          : "",
+      world_, layout(), num_threads(), cpus_note(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
   say(fmt::format(
       "data: {} train tokens, {} validation tokens | {} tokens/step ({} sequences, {} per rank "
       "per micro-batch) | unigram baseline {:.4f}",
@@ -401,7 +463,10 @@ void Trainer::write_trace(int64_t step) {
   std::string path =
       out_path(cfg_, fs::path(cfg_.profiling.trace_folder) / fmt::format("step-{}.json", step + 1));
   if (rank_ == 0) fs::create_directories(fs::path(path).parent_path());
-  outside_window([&] { trace::write_chrome_trace(path, spans); });
+  const std::string title = fmt::format("{}: step {}, {} rank(s), {}, param {} reduce {}", cfg_.job.name, step + 1,
+                                        world_, layout(), cfg_.mixed_precision.param_dtype,
+                                        cfg_.mixed_precision.reduce_dtype);
+  outside_window([&] { trace::write_chrome_trace(path, spans, title); });
   auto s = trace::summarize(spans);
   say(fmt::format(
       "trace of step {} -> {} (open in https://ui.perfetto.dev): rank 0 computed {:.1f} ms, "
@@ -610,7 +675,7 @@ using namespace tessera::tools;
 
 int main(int argc, char** argv) {
   tools::TrainConfig cfg;
-  bool parsed = false;
+  bool parsed = false, eval_only_launch = false, folder_taken = false;
   watch_stop_signals();  // before any other thread starts
   try {
     dist::init(argc, argv);
@@ -622,7 +687,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < argc; ++i) {
       if (i > 0 && std::strcmp(argv[i], "--dry-run") == 0) dry_run = true;
       else if (i > 0 && std::strcmp(argv[i], "--print-config") == 0) print_config = true;
-      else if (i > 0 && std::strcmp(argv[i], "--eval-only") == 0) eval_only = true;
+      else if (i > 0 && std::strcmp(argv[i], "--eval-only") == 0) eval_only = eval_only_launch = true;
       else args.push_back(argv[i]);
     }
     int nargs = static_cast<int>(args.size());
@@ -663,6 +728,20 @@ int main(int argc, char** argv) {
       tools::check_planned_memory(cfg, dist::world_size(), dist::local_size(), available);
       if (!deep) tools::check_memory(cfg, dist::world_size(), dist::local_size(), available);
     }
+    if (eval_only) {
+      // An evaluation writes records of its own: in its folder, or where that
+      // holds a run's (a status.json), in <folder>/eval-<k>/, the run's files
+      // left as they were; it finds a resumed run's checkpoint where the run left it.
+      cfg.checkpoint.folder = fs::absolute(out_path(cfg, cfg.checkpoint.folder)).string();
+      const fs::path folder = cfg.job.dump_folder;
+      const int64_t k = rank0s(fs::exists(folder / "status.json") ? first_free(folder, "eval-") : 0);
+      if (k > 0) cfg.job.dump_folder = (folder / fmt::format("eval-{}", k)).string();
+    } else {
+      folder_taken = true;
+      refuse_other_runs_checkpoints(cfg);
+      folder_taken = false;
+      keep_earlier_records(cfg, /*every_rank=*/true);
+    }
     parsed = true;
     g_training = true;
     Trainer trainer(cfg);
@@ -679,10 +758,17 @@ int main(int argc, char** argv) {
     if (!parsed) {
       if (dist::rank() == 0) {
         std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
-        // No folder is created for a configuration that was refused, but an
-        // existing one must not keep an earlier run's status.
-        if (fs::is_directory(cfg.job.dump_folder))
+        // No folder is created for a configuration that was refused; in an
+        // existing one, the earlier run's records are kept (earlier/<k>/) and
+        // the status says this launch failed.
+        if (fs::is_directory(cfg.job.dump_folder) && !eval_only_launch && !folder_taken) {
+          try {
+            keep_earlier_records(cfg, /*every_rank=*/false);  // rank 0 alone here
+          } catch (const std::exception&) {
+            // best effort: the refusal is what the user needs to see
+          }
           write_status(cfg, {{"status", "failed"}, {"exit_code", 2}, {"error", e.what()}});
+        }
       }
       return 2;
     }

@@ -59,6 +59,7 @@ class Trainer {
   void prepare_data();
   void find_peak();
   void report_setup();
+  std::string layout() const;
   int64_t restore_or_start();  // resume, initial weights or step 0; returns the first step
   void run_step(int64_t step, int64_t start, Clock::time_point run_start);
   void write_trace(int64_t step);
@@ -100,6 +101,7 @@ class Trainer {
   double flops_per_token_ = 0;
   double peak_flops_ = 0;  // MFU's denominator (0: none known, MFU not reported)
   std::string peak_how_;
+  bool peak_raised_ = false;  // the rate reached exceeded the peak (log_line)
   // The current log window.
   Clock::time_point window_start_;
   int64_t window_tokens_ = 0;

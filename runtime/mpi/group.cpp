@@ -202,6 +202,15 @@ std::shared_ptr<Collective> MpiGroup::make(int64_t kind, const char* name, DType
   std::lock_guard<std::mutex> lk(state_->stats_mu);
   state_->stats.mpi_calls++;
   state_->stats.bytes += bytes;
+  const int64_t w = size();
+  switch (kind) {
+    case kAllGather: state_->stats.ring_bytes += (w - 1) * bytes; break;
+    case kReduceScatter:
+    case kAllToAll: state_->stats.ring_bytes += (w - 1) * bytes / w; break;
+    case kAllReduce: state_->stats.ring_bytes += 2 * (w - 1) * bytes / w; break;
+    case kBroadcast: state_->stats.ring_bytes += bytes; break;
+    default: break;
+  }
   return c;
 }
 

@@ -327,6 +327,18 @@ TEST_CASE("sequence numbers count collectives per group; world size 1 calls no M
     CHECK(s.mpi_calls == 2);
     CHECK(pg->sequence() == seq + 2);
   }
+  // Bytes handed to MPI and sent by a ring: an all-reduce of 20 floats
+  // 2 (W-1)/W x 80, an all-gather of 4 floats per rank (W-1) x 16, a
+  // reduce-scatter of 12 floats per rank (W-1)/W x its input.
+  pg->reset_stats();
+  const int64_t w = pg->size();
+  pg->all_reduce(ones({20}))->wait();
+  pg->all_gather_into_tensor(out, ones({4}))->wait();
+  Tensor rs_out = empty({12});
+  pg->reduce_scatter_tensor(rs_out, ones({12 * w}))->wait();
+  s = pg->stats();
+  CHECK(s.bytes == (w == 1 ? 0 : 80 + 16 + 48 * w));
+  CHECK(s.ring_bytes == 2 * (w - 1) * 80 / w + (w - 1) * 16 + (w - 1) * 48);
 }
 
 TEST_CASE("world size 1 makes no MPI call at all (counted through PMPI)", "[dist][stats]") {

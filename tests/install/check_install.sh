@@ -9,6 +9,8 @@
 #     static), and each program runs
 #     without LD_LIBRARY_PATH; the static one also has no wider instruction
 #     outside the kernels' AVX2/AVX-512 copies (tests/tools/check_isa.sh);
+#   - the installed programs run without LD_LIBRARY_PATH from the prefix and
+#     from a copy of it (run path $ORIGIN/../<libdir>);
 #   - tests/install/train_hf.cpp, built the same four ways, loads a Hugging
 #     Face GPT-2 folder and its tokenizer.json, trains it with FSDP over 2 ranks
 #     for three steps and writes a checkpoint: its losses equal tessera-train's
@@ -80,10 +82,24 @@ env -u LD_LIBRARY_PATH ldd "$root/cmake-build/embed_shared" | grep -q "$libdir/l
 [ "$sanitize" != none ] || "$source_dir/tests/tools/check_isa.sh" "$root/cmake-build/embed_static" "$native"
 echo "install: pkg-config (shared, static), CMake (shared, static) programs built and ran"
 
+# The installed programs run from the prefix without LD_LIBRARY_PATH (their
+# run path is $ORIGIN/../<libdir>), even from a copy of it elsewhere.
+[ "$sanitize" = none ] || { echo "install: the installed programs are not run under $sanitize"; exit 0; }
+for prog in tessera-train tessera-plan tessera-generate tessera-ckpt tessera-data; do
+  env -u LD_LIBRARY_PATH ldd "$root$prefix/bin/$prog" | grep -q "libtessera.so.0 => $root$prefix/bin/\.\./" ||
+    fail "the installed $prog does not load the installed libtessera.so.0: $(env -u LD_LIBRARY_PATH ldd "$root$prefix/bin/$prog" | grep tessera)"
+done
+cp -a "$root$prefix" "$root/moved"
+( cd "$root" && env -u LD_LIBRARY_PATH moved/bin/tessera-train --preset tiny --training.steps 3 \
+    --training.data_dir "$root/tiny-data" --job.dump_folder installed-run --sample.max_new_tokens 0 \
+    --metrics.progress off > installed-run.log 2>&1 ) || { cat "$root/installed-run.log"; fail "the installed tessera-train did not run from a moved prefix"; }
+env -u LD_LIBRARY_PATH "$root/moved/bin/tessera-plan" --preset tiny --ranks 2 | grep -q "predicted peak" ||
+  fail "the installed tessera-plan did not run from a moved prefix"
+echo "install: the installed programs run from the prefix and from a copy of it, without LD_LIBRARY_PATH"
+
 # What tessera-train does, from the installed library alone: a Hugging Face
 # GPT-2 folder with its tokenizer (made here by tessera-train and tessera-ckpt
 # to-hf from the build), sharded over 2 ranks, three steps, a checkpoint.
-[ "$sanitize" = none ] || { echo "install: the training program is not run under $sanitize"; exit 0; }
 tools=$build_dir/tools
 mpi="mpirun --oversubscribe --allow-run-as-root --bind-to none -np 2"
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1

@@ -336,18 +336,47 @@ done
 # Each run's own folder: out/<model.arch>-<dataset> unless named; a run on
 # other data leaves the first run's files alone.
 mkdir -p folders && cd folders
-"$bin/tessera-train" --preset tiny --print-config | grep -q '^dump_folder = "out/gpt2-fortunes"$' ||
+"$bin/tessera-train" --print-config | grep -q '^dump_folder = "out/gpt2-fortunes"$' ||
   fail "the default run folder is not out/gpt2-fortunes"
+"$bin/tessera-train" --preset tiny --print-config | grep -q '^dump_folder = "out/gpt2-fortunes-tiny"$' ||
+  fail "the tiny preset's run folder is not its own (out/gpt2-fortunes-tiny)"
 "$bin/tessera-train" --preset llama-small --training.dataset text --training.text my.book.txt --print-config |
   grep -q '^name = "llama-my.book"$' || fail "the run name does not follow the model and the text"
 "$bin/tessera-train" --job.name exp1 --print-config | grep -q '^dump_folder = "out/exp1"$' ||
   fail "job.name does not name the folder"
-"$bin/tessera-train" "${base[@]}" --training.steps 2 --metrics.log_interval 1 > first.log
-cp out/gpt2-fortunes/metrics.jsonl first.jsonl
+"$bin/tessera-train" "${base[@]}" --training.steps 2 --metrics.log_interval 1 --checkpoint.enable true > first.log
+run=out/gpt2-fortunes-tiny
+cp $run/metrics.jsonl first.jsonl
 "$bin/tessera-train" "${base[@]}" --training.steps 2 --training.dataset shards \
   --training.train_shard "$work/data/book_train.bin" --training.val_shard "$work/data/book_val.bin" > second.log
-cmp out/gpt2-fortunes/metrics.jsonl first.jsonl || fail "a run on other data overwrote the first run's metrics"
-[[ -f out/gpt2-book/metrics.jsonl && -f out/gpt2-book/config.toml ]] || fail "no out/gpt2-book: $(ls -R out)"
+cmp $run/metrics.jsonl first.jsonl || fail "a run on other data overwrote the first run's metrics"
+[[ -f out/gpt2-book-tiny/metrics.jsonl && -f out/gpt2-book-tiny/config.toml ]] || fail "no out/gpt2-book-tiny: $(ls -R out)"
+# No later command rewrites a run's records: an evaluation (either way of naming
+# the weights) and tessera-generate leave them byte for byte; an evaluation's
+# go to <run>/eval-<k>/.
+records=(status.json metrics.jsonl config.toml loss.png)
+(cd $run && md5sum "${records[@]}") > records.md5
+"$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.resume true > eval1.log
+"$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.initial_load_path $run/checkpoint > eval2.log
+"$bin/tessera-generate" --checkpoint $run/checkpoint --sample.max_new_tokens 5 > /dev/null 2>&1
+(cd $run && md5sum -c --quiet "$OLDPWD/records.md5") || fail "an evaluation or a sample rewrote the run's records"
+[[ -f $run/eval-1/metrics.jsonl && -f $run/eval-2/status.json ]] || fail "the evaluations' records are not in eval-1, eval-2"
+grep -q '"eval_only"' $run/eval-2/metrics.jsonl || fail "eval-2 holds no evaluation: $(cat $run/eval-2/metrics.jsonl)"
+# A new run in the folder (not a resume; its checkpoints moved aside by hand)
+# keeps the earlier run's records in earlier/1/; a refused launch in earlier/2/.
+mv $run/checkpoint ck-aside
+"$bin/tessera-train" "${base[@]}" --training.steps 1 > third.log
+grep -q "records in $run .* moved to $run/earlier/1" third.log || fail "the third run did not say where the records went"
+(cd $run/earlier/1 && md5sum -c --quiet "$OLDPWD/records.md5") || fail "earlier/1 does not hold the first run's records"
+bad "training.steps must be >= 1" --job.dump_folder $run --training.steps 0
+[[ -f $run/earlier/2/metrics.jsonl ]] || fail "a refused launch dropped the third run's records: $(ls -R $run)"
+grep -q '"status": "failed"' $run/status.json || fail "the refused launch's status: $(cat $run/status.json)"
+# Flags win over presets and config files, wherever they stand.
+for args in "--training.batch_size 7 --preset tiny" "--preset tiny --training.batch_size 7" \
+            "--training.batch_size 7 --config $work/example.toml --preset tiny"; do
+  "$bin/tessera-train" $args --print-config | grep -q '^batch_size = 7$' ||
+    fail "--training.batch_size 7 lost to a preset or config file: $args"
+done
 cd "$work"
 # A batch given in tokens (llm.c's -d) is whole sequences.
 "$bin/tessera-train" "${base[@]}" --training.seq_len 32 --training.batch_tokens 384 --print-config > bt.toml

@@ -143,6 +143,7 @@ void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
     CHECK(want.all_reduce == got.all_reduce);
     CHECK(want.mpi_calls == got.mpi_calls);
     CHECK(want.bytes == got.bytes);
+    CHECK(want.ring_bytes == got.ring_bytes);
     // A group of one rank completes its collectives at once, unlogged.
     const bool logged = m.sizes.count(group) == 0 || m.sizes.at(group) > 1;
     CHECK(issued[group] == (got.all_gather + got.reduce_scatter + got.all_reduce) * (dist::world_size() > 1 && logged));
