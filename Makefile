@@ -35,7 +35,7 @@ build: deps $(BUILD)/build.ninja
 # Only what the run needs: the library and tessera-train (ninja's [n/N] lines
 # are the progress). The tests, benchmarks and other tools wait for make test.
 train-build: deps $(BUILD)/build.ninja
-	@echo "building the library and tessera-train: about 8 minutes the first time on 2 cores" \
+	@echo "building the library and tessera-train: about 4 minutes the first time on 2 cores" \
 	  "(make test builds the rest)"
 	meson compile -C $(BUILD) tessera-train
 

@@ -356,10 +356,19 @@ cmp $run/metrics.jsonl first.jsonl || fail "a run on other data overwrote the fi
 # go to <run>/eval-<k>/.
 records=(status.json metrics.jsonl config.toml loss.png)
 (cd $run && md5sum "${records[@]}") > records.md5
+(cd $run && find checkpoint -type f | sort | xargs md5sum) > checkpoint.md5
 "$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.resume true > eval1.log
 "$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.initial_load_path $run/checkpoint > eval2.log
 "$bin/tessera-generate" --checkpoint $run/checkpoint --sample.max_new_tokens 5 > /dev/null 2>&1
-(cd $run && md5sum -c --quiet "$OLDPWD/records.md5") || fail "an evaluation or a sample rewrote the run's records"
+# The other commands that read a run: the checkpoint listed, planned,
+# exported; the run's own config planned.
+"$bin/tessera-ckpt" list $run/checkpoint > /dev/null
+"$bin/tessera-ckpt" read-plan $run/checkpoint --ranks 3 > /dev/null
+"$bin/tessera-ckpt" to-safetensors $run/checkpoint exported.safetensors > /dev/null
+"$bin/tessera-ckpt" to-hf $run/checkpoint exported-hf > /dev/null
+"$bin/tessera-plan" --config $run/config.toml --ranks 2 > /dev/null
+(cd $run && md5sum -c --quiet "$OLDPWD/records.md5") || fail "an evaluation, a sample or a tool rewrote the run's records"
+(cd $run && md5sum -c --quiet "$OLDPWD/checkpoint.md5") || fail "a command changed the run's checkpoint files"
 [[ -f $run/eval-1/metrics.jsonl && -f $run/eval-2/status.json ]] || fail "the evaluations' records are not in eval-1, eval-2"
 grep -q '"eval_only"' $run/eval-2/metrics.jsonl || fail "eval-2 holds no evaluation: $(cat $run/eval-2/metrics.jsonl)"
 # A new run in the folder (not a resume; its checkpoints moved aside by hand)
