@@ -120,6 +120,16 @@ int local_size() {
   return 1;
 }
 
+WorkPtr ProcessGroup::send(const Tensor&, int dst, int) {
+  throw Error(fmt::format("send to rank {} on group '{}': this process group has no point-to-point messages", dst,
+                          name()));
+}
+
+WorkPtr ProcessGroup::recv(const Tensor&, int src, int) {
+  throw Error(fmt::format("recv from rank {} on group '{}': this process group has no point-to-point messages",
+                          src, name()));
+}
+
 ProcessGroupPtr world() {
   if (!world_state().initialized) init();
   return world_state().group;

@@ -43,6 +43,7 @@ struct ReduceOptions {
 struct CollectiveStats {
   int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, broadcast = 0, all_to_all = 0,
           barrier = 0;
+  int64_t send = 0, recv = 0;  // point-to-point messages (pipeline stages), not in total()
   int64_t mpi_calls = 0;  // collectives handed to MPI (0 at world size 1)
   int64_t bytes = 0;      // payload bytes handed to MPI (an all-gather's: this rank's shard)
   // The bytes this rank sends over the wire by the bandwidth-optimal ring
@@ -54,6 +55,7 @@ struct CollectiveStats {
   CollectiveStats& operator+=(const CollectiveStats& o) {
     all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, all_reduce += o.all_reduce;
     broadcast += o.broadcast, all_to_all += o.all_to_all, barrier += o.barrier;
+    send += o.send, recv += o.recv;
     mpi_calls += o.mpi_calls, bytes += o.bytes, ring_bytes += o.ring_bytes;
     return *this;
   }
@@ -93,6 +95,17 @@ class ProcessGroup {
   // output chunk i comes from rank i.
   virtual WorkPtr all_to_all(const Tensor& output, const Tensor& input) = 0;
   virtual WorkPtr barrier() = 0;
+
+  // Point to point, between two ranks of the group (pipeline stages): send
+  // `tensor` to group rank `dst`; receive into `tensor` (its shape and dtype
+  // agreed beforehand) from group rank `src`. A send matches the receive of
+  // the same tag on its peer whatever order the two ranks issue their
+  // messages in, so a schedule's sends and receives cannot deadlock on each
+  // other; messages of one (peer, tag) arrive in the order sent. Async as
+  // collectives: wait() has the same timeout and names the message. Counted
+  // in stats() (send, recv, bytes). Tags are 0 .. 2^30 - 1.
+  virtual WorkPtr send(const Tensor& tensor, int dst, int tag);
+  virtual WorkPtr recv(const Tensor& tensor, int src, int tag);
 
   // A group of the given ranks of this group (in this group's numbering; every
   // rank of this group must call it; ranks outside get nullptr).

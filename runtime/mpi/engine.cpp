@@ -86,6 +86,10 @@ MPI_Datatype transfer_type(DType dt) {
 // ---- Collective ----------------------------------------------------------------
 
 std::string Collective::describe() const {
+  if (point_to_point)
+    return fmt::format("{} {} rank {} (tag {}, message {} of this rank) on group '{}' [ranks {}]", kind,
+                       kind == "send" ? "to" : "from", group->global_ranks[static_cast<size_t>(peer)], tag, seq,
+                       group->name, fmt::join(group->global_ranks, ", "));
   return fmt::format("{} (seq {}) on group '{}' [ranks {}]", kind, seq, group->name,
                      fmt::join(group->global_ranks, ", "));
 }
@@ -107,6 +111,12 @@ void Collective::wait() {
     if (!completed) {
       group->broken_reason = fmt::format("{} timed out", describe());
       group->broken = true;
+      if (point_to_point)
+        throw Error(fmt::format(
+            "{} did not complete within {:.1f} s: the peer never posted the matching {} with tag {} (dead, "
+            "stuck, or running a schedule that does not pair with this one). The group cannot be used any "
+            "more. (TESSERA_COLLECTIVE_TIMEOUT sets the limit)",
+            describe(), std::chrono::duration<double>(timeout()).count(), kind == "send" ? "recv" : "send", tag));
       throw Error(fmt::format(
           "{} did not complete within {:.1f} s: at least one rank never arrived (dead, stuck, or "
           "running a different collective). The group cannot be used any more. "
@@ -390,7 +400,7 @@ void Engine::begin(const std::shared_ptr<Collective>& op) {
     return;
   }
   op->stage = Collective::Stage::Queued;
-  if (debug_collectives()) {
+  if (debug_collectives() && !op->point_to_point) {
     size_t n = op->descriptor.size();
     op->gathered.resize(n * static_cast<size_t>(g.size));
     int rc = MPI_Iallgather(op->descriptor.data(), static_cast<int>(n), MPI_INT64_T, op->gathered.data(),
@@ -429,10 +439,11 @@ bool Engine::test(const std::shared_ptr<Collective>& op) {
       op->stage = Collective::Stage::Queued;
     }
     if (op->stage == Collective::Stage::Queued) {
-      if (op->seq != g.started_seq) return false;  // an earlier collective of this group goes first
+      // An earlier collective of this group goes first (messages match by tag instead).
+      if (!op->point_to_point && op->seq != g.started_seq) return false;
       if (op->ready && !op->ready->query()) return false;  // its inputs are still being produced
       op->start(op->requests);
-      g.started_seq++;
+      if (!op->point_to_point) g.started_seq++;
       op->stage = Collective::Stage::Running;
     }
     int flag = 0;

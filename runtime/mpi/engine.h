@@ -46,7 +46,11 @@ class GroupState;
 struct Collective : public Work {
   enum class Stage { Queued, Checking, Running, Done, Failed };
 
-  std::string kind;  // "all_gather", "reduce_scatter", ...
+  std::string kind;  // "all_gather", "reduce_scatter", ..., "send", "recv"
+  // A message to or from one peer: posted in this rank's order, matched by
+  // its tag (not the group's sequence), never checked against the others.
+  bool point_to_point = false;
+  int peer = -1, tag = -1;  // point_to_point: the peer's group rank, the tag
   std::shared_ptr<GroupState> group;
   int64_t seq = 0;
   std::vector<int64_t> descriptor;  // what every rank must agree on (debug mode)
@@ -78,6 +82,8 @@ class GroupState {
  public:
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm check_comm = MPI_COMM_NULL;  // descriptor exchanges (debug mode)
+  MPI_Comm p2p_comm = MPI_COMM_NULL;    // point-to-point messages (their own tags)
+  int64_t next_p2p = 0;                 // point-to-point messages issued (numbers them in errors)
   std::string name;
   std::vector<int> global_ranks;
   int rank = 0;

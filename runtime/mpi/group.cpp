@@ -473,6 +473,65 @@ WorkPtr MpiGroup::barrier() {
   return submit(c);
 }
 
+WorkPtr MpiGroup::send(const Tensor& tensor, int dst, int tag) { return point_to_point("send", tensor, dst, tag); }
+
+WorkPtr MpiGroup::recv(const Tensor& tensor, int src, int tag) { return point_to_point("recv", tensor, src, tag); }
+
+// Tags of point-to-point messages: 0 .. 2^30 - 1 (MPI promises at least
+// 2^15 - 1; Open MPI and MPICH give 2^31 - 1: checked on the first message).
+constexpr int kMaxTag = (1 << 30) - 1;
+
+WorkPtr MpiGroup::point_to_point(const char* kind, const Tensor& tensor, int peer, int tag) {
+  const bool sending = std::strcmp(kind, "send") == 0;
+  check_tensor(tensor, kind, "tensor", simulated());
+  TS_CHECK(peer >= 0 && peer < size() && peer != rank(),
+           "{} on group '{}': peer {} is not another rank of the group (this rank is {} of {})", kind,
+           state_->name, peer, rank(), size());
+  TS_CHECK(tag >= 0 && tag <= kMaxTag, "{} on group '{}': tag {} is outside 0 .. {}", kind, state_->name, tag,
+           kMaxTag);
+  TS_CHECK(!state_->broken.load(), "{} on group '{}': the group is unusable ({})", kind, state_->name,
+           state_->broken_reason);
+  const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+  {
+    std::lock_guard<std::mutex> lk(state_->stats_mu);
+    (sending ? state_->stats.send : state_->stats.recv)++;
+    state_->stats.mpi_calls++;
+    if (sending) state_->stats.bytes += bytes, state_->stats.ring_bytes += bytes;
+  }
+  auto c = std::make_shared<Collective>();
+  c->kind = kind;
+  c->group = state_;
+  c->point_to_point = true;
+  c->peer = peer;
+  c->tag = tag;
+  c->seq = state_->next_p2p++;
+  c->keep_alive = {tensor};
+  if (simulated()) {
+    int64_t logged = kernel_log::collective_issued(c->kind, state_->name, 2, static_cast<double>(bytes));
+    return std::make_shared<SimulatedWork>(std::move(c->keep_alive), logged);
+  }
+  const MPI_Comm comm = state_->p2p_comm;
+  const int count = count_of(tensor.numel(), kind);
+  const MPI_Datatype type = transfer_type(tensor.dtype());
+  void* p = tensor.numel() ? tensor.data_ptr() : nullptr;
+  c->start = [=](std::vector<MPI_Request>& reqs) {
+    static const bool tags_fit = [&] {
+      int* ub = nullptr;
+      int flag = 0;
+      MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+      return flag != 0 && ub != nullptr && *ub >= kMaxTag;
+    }();
+    TS_CHECK(tags_fit, "this MPI's largest tag (MPI_TAG_UB) is below {}: pipeline messages need larger tags",
+             kMaxTag);
+    MPI_Request* req = &reqs.emplace_back(MPI_REQUEST_NULL);
+    if (sending)
+      TS_MPI(MPI_Isend(p, count, type, peer, tag, comm, req));
+    else
+      TS_MPI(MPI_Irecv(p, count, type, peer, tag, comm, req));
+  };
+  return submit(c);
+}
+
 std::shared_ptr<ProcessGroup> MpiGroup::make_child(MPI_Comm comm, const std::string& name) {
   if (comm == MPI_COMM_NULL) return nullptr;
   auto st = std::make_shared<GroupState>();
@@ -485,6 +544,7 @@ std::shared_ptr<ProcessGroup> MpiGroup::make_child(MPI_Comm comm, const std::str
     return local_group(name);
   }
   TS_MPI(MPI_Comm_dup(comm, &st->check_comm));
+  TS_MPI(MPI_Comm_dup(comm, &st->p2p_comm));
   int world_rank = dist::rank();
   st->global_ranks.resize(static_cast<size_t>(st->size));
   TS_MPI(MPI_Allgather(&world_rank, 1, MPI_INT, st->global_ranks.data(), 1, MPI_INT, comm));

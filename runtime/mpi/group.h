@@ -19,6 +19,8 @@ class MpiGroup final : public ProcessGroup {
   WorkPtr broadcast(const Tensor& tensor, int src) override;
   WorkPtr all_to_all(const Tensor& output, const Tensor& input) override;
   WorkPtr barrier() override;
+  WorkPtr send(const Tensor& tensor, int dst, int tag) override;
+  WorkPtr recv(const Tensor& tensor, int src, int tag) override;
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& name) override;
   std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) override;
   CollectiveStats stats() const override;
@@ -32,6 +34,7 @@ class MpiGroup final : public ProcessGroup {
   std::shared_ptr<Collective> make(int64_t kind, const char* name, DType dt, int64_t in, int64_t out,
                                    ReduceOp op, int root, int64_t bytes);
   void count(int64_t kind);
+  WorkPtr point_to_point(const char* kind, const Tensor& tensor, int peer, int tag);
   WorkPtr submit(std::shared_ptr<Collective> c);
   // full_bytes: the whole buffer (gathered, before scattering, reduced), for the kernel log.
   WorkPtr simulate(std::shared_ptr<Collective> c, double full_bytes);

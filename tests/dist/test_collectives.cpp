@@ -508,3 +508,78 @@ TEST_CASE("a collective keeps its tensors alive until it is waited for", "[dist]
   for (auto& w : works) w->wait();
   for (auto& h : held) CHECK(h.expired());  // released by the wait, while the works live on
 }
+
+TEST_CASE("send and recv: matched by tag in any order, counted, checked", "[dist][p2p]") {
+  auto pg = world();
+  const int W = pg->size(), r = pg->rank();
+  // Peers must be other ranks of the group; tags non-negative.
+  CHECK_THROWS_WITH(pg->send(ones({3}), r, 0), Catch::Contains("is not another rank of the group"));
+  CHECK_THROWS_WITH(pg->recv(ones({3}), W, 0), Catch::Contains("is not another rank of the group"));
+  if (W == 1) {
+    CHECK(pg->stats().send == 0);
+    return;
+  }
+  CHECK_THROWS_WITH(pg->send(ones({3}), (r + 1) % W, -1), Catch::Contains("tag -1 is outside"));
+  pg->reset_stats();
+  // A ring of awkward sizes: rank r sends 37 + r values to r + 1. Odd ranks
+  // post their receive first, even ranks their send: neither order blocks.
+  const int next = (r + 1) % W, prev = (r + W - 1) % W;
+  Tensor mine = randn({37 + r}, 100 + static_cast<uint64_t>(r));
+  Tensor got = empty({37 + prev});
+  dist::WorkPtr s, q;
+  if (r % 2) {
+    q = pg->recv(got, prev, 5);
+    s = pg->send(mine, next, 5);
+  } else {
+    s = pg->send(mine, next, 5);
+    q = pg->recv(got, prev, 5);
+  }
+  q->wait();
+  s->wait();
+  CHECK(testing::max_abs_diff(got, randn({37 + prev}, 100 + static_cast<uint64_t>(prev))) == 0);
+  // Three messages to the next rank with tags 1, 2, 3, received as 3, 2, 1:
+  // each lands where its tag says, whatever the order of the calls.
+  std::vector<dist::WorkPtr> sends, recvs;
+  std::vector<Tensor> in(3);
+  for (int k = 1; k <= 3; ++k) sends.push_back(pg->send(full({k * 5}, 10.0 * r + k), next, k));
+  for (int k = 3; k >= 1; --k) {
+    in[static_cast<size_t>(k - 1)] = empty({k * 5});
+    recvs.push_back(pg->recv(in[static_cast<size_t>(k - 1)], prev, k));
+  }
+  for (auto& w : recvs) w->wait();
+  for (auto& w : sends) w->wait();
+  for (int k = 1; k <= 3; ++k) CHECK(testing::max_abs_diff(in[static_cast<size_t>(k - 1)], full({k * 5}, 10.0 * prev + k)) == 0);
+  auto st = pg->stats();
+  CHECK(st.send == 4);
+  CHECK(st.recv == 4);
+  CHECK(st.total() == 0);  // no collective among them
+  // Point-to-point messages leave the group's collective sequence alone: a
+  // collective after them still matches on every rank.
+  Tensor sum = full({4}, 1.0);
+  pg->all_reduce(sum)->wait();
+  CHECK(testing::max_abs_diff(sum, full({4}, W)) == 0);
+}
+
+TEST_CASE("a receive whose send never comes times out naming the message", "[dist][p2p][timeout]") {
+  auto pg = world();
+  const int W = pg->size(), r = pg->rank();
+  if (W == 1) return;
+  auto pair = pg->split(0, r, "p2p-timeout-test");
+  auto saved = dist::timeout();
+  dist::set_timeout(std::chrono::milliseconds(800));
+  if (r == 0) {
+    std::string message;
+    try {
+      pair->recv(empty({4}), 1, 99)->wait();
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    INFO(message);
+    CHECK_THAT(message, Catch::Contains("recv from rank 1 (tag 99, message 0 of this rank) on group 'p2p-timeout-test'"));
+    CHECK_THAT(message, Catch::Contains("the peer never posted the matching send with tag 99"));
+  }
+  dist::set_timeout(saved);
+  pg->barrier()->wait();
+  if (r == 1) pair->send(ones({4}), 0, 99)->wait();  // late: rank 0's receive completes in the background
+  pg->barrier()->wait();
+}
