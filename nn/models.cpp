@@ -63,12 +63,23 @@ GPT::GPT(const TransformerConfig& config_in, Device device) : LanguageModel(with
 
 void GPT::reset_parameters(uint64_t, const std::string&) {}
 
-Tensor GPT::forward(const Tensor& idx) {
+Tensor LanguageModel::run_blocks(Tensor x) {
+  for (auto& block : blocks) x = (*block)(x);
+  return x;
+}
+
+Tensor GPT::forward(const Tensor& idx) { return head(run_blocks(embed(idx))); }
+
+Tensor GPT::embed(const Tensor& idx) {
+  TS_CHECK(wte != nullptr, "GPT::embed: this model part has no token embedding (a later pipeline stage's)");
   check_tokens(idx);
   Tensor x = (*wte)(idx);
   if (wpe) x = x + (*wpe)(arange(0, idx.size(1), 1, idx.dtype(), idx.device()));
-  x = (*drop)(x);
-  for (auto& block : blocks) x = (*block)(x);
+  return (*drop)(x);
+}
+
+Tensor GPT::head(const Tensor& x) {
+  TS_CHECK(lm_head != nullptr, "GPT::head: this model part has no output layer (an earlier pipeline stage's)");
   return (*lm_head)((*ln_f)(x));
 }
 
@@ -93,10 +104,17 @@ Llama::Llama(const TransformerConfig& config_in, Device device) : LanguageModel(
   }
 }
 
-Tensor Llama::forward(const Tensor& idx) {
+Tensor Llama::forward(const Tensor& idx) { return head(run_blocks(embed(idx))); }
+
+Tensor Llama::embed(const Tensor& idx) {
+  TS_CHECK(embed_tokens != nullptr,
+           "Llama::embed: this model part has no token embedding (a later pipeline stage's)");
   check_tokens(idx);
-  Tensor x = (*embed_tokens)(idx);
-  for (auto& block : blocks) x = (*block)(x);
+  return (*embed_tokens)(idx);
+}
+
+Tensor Llama::head(const Tensor& x) {
+  TS_CHECK(lm_head != nullptr, "Llama::head: this model part has no output layer (an earlier pipeline stage's)");
   return (*lm_head)((*norm)(x));
 }
 

@@ -20,6 +20,13 @@ class LanguageModel : public Module {
   // Parameters in the 6N FLOPs-per-token estimate (embeddings of positions excluded).
   int64_t num_parameters(bool exclude_position_embedding = true) const;
 
+  // The three parts forward() chains, for a pipeline stage that holds some
+  // of them: token ids -> the first block's input; the blocks; the last
+  // block's output -> logits. forward(idx) == head(blocks(embed(idx))).
+  virtual Tensor embed(const Tensor& idx) = 0;
+  Tensor run_blocks(Tensor x);
+  virtual Tensor head(const Tensor& x) = 0;
+
  protected:
   void check_tokens(const Tensor& idx) const;
 };
@@ -34,6 +41,8 @@ class GPT : public LanguageModel {
     return std::make_shared<GPT>(cfg, Device::meta());
   }
   Tensor forward(const Tensor& idx) override;
+  Tensor embed(const Tensor& idx) override;
+  Tensor head(const Tensor& x) override;
   void reset_parameters(uint64_t seed, const std::string& prefix) override;
   std::string type_name() const override { return "GPT"; }
 
@@ -52,6 +61,8 @@ class Llama : public LanguageModel {
     return std::make_shared<Llama>(cfg, Device::meta());
   }
   Tensor forward(const Tensor& idx) override;
+  Tensor embed(const Tensor& idx) override;
+  Tensor head(const Tensor& x) override;
   std::string type_name() const override { return "LlamaForCausalLM"; }
 
   std::shared_ptr<ModuleDict> model;

@@ -73,6 +73,17 @@ void Module::add_child(const std::string& name, ModulePtr module) {
   children_.emplace_back(name, std::move(module));
 }
 
+ModulePtr Module::remove_child(const std::string& name) {
+  auto it = child_index_.find(name);
+  TS_CHECK(it != child_index_.end(), "{}: no child '{}' to remove", type_name(), name);
+  const size_t at = it->second;
+  ModulePtr removed = children_[at].second;
+  children_.erase(children_.begin() + static_cast<std::ptrdiff_t>(at));
+  child_index_.clear();
+  for (size_t i = 0; i < children_.size(); ++i) child_index_.emplace(children_[i].first, i);
+  return removed;
+}
+
 Module* Module::child(const std::string& name) const {
   auto it = child_index_.find(name);
   return it == child_index_.end() ? nullptr : children_[it->second].second.get();

@@ -90,6 +90,10 @@ class Module {
   std::vector<std::pair<std::string, Module*>> named_modules(const std::string& prefix = "");
   const std::vector<std::pair<std::string, ModulePtr>>& named_children() const { return children_; }
   Module* child(const std::string& name) const;
+  // Removes the child `name` (and everything under it) and returns it; the
+  // other children keep their names, so a model with layers removed (a
+  // pipeline stage's part) keeps the full model's FQNs. Throws when there is none.
+  ModulePtr remove_child(const std::string& name);
   // The module at a dotted path ("transformer.h.0"); throws when there is none.
   Module& submodule(const std::string& path);
   // Every slot of this module (not children), parameters then buffers.

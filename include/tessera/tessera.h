@@ -38,6 +38,9 @@
 #include "fsdp/policies.h"
 #include "fsdp/state_dict.h"
 
+#include "pp/pipeline.h"
+#include "pp/schedule.h"
+
 #include "io/data.h"
 #include "io/hf.h"
 #include "io/llmc.h"

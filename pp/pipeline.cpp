@@ -1,0 +1,268 @@
+#include "pp/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "autograd/functions.h"
+#include "nn/optim.h"
+#include "runtime/ops.h"
+
+namespace tessera::pp {
+
+std::vector<StageBlocks> split_layers(int64_t n_layer, int stages, const std::vector<int64_t>& layers_per_stage) {
+  TS_CHECK(stages >= 1, "pipeline: {} stages (expected at least 1)", stages);
+  std::vector<int64_t> count;
+  if (!layers_per_stage.empty()) {
+    TS_CHECK(static_cast<int>(layers_per_stage.size()) == stages,
+             "pipeline: {} layer counts given for {} stages (one per stage)", layers_per_stage.size(), stages);
+    int64_t sum = 0;
+    for (int64_t c : layers_per_stage) {
+      TS_CHECK(c >= 1, "pipeline: a stage of {} blocks (each stage needs at least one)", c);
+      sum += c;
+    }
+    TS_CHECK(sum == n_layer, "pipeline: the layer counts per stage sum to {}, but the model has {} blocks "
+             "(model.n_layer)", sum, n_layer);
+    count = layers_per_stage;
+  } else {
+    TS_CHECK(stages <= n_layer, "pipeline: {} stages for {} blocks (model.n_layer): each stage needs at least one "
+             "block", stages, n_layer);
+    count.assign(static_cast<size_t>(stages), n_layer / stages);
+    int64_t extra = n_layer % stages;
+    // The middle stages first: the first also embeds, the last computes the
+    // output layer and the loss.
+    for (int s = 1; s + 1 < stages && extra > 0; ++s, --extra) count[static_cast<size_t>(s)]++;
+    for (int s : {0, stages - 1})
+      if (extra > 0) count[static_cast<size_t>(s)]++, --extra;
+  }
+  std::vector<StageBlocks> out;
+  int64_t at = 0;
+  for (int64_t c : count) {
+    out.push_back({at, at + c});
+    at += c;
+  }
+  return out;
+}
+
+void keep_stage(nn::LanguageModel& model, int stage, const std::vector<StageBlocks>& split) {
+  const int stages = static_cast<int>(split.size());
+  TS_CHECK(stage >= 0 && stage < stages, "keep_stage: stage {} of {}", stage, stages);
+  const bool first = stage == 0, last = stage == stages - 1;
+  TS_CHECK(!model.config.tie_embeddings || (first && last),
+           "pipeline: model.tie_embeddings shares the token embedding (stage 0) with the output layer (stage {}), "
+           "which a pipeline of {} stages puts on different ranks: set model.tie_embeddings false",
+           stages - 1, stages);
+  const StageBlocks& mine = split[static_cast<size_t>(stage)];
+  // The blocks outside [first, end), by name; the rest keep theirs.
+  std::shared_ptr<nn::ModuleList> list;
+  if (auto* gpt = dynamic_cast<nn::GPT*>(&model)) {
+    list = gpt->h;
+    if (!first) {
+      gpt->transformer->remove_child("wte");
+      gpt->wte = nullptr;
+      if (gpt->wpe) gpt->transformer->remove_child("wpe");
+      gpt->wpe = nullptr;
+    }
+    if (!last) {
+      gpt->transformer->remove_child("ln_f");
+      gpt->remove_child("lm_head");
+      gpt->ln_f = nullptr;
+      gpt->lm_head = nullptr;
+    }
+  } else if (auto* llama = dynamic_cast<nn::Llama*>(&model)) {
+    list = llama->layers;
+    if (!first) {
+      llama->model->remove_child("embed_tokens");
+      llama->embed_tokens = nullptr;
+    }
+    if (!last) {
+      llama->model->remove_child("norm");
+      llama->remove_child("lm_head");
+      llama->norm = nullptr;
+      llama->lm_head = nullptr;
+    }
+  } else {
+    throw Error(fmt::format("keep_stage: {} is not a GPT or Llama", model.type_name()));
+  }
+  std::vector<std::shared_ptr<nn::Module>> kept;
+  for (int64_t i = 0; i < static_cast<int64_t>(model.blocks.size()); ++i) {
+    if (i >= mine.first && i < mine.end)
+      kept.push_back(model.blocks[static_cast<size_t>(i)]);
+    else
+      list->remove_child(std::to_string(i));
+  }
+  model.blocks = kept;
+}
+
+Pipeline::Pipeline(dist::ProcessGroupPtr group, const nn::TransformerConfig& cfg, PipelineOptions options)
+    : group_(std::move(group)), cfg_(cfg), options_(std::move(options)) {
+  TS_CHECK(group_ != nullptr, "Pipeline: no process group");
+  const int p = group_->size(), v = options_.stages_per_rank;
+  schedule_ = make_schedule(options_.schedule, p, options_.microbatches, v);
+  add_communication(schedule_);
+  validate(schedule_);
+  split_ = split_layers(cfg_.n_layer, schedule_.stages, options_.layers_per_stage);
+  for (int s : schedule_.stages_of(group_->rank())) {
+    auto part = nn::make_model(cfg_, Device::meta());
+    keep_stage(*part, s, split_);
+    parts_[s] = part;
+  }
+}
+
+void Pipeline::materialize(Device device, uint64_t seed) {
+  for (auto& [s, part] : parts_) {
+    part->to_empty(device);
+    part->init_weights(seed);
+  }
+}
+
+TensorList Pipeline::parameters() const {
+  TensorList out;
+  for (const auto& [s, part] : parts_)
+    for (const Tensor& t : part->parameters()) out.push_back(t);
+  return out;
+}
+
+Tensor Pipeline::clip_grad_norm_(double max_norm) {
+  const TensorList params = parameters();
+  Tensor local = nn::grad_norm(params);
+  Tensor squared = ops::mul(local, local);
+  if (group_->size() > 1) group_->all_reduce(squared)->wait();
+  Tensor norm = ops::sqrt(squared);
+  const double coef = std::min(1.0, max_norm / (norm.item() + 1e-6));
+  if (coef < 1.0) {
+    autograd::NoGradGuard no_grad;
+    for (const Tensor& p : params)
+      if (p.grad().defined()) ops::mul_(p.grad(), coef);
+  }
+  return norm;
+}
+
+Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
+  nn::LanguageModel& part = *parts_.at(stage);
+  InFlight& f = flight_[{stage, mb}];
+  f.tape = std::make_unique<autograd::Tape>();
+  f.input = input;
+  autograd::TapeScope scope(*f.tape);
+  Tensor h = stage == 0 ? part.embed(input) : input;
+  h = part.run_blocks(h);
+  if (stage + 1 < schedule_.stages) return f.output = h;
+  // The batch's mean token loss, this micro-batch's share of it.
+  Tensor logits = part.head(h);
+  f.output = mul(nn::cross_entropy(logits, micro_targets_[static_cast<size_t>(mb)]), token_share_);
+  losses_[static_cast<size_t>(mb)] = autograd::detach(f.output);
+  return f.output;
+}
+
+void Pipeline::backward(int stage, int mb) {
+  InFlight& f = flight_.at({stage, mb});
+  autograd::TapeScope scope(*f.tape);
+  if (stage + 1 == schedule_.stages)
+    autograd::backward(f.output);
+  else
+    autograd::backward({f.output}, {f.grad_output});
+  f.tape.reset();
+}
+
+Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
+  const int m = schedule_.microbatches, S = schedule_.stages, me = group_->rank();
+  TS_CHECK(!parts_.empty() && parts_.begin()->second->parameters().size() > 0 &&
+               !parts_.begin()->second->parameters()[0].is_meta(),
+           "Pipeline::step: the stages are still on meta (call materialize first)");
+  TS_CHECK(idx.dim() == 2 && targets.shape() == idx.shape(), "Pipeline::step: expected token ids and targets "
+           "[B, T] of one shape, got {} and {}", shape_str(idx.shape()), shape_str(targets.shape()));
+  const int64_t B = idx.size(0), T = idx.size(1);
+  TS_CHECK(B % m == 0, "Pipeline::step: a batch of {} sequences does not split into {} micro-batches "
+           "(parallelism.pipeline_parallel_microbatches)", B, m);
+  const int64_t bm = B / m;
+  micro_idx_.clear();
+  micro_targets_.clear();
+  for (int i = 0; i < m; ++i) {
+    micro_idx_.push_back(ops::contiguous(ops::narrow(idx, 0, i * bm, bm)));
+    micro_targets_.push_back(ops::contiguous(ops::narrow(targets, 0, i * bm, bm)));
+  }
+  token_share_ = 1.0 / m;  // equal micro-batches: each holds 1/m of the batch's tokens
+  flight_.clear();
+  losses_.assign(static_cast<size_t>(m), Tensor());
+  const Tensor w = parts_.begin()->second->parameters()[0];
+  const DType act = w.dtype();
+  const Device device = w.device();
+  auto rank_of = [&](int st) { return schedule_.stage_rank[static_cast<size_t>(st)]; };
+
+  std::map<std::pair<int, int>, std::pair<Tensor, dist::WorkPtr>> recv_f, recv_b;
+  std::vector<dist::WorkPtr> sends;
+  std::map<int, int> in_flight;
+  max_in_flight_ = 0;
+  for (const Action& a : schedule_.actions[static_cast<size_t>(me)]) {
+    const std::pair<int, int> key{a.stage, a.microbatch};
+    switch (a.type) {
+      case ActionType::RecvF: {
+        Tensor buf = empty({bm, T, cfg_.n_embd}, act, device);
+        recv_f[key] = {buf, group_->recv(buf, rank_of(a.stage - 1), message_tag(a, schedule_))};
+        break;
+      }
+      case ActionType::RecvB: {
+        Tensor buf = empty({bm, T, cfg_.n_embd}, act, device);
+        recv_b[key] = {buf, group_->recv(buf, rank_of(a.stage + 1), message_tag(a, schedule_))};
+        break;
+      }
+      case ActionType::Forward: {
+        Tensor input;
+        if (a.stage == 0) {
+          input = micro_idx_[static_cast<size_t>(a.microbatch)];
+        } else if (rank_of(a.stage - 1) == me) {  // the previous stage is here (interleaved on one rank)
+          input = autograd::detach(flight_.at({a.stage - 1, a.microbatch}).output);
+          input.set_requires_grad(true);
+        } else {
+          auto& [buf, work] = recv_f.at(key);
+          work->wait();
+          input = buf;
+          input.set_requires_grad(true);
+          recv_f.erase(key);
+        }
+        forward(a.stage, a.microbatch, input);
+        max_in_flight_ = std::max(max_in_flight_, ++in_flight[a.stage]);
+        break;
+      }
+      case ActionType::SendF:
+        sends.push_back(group_->send(ops::contiguous(autograd::detach(flight_.at(key).output)),
+                                     rank_of(a.stage + 1), message_tag(a, schedule_)));
+        break;
+      case ActionType::Backward: {
+        InFlight& f = flight_.at(key);
+        if (a.stage + 1 < S) {
+          if (rank_of(a.stage + 1) == me) {
+            f.grad_output = flight_.at({a.stage + 1, a.microbatch}).input.grad();
+          } else {
+            auto& [buf, work] = recv_b.at(key);
+            work->wait();
+            f.grad_output = buf;
+            recv_b.erase(key);
+          }
+        }
+        backward(a.stage, a.microbatch);
+        --in_flight[a.stage];
+        // What the next stage needed is done with (its input gradient was taken above).
+        if (a.stage + 1 < S && rank_of(a.stage + 1) == me) flight_.erase({a.stage + 1, a.microbatch});
+        f.output = Tensor();
+        f.grad_output = Tensor();
+        break;
+      }
+      case ActionType::SendB:
+        sends.push_back(group_->send(ops::contiguous(flight_.at(key).input.grad()), rank_of(a.stage - 1),
+                                     message_tag(a, schedule_)));
+        break;
+    }
+  }
+  for (auto& s : sends) s->wait();
+  // The loss: the last stage's micro-batch losses summed in order, shared with every rank.
+  Tensor loss = zeros({}, DType::F64, device);
+  if (parts_.count(S - 1) != 0)
+    for (const Tensor& l : losses_) loss = ops::add(loss, ops::to(ops::reshape(l, {}), DType::F64));
+  losses_.clear();
+  flight_.clear();
+  if (group_->size() > 1) group_->broadcast(loss, rank_of(S - 1))->wait();
+  return loss;
+}
+
+}  // namespace tessera::pp

@@ -1,0 +1,118 @@
+// Pipeline parallelism: a language model cut into stages of consecutive
+// blocks, the stages on the ranks of a process group, a step run as a
+// schedule's action lists (pp/schedule.h). As TorchTitan's
+// pipeline_parallel: the full model is built on meta for each stage and
+// pruned to its part, so every parameter keeps its full model name (a stage's
+// state dict holds the full model's keys for its part).
+//
+//   auto pipe = pp::Pipeline(group, cfg, {.schedule = "1f1b", .microbatches = 8});
+//   pipe.materialize(Device::cpu(), seed);          // this rank's stages, initialised as the full model's
+//   optim::AdamW opt(pipe.parameters(), {...});
+//   Tensor loss = pipe.step(idx, targets);          // forward and backward of every micro-batch
+//   opt.step();
+//
+// The loss of a step is the batch's mean token loss: each micro-batch's
+// cross-entropy weighted by its share of the batch's tokens, so the step
+// equals gradient accumulation over the same micro-batches on one process,
+// whatever their number (TorchTitan divides the summed loss by the global
+// token count). Backwards run in micro-batch order on every stage, so the
+// gradients are summed in the same order as there: bit for bit equal.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "autograd/tape.h"
+#include "nn/models.h"
+#include "pp/schedule.h"
+#include "runtime/distributed.h"
+
+namespace tessera::pp {
+
+// The blocks stage s holds: [first, end).
+struct StageBlocks {
+  int64_t first = 0, end = 0;
+};
+
+// Cuts n_layer blocks into `stages` consecutive ranges: `layers_per_stage`
+// when given (one count per stage, at least one each, summing to n_layer),
+// else as even as they go, the extra blocks on the middle stages first (the
+// first stage also runs the embeddings, the last the output layer and loss).
+// Refuses more stages than blocks, naming both.
+std::vector<StageBlocks> split_layers(int64_t n_layer, int stages, const std::vector<int64_t>& layers_per_stage = {});
+
+// Prunes a full model to stage `stage`'s part: the blocks outside its range,
+// the embeddings unless it is the first stage, the final norm and output
+// layer unless it is the last. Names are unchanged. A model whose output
+// layer shares the token embedding (model.tie_embeddings) is refused when
+// the first and last stage differ.
+void keep_stage(nn::LanguageModel& model, int stage, const std::vector<StageBlocks>& split);
+
+struct PipelineOptions {
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b
+  int microbatches = 4;
+  int stages_per_rank = 1;               // > 1: interleaved_1f1b's chunks per rank
+  std::vector<int64_t> layers_per_stage;  // empty: split_layers' even split
+};
+
+class Pipeline {
+ public:
+  // This rank's stages of the model `cfg` describes, over `group` (one rank
+  // per pipeline position, in group order), on meta until materialize().
+  // Validates the schedule before anything is allocated.
+  Pipeline(dist::ProcessGroupPtr group, const nn::TransformerConfig& cfg, PipelineOptions options);
+
+  // Allocates this rank's parts on `device` and initialises them as the
+  // full model's init_weights(seed) would (values depend on names only).
+  void materialize(Device device, uint64_t seed);
+  // This rank's stage parts, by stage index.
+  const std::map<int, std::shared_ptr<nn::LanguageModel>>& parts() const { return parts_; }
+  TensorList parameters() const;
+  const Schedule& schedule() const { return schedule_; }
+  const std::vector<StageBlocks>& split() const { return split_; }
+
+  // One step's forward and backward over every micro-batch of `idx` and
+  // `targets` ([B, T] token ids, the same on every rank of the group; B a
+  // multiple of the micro-batch count): gradients accumulate into the
+  // parameters' .grad. Returns the step's loss (the batch's mean token
+  // loss, a 0-dim f64 tensor) on every rank.
+  Tensor step(const Tensor& idx, const Tensor& targets);
+
+  // nn::clip_grad_norm_ over every stage's gradients: this rank's squared
+  // norm all-reduced over the group. Returns the norm before clipping (a
+  // 0-dim f64 tensor) on every rank.
+  Tensor clip_grad_norm_(double max_norm);
+
+  // The most micro-batches any of this rank's stages held activations for
+  // at once in the last step (forwarded, not yet backwarded).
+  int max_in_flight() const { return max_in_flight_; }
+
+ private:
+  Tensor forward(int stage, int mb, const Tensor& input);
+  void backward(int stage, int mb);
+
+  dist::ProcessGroupPtr group_;
+  nn::TransformerConfig cfg_;
+  PipelineOptions options_;
+  Schedule schedule_;
+  std::vector<StageBlocks> split_;
+  std::map<int, std::shared_ptr<nn::LanguageModel>> parts_;
+  int max_in_flight_ = 0;
+
+  // One step's state, keyed by (stage, micro-batch).
+  struct InFlight {
+    std::unique_ptr<autograd::Tape> tape;  // the micro-batch's graph through the stage
+    Tensor input;   // the stage's input (received activations: a leaf whose .grad is sent back)
+    Tensor output;  // its output (the next stage's input) or, on the last stage, the loss
+    Tensor grad_output;  // received from the next stage
+  };
+  std::map<std::pair<int, int>, InFlight> flight_;
+  std::vector<Tensor> micro_idx_, micro_targets_;
+  std::vector<Tensor> losses_;  // the last stage's, per micro-batch
+  double token_share_ = 1;  // each micro-batch's share of the batch's tokens
+};
+
+}  // namespace tessera::pp

@@ -1,0 +1,141 @@
+// Pipeline schedules as data (pp/schedule.h), in one process: every
+// schedule at 1-4 ranks and awkward micro-batch counts validates, runs each
+// stage's F and B of every micro-batch once and pairs every message; the
+// simulated bubble equals the formula; activations in flight are what each
+// schedule promises; broken lists (a missing receive, a cross wait) are
+// refused naming the rank and action; splits and bad settings name the key.
+
+#include <cmath>
+
+#include "pp/pipeline.h"
+#include "pp/schedule.h"
+#include "tests/helpers.h"
+
+using namespace tessera;
+using pp::ActionType;
+
+
+namespace {
+
+pp::Schedule built(const std::string& name, int p, int m, int v = 1) {
+  pp::Schedule s = pp::make_schedule(name, p, m, v);
+  pp::add_communication(s);
+  pp::validate(s);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("every schedule validates and pairs its messages", "[pp][schedule]") {
+  for (const std::string& name : pp::schedule_names())
+    for (int p = 1; p <= 4; ++p)
+      for (int v : (name == "interleaved_1f1b" ? std::vector<int>{1, 2, 3} : std::vector<int>{1}))
+        for (int m = 1; m <= 9; ++m) {
+          if (name == "interleaved_1f1b" && m % p != 0) continue;
+          INFO(name << " p=" << p << " v=" << v << " m=" << m);
+          pp::Schedule s = built(name, p, m, v);
+          CHECK(s.stages == p * v);
+          int sends = 0, recvs = 0;
+          for (int r = 0; r < p; ++r) {
+            CHECK(s.count(r, ActionType::Forward) == m * v);
+            CHECK(s.count(r, ActionType::Backward) == m * v);
+            sends += s.count(r, ActionType::SendF) + s.count(r, ActionType::SendB);
+            recvs += s.count(r, ActionType::RecvF) + s.count(r, ActionType::RecvB);
+          }
+          // Each stage boundary moves every micro-batch forward and its gradient back.
+          const int boundaries = p == 1 ? 0 : s.stages - 1;
+          CHECK(sends == 2 * boundaries * m);
+          CHECK(recvs == sends);
+          // The first stage's rank never receives activations for stage 0; the
+          // last stage sends none onward.
+          for (const auto& a : s.actions[0]) CHECK(!(a.type == ActionType::RecvF && a.stage == 0));
+        }
+}
+
+TEST_CASE("one stage on one rank issues no message", "[pp][schedule]") {
+  for (const std::string name : {"gpipe", "1f1b"}) {
+    pp::Schedule s = built(name, 1, 5);
+    for (const auto& a : s.actions[0]) CHECK((a.type == ActionType::Forward || a.type == ActionType::Backward));
+  }
+}
+
+TEST_CASE("the simulated bubble is the formula; activations in flight as promised", "[pp][schedule]") {
+  for (int p = 2; p <= 4; ++p)
+    for (int m : {1, 3, 4, 7, 8}) {
+      INFO("p=" << p << " m=" << m);
+      const double formula = static_cast<double>(p - 1) / (m + p - 1);
+      pp::Timing g = pp::simulate(built("gpipe", p, m));
+      pp::Timing o = pp::simulate(built("1f1b", p, m));
+      CHECK(std::abs(g.bubble() - formula) < 1e-12);
+      CHECK(std::abs(o.bubble() - formula) < 1e-12);
+      for (int r = 0; r < p; ++r) {
+        CHECK(g.max_in_flight[static_cast<size_t>(r)] == m);                 // GPipe holds every micro-batch
+        CHECK(o.max_in_flight[static_cast<size_t>(r)] == std::min(m, p - r));  // 1F1B: min(m, p - r)
+      }
+    }
+  // Interleaving v chunks per rank (each 1/v of the work): the bubble
+  // shrinks about v times (Megatron: idle / compute = (p - 1) / (v m)).
+  for (int p = 2; p <= 4; ++p)
+    for (int v : {2, 3})
+      for (int m : {p, 2 * p, 4 * p}) {
+        INFO("p=" << p << " v=" << v << " m=" << m);
+        pp::Timing i = pp::simulate(built("interleaved_1f1b", p, m, v), 1.0 / v, 2.0 / v);
+        const double compute = 3.0 * m, idle = i.span - compute;
+        CHECK(std::abs(idle / compute - static_cast<double>(p - 1) / (v * m)) < 1e-12);
+        CHECK(i.bubble() < pp::simulate(built("1f1b", p, m)).bubble());
+      }
+}
+
+TEST_CASE("broken schedules are refused, naming the rank and the action", "[pp][schedule]") {
+  // A receive taken out.
+  pp::Schedule s = built("1f1b", 3, 4);
+  auto& list = s.actions[1];
+  list.erase(std::find(list.begin(), list.end(), pp::Action{ActionType::RecvF, 1, 2}));
+  CHECK_THROWS_WITH(pp::validate(s), Catch::Contains("rank 1 has no RECV_F1.2 (F1.2 needs it)"));
+  // A backward before its forward.
+  pp::Schedule t = pp::make_schedule("gpipe", 2, 2);
+  std::swap(t.actions[0][0], t.actions[0][2]);  // B0.0 first
+  CHECK_THROWS_WITH(pp::validate(t), Catch::Contains("runs B0.0 before F0.0"));
+  // A cross wait: rank 0 waits for micro-batch 0's gradient before sending
+  // micro-batch 1 forward, while rank 1 computes micro-batch 1 first.
+  pp::Schedule d = pp::make_schedule("1f1b", 2, 2);
+  d.actions[0] = {{ActionType::Forward, 0, 0}, {ActionType::Backward, 0, 0}, {ActionType::Forward, 0, 1},
+                  {ActionType::Backward, 0, 1}};
+  d.actions[1] = {{ActionType::Forward, 1, 1}, {ActionType::Backward, 1, 1}, {ActionType::Forward, 1, 0},
+                  {ActionType::Backward, 1, 0}};
+  pp::add_communication(d);
+  CHECK_THROWS_WITH(pp::validate(d), Catch::Contains("schedule 1f1b deadlocks: every rank waits (rank 0 at B0.0, "
+                                                       "rank 1 at F1.1)"));
+  // Settings.
+  CHECK_THROWS_WITH(pp::make_schedule("zigzag", 2, 4), Catch::Contains("unknown pipeline schedule 'zigzag' "
+                                                                         "(expected one of: gpipe, 1f1b, interleaved_1f1b)"));
+  CHECK_THROWS_WITH(pp::make_schedule("interleaved_1f1b", 3, 4, 2),
+                    Catch::Contains("4 micro-batches is not a multiple of 3 ranks"));
+  CHECK_THROWS_WITH(pp::make_schedule("1f1b", 2, 4, 2), Catch::Contains("runs one stage per rank, not 2"));
+  CHECK_THROWS_WITH(pp::make_schedule("1f1b", 2, 0), Catch::Contains("0 micro-batches"));
+}
+
+TEST_CASE("printed, one rank per line", "[pp][schedule]") {
+  pp::Schedule s = built("1f1b", 2, 2);
+  CHECK(pp::format(s) ==
+        "schedule 1f1b: 2 stage(s) on 2 rank(s), 2 micro-batch(es)\n"
+        // Stage 0 sends no gradient back; each receive is posted one compute action early.
+        "rank 0: F0.0 SEND_F0.0 RECV_B0.0 F0.1 SEND_F0.1 RECV_B0.1 B0.0 B0.1\n"
+        "rank 1: RECV_F1.0 F1.0 RECV_F1.1 B1.0 SEND_B1.0 F1.1 B1.1 SEND_B1.1\n");
+}
+
+TEST_CASE("layers split over stages; bad splits name the key", "[pp][split]") {
+  auto counts = [](const std::vector<pp::StageBlocks>& s) {
+    std::vector<int64_t> c;
+    for (const auto& b : s) c.push_back(b.end - b.first);
+    return c;
+  };
+  CHECK(counts(pp::split_layers(4, 3)) == std::vector<int64_t>{1, 2, 1});  // the middle first
+  CHECK(counts(pp::split_layers(7, 3)) == std::vector<int64_t>{2, 3, 2});
+  CHECK(counts(pp::split_layers(5, 2)) == std::vector<int64_t>{3, 2});
+  CHECK(counts(pp::split_layers(6, 4)) == std::vector<int64_t>{1, 2, 2, 1});
+  CHECK(counts(pp::split_layers(5, 2, {1, 4})) == std::vector<int64_t>{1, 4});
+  CHECK_THROWS_WITH(pp::split_layers(3, 4), Catch::Contains("4 stages for 3 blocks (model.n_layer)"));
+  CHECK_THROWS_WITH(pp::split_layers(5, 2, {2, 2}), Catch::Contains("sum to 4, but the model has 5 blocks"));
+  CHECK_THROWS_WITH(pp::split_layers(5, 2, {5, 0}), Catch::Contains("a stage of 0 blocks"));
+}
