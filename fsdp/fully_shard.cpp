@@ -88,6 +88,8 @@ FSDPState& fsdp_state(nn::Module& module) {
   return *st;
 }
 
+bool is_fully_sharded(nn::Module& module) { return state_of(module) != nullptr; }
+
 nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
   dist::init();
   TS_CHECK(state_of(module) == nullptr, "fully_shard: {} already has FSDP state (fully_shard applied twice?)",

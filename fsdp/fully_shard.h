@@ -21,6 +21,8 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options = {
 
 // The module's FSDP state; throws when fully_shard was not applied to it.
 FSDPState& fsdp_state(nn::Module& module);
+// Whether fully_shard was applied to `module` itself.
+bool is_fully_sharded(nn::Module& module);
 
 // A pending unshard from unshard(module, true).
 class UnshardHandle {

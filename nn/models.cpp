@@ -68,7 +68,13 @@ Tensor LanguageModel::run_blocks(Tensor x) {
   return x;
 }
 
-Tensor GPT::forward(const Tensor& idx) { return head(run_blocks(embed(idx))); }
+// A pipeline stage's part (pp/pipeline.h) may lack the embeddings (its input
+// is then the previous stage's output) or the output layer (it returns its
+// last block's output).
+Tensor GPT::forward(const Tensor& idx) {
+  Tensor h = run_blocks(wte ? embed(idx) : idx);
+  return lm_head ? head(h) : h;
+}
 
 Tensor GPT::embed(const Tensor& idx) {
   TS_CHECK(wte != nullptr, "GPT::embed: this model part has no token embedding (a later pipeline stage's)");
@@ -104,7 +110,10 @@ Llama::Llama(const TransformerConfig& config_in, Device device) : LanguageModel(
   }
 }
 
-Tensor Llama::forward(const Tensor& idx) { return head(run_blocks(embed(idx))); }
+Tensor Llama::forward(const Tensor& idx) {
+  Tensor h = run_blocks(embed_tokens ? embed(idx) : idx);
+  return lm_head ? head(h) : h;
+}
 
 Tensor Llama::embed(const Tensor& idx) {
   TS_CHECK(embed_tokens != nullptr,

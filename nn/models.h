@@ -22,7 +22,9 @@ class LanguageModel : public Module {
 
   // The three parts forward() chains, for a pipeline stage that holds some
   // of them: token ids -> the first block's input; the blocks; the last
-  // block's output -> logits. forward(idx) == head(blocks(embed(idx))).
+  // block's output -> logits. forward(idx) == head(run_blocks(embed(idx)));
+  // a part without embeddings takes hidden states, one without the output
+  // layer returns them.
   virtual Tensor embed(const Tensor& idx) = 0;
   Tensor run_blocks(Tensor x);
   virtual Tensor head(const Tensor& x) = 0;

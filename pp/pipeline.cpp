@@ -5,8 +5,10 @@
 #include <numeric>
 
 #include "autograd/functions.h"
+#include "fsdp/fully_shard.h"
 #include "nn/optim.h"
 #include "runtime/ops.h"
+#include "runtime/trace.h"
 
 namespace tessera::pp {
 
@@ -144,11 +146,11 @@ Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
   f.tape = std::make_unique<autograd::Tape>();
   f.input = input;
   autograd::TapeScope scope(*f.tape);
-  Tensor h = stage == 0 ? part.embed(input) : input;
-  h = part.run_blocks(h);
+  // part(x) with its hooks (a stage under FSDP gathers its parameters there).
+  Tensor h = part(input);
   if (stage + 1 < schedule_.stages) return f.output = h;
   // The batch's mean token loss, this micro-batch's share of it.
-  Tensor logits = part.head(h);
+  const Tensor& logits = h;
   f.output = mul(nn::cross_entropy(logits, micro_targets_[static_cast<size_t>(mb)]), token_share_);
   losses_[static_cast<size_t>(mb)] = autograd::detach(f.output);
   return f.output;
@@ -156,6 +158,16 @@ Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
 
 void Pipeline::backward(int stage, int mb) {
   InFlight& f = flight_.at({stage, mb});
+  // Under FSDP (as PyTorch's stage does): gradients stay unsharded and
+  // accumulate over the micro-batches; the last one's backward reduces them
+  // and reshards. Backwards run in micro-batch order (validate checks it).
+  nn::LanguageModel& part = *parts_.at(stage);
+  if (fsdp::is_fully_sharded(part)) {
+    const bool last = mb + 1 == schedule_.microbatches;
+    fsdp::set_requires_gradient_sync(part, last);
+    fsdp::set_reshard_after_backward(part, last);
+    fsdp::set_is_last_backward(part, last);
+  }
   autograd::TapeScope scope(*f.tape);
   if (stage + 1 == schedule_.stages)
     autograd::backward(f.output);
@@ -193,6 +205,21 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   std::vector<dist::WorkPtr> sends;
   std::map<int, int> in_flight;
   max_in_flight_ = 0;
+  static const trace::Lane lane = trace::register_lane("pipeline"), bubble = trace::register_lane("pipeline bubble");
+  const double start = trace::now_us();
+  double idle_since = start, busy = 0;
+  // Times one compute action: the wait before it (the bubble), then itself.
+  auto timed = [&](const Action& a, const std::function<void()>& work) {
+    const double t0 = trace::now_us();
+    work();
+    const double t1 = trace::now_us();
+    busy += t1 - t0;
+    if (trace::enabled()) {
+      if (t0 > idle_since) trace::record(bubble, "idle", idle_since, t0);
+      trace::record(lane, action_str(a), t0, t1);
+    }
+    idle_since = t1;
+  };
   for (const Action& a : schedule_.actions[static_cast<size_t>(me)]) {
     const std::pair<int, int> key{a.stage, a.microbatch};
     switch (a.type) {
@@ -220,7 +247,7 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
           input.set_requires_grad(true);
           recv_f.erase(key);
         }
-        forward(a.stage, a.microbatch, input);
+        timed(a, [&] { forward(a.stage, a.microbatch, input); });
         max_in_flight_ = std::max(max_in_flight_, ++in_flight[a.stage]);
         break;
       }
@@ -240,7 +267,7 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
             recv_b.erase(key);
           }
         }
-        backward(a.stage, a.microbatch);
+        timed(a, [&] { backward(a.stage, a.microbatch); });
         --in_flight[a.stage];
         // What the next stage needed is done with (its input gradient was taken above).
         if (a.stage + 1 < S && rank_of(a.stage + 1) == me) flight_.erase({a.stage + 1, a.microbatch});
@@ -255,6 +282,9 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
     }
   }
   for (auto& s : sends) s->wait();
+  const double end = trace::now_us();
+  if (trace::enabled() && end > idle_since) trace::record(bubble, "idle", idle_since, end);
+  time_ = {end - start, busy};
   // The loss: the last stage's micro-batch losses summed in order, shared with every rank.
   Tensor loss = zeros({}, DType::F64, device);
   if (parts_.count(S - 1) != 0)

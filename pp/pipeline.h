@@ -90,6 +90,17 @@ class Pipeline {
   // at once in the last step (forwarded, not yet backwarded).
   int max_in_flight() const { return max_in_flight_; }
 
+  // This rank's time in the last step: from its start to the last send's
+  // completion (span), of which computing its F and B actions (busy); the
+  // rest is its bubble. While tracing, each F and B is a span on the lane
+  // "pipeline" ("F<stage>.<micro-batch>") and each wait between them one on
+  // "pipeline bubble".
+  struct StepTime {
+    double span_us = 0, busy_us = 0;
+    double bubble() const { return span_us > 0 ? 1.0 - busy_us / span_us : 0.0; }
+  };
+  const StepTime& last_step_time() const { return time_; }
+
  private:
   Tensor forward(int stage, int mb, const Tensor& input);
   void backward(int stage, int mb);
@@ -101,6 +112,7 @@ class Pipeline {
   std::vector<StageBlocks> split_;
   std::map<int, std::shared_ptr<nn::LanguageModel>> parts_;
   int max_in_flight_ = 0;
+  StepTime time_;
 
   // One step's state, keyed by (stage, micro-batch).
   struct InFlight {

@@ -243,6 +243,14 @@ void validate(const Schedule& s) {
         TS_CHECK(next_away || find(t, st, mb) == nullptr, "schedule {}: {} has no peer: stage {} is on the same "
                  "rank or past the last", s.name, action_str({t, st, mb}), st + 1);
     }
+  // Each stage's backwards in micro-batch order: gradients then sum in the
+  // order of gradient accumulation on one process, and FSDP reduces after
+  // the last micro-batch's.
+  for (int st = 0; st < s.stages; ++st)
+    for (int mb = 1; mb < s.microbatches; ++mb)
+      TS_CHECK(find(ActionType::Backward, st, mb - 1)->second < find(ActionType::Backward, st, mb)->second,
+               "schedule {}: rank {} runs B{}.{} before B{}.{} (backwards of a stage run in micro-batch order)",
+               s.name, rank_of(st), st, mb, st, mb - 1);
   // No deadlock: run the lists in order.
   std::vector<size_t> next(static_cast<size_t>(s.ranks), 0);
   std::set<std::tuple<bool, int, int>> sent;

@@ -3,7 +3,8 @@
 --profiling.trace_steps writes it) as a PNG timeline, with gnuplot.
 
 One band per rank; in each, one lane per kind of work the trace records:
-compute (forward and backward ops in two colours), each collective kind on
+compute (forward and backward ops in two colours), a pipeline's F and B
+actions and its bubble, each collective kind (and point-to-point messages) on
 its own lane (the time the communication thread spends in it), the compute
 stream waiting for communication (exposed communication), FSDP's copies
 in and out of its buffers, and the bytes the rank holds in tensors (the
@@ -35,11 +36,14 @@ import tempfile
 # Lanes in the order drawn (top to bottom within a rank), by the trace's
 # thread names, with the label shown.
 LANES = [
+    ("pipeline", "pipeline F / B"),
+    ("pipeline bubble", "pipeline bubble"),
     ("compute", "compute"),
     ("all_gather", "all-gather"),
     ("reduce_scatter", "reduce-scatter"),
     ("all_reduce", "all-reduce"),
     ("other collectives", "other collectives"),
+    ("send_recv", "send / recv"),
     ("waiting for communication (exposed)", "waiting (exposed)"),
     ("fsdp", "FSDP copies"),
     ("memory", "memory"),
@@ -51,17 +55,20 @@ SERIES = [
     ("all-gather", "#55a868"),
     ("reduce-scatter", "#8172b3"),
     ("all-reduce", "#937860"),
-    ("other collectives", "#8c8c8c"),
+    ("other collectives, send / recv", "#8c8c8c"),
     ("waiting for communication (exposed)", "#c44e52"),
     ("FSDP copy-in / copy-out", "#64b5cd"),
+    ("pipeline bubble (idle)", "#f0c040"),
 ]
 
 
 def series_of(lane, name):
     if lane == "compute":
         return 1 if name.endswith(".backward") else 0
-    return {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 4, "other collectives": 5,
-            "waiting for communication (exposed)": 6, "fsdp": 7}.get(lane)
+    if lane == "pipeline":  # F<stage>.<micro-batch> / B<stage>.<micro-batch>
+        return 1 if name.startswith("B") else 0
+    return {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 4, "other collectives": 5, "send_recv": 5,
+            "waiting for communication (exposed)": 6, "fsdp": 7, "pipeline bubble": 8}.get(lane)
 
 
 def gnuplot_title(title, width):

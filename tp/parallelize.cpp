@@ -292,8 +292,10 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
   }
 }
 
-ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel,
-                                     bool sequence_parallel) {
+namespace {
+// Every entry of the model family's plan.
+ParallelizePlan full_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel,
+                          bool sequence_parallel) {
   const nn::TransformerConfig& c = model.config;
   TS_CHECK(degree >= 1, "tensor parallelism: the degree must be at least 1, got {}", degree);
   TS_CHECK(c.n_head % degree == 0, "tensor parallelism: model.n_head {} is not divisible by the degree {} (each "
@@ -332,6 +334,24 @@ ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t deg
   }
   if (StylePtr out = output_layer_style(c, loss_parallel, sequence_parallel)) plan.push_back({"lm_head", out});
   return plan;
+}
+
+// The plan's entries that name a module of `model`: a pipeline stage's part
+// lacks the embeddings or the output layer (pp/pipeline.h), and its plan
+// leaves them out.
+ParallelizePlan present_in(const nn::LanguageModel& model, ParallelizePlan plan) {
+  std::vector<std::string> fqns;
+  for (const auto& [fqn, m] : const_cast<nn::LanguageModel&>(model).named_modules()) fqns.push_back(fqn);
+  std::erase_if(plan, [&](const auto& entry) {
+    return std::none_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return matches(entry.first, f); });
+  });
+  return plan;
+}
+}  // namespace
+
+ParallelizePlan tensor_parallel_plan(const nn::LanguageModel& model, int64_t degree, bool loss_parallel,
+                                     bool sequence_parallel) {
+  return present_in(model, full_plan(model, degree, loss_parallel, sequence_parallel));
 }
 
 }  // namespace tessera::tp

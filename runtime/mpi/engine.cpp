@@ -39,6 +39,10 @@ trace::Lane lane_of(const std::string& kind) {
   if (kind == "all_gather") return trace::Lane::AllGather;
   if (kind == "reduce_scatter") return trace::Lane::ReduceScatter;
   if (kind == "all_reduce") return trace::Lane::AllReduce;
+  if (kind == "send" || kind == "recv") {  // point to point: a pipeline's activations and gradients
+    static const trace::Lane p2p = trace::register_lane("send_recv");
+    return p2p;
+  }
   return trace::Lane::OtherCollective;
 }
 

@@ -9,9 +9,14 @@
 #include <cmath>
 #include <map>
 
+#include "dtensor/device_mesh.h"
+#include "dtensor/dtensor.h"
+#include "fsdp/fully_shard.h"
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "pp/pipeline.h"
+#include "tp/parallelize.h"
+#include "runtime/trace.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -193,4 +198,119 @@ TEST_CASE("stage parts keep the full model's names", "[pp][split]") {
   std::sort(together.begin(), together.end());
   std::sort(full.begin(), full.end());
   CHECK(together == full);  // every parameter on exactly one stage, under its own name
+}
+
+TEST_CASE("a traced step shows every F and B on the pipeline lane, the waits on the bubble lane", "[pp][trace]") {
+  auto group = world();
+  const int p = group->size();
+  const auto cfg = config("gpt2", 2 * p);
+  pp::Pipeline pipe(group, cfg, {.schedule = "1f1b", .microbatches = 4});
+  pipe.materialize(Device::cpu(), 3);
+  const auto batch = data(8, 6, cfg.vocab_size, 1)[0];
+  trace::take();
+  trace::enable(true);
+  pipe.step(batch.first, batch.second);
+  trace::enable(false);
+  const auto spans = trace::take();
+  const trace::Lane lane = trace::register_lane("pipeline"), bubble = trace::register_lane("pipeline bubble");
+  std::vector<std::string> names;
+  double idle = 0;
+  for (const auto& s : spans) {
+    if (s.lane == lane) names.push_back(s.name);
+    if (s.lane == bubble) idle += s.end_us - s.start_us;
+  }
+  std::vector<std::string> want;
+  for (const auto& a : pipe.schedule().actions[static_cast<size_t>(group->rank())])
+    if (a.type == pp::ActionType::Forward || a.type == pp::ActionType::Backward) want.push_back(pp::action_str(a));
+  CHECK(names == want);  // in the schedule's order
+  const auto& t = pipe.last_step_time();
+  CHECK(t.busy_us > 0);
+  CHECK(t.busy_us <= t.span_us);
+  CHECK(std::abs((t.span_us - t.busy_us) - idle) <= 1e-6 * t.span_us + 1.0);  // the bubble lane is the idle time
+}
+
+TEST_CASE("PP x FSDP equals one process with gradient accumulation", "[pp][fsdp]") {
+  auto world_group = world();
+  const int W = world_group->size();
+  if (W % 2 != 0) return;  // 2 x 1 at two ranks, 2 x 2 at four
+  const int pp_degree = 2, dp = W / 2;
+  // pp outermost (TorchTitan's order): rank = pp index * dp + dp index.
+  MeshPtr mesh = init_device_mesh("cpu", {pp_degree, dp}, {"pp", "dp"});
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const std::string schedule : {"gpipe", "1f1b"}) {
+      const int m = 4;
+      const auto cfg = config(arch, 5);
+      INFO(arch << " " << schedule << " pp 2 x dp " << dp);
+      // The global batch: dp ranks x m micro-batches x 2 sequences; dp rank d
+      // takes rows [d B/dp, (d+1) B/dp).
+      const auto batches = data(2 * m * dp, 6, cfg.vocab_size, 3);
+      const int d = mesh->get_group("dp")->rank();
+      pp::Pipeline pipe(mesh->get_group("pp"), cfg, {.schedule = schedule, .microbatches = m});
+      pipe.materialize(Device::cpu(), 7);
+      for (auto& [s, part] : pipe.parts()) {
+        part->to(DType::F64);
+        for (auto& block : part->blocks) fsdp::fully_shard(*block, {.mesh = (*mesh)["dp"], .reshard_after_forward = false});
+        fsdp::fully_shard(*part, {.mesh = (*mesh)["dp"], .reshard_after_forward = false});
+      }
+      optim::AdamW opt(pipe.parameters(), {.lr = 3e-2, .weight_decay = 0.1});
+      Result got;
+      auto dp_group = mesh->get_group("dp");
+      int64_t groups = 0;  // FSDP groups on this rank: each part's blocks and its root
+      for (auto& [s, part] : pipe.parts()) groups += static_cast<int64_t>(part->blocks.size()) + 1;
+      for (const auto& [idx, targets] : batches) {
+        const int64_t rows = idx.size(0) / dp;
+        dp_group->reset_stats();
+        Tensor loss = pipe.step(ops::contiguous(ops::narrow(idx, 0, d * rows, rows)),
+                                ops::contiguous(ops::narrow(targets, 0, d * rows, rows)));
+        // Parameters stay gathered across the micro-batches and gradients
+        // are reduced once, after the last: one all-gather and one
+        // reduce-scatter per group and step, not one per micro-batch.
+        // (FSDP over one rank issues none.)
+        CHECK(dp_group->stats().all_gather == (dp > 1 ? groups : 0));
+        CHECK(dp_group->stats().reduce_scatter == (dp > 1 ? groups : 0));
+        mesh->get_group("dp")->all_reduce(loss, {.op = dist::ReduceOp::Avg})->wait();
+        got.losses.push_back(loss.item());
+        got.norms.push_back(pipe.clip_grad_norm_(0.5).item());
+        opt.step();
+        opt.zero_grad();
+      }
+      for (auto& [s, part] : pipe.parts())
+        for (auto& [name, t] : part->named_parameters()) got.params[name] = full_tensor(t);
+      // One process: the same rows, dp x m micro-batches of 2 sequences,
+      // each loss weighted 1 / (dp m).
+      compare(reference(cfg, DType::F64, m * dp, batches), got, 1e-12);
+    }
+}
+
+TEST_CASE("PP x TP equals one process with gradient accumulation", "[pp][tp]") {
+  auto world_group = world();
+  const int W = world_group->size();
+  if (W != 4) return;  // 2 stages x tensor parallel 2
+  MeshPtr mesh = init_device_mesh("cpu", {2, 2}, {"pp", "tp"});
+  for (const std::string arch : {"gpt2", "llama"})
+    for (bool loss_parallel : {false, true}) {
+      const int m = 4;
+      auto cfg = config(arch, 5);
+      cfg.n_kv_head = arch == "llama" ? 2 : 0;  // whole key/value heads per tensor-parallel rank
+      INFO(arch << " pp 2 x tp 2, loss parallel " << loss_parallel);
+      const auto batches = data(2 * m, 6, cfg.vocab_size, 3);
+      pp::Pipeline pipe(mesh->get_group("pp"), cfg, {.schedule = "1f1b", .microbatches = m});
+      pipe.materialize(Device::cpu(), 7);
+      for (auto& [s, part] : pipe.parts()) {
+        part->to(DType::F64);
+        // The part's plan: its blocks, and the embedding or output layer where it has them.
+        tp::parallelize_module(*part, (*mesh)["tp"], tp::tensor_parallel_plan(*part, 2, loss_parallel));
+      }
+      optim::AdamW opt(pipe.parameters(), {.lr = 3e-2, .weight_decay = 0.1});
+      Result got;
+      for (const auto& [idx, targets] : batches) {
+        got.losses.push_back(pipe.step(idx, targets).item());
+        got.norms.push_back(pipe.clip_grad_norm_(0.5).item());
+        opt.step();
+        opt.zero_grad();
+      }
+      for (auto& [s, part] : pipe.parts())
+        for (auto& [name, t] : part->named_parameters()) got.params[name] = is_dtensor(t) ? full_tensor(t) : t;
+      compare(reference(cfg, DType::F64, m, batches), got, 1e-12);
+    }
 }

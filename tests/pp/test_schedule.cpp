@@ -101,11 +101,18 @@ TEST_CASE("broken schedules are refused, naming the rank and the action", "[pp][
   pp::Schedule d = pp::make_schedule("1f1b", 2, 2);
   d.actions[0] = {{ActionType::Forward, 0, 0}, {ActionType::Backward, 0, 0}, {ActionType::Forward, 0, 1},
                   {ActionType::Backward, 0, 1}};
-  d.actions[1] = {{ActionType::Forward, 1, 1}, {ActionType::Backward, 1, 1}, {ActionType::Forward, 1, 0},
-                  {ActionType::Backward, 1, 0}};
+  d.actions[1] = {{ActionType::Forward, 1, 1}, {ActionType::Forward, 1, 0}, {ActionType::Backward, 1, 0},
+                  {ActionType::Backward, 1, 1}};
   pp::add_communication(d);
   CHECK_THROWS_WITH(pp::validate(d), Catch::Contains("schedule 1f1b deadlocks: every rank waits (rank 0 at B0.0, "
                                                        "rank 1 at F1.1)"));
+  // Backwards of a stage out of micro-batch order (the gradients would sum
+  // in another order than on one process).
+  pp::Schedule o = pp::make_schedule("gpipe", 2, 3);
+  std::swap(o.actions[1][3], o.actions[1][4]);  // B1.1 before B1.0
+  pp::add_communication(o);
+  CHECK_THROWS_WITH(pp::validate(o), Catch::Contains("rank 1 runs B1.1 before B1.0 (backwards of a stage run in "
+                                                     "micro-batch order)"));
   // Settings.
   CHECK_THROWS_WITH(pp::make_schedule("zigzag", 2, 4), Catch::Contains("unknown pipeline schedule 'zigzag' "
                                                                          "(expected one of: gpipe, 1f1b, interleaved_1f1b)"));
