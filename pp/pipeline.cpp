@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "autograd/functions.h"
+#include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
 #include "nn/optim.h"
 #include "runtime/ops.h"
@@ -125,12 +126,42 @@ TensorList Pipeline::parameters() const {
   return out;
 }
 
+Tensor Pipeline::forward_logits(const Tensor& idx) {
+  autograd::NoGradGuard no_grad;
+  TS_CHECK(idx.dim() == 2, "Pipeline::forward_logits: expected token ids [B, T], got {}", shape_str(idx.shape()));
+  const int S = schedule_.stages, me = group_->rank();
+  auto rank_of = [&](int st) { return schedule_.stage_rank[static_cast<size_t>(st)]; };
+  const Tensor w = parts_.begin()->second->parameters()[0];
+  const int64_t B = idx.size(0), T = idx.size(1);
+  // Tags above any step's (2 x stages x micro-batches).
+  constexpr int kTag = 1 << 29;
+  Tensor h;
+  for (int s = 0; s < S; ++s) {
+    if (rank_of(s) != me) continue;
+    Tensor input = idx;
+    if (s > 0 && rank_of(s - 1) == me) {
+      input = h;
+    } else if (s > 0) {
+      input = empty({B, T, cfg_.n_embd}, options_.activation_dtype.value_or(w.dtype()), w.device());
+      group_->recv(input, rank_of(s - 1), kTag + s)->wait();
+    }
+    h = (*parts_.at(s))(input);
+    if (s + 1 < S && rank_of(s + 1) != me) group_->send(ops::contiguous(h), rank_of(s + 1), kTag + s + 1)->wait();
+  }
+  Tensor logits;
+  if (rank_of(S - 1) == me) logits = ops::contiguous(is_dtensor(h) ? full_tensor(h) : h);
+  else logits = empty({B, T, cfg_.vocab_size}, options_.activation_dtype.value_or(w.dtype()), w.device());
+  if (group_->size() > 1) group_->broadcast(logits, rank_of(S - 1))->wait();
+  return logits;
+}
+
 Tensor Pipeline::clip_grad_norm_(double max_norm) {
   const TensorList params = parameters();
   Tensor local = nn::grad_norm(params);
   Tensor squared = ops::mul(local, local);
   if (group_->size() > 1) group_->all_reduce(squared)->wait();
   Tensor norm = ops::sqrt(squared);
+  if (max_norm <= 0) return norm;  // the norm only
   const double coef = std::min(1.0, max_norm / (norm.item() + 1e-6));
   if (coef < 1.0) {
     autograd::NoGradGuard no_grad;
@@ -197,7 +228,7 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   flight_.clear();
   losses_.assign(static_cast<size_t>(m), Tensor());
   const Tensor w = parts_.begin()->second->parameters()[0];
-  const DType act = w.dtype();
+  const DType act = options_.activation_dtype.value_or(w.dtype());
   const Device device = w.device();
   auto rank_of = [&](int st) { return schedule_.stage_rank[static_cast<size_t>(st)]; };
 
@@ -293,6 +324,19 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   flight_.clear();
   if (group_->size() > 1) group_->broadcast(loss, rank_of(S - 1))->wait();
   return loss;
+}
+
+PipelinedModel::PipelinedModel(std::shared_ptr<Pipeline> pipeline)
+    : nn::LanguageModel(pipeline->config()), pipeline_(std::move(pipeline)) {
+  for (const auto& [s, part] : pipeline_->parts()) register_module(fmt::format("stage{}", s), part);
+}
+
+Tensor PipelinedModel::embed(const Tensor&) {
+  throw Error("PipelinedModel::embed: a pipelined model's parts are on its stages (call forward)");
+}
+
+Tensor PipelinedModel::head(const Tensor&) {
+  throw Error("PipelinedModel::head: a pipelined model's parts are on its stages (call forward)");
 }
 
 }  // namespace tessera::pp

@@ -21,6 +21,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +57,10 @@ struct PipelineOptions {
   int microbatches = 4;
   int stages_per_rank = 1;               // > 1: interleaved_1f1b's chunks per rank
   std::vector<int64_t> layers_per_stage;  // empty: split_layers' even split
+  // The dtype of the activations (and logits) the stages pass: the
+  // computation's (FSDP's param_dtype under mixed precision). Unset: the
+  // parameters' own.
+  std::optional<DType> activation_dtype;
 };
 
 class Pipeline {
@@ -73,6 +78,8 @@ class Pipeline {
   TensorList parameters() const;
   const Schedule& schedule() const { return schedule_; }
   const std::vector<StageBlocks>& split() const { return split_; }
+  const nn::TransformerConfig& config() const { return cfg_; }
+  const dist::ProcessGroupPtr& group() const { return group_; }
 
   // One step's forward and backward over every micro-batch of `idx` and
   // `targets` ([B, T] token ids, the same on every rank of the group; B a
@@ -81,9 +88,15 @@ class Pipeline {
   // loss, a 0-dim f64 tensor) on every rank.
   Tensor step(const Tensor& idx, const Tensor& targets);
 
+  // The whole model's forward on `idx` ([B, T] token ids, the same on every
+  // rank of the group), without gradients: each stage in turn, and the
+  // logits (gathered where a tensor-parallel output layer splits them) on
+  // every rank. For evaluation and sampling; every rank of the group calls it.
+  Tensor forward_logits(const Tensor& idx);
+
   // nn::clip_grad_norm_ over every stage's gradients: this rank's squared
-  // norm all-reduced over the group. Returns the norm before clipping (a
-  // 0-dim f64 tensor) on every rank.
+  // norm all-reduced over the group (max_norm <= 0: no clipping). Returns
+  // the norm before clipping (a 0-dim f64 tensor) on every rank.
   Tensor clip_grad_norm_(double max_norm);
 
   // The most micro-batches any of this rank's stages held activations for
@@ -125,6 +138,24 @@ class Pipeline {
   std::vector<Tensor> micro_idx_, micro_targets_;
   std::vector<Tensor> losses_;  // the last stage's, per micro-batch
   double token_share_ = 1;  // each micro-batch's share of the batch's tokens
+};
+
+// A language model whose forward is a pipeline's forward_logits, so
+// evaluation and nn::generate run on a pipelined model as on any other (every
+// rank of the pipeline calling together). This rank's stage parts are its
+// children ("stage0", ...): parameters() are this rank's, train()/eval()
+// reach them.
+class PipelinedModel : public nn::LanguageModel {
+ public:
+  explicit PipelinedModel(std::shared_ptr<Pipeline> pipeline);
+  Tensor forward(const Tensor& idx) override { return pipeline_->forward_logits(idx); }
+  Tensor embed(const Tensor& idx) override;
+  Tensor head(const Tensor& x) override;
+  std::string type_name() const override { return "PipelinedModel"; }
+  Pipeline& pipeline() { return *pipeline_; }
+
+ private:
+  std::shared_ptr<Pipeline> pipeline_;
 };
 
 }  // namespace tessera::pp

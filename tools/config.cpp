@@ -234,6 +234,17 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("parallelism.enable_sequence_parallel", c.parallelism.enable_sequence_parallel,
                "with tensor parallelism, split the norms and the residual stream on the sequence too "
                "(all-gather + reduce-scatter in place of each all-reduce)"),
+      int_key("parallelism.pipeline_parallel_degree", c.parallelism.pipeline_parallel_degree,
+              "pipeline stages, one per rank of the mesh's outermost dim (1 = none): docs/pipeline-parallel.md"),
+      string_key("parallelism.pipeline_parallel_schedule", c.parallelism.pipeline_parallel_schedule,
+                 "the pipeline's schedule", {"gpipe", "1f1b", "interleaved_1f1b"}),
+      int_key("parallelism.pipeline_parallel_microbatches", c.parallelism.pipeline_parallel_microbatches,
+              "micro-batches per step and data-parallel rank (0 = 2 x pipeline_parallel_degree)"),
+      int_key("parallelism.pipeline_parallel_stages_per_rank", c.parallelism.pipeline_parallel_stages_per_rank,
+              "stages per rank, looped (0 = 1, or 2 for interleaved_1f1b)"),
+      string_key("parallelism.pipeline_parallel_layers_per_stage", c.parallelism.pipeline_parallel_layers_per_stage,
+                 "blocks per stage, comma-separated, e.g. \"1,3\" ('' = as even as they go, the extra ones "
+                 "in the middle)"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -513,6 +524,32 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
   return true;
 }
 
+namespace {
+// "2,3,3" -> {2, 3, 3} (parallelism.pipeline_parallel_layers_per_stage).
+std::vector<int64_t> layer_counts(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = text.find(',', at);
+    const std::string item = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TS_CHECK(used == item.size() && used > 0 && v >= 1,
+             "parallelism.pipeline_parallel_layers_per_stage: expected block counts >= 1, comma-separated (e.g. "
+             "\"1,3\"), got '{}'", text);
+    out.push_back(v);
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return out;
+}
+}  // namespace
+
 train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
   const auto& p = cfg.parallelism;
   return {.dp_replicate = p.data_parallel_replicate_degree,
@@ -524,7 +561,12 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .reshard_after_forward_degree = p.reshard_after_forward_degree,
           .prefetch = p.prefetch,
           .param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
-          .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype)};
+          .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype),
+          .pp = p.pipeline_parallel_degree,
+          .pp_schedule = p.pipeline_parallel_schedule,
+          .pp_microbatches = p.pipeline_parallel_microbatches,
+          .pp_stages_per_rank = p.pipeline_parallel_stages_per_rank,
+          .pp_layers_per_stage = layer_counts(p.pipeline_parallel_layers_per_stage)};
 }
 
 train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {

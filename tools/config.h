@@ -113,6 +113,14 @@ struct TrainConfig {
     // sequence parallelism): all-gathers and reduce-scatters in place of the
     // all-reduces, and those activations' memory divided by the degree.
     bool enable_sequence_parallel = false;
+    // > 1: pipeline parallelism (pp/pipeline.h) over this many stages, the
+    // mesh's outermost dim; the data-parallel and tensor-parallel degrees
+    // share the rest. Each stage's rank holds its blocks only.
+    int64_t pipeline_parallel_degree = 1;
+    std::string pipeline_parallel_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b
+    int64_t pipeline_parallel_microbatches = 0;       // per step and data-parallel rank (0: 2 x the degree)
+    int64_t pipeline_parallel_stages_per_rank = 0;    // 0: 1, or 2 for interleaved_1f1b
+    std::string pipeline_parallel_layers_per_stage;   // "2,3,3": blocks per stage ('' = as even as they go)
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params

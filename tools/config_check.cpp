@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <string>
 
+#include "pp/pipeline.h"
+#include "pp/schedule.h"
 #include "runtime/check.h"
 #include "runtime/checked.h"
 #include "tools/config.h"
@@ -121,6 +123,43 @@ void validate(const TrainConfig& c) {
              "each rank needs whole key/value heads", kv, tp);
   }
 
+  if (const int64_t pp = c.parallelism.pipeline_parallel_degree; pp != 1) {
+    const auto& p = c.parallelism;
+    TS_CHECK(pp >= 1, "parallelism.pipeline_parallel_degree must be >= 1, got {}", pp);
+    const std::vector<std::string>& names = pp::schedule_names();
+    TS_CHECK(std::find(names.begin(), names.end(), p.pipeline_parallel_schedule) != names.end(),
+             "parallelism.pipeline_parallel_schedule: expected one of {}, got '{}'", fmt::join(names, ", "),
+             p.pipeline_parallel_schedule);
+    at_least("parallelism.pipeline_parallel_microbatches", p.pipeline_parallel_microbatches, 0,
+             " (0 = 2 x pipeline_parallel_degree)");
+    at_least("parallelism.pipeline_parallel_stages_per_rank", p.pipeline_parallel_stages_per_rank, 0,
+             " (0 = 1, or 2 for interleaved_1f1b)");
+    const train::ParallelismOptions o = parallelism_options(c);  // checks the layer counts' text
+    const int64_t v = o.pp_stages_per_rank > 0 ? o.pp_stages_per_rank : o.pp_schedule == "interleaved_1f1b" ? 2 : 1;
+    const int64_t m = o.pp_microbatches > 0 ? o.pp_microbatches : 2 * pp;
+    TS_CHECK(pp * v <= c.model.n_layer,
+             "parallelism.pipeline_parallel_degree ({}) x {} stage(s) per rank = {} stages, but model.n_layer is {}: "
+             "each stage needs at least one block", pp, v, pp * v, c.model.n_layer);
+    pp::split_layers(c.model.n_layer, static_cast<int>(pp * v), o.pp_layers_per_stage);  // names the problem
+    pp::make_schedule(o.pp_schedule, static_cast<int>(pp), static_cast<int>(m), static_cast<int>(v));
+    TS_CHECK(!c.model.tie_embeddings,
+             "model.tie_embeddings shares the token embedding (the first pipeline stage's) with the output layer "
+             "(the last's): set --model.tie_embeddings false with parallelism.pipeline_parallel_degree {}", pp);
+    TS_CHECK(c.training.grad_accum == 1,
+             "training.grad_accum ({}) with parallelism.pipeline_parallel_degree {}: the pipeline's micro-batches "
+             "are its gradient accumulation (parallelism.pipeline_parallel_microbatches)", c.training.grad_accum, pp);
+    TS_CHECK(!c.parallelism.enable_sequence_parallel,
+             "parallelism.enable_sequence_parallel with parallelism.pipeline_parallel_degree {}: not supported yet "
+             "(the stages would pass sequence-split DTensors)", pp);
+    TS_CHECK(c.activation_checkpoint.mode == "none",
+             "activation_checkpoint.mode {} with parallelism.pipeline_parallel_degree {}: not supported yet",
+             c.activation_checkpoint.mode, pp);
+    TS_CHECK(!c.checkpoint.enable && c.checkpoint.initial_load_path.empty() &&
+                 c.checkpoint.export_safetensors.empty(),
+             "checkpoints with parallelism.pipeline_parallel_degree {}: not supported yet (checkpoint.enable, "
+             "checkpoint.initial_load_path and checkpoint.export_safetensors need a pipeline degree of 1)", pp);
+  }
+
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
@@ -153,13 +192,20 @@ void validate(const TrainConfig& c) {
 
 void validate_for_world(const TrainConfig& c, int world_size) {
   const int64_t dp = mesh_dims(c, world_size).data_parallel();  // the degrees against the ranks
-  int64_t unit = (key("training.grad_accum", c.training.grad_accum) * key("ranks", dp)).value;
+  const int64_t pp = c.parallelism.pipeline_parallel_degree;
+  // A pipeline's micro-batches split each data-parallel rank's rows.
+  const int64_t micro = pp > 1 ? (c.parallelism.pipeline_parallel_microbatches > 0
+                                      ? c.parallelism.pipeline_parallel_microbatches : 2 * pp)
+                               : c.training.grad_accum;
+  int64_t unit = (key(pp > 1 ? "parallelism.pipeline_parallel_microbatches" : "training.grad_accum", micro) *
+                  key("ranks", dp)).value;
   int64_t below = c.training.batch_size / unit * unit, above = 0;
   if (__builtin_add_overflow(below, unit, &above)) above = below;  // no larger multiple fits
   TS_CHECK(c.training.batch_size % unit == 0,
-           "training.batch_size ({}) must be a multiple of training.grad_accum ({}) x {} ({}): "
+           "training.batch_size ({}) must be a multiple of {} ({}) x {} ({}): "
            "e.g. --training.batch_size {}",
-           c.training.batch_size, c.training.grad_accum, dp == world_size ? "ranks" : "data-parallel ranks", dp,
+           c.training.batch_size, pp > 1 ? "parallelism.pipeline_parallel_microbatches" : "training.grad_accum", micro,
+           dp == world_size ? "ranks" : "data-parallel ranks", dp,
            below > 0 && above != below ? fmt::format("{} or {}", below, above)
                                        : fmt::format("{}", below > 0 ? below : above));
   TS_CHECK(!c.checkpoint.enable || c.optimizer.name == "adamw",
@@ -200,6 +246,7 @@ FieldNames parallelism_key_names() {
     if (f == "dp_shard") return "parallelism.data_parallel_shard_degree";
     if (f == "tp") return "parallelism.tensor_parallel_degree";
     if (f == "sequence_parallel") return "parallelism.enable_sequence_parallel";
+    if (f == "pp") return "parallelism.pipeline_parallel_degree";
     return "parallelism." + f;
   };
 }

@@ -310,6 +310,9 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
   validate(cfg);
   validate_for_world(cfg, world_size);
   TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
+  TS_CHECK(cfg.parallelism.pipeline_parallel_degree == 1,
+           "plan: pipelines (parallelism.pipeline_parallel_degree {}) are not planned yet; plan one stage's share "
+           "as a model of its blocks", cfg.parallelism.pipeline_parallel_degree);
   return plan_once(cfg, world_size, rank, log_step);
 }
 

@@ -218,17 +218,28 @@ void Trainer::build_model() {
   tools::mesh_dims(cfg_, world_);  // the degrees against the ranks, the errors naming the keys
   mesh_ = train::make_mesh(tools::parallelism_options(cfg_), device_type);  // tensor-parallel groups: consecutive ranks
   device_ = mesh_->device();
-  model_ = tools::make_model(cfg_, Device::meta());
-  const int64_t built = model_->num_parameters(false), predicted = tools::parameter_count(cfg_);
-  TS_CHECK(built == predicted,
-           "internal: the model has {} parameters, tools::parameter_count predicted {}", built,
-           predicted);
-  train::parallelize(*model_, mesh_, tools::parallelism_options(cfg_));  // as the planner does (tools/plan.h)
-  model_->to_empty(device_);
-  model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
+  const int64_t predicted = tools::parameter_count(cfg_);
+  // nanoGPT's count, which the log and MFU use, leaves GPT-2's position table out.
+  const bool positions = cfg_.model.arch == "gpt2" && !cfg_.model.rope;
+  parameters_ = predicted - (positions ? T_.seq_len * cfg_.model.n_embd : 0);
+  if (cfg_.parallelism.pipeline_parallel_degree > 1) {
+    // This rank's stages (pp/pipeline.h), each sharded as a whole model is;
+    // evaluation and samples run through the pipeline (pp::PipelinedModel).
+    pipe_ = train::make_pipeline(tools::transformer_config(cfg_), mesh_, tools::parallelism_options(cfg_),
+                                 static_cast<uint64_t>(cfg_.job.seed));
+    model_ = std::make_shared<pp::PipelinedModel>(pipe_);
+  } else {
+    model_ = tools::make_model(cfg_, Device::meta());
+    const int64_t built = model_->num_parameters(false);
+    TS_CHECK(built == predicted, "internal: the model has {} parameters, tools::parameter_count predicted {}", built,
+             predicted);
+    train::parallelize(*model_, mesh_, tools::parallelism_options(cfg_));  // as the planner does (tools/plan.h)
+    model_->to_empty(device_);
+    model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
+  }
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
   // backward, plus 12 * layers * width * seq_len for attention scores.
-  flops_per_token_ = 6.0 * static_cast<double>(model_->num_parameters()) +
+  flops_per_token_ = 6.0 * static_cast<double>(parameters_) +
                      12.0 * static_cast<double>(cfg_.model.n_layer) *
                          static_cast<double>(cfg_.model.n_embd) * static_cast<double>(T_.seq_len);
 }
@@ -243,6 +254,7 @@ void Trainer::build_optimizer() {
 // log steps); whether any rank was asked to stop travels in a host all-reduce
 // of its own, so a step makes no host sync.
 std::pair<Tensor, Tensor> Trainer::train_step(int64_t step) {
+  if (pipe_) return pipeline_step(step);
   train::StepResult r = train::train_step(
       *model_, *opt_, schedule_.lr_at(step), tools::step_options(cfg_),
       [&](int64_t m) {
@@ -257,6 +269,22 @@ std::pair<Tensor, Tensor> Trainer::train_step(int64_t step) {
   if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
   stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
   return {r.loss, r.grad_norm};
+}
+
+// A pipelined step (pp/pipeline.h): this data-parallel rank's rows through
+// the schedule's micro-batches, the loss averaged over the data-parallel
+// ranks (every stage's rank holds it), the norm clipped over every stage.
+std::pair<Tensor, Tensor> Trainer::pipeline_step(int64_t step) {
+  opt_->set_lr(schedule_.lr_at(step));
+  auto [x, y] = train_->batch(T_.overfit_batch ? 0 : step, micro_local_, dp_rank_, dp_);
+  Tensor loss = ops::reshape(pipe_->step(x.to(device_), y.to(device_)), {1});
+  if (world_ > 1) dist::world()->all_reduce(loss, {dist::ReduceOp::Avg})->wait();
+  Tensor norm = pipe_->clip_grad_norm_(T_.max_norm);
+  opt_->step();
+  opt_->zero_grad();
+  if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
+  stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
+  return {loss, norm};
 }
 
 double Trainer::read_losses() {
@@ -433,7 +461,11 @@ std::string cpus_note() {
 // The mesh in words: "FSDP over 4", "HSDP 2x2 (replicate x shard) x tensor parallel 2 ...".
 std::string Trainer::layout() const {
   auto [rep, shard] = tools::mesh_shape(cfg_, world_);
-  return (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
+  const std::string pipeline =
+      pipe_ ? fmt::format("PP {} ({}, {} micro-batches, {} stages) x ", pipe_->group()->size(),
+                          pipe_->schedule().name, pipe_->schedule().microbatches, pipe_->schedule().stages)
+            : "";
+  return pipeline + (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_, tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
                   : "");
@@ -443,9 +475,9 @@ void Trainer::report_setup() {
   say(fmt::format(
       "model {}: {} layers, d={}, {} parameters{} | {} rank(s): {} | {} thread(s)/rank{} | "
       "param {} reduce {}",
-      cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, model_->num_parameters(),
-      model_->num_parameters(false) != model_->num_parameters()
-          ? fmt::format(" ({} with the position table)", model_->num_parameters(false))
+      cfg_.model.arch, cfg_.model.n_layer, cfg_.model.n_embd, parameters_,
+      parameters_ != tools::parameter_count(cfg_)
+          ? fmt::format(" ({} with the position table)", tools::parameter_count(cfg_))
           : "",
       world_, layout(), num_threads(), cpus_note(), cfg_.mixed_precision.param_dtype, cfg_.mixed_precision.reduce_dtype));
   say(fmt::format(
@@ -455,6 +487,18 @@ void Trainer::report_setup() {
       micro_local_, baseline_));
   say(peak_flops_ > 0 ? fmt::format("MFU against {:.3g} TFLOP/s ({})", peak_flops_ / 1e12, peak_how_)
                       : fmt::format("MFU not reported ({})", peak_how_));
+  if (pipe_) {  // each rank's stages, gathered to rank 0's log
+    std::vector<std::string> mine;
+    for (const auto& [s, part] : pipe_->parts()) {
+      const pp::StageBlocks& b = pipe_->split()[static_cast<size_t>(s)];
+      mine.push_back(fmt::format("stage {} (blocks {}-{}{}{})", s, b.first, b.end - 1, s == 0 ? ", embeddings" : "",
+                                 s + 1 == pipe_->schedule().stages ? ", output layer and loss" : ""));
+    }
+    const auto all = dist::all_gather_strings(dist::world(), fmt::format("{}", fmt::join(mine, ", ")));
+    std::string line = "pipeline stages:";
+    for (size_t r = 0; r < all.size(); ++r) line += fmt::format("{} rank {}: {}", r ? ";" : "", r, all[r]);
+    say(line);
+  }
 }
 
 void Trainer::write_trace(int64_t step) {
@@ -712,7 +756,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     const bool on_cuda = cfg.job.device == "cuda" || (cfg.job.device == "auto" && cuda::is_available());
-    if (on_cuda) {
+    if (cfg.parallelism.pipeline_parallel_degree > 1) {
+      // The planner does not plan pipelines yet (tools/plan.h): nothing to check against.
+    } else if (on_cuda) {
       // Each rank has a GPU of its own: planned as a GPU computes (native
       // bf16) and NCCL reduces (no staging buffers), against its free memory.
       // (Without a GPU, building the mesh says why, below.)

@@ -20,6 +20,7 @@
 #include "io/tokenizer.h"
 #include "nn/models.h"
 #include "nn/optim.h"
+#include "pp/pipeline.h"
 #include "tools/config.h"
 #include "tools/report.h"
 
@@ -42,7 +43,7 @@ class Trainer {
         T_(cfg_.training),
         tp_(cfg_.parallelism.tensor_parallel_degree),
         dp_(tools::data_parallel_ranks(cfg_, world_)),
-        dp_rank_(rank_ / tp_),
+        dp_rank_((rank_ / tp_) % dp_),  // the mesh: pp outermost, tp innermost
         allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
   // --eval-only: the validation loss of given weights (no training, nothing saved).
@@ -60,6 +61,7 @@ class Trainer {
   void find_peak();
   void report_setup();
   std::string layout() const;
+  std::pair<Tensor, Tensor> pipeline_step(int64_t step);
   int64_t restore_or_start();  // resume, initial weights or step 0; returns the first step
   void run_step(int64_t step, int64_t start, Clock::time_point run_start);
   void write_trace(int64_t step);
@@ -87,7 +89,9 @@ class Trainer {
   MeshPtr mesh_;
   Device device_ = Device::cpu();  // job.device
   dist::ProcessGroupPtr control_group_;  // host-only agreements (stop requests) beside the device's collectives
-  std::shared_ptr<nn::LanguageModel> model_;
+  std::shared_ptr<nn::LanguageModel> model_;  // pipelined: a pp::PipelinedModel over pipe_
+  std::shared_ptr<pp::Pipeline> pipe_;        // parallelism.pipeline_parallel_degree > 1
+  int64_t parameters_ = 0;                    // the whole model's, as nanoGPT counts (no position table)
   std::unique_ptr<optim::Optimizer> opt_;
   optim::AdamW* adamw_ = nullptr;
   optim::LRSchedule schedule_;

@@ -1,5 +1,7 @@
 #include "train/parallelize.h"
 
+#include <algorithm>
+
 #include "fsdp/fully_shard.h"
 #include "runtime/distributed.h"
 #include "tp/parallelize.h"
@@ -12,19 +14,23 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
   TS_CHECK(o.dp_replicate >= 1, "{} must be >= 1, got {}", f("dp_replicate"), o.dp_replicate);
   TS_CHECK(o.dp_shard == -1 || o.dp_shard >= 1, "{} must be -1 or >= 1, got {}", f("dp_shard"), o.dp_shard);
   TS_CHECK(o.tp >= 1, "{} must be >= 1, got {}", f("tp"), o.tp);
+  TS_CHECK(o.pp >= 1, "{} must be >= 1, got {}", f("pp"), o.pp);
   MeshDims d;
+  d.pp = o.pp;
   d.replicate = o.dp_replicate;
   d.tp = o.tp;
   d.shard = o.dp_shard;
-  const CheckedInt others = named(f("dp_replicate"), o.dp_replicate) * named(f("tp"), o.tp);
+  const CheckedInt others = named(f("pp"), o.pp) * named(f("dp_replicate"), o.dp_replicate) * named(f("tp"), o.tp);
   if (d.shard == -1) {
-    TS_CHECK(world_size % others.value == 0, "{} ({}){} must divide the number of ranks ({})", f("dp_replicate"),
-             o.dp_replicate, o.tp > 1 ? fmt::format(" x {} ({})", f("tp"), o.tp) : "", world_size);
+    TS_CHECK(world_size % others.value == 0, "{}{} ({}){} must divide the number of ranks ({})",
+             o.pp > 1 ? fmt::format("{} ({}) x ", f("pp"), o.pp) : "", f("dp_replicate"), o.dp_replicate,
+             o.tp > 1 ? fmt::format(" x {} ({})", f("tp"), o.tp) : "", world_size);
     d.shard = world_size / others.value;
   }
   TS_CHECK((others * named(f("dp_shard"), d.shard)).value == world_size,
-           "parallelism: replicate degree {} x shard degree {}{} = {} ranks, but the job has {}", d.replicate, d.shard,
-           d.tp > 1 ? fmt::format(" x tensor-parallel degree {}", d.tp) : "", d.replicate * d.shard * d.tp,
+           "parallelism: {}replicate degree {} x shard degree {}{} = {} ranks, but the job has {}",
+           d.pp > 1 ? fmt::format("pipeline degree {} x ", d.pp) : "", d.replicate, d.shard,
+           d.tp > 1 ? fmt::format(" x tensor-parallel degree {}", d.tp) : "", d.pp * d.replicate * d.shard * d.tp,
            world_size);
   TS_CHECK(o.reshard_after_forward_degree == 0 ||
                (o.reshard_after_forward_degree >= 1 && d.shard % o.reshard_after_forward_degree == 0),
@@ -34,6 +40,7 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
            "{} splits activations over the tensor-parallel ranks: it needs {} > 1, got {}", f("sequence_parallel"),
            f("tp"), o.tp);
   auto dim = [&](int64_t size, const char* name) { d.shape.push_back(size), d.names.emplace_back(name); };
+  if (d.pp > 1) dim(d.pp, "pp");
   if (d.replicate > 1) dim(d.replicate, "dp_replicate");
   dim(d.shard, "dp_shard");
   if (d.tp > 1) dim(d.tp, "tp");
@@ -46,19 +53,23 @@ MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_t
 }
 
 void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& o) {
-  // Tensor parallelism first, over the innermost dim; FSDP over the others.
-  MeshPtr dp = mesh;
+  // Tensor parallelism first, over the innermost dim; FSDP over the data
+  // dims (a pipeline's stages each hold their own parameters: not "pp").
   const auto& names = mesh->dim_names();
-  if (names.back() == "tp") {
+  if (names.back() == "tp")
     tp::parallelize_module(model, (*mesh)["tp"],
                            tp::tensor_parallel_plan(model, mesh->size(-1), o.loss_parallel, o.sequence_parallel));
-    dp = mesh->slice(std::vector<std::string>(names.begin(), names.end() - 1));
-  }
+  std::vector<std::string> data;
+  for (const std::string& n : names)
+    if (n != "tp" && n != "pp") data.push_back(n);
+  const MeshPtr dp = data.size() == names.size() ? mesh : mesh->slice(data);
+  const bool pipelined = std::find(names.begin(), names.end(), "pp") != names.end();
   fsdp::FullyShardOptions opt{
       .mesh = dp,
       // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
       .reshard_after_forward =
-          o.reshard_after_forward_degree > 0
+          pipelined ? fsdp::ReshardAfterForward{false}  // gathered across the micro-batches
+          : o.reshard_after_forward_degree > 0
               ? fsdp::ReshardAfterForward{static_cast<int>(o.reshard_after_forward_degree)}
           : o.reshard_after_forward ? fsdp::ReshardAfterForward{}
                                     : fsdp::ReshardAfterForward{false},
@@ -66,6 +77,23 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
   for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
   fsdp::fully_shard(model, opt);
   if (!o.prefetch) fsdp::set_prefetch(model, false);
+}
+
+std::shared_ptr<pp::Pipeline> make_pipeline(const nn::TransformerConfig& cfg, const MeshPtr& mesh,
+                                            const ParallelismOptions& o, uint64_t seed) {
+  const auto& names = mesh->dim_names();
+  TS_CHECK(std::find(names.begin(), names.end(), "pp") != names.end(),
+           "make_pipeline: the mesh has no pp dim (ParallelismOptions::pp is {})", o.pp);
+  pp::PipelineOptions po{.schedule = o.pp_schedule,
+                         .microbatches = static_cast<int>(o.pp_microbatches > 0 ? o.pp_microbatches : 2 * o.pp),
+                         .stages_per_rank = static_cast<int>(
+                             o.pp_stages_per_rank > 0 ? o.pp_stages_per_rank : o.pp_schedule == "interleaved_1f1b" ? 2 : 1),
+                         .layers_per_stage = o.pp_layers_per_stage,
+                         .activation_dtype = o.param_dtype};
+  auto pipe = std::make_shared<pp::Pipeline>(mesh->get_group("pp"), cfg, po);
+  for (const auto& [s, part] : pipe->parts()) parallelize(*part, mesh, o);
+  pipe->materialize(mesh->device(), seed);
+  return pipe;
 }
 
 }  // namespace tessera::train

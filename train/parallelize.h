@@ -17,6 +17,7 @@
 
 #include "dtensor/device_mesh.h"
 #include "nn/models.h"
+#include "pp/pipeline.h"
 #include "runtime/checked.h"
 
 namespace tessera::train {
@@ -37,15 +38,24 @@ struct ParallelismOptions {
   bool prefetch = true;  // false: each group's all-gather only when the group runs
   DType param_dtype = DType::F32;   // the gathered parameters' (and the computation's) dtype
   DType reduce_dtype = DType::F32;  // the gradients' reduce-scatter dtype
+  // > 1: pipeline parallelism (pp/pipeline.h) over this many stages' ranks,
+  // the mesh's outermost dim; each stage's part sharded as above over the
+  // rest. Its parameters stay gathered across the micro-batches (FSDP's
+  // reshard_after_forward is false for them).
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";      // pp::schedule_names()
+  int64_t pp_microbatches = 0;           // per step (0: 2 x pp)
+  int64_t pp_stages_per_rank = 0;        // 0: 1, or 2 for interleaved_1f1b
+  std::vector<int64_t> pp_layers_per_stage;  // empty: as even as they go
 };
 
-// The mesh, outermost dim first: dp_replicate (when > 1), dp_shard, tp (when
-// > 1), for world_size ranks; throws naming the option (through `names`, as
+// The mesh, outermost dim first: pp (when > 1), dp_replicate (when > 1),
+// dp_shard, tp (when > 1), for world_size ranks; throws naming the option (through `names`, as
 // nn's validation does) when the degrees do not make world_size.
 struct MeshDims {
   Shape shape;
   std::vector<std::string> names;
-  int64_t replicate = 1, shard = 1, tp = 1;
+  int64_t pp = 1, replicate = 1, shard = 1, tp = 1;
   int64_t data_parallel() const { return replicate * shard; }  // ranks that see different data
 };
 MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const FieldNames& names = {});
@@ -56,5 +66,13 @@ MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_t
 // make_mesh): tensor parallelism over its "tp" dim when it has one, then FSDP
 // over the others, each block and then the root.
 void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& options);
+
+// The pipeline over the mesh's "pp" dim (options.pp > 1): this rank's stage
+// parts of the model `cfg` describes, each parallelized as above over the
+// other dims, materialised on the mesh's device and initialised as the full
+// model's init_weights(seed). The schedule is validated before anything is
+// allocated.
+std::shared_ptr<pp::Pipeline> make_pipeline(const nn::TransformerConfig& cfg, const MeshPtr& mesh,
+                                            const ParallelismOptions& options, uint64_t seed);
 
 }  // namespace tessera::train

@@ -156,6 +156,44 @@ expect_error "model.n_head (6) must be divisible by parallelism.tensor_parallel_
   train 4 --model.n_head 6 --model.n_embd 96 --parallelism.tensor_parallel_degree 4
 expect_error "parallelism: replicate degree 1 x shard degree 3 x tensor-parallel degree 2 = 6 ranks, but the job has 4" \
   train 4 "${llama[@]}" --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 3
+echo "== pipeline parallelism: PP 2, PP 2 x FSDP 2, interleaved, Llama PP 2 x TP 2: the one-rank losses"
+pipe=(--training.steps 12 --model.tie_embeddings false --model.n_layer 4 --job.dump_folder)
+train 1 "${pipe[@]}" p1 > p1.log
+train 2 "${pipe[@]}" pp2 --parallelism.pipeline_parallel_degree 2 > pp2.log
+train 4 "${pipe[@]}" pp2x2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule gpipe \
+  --parallelism.pipeline_parallel_microbatches 2 > pp2x2.log
+train 2 "${pipe[@]}" ppi --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.pipeline_parallel_schedule interleaved_1f1b > ppi.log
+train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lpp2tp2 --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2 > lpp2tp2.log
+train 1 "${llama[@]}" --training.steps 12 --job.dump_folder lpp1 > lpp1.log
+for d in p1 pp2 pp2x2 ppi lpp1 lpp2tp2; do losses $d > $d.losses; done
+close p1.losses pp2.losses 1e-5 || fail "PP 2 drifted from 1 rank"
+close p1.losses pp2x2.losses 1e-5 || fail "PP 2 x FSDP 2 drifted from 1 rank"
+close p1.losses ppi.losses 1e-5 || fail "interleaved PP 2 drifted from 1 rank"
+close lpp1.losses lpp2tp2.losses 1e-5 || fail "Llama PP 2 x TP 2 drifted from 1 rank"
+grep -q "PP 2 (1f1b, 4 micro-batches, 2 stages) x FSDP over 1" pp2.log || fail "pp2 did not report its mesh: $(head -3 pp2.log)"
+grep -q "PP 2 (gpipe, 2 micro-batches, 2 stages) x FSDP over 2" pp2x2.log || fail "pp2x2 did not report its mesh"
+grep -q "PP 2 (interleaved_1f1b, 4 micro-batches, 4 stages)" ppi.log || fail "ppi did not report its mesh"
+grep -q "pipeline stages: rank 0: stage 0 (blocks 0-1, embeddings); rank 1: stage 1 (blocks 2-3, output layer and loss)" \
+  pp2.log || fail "pp2 did not name each rank's stage: $(grep stages pp2.log)"
+grep -q "rank 0: stage 0 (blocks 0-0, embeddings), stage 2 (blocks 2-2)" ppi.log || fail "ppi's stages: $(grep stages ppi.log)"
+# Refused before anything is allocated, naming the key.
+tie=(--model.n_layer 4 --parallelism.pipeline_parallel_degree 2)
+expect_error "set --model.tie_embeddings false with parallelism.pipeline_parallel_degree 2" train 2 "${tie[@]}"
+expect_error "parallelism.pipeline_parallel_degree (2) x parallelism.data_parallel_replicate_degree (1) must divide the number of ranks (3)" \
+  train 3 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2
+expect_error "parallelism.pipeline_parallel_degree (2) x 2 stage(s) per rank = 4 stages, but model.n_layer is 3" \
+  train 2 "${pipe[@]}" x --model.n_layer 3 --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.pipeline_parallel_schedule interleaved_1f1b
+expect_error "training.batch_size (8) must be a multiple of parallelism.pipeline_parallel_microbatches (3)" \
+  train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatches 3
+expect_error "config key 'parallelism.pipeline_parallel_schedule' has no choice 'zb' (valid: gpipe, 1f1b, interleaved_1f1b)" \
+  train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb
+expect_error "checkpoints with parallelism.pipeline_parallel_degree 2: not supported yet" \
+  train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --checkpoint.enable true
+expect_error "plan: pipelines (parallelism.pipeline_parallel_degree 2) are not planned yet" \
+  "$bin/tessera-plan" --ranks 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
 grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
 # MFU against this CPU's measured peak (FMA loop, for f32) unless one is given.
