@@ -208,6 +208,7 @@ void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
       TS_CHECK(idx[i] >= 0 && idx[i] < v,
                "embedding: index {} at position {} is out of range for a table of {} rows",
                static_cast<int64_t>(idx[i]), i, v);
+    if (row_bytes == 0) return;  // a shard with no columns (more ranks than the table's width)
     const char* pw = static_cast<const char*>(weight.data_ptr());
     char* po = static_cast<char*>(out.data_ptr());
     parallel_for(0, count, row_grain(d), [&](int64_t i0, int64_t i1) {
