@@ -51,13 +51,13 @@ test: PACKAGES += $(FUZZ_PACKAGES)
 test: build
 	meson test -C $(BUILD) --print-errorlogs --num-processes 1
 
-# The runtime, dist and FSDP tests (1-3 ranks, the async_cpu device included)
+# The runtime, dist, FSDP and pipeline tests (1-3 ranks, the async_cpu device included)
 # under ThreadSanitizer, in build-tsan/. Uninstrumented libraries (OpenMP, MPI,
 # OpenBLAS) are suppressed in tests/tsan.supp. TSan cannot see libgomp's
 # barriers, so in this build parallel_for runs on std::threads (runtime/parallel.h)
 # and OMP_NUM_THREADS=1 keeps the libraries' own OpenMP teams out; tsan-canary
 # checks that a deliberate race is reported. TSAN_TESTS picks other tests.
-TSAN_TESTS ?= tsan-canary runtime autograd dist-plain dist-np2 dtensor-np2 fsdp-plain fsdp-np2 fsdp-np3
+TSAN_TESTS ?= tsan-canary runtime autograd dist-plain dist-np2 dtensor-np2 fsdp-plain fsdp-np2 fsdp-np3 pp-np2
 tsan: deps
 	@[ -f build-tsan/build.ninja ] || meson setup build-tsan --buildtype=debugoptimized \
 	  -Db_sanitize=thread -Dbenchmarks=false -Dnative=false -Dcuda=disabled

@@ -304,11 +304,14 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
         if (a.stage + 1 < S && rank_of(a.stage + 1) == me) flight_.erase({a.stage + 1, a.microbatch});
         f.output = Tensor();
         f.grad_output = Tensor();
+        if (a.stage == 0) flight_.erase(key);  // the first stage's input is token ids: nothing to send back
         break;
       }
       case ActionType::SendB:
+        // The message holds the input's gradient until it is sent; the input goes now.
         sends.push_back(group_->send(ops::contiguous(flight_.at(key).input.grad()), rank_of(a.stage - 1),
                                      message_tag(a, schedule_)));
+        flight_.erase(key);
         break;
     }
   }
