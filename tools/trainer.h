@@ -35,6 +35,8 @@ inline double seconds_since(Clock::time_point t) {
 
 // A path inside job.dump_folder unless absolute.
 std::string out_path(const tools::TrainConfig& c, const std::string& p);
+// `v` reduced over `group`'s ranks (the world's by default), on the host.
+double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nullptr);
 
 class Trainer {
  public:
