@@ -52,7 +52,8 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
     peak_flops_ = achieved;
     peak_raised_ = raised = true;
   }
-  double mfu = peak_flops_ > 0 ? 100.0 * achieved / peak_flops_ : std::nan("");
+  // (At most 100: the peak was raised to the rate reached where it was below; the min only drops rounding.)
+  double mfu = peak_flops_ > 0 ? std::min(100.0, 100.0 * achieved / peak_flops_) : std::nan("");
   if (rank_ == 0) {
     say(fmt::format(
         "step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
