@@ -14,6 +14,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 using namespace tessera;
 
@@ -27,6 +28,7 @@ int main(int argc, char** argv) {
   // A fifth argument: a folder for a trace of each schedule's last step at
   // the smaller m (<folder>/<schedule>.json; tools/trace_png.py draws it).
   const std::string trace_dir = argc > 4 ? argv[4] : "";
+  if (!trace_dir.empty() && group->rank() == 0) std::filesystem::create_directories(trace_dir);
   if (group->rank() == 0)
     std::printf("pipeline bubble: %d rank(s), GPT d=%lld, %lld block(s) per rank, 4 sequences of 128 tokens "
                 "per micro-batch, mean of %d steps after one warm-up\n",
