@@ -277,7 +277,7 @@ LRSchedule::Kind schedule_kind(const std::string& name) {
 
 namespace tessera::nn {
 
-Tensor grad_norm(const TensorList& params) {
+Tensor grad_norm(const TensorList& params, const dist::ProcessGroupPtr& sum_over) {
   TS_PROFILE("grad_norm");
   // Plain gradients are summed here. Sharded ones: each rank sums the squares
   // of its shards (divided by how many ranks hold a replica of them), then one
@@ -319,7 +319,9 @@ Tensor grad_norm(const TensorList& params) {
     if (r == m->by_replicas.end()) r = m->by_replicas.insert(m->by_replicas.end(), {replicas, {}});
     r->second.push_back(spec->local);
   }
-  if (!device) return zeros({}, DType::F64);
+  // A rank with no gradients still takes part in sum_over's all-reduce.
+  if (!device && !sum_over) return zeros({}, DType::F64);
+  if (!device) device = Device::cpu();
   Tensor total = ops::sum_squares(plain, *device);
   for (auto& [mesh, groups] : meshes) {
     Tensor part = zeros({}, DType::F64, *device);
@@ -331,12 +333,17 @@ Tensor grad_norm(const TensorList& params) {
     mesh->flat_group()->all_reduce(flat)->wait(current_stream(*device));
     total = ops::add(total, ops::reshape(flat, {}));
   }
+  if (sum_over && sum_over->size() > 1) {  // other ranks' parameters: a pipeline's stages
+    Tensor flat = ops::reshape(total, {1});
+    sum_over->all_reduce(flat)->wait(current_stream(*device));
+    total = ops::reshape(flat, {});
+  }
   return ops::sqrt(total);
 }
 
-Tensor clip_grad_norm_(const TensorList& params, double max_norm) {
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, const dist::ProcessGroupPtr& sum_over) {
   TS_PROFILE("clip_grad_norm_");
-  Tensor norm = grad_norm(params);
+  Tensor norm = grad_norm(params, sum_over);
   // coef = min(1, max_norm / (norm + 1e-6)), computed where the norm is.
   Tensor coef = ops::binary(ops::BinaryOp::Minimum,
                             ops::binary(ops::BinaryOp::Div, max_norm, ops::add(norm, 1e-6)), 1.0);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "nn/module.h"
+#include "runtime/distributed.h"
 
 namespace tessera::optim {
 
@@ -131,7 +132,9 @@ namespace tessera::nn {
 // it with .item() where a host sync is welcome, e.g. a log step). Sharded
 // (DTensor) gradients take one all-reduce of the squared norm per mesh; one
 // sum-of-squares kernel per group of tensors; no host sync off the CPU.
-Tensor clip_grad_norm_(const TensorList& params, double max_norm);
+// `sum_over`: ranks holding other parameters of the same model (a
+// pipeline's stages), whose squared norms are added in (one all-reduce).
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, const dist::ProcessGroupPtr& sum_over = nullptr);
 // The global L2 norm of the gradients (no clipping), as above.
-Tensor grad_norm(const TensorList& params);
+Tensor grad_norm(const TensorList& params, const dist::ProcessGroupPtr& sum_over = nullptr);
 }  // namespace tessera::nn

@@ -156,19 +156,7 @@ Tensor Pipeline::forward_logits(const Tensor& idx) {
 }
 
 Tensor Pipeline::clip_grad_norm_(double max_norm) {
-  const TensorList params = parameters();
-  Tensor local = nn::grad_norm(params);
-  Tensor squared = ops::mul(local, local);
-  if (group_->size() > 1) group_->all_reduce(squared)->wait();
-  Tensor norm = ops::sqrt(squared);
-  if (max_norm <= 0) return norm;  // the norm only
-  const double coef = std::min(1.0, max_norm / (norm.item() + 1e-6));
-  if (coef < 1.0) {
-    autograd::NoGradGuard no_grad;
-    for (const Tensor& p : params)
-      if (p.grad().defined()) ops::mul_(p.grad(), coef);
-  }
-  return norm;
+  return max_norm > 0 ? nn::clip_grad_norm_(parameters(), max_norm, group_) : nn::grad_norm(parameters(), group_);
 }
 
 Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {

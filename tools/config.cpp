@@ -524,31 +524,6 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
   return true;
 }
 
-namespace {
-// "2,3,3" -> {2, 3, 3} (parallelism.pipeline_parallel_layers_per_stage).
-std::vector<int64_t> layer_counts(const std::string& text) {
-  std::vector<int64_t> out;
-  size_t at = 0;
-  while (at < text.size()) {
-    const size_t end = text.find(',', at);
-    const std::string item = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    TS_CHECK(used == item.size() && used > 0 && v >= 1,
-             "parallelism.pipeline_parallel_layers_per_stage: expected block counts >= 1, comma-separated (e.g. "
-             "\"1,3\"), got '{}'", text);
-    out.push_back(v);
-    if (end == std::string::npos) break;
-    at = end + 1;
-  }
-  return out;
-}
-}  // namespace
 
 train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
   const auto& p = cfg.parallelism;
@@ -566,7 +541,9 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .pp_schedule = p.pipeline_parallel_schedule,
           .pp_microbatches = p.pipeline_parallel_microbatches,
           .pp_stages_per_rank = p.pipeline_parallel_stages_per_rank,
-          .pp_layers_per_stage = layer_counts(p.pipeline_parallel_layers_per_stage)};
+          .pp_layers_per_stage = positive_list(p.pipeline_parallel_layers_per_stage,
+                                               "parallelism.pipeline_parallel_layers_per_stage expects block "
+                                               "counts >= 1")};
 }
 
 train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {

@@ -215,6 +215,9 @@ void validate(const TrainConfig& cfg);
 void resolve_config(TrainConfig& cfg);
 // Checks what depends on the number of ranks (mesh degrees, batch split).
 void validate_for_world(const TrainConfig& cfg, int world_size);
+// "10,11" -> {10, 11}: numbers >= 1 separated by commas; throws with `what`
+// ("profiling.trace_steps expects step numbers >= 1") and the text.
+std::vector<int64_t> positive_list(const std::string& text, const std::string& what);
 // The steps named by profiling.trace_steps (1-based), validated.
 std::vector<int64_t> trace_steps(const TrainConfig& cfg);
 // The model's parameter count from the configuration alone (nothing built:

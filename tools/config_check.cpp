@@ -212,13 +212,12 @@ void validate_for_world(const TrainConfig& c, int world_size) {
            "checkpoint.enable needs optimizer.name = adamw (SGD momentum is not checkpointed)");
 }
 
-std::vector<int64_t> trace_steps(const TrainConfig& c) {
+std::vector<int64_t> positive_list(const std::string& text, const std::string& what) {
   std::vector<int64_t> out;
-  std::string s = c.profiling.trace_steps;
   size_t at = 0;
-  while (at < s.size()) {
-    size_t end = s.find(',', at);
-    std::string item = s.substr(at, end == std::string::npos ? std::string::npos : end - at);
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    std::string item = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
     size_t used = 0;
     long long v = -1;
     try {
@@ -226,15 +225,17 @@ std::vector<int64_t> trace_steps(const TrainConfig& c) {
     } catch (const std::exception&) {
       used = 0;
     }
-    TS_CHECK(used == item.size() && !item.empty() && v >= 1,
-             "profiling.trace_steps expects step numbers >= 1 separated by commas (e.g. "
-             "\"10,11\"), got '{}'",
-             s);
+    TS_CHECK(used == item.size() && !item.empty() && v >= 1, "{} separated by commas (e.g. \"10,11\"), got '{}'",
+             what, text);
     out.push_back(v);
     if (end == std::string::npos) break;
     at = end + 1;
   }
   return out;
+}
+
+std::vector<int64_t> trace_steps(const TrainConfig& c) {
+  return positive_list(c.profiling.trace_steps, "profiling.trace_steps expects step numbers >= 1");
 }
 
 namespace {

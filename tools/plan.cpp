@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -115,25 +114,6 @@ std::vector<int> rank_cpus(int local_rank, int local_size, int threads) {
   return {first, first + threads};
 }
 
-namespace {
-// This CPU as /proc/cpuinfo names it (model name, family, model, stepping):
-// the key of its cached peaks.
-std::string cpu_identity() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, id;
-  for (const char* key : {"model name", "cpu family", "model", "stepping"}) {
-    in.clear();
-    in.seekg(0);
-    while (std::getline(in, line))
-      if (line.rfind(key, 0) == 0 && line.find(':') != std::string::npos &&
-          line.substr(0, line.find(':')).find_last_not_of(" \t") + 1 == std::strlen(key)) {
-        id += line.substr(line.find(':') + 1) + ";";
-        break;
-      }
-  }
-  return id.empty() ? "unknown" : id;
-}
-}  // namespace
 
 double node_peak_flops(const std::string& param_dtype, int ranks_here, int threads, std::string* how) {
   // All the threads the ranks use at once: two hardware threads of one core
@@ -143,7 +123,7 @@ double node_peak_flops(const std::string& param_dtype, int ranks_here, int threa
   const cpu::Peak peak = cpu::measure_dtype_peak(param_dtype == "float32" ? DType::F32 : DType::BF16, used);
   // Load on the machine can only lower a measurement: the best one ever made
   // for this CPU, unit and thread count is kept in the cache and used.
-  const std::string key = fmt::format("{} | {} | {} threads", cpu_identity(), peak.unit, used);
+  const std::string key = fmt::format("{} | {} | {} threads", cpu_model(), peak.unit, used);
   const fs::path cache = fs::path(cache_dir()) / "peaks.txt";
   std::map<std::string, double> best;
   {

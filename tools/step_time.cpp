@@ -32,6 +32,9 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+
+}  // namespace
+
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -43,8 +46,6 @@ std::string cpu_model() {
     }
   return "unknown CPU";
 }
-
-}  // namespace
 
 std::string cache_dir() {
   if (const char* d = std::getenv("TESSERA_CACHE_DIR"); d != nullptr && *d != 0) return d;

@@ -34,6 +34,8 @@ namespace tessera::tools {
 // Where the planner caches kernel times and collective fits:
 // $TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera, else ~/.cache/tessera.
 std::string cache_dir();
+// This CPU's model name, as /proc/cpuinfo gives it ("unknown CPU" without one).
+std::string cpu_model();
 
 // t = alpha + beta x bytes per collective kind, per group size.
 struct CollectiveFit {
