@@ -16,7 +16,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   Tensor y = ops::matmul(a, b);
   if (should_record({a, b})) {
     bool ga = a.requires_grad(), gb = b.requires_grad();
-    record("matmul", {a, b}, {y}, [a, b, ga, gb](const TensorList& g) {
+    // The gradients of the operands asked for (a split backward asks for them apart).
+    auto grads = [a, b](const TensorList& g, bool want_a, bool want_b) {
       // Work on the >= 2-D forms (1-D operands were unsqueezed in the forward).
       Tensor a2 = a.dim() == 1 ? ops::unsqueeze(a, 0) : a;
       Tensor b2 = b.dim() == 1 ? ops::unsqueeze(b, 1) : b;
@@ -24,10 +25,13 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
       if (a.dim() == 1) g2 = ops::unsqueeze(g2, g2.dim() - (b.dim() == 1 ? 0 : 1));
       if (b.dim() == 1) g2 = ops::unsqueeze(g2, -1);
       Tensor da, db;
-      if (ga) da = ops::reshape(ops::sum_to(ops::matmul(g2, ops::transpose(b2, -1, -2)), a2.shape()), a.shape());
-      if (gb) db = ops::reshape(ops::sum_to(ops::matmul(ops::transpose(a2, -1, -2), g2), b2.shape()), b.shape());
+      if (want_a) da = ops::reshape(ops::sum_to(ops::matmul(g2, ops::transpose(b2, -1, -2)), a2.shape()), a.shape());
+      if (want_b) db = ops::reshape(ops::sum_to(ops::matmul(ops::transpose(a2, -1, -2), g2), b2.shape()), b.shape());
       return TensorList{da, db};
-    });
+    };
+    record(
+        "matmul", {a, b}, {y}, [grads, ga, gb](const TensorList& g) { return grads(g, ga, gb); },
+        [grads](const TensorList& g, const std::vector<bool>& want) { return grads(g, want[0], want[1]); });
   }
   return y;
 }
@@ -38,9 +42,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (should_record({x, weight, bias})) {
     bool gx = x.requires_grad(), gw = weight.requires_grad();
     bool gb = bias.defined() && bias.requires_grad();
-    record("linear", {x, weight, bias}, {y}, [x, weight, gx, gw, gb](const TensorList& g) {
-      return ops::linear_backward(g[0], x, weight, {gx, gw, gb});
-    });
+    record(
+        "linear", {x, weight, bias}, {y},
+        [x, weight, gx, gw, gb](const TensorList& g) { return ops::linear_backward(g[0], x, weight, {gx, gw, gb}); },
+        [x, weight](const TensorList& g, const std::vector<bool>& want) {
+          return ops::linear_backward(g[0], x, weight, {want[0], want[1], want[2]});
+        });
   }
   return y;
 }

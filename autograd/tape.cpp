@@ -18,6 +18,8 @@ struct ThreadState {
   Tape* current = &default_tape;
   int backward_depth = 0;
   std::vector<std::function<void()>> callbacks;
+  uint64_t pass_id = 0;    // the outermost backward running (backward_pass_id)
+  uint64_t last_pass = 0;  // the last id given
 };
 
 ThreadState& state() {
@@ -87,7 +89,7 @@ bool should_record(const TensorList& inputs) {
 }
 
 void record(const char* name, const TensorList& inputs, const TensorList& outputs,
-            BackwardFn backward) {
+            BackwardFn backward, BackwardSomeFn backward_some) {
   auto node = std::make_unique<Node>();
   node->name = name;
   node->backward_name = node->name + ".backward";
@@ -111,6 +113,7 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
     node->output_devices.push_back(y.device());
   }
   node->backward = std::move(backward);
+  node->backward_some = std::move(backward_some);
   current_tape().nodes().push_back(std::move(node));
 }
 
@@ -126,6 +129,8 @@ void record_marker(const std::string& name, std::function<void()> callback,
 }
 
 bool in_backward() { return state().backward_depth > 0; }
+
+uint64_t backward_pass_id() { return in_backward() ? state().pass_id : 0; }
 
 void queue_callback(std::function<void()> callback) {
   TS_CHECK(in_backward(), "queue_callback: only possible while backward is running");
@@ -192,19 +197,90 @@ class BackwardPass {
     for (size_t i = nodes_.size(); i-- > 0;) {
       Node& node = *nodes_[i];
       if (node.is_marker()) {
+        if (split_ && node.watch_ids.empty()) {
+          deferred_.push_back({std::move(nodes_[i]), {}, 0, false});
+          continue;
+        }
         run_marker(node);
       } else {
         TensorList grad_outputs = take_output_grads(node);
-        if (!grad_outputs.empty()) run_node(node, grad_outputs);
-        for (uint64_t id : flush_at_[i]) flush_leaf(id);
+        // Split: an op deferred lives on (in deferred_) until backward_weight.
+        if (!grad_outputs.empty() && !(split_ && defer(nodes_[i], grad_outputs))) run_node(node, grad_outputs);
+        for (uint64_t id : flush_at_[i]) {
+          if (split_ && now_.count(id) == 0)
+            deferred_.push_back({nullptr, {}, id, false});
+          else
+            flush_leaf(id);
+        }
       }
       nodes_[i].reset();  // free what this op saved as soon as it is done
     }
+    if (!split_) finish();
+  }
+
+  // Split mode (backward_input): leaves' gradients wait for run_deferred,
+  // but those of `now` (a pipeline stage's input).
+  void set_split(const TensorList& now) {
+    split_ = true;
+    for (const Tensor& t : now)
+      if (t.defined()) now_.insert(t.impl()->id);
+  }
+
+  // What run() deferred, in the order it met it; then the roots that are leaves.
+  void run_deferred() {
+    for (Deferred& d : deferred_) {
+      if (d.node && d.node->is_marker()) {
+        run_marker(*d.node);
+      } else if (d.node) {
+        std::vector<bool> want;
+        if (d.leaves_only)
+          for (const auto& in : d.node->inputs) want.push_back(in.needs_grad && deferred_leaf(in));
+        run_node(*d.node, d.grad_outputs, d.leaves_only ? &want : nullptr);
+      } else {
+        flush_leaf(d.leaf);
+      }
+      d = Deferred{};  // free what the op saved as soon as it is done
+    }
+    deferred_.clear();
+    finish();
+  }
+
+ private:
+  // One deferred item: an op (all of it, or its leaves' part), a marker, or a leaf's flush.
+  struct Deferred {
+    std::unique_ptr<Node> node;
+    TensorList grad_outputs;
+    uint64_t leaf = 0;
+    bool leaves_only = false;
+  };
+
+  // Split mode: defers an op that feeds leaves: all of it when it feeds only
+  // leaves, else its leaves' part where it can compute that apart (its
+  // non-leaf inputs' gradients now). False: run it whole now.
+  bool defer(std::unique_ptr<Node>& node, const TensorList& grad_outputs) {
+    bool leaf = false, other = false;
+    for (const auto& in : node->inputs) {
+      if (!in.needs_grad) continue;
+      (deferred_leaf(in) ? leaf : other) = true;
+    }
+    if (!leaf || (other && !node->backward_some)) return false;
+    if (other) {
+      std::vector<bool> want;
+      for (const auto& in : node->inputs) want.push_back(in.needs_grad && !deferred_leaf(in));
+      run_node(*node, grad_outputs, &want);
+    }
+    deferred_.push_back({std::move(node), grad_outputs, 0, other});
+    return true;
+  }
+
+  // A leaf whose gradient a split backward defers (the parameters).
+  bool deferred_leaf(const Node::Input& in) const { return in.leaf != nullptr && now_.count(in.id) == 0; }
+
+  void finish() {
     for (uint64_t id : root_leaves_) flush_leaf(id);  // roots that are leaves, in the order given
     TS_ASSERT(leaves_.empty());
   }
 
- private:
   struct PendingLeaf {
     std::shared_ptr<TensorImpl> impl;
     Tensor grad;
@@ -259,12 +335,13 @@ class BackwardPass {
     return grad_outputs;
   }
 
-  // The node's backward, and its input gradients routed to tensors and leaves.
-  void run_node(Node& node, const TensorList& grad_outputs) {
+  // The node's backward (of the inputs in `want` only, when given), and its
+  // input gradients routed to tensors and leaves.
+  void run_node(Node& node, const TensorList& grad_outputs, const std::vector<bool>* want = nullptr) {
     TensorList input_grads;
     {
       profiler::Scope scope(node.backward_name.c_str());
-      input_grads = node.backward(grad_outputs);
+      input_grads = want ? node.backward_some(grad_outputs, *want) : node.backward(grad_outputs);
     }
     TS_CHECK(input_grads.size() == node.inputs.size(), "backward of '{}' returned {} gradients for {} inputs",
              node.name, input_grads.size(), node.inputs.size());
@@ -296,6 +373,9 @@ class BackwardPass {
   std::vector<std::vector<uint64_t>> flush_at_;
   std::vector<uint64_t> root_leaves_;
   std::unordered_set<uint64_t> produced_;
+  bool split_ = false;
+  std::unordered_set<uint64_t> now_;  // split: leaves whose gradients are not deferred
+  std::vector<Deferred> deferred_;
 };
 
 // Callbacks may queue further callbacks; run until none are left.
@@ -320,13 +400,67 @@ void backward(const TensorList& roots, const TensorList& grads_in) {
   pass.seed(roots, grads_in);
 
   st.backward_depth++;
-  if (st.backward_depth == 1) st.callbacks.clear();
+  if (st.backward_depth == 1) {
+    st.callbacks.clear();
+    st.pass_id = ++st.last_pass;
+  }
   struct DepthGuard {
     ThreadState& s;
     ~DepthGuard() { s.backward_depth--; }
   } depth_guard{st};
   pass.run();
   if (st.backward_depth == 1) run_final_callbacks(st);
+}
+
+class WeightGradients {
+ public:
+  WeightGradients(std::vector<std::unique_ptr<Node>> nodes, const TensorList& now) : pass(std::move(nodes)) {
+    pass.set_split(now);
+  }
+  BackwardPass pass;
+  std::vector<std::function<void()>> callbacks;  // queued during backward_input
+  uint64_t pass_id = 0;
+  bool done = false;
+};
+
+std::shared_ptr<WeightGradients> backward_input(const TensorList& roots, const TensorList& grads_in,
+                                                const TensorList& inputs) {
+  TS_CHECK(roots.size() == grads_in.size(), "backward_input: {} roots but {} gradients", roots.size(),
+           grads_in.size());
+  ThreadState& st = state();
+  TS_CHECK(st.backward_depth == 0, "backward_input: not inside another backward");
+  auto deferred = std::make_shared<WeightGradients>(std::move(current_tape().nodes()), inputs);
+  current_tape().clear();
+  NoGradGuard no_grad;
+  deferred->pass.seed(roots, grads_in);
+  st.backward_depth++;
+  st.callbacks.clear();
+  deferred->pass_id = st.pass_id = ++st.last_pass;
+  struct DepthGuard {
+    ThreadState& s;
+    ~DepthGuard() { s.backward_depth--; }
+  } depth_guard{st};
+  deferred->pass.run();
+  deferred->callbacks = std::move(st.callbacks);
+  st.callbacks.clear();
+  return deferred;
+}
+
+void backward_weight(WeightGradients& deferred) {
+  TS_CHECK(!deferred.done, "backward_weight: these weight gradients were already computed");
+  ThreadState& st = state();
+  TS_CHECK(st.backward_depth == 0, "backward_weight: not inside another backward");
+  deferred.done = true;
+  NoGradGuard no_grad;
+  st.backward_depth++;
+  st.callbacks = std::move(deferred.callbacks);
+  st.pass_id = deferred.pass_id;
+  struct DepthGuard {
+    ThreadState& s;
+    ~DepthGuard() { s.backward_depth--; }
+  } depth_guard{st};
+  deferred.pass.run_deferred();
+  run_final_callbacks(st);
 }
 
 Tensor detach(const Tensor& x) {

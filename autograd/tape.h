@@ -45,6 +45,10 @@ class EnableGradGuard {
 // Computes one gradient per input of the op (undefined where an input needs none)
 // from one gradient per output (never undefined: missing ones are zero-filled).
 using BackwardFn = std::function<TensorList(const TensorList& grad_outputs)>;
+// The same for the inputs marked in `want` only (the others undefined): an op
+// that has one (linear, matmul) computes its input's gradient and its
+// weight's apart, which a split backward (backward_input) needs.
+using BackwardSomeFn = std::function<TensorList(const TensorList& grad_outputs, const std::vector<bool>& want)>;
 
 // One entry of the tape.
 struct Node {
@@ -66,6 +70,7 @@ struct Node {
   std::vector<DType> output_dtypes;
   std::vector<Device> output_devices;
   BackwardFn backward;
+  BackwardSomeFn backward_some;  // optional
 
   // Markers only: the callback, and the tensors whose gradient must exist for it
   // to fire (empty: always fires when reached).
@@ -105,7 +110,7 @@ bool should_record(const TensorList& inputs);
 // Appends a node and marks the outputs as non-leaf tensors that require grad.
 // Callers check should_record first.
 void record(const char* name, const TensorList& inputs, const TensorList& outputs,
-            BackwardFn backward);
+            BackwardFn backward, BackwardSomeFn backward_some = nullptr);
 // Appends a marker (in grad mode only, like an op). With `watch` non-empty it
 // fires only when one of those tensors received a gradient in this backward.
 void record_marker(const std::string& name, std::function<void()> callback,
@@ -114,6 +119,11 @@ void record_marker(const std::string& name, std::function<void()> callback,
 // Outside backward: throws.
 void queue_callback(std::function<void()> callback);
 bool in_backward();
+// The backward running: each backward() (outermost) and backward_input()
+// starts a new one, and a backward_weight() continues its backward_input's,
+// so work queued once per backward (FSDP's final callback) is queued once
+// for each of several split backwards in flight. 0 outside backward.
+uint64_t backward_pass_id();
 
 // ---- running backward --------------------------------------------------------------
 // Accumulates d(root)/d(leaf) into every leaf's .grad. `grad` defaults to 1
@@ -123,6 +133,24 @@ void backward(const Tensor& root, const Tensor& grad = {});
 void backward(const TensorList& roots, const TensorList& grads);
 void clear_tape();
 size_t tape_size();
+
+// ---- a backward in two parts (zero-bubble pipeline schedules) ---------------------------
+// backward_input walks the tape as backward() does, but computes only what the
+// gradients of non-leaf tensors and of the leaves `inputs` need (a pipeline
+// stage's input, whose gradient is sent on at once). The rest is returned, to
+// run later with backward_weight in the order the walk met it: an op's
+// gradients for the other leaves (the parameters; the whole op when it feeds
+// only such leaves, the weight's and bias's part of an op with a
+// BackwardSomeFn, as linear and matmul), the markers that watch nothing
+// (FSDP's post-backward), those leaves' accumulation into .grad and the
+// callbacks queued. Together the two compute what backward() computes, each
+// gradient by the same operations. Ops without a BackwardSomeFn that feed a
+// parameter and another tensor compute both in backward_input.
+class WeightGradients;
+std::shared_ptr<WeightGradients> backward_input(const TensorList& roots, const TensorList& grads,
+                                                const TensorList& inputs = {});
+// Runs what backward_input deferred (once).
+void backward_weight(WeightGradients& deferred);
 
 // ---- tensor-level helpers -----------------------------------------------------------
 // A new tensor over the same bytes that does not require grad.

@@ -2,7 +2,7 @@
 // equal blocks cut into one stage per rank (two per rank for interleaved),
 // trained for a few steps of each schedule and micro-batch count; per step,
 // each rank's idle share of the step (1 - the time it spent in its F and B
-// actions, pp::Pipeline::last_step_time, over the step's span from a
+// (or I and W) actions, pp::Pipeline::last_step_time, over the step's span from a
 // barrier before it to one after), the mean over ranks and steps beside the
 // formula.
 //
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
                 p, static_cast<long long>(width), static_cast<long long>(per_stage), steps);
   if (group->rank() == 0)
     std::printf("%-18s %4s %12s %12s %10s\n", "schedule", "m", "measured", "formula", "step ms");
-  for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b"}) {
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}) {
     const int v = schedule == "interleaved_1f1b" ? 2 : 1;
     for (int m : {2 * p, 4 * p}) {
       nn::TransformerConfig cfg;
@@ -76,9 +76,11 @@ int main(int argc, char** argv) {
         bubble += t.to_vector<double>()[0] / p;
         ms += t.to_vector<double>()[1] / p;
       }
-      // Idle over the span: (p-1)/(m+p-1) for GPipe and 1F1B; interleaving
-      // divides the idle time by v: (p-1)/(v m + p - 1).
-      const double formula = static_cast<double>(p - 1) / (v * m + p - 1);
+      // Idle over the span with a backward twice a forward (pp::simulate):
+      // (p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides the idle
+      // time by v: (p-1)/(v m + p - 1); ZB-H1 leaves a third of 1F1B's idle
+      // time: (p-1)/(3m + p - 1).
+      const double formula = pp::simulate(pipe.schedule()).bubble();
       if (group->rank() == 0)
         std::printf("%-18s %4d %11.1f%% %11.1f%% %10.1f\n", schedule.c_str(), m, 100 * bubble / steps,
                     100 * formula, ms / steps);

@@ -11,9 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "dtensor/dtensor.h"
 #include "fsdp/checkpoint_format.h"
+#include "fsdp/state_dict.h"
 #include "runtime/random.h"
 
 namespace tessera::fsdp {
@@ -95,36 +97,74 @@ void prune(const fs::path& folder, int keep) {
 
 namespace {
 
-// Writes the chunks this rank owns into tmp_dir/file_name (fsynced) and
-// returns their descriptions. A DTensor's shard is owned by the rank at
-// coordinate 0 of every replicate dim, and of every dim of the mesh it was
-// sliced from that its own mesh leaves out (FSDP's plain parameters hold the
-// same shard on every tensor-parallel rank); a plain tensor by rank 0.
+// What one rank holds of one tensor: its global description and this rank's boxes.
+struct HeldTensor {
+  std::string name, placements;
+  DType dtype = DType::F32;
+  Shape shape;
+  std::vector<std::pair<Shape, Shape>> boxes;  // (offset, shape) in the global tensor
+};
+
+json describe(const nn::StateDict& tensors) {
+  json out = json::array();
+  for (const auto& [name, t] : tensors) {
+    if (is_dtensor(t))
+      for (const Placement& p : dtensor_spec(t).placements)
+        TS_CHECK(!is_partial(p), "save_checkpoint: '{}' is a Partial DTensor; reduce it first", name);
+    json boxes = json::array();
+    for (const LocalBox& box : local_boxes(t)) boxes.push_back({shape_json(box.offset), shape_json(box.shape)});
+    out.push_back({{"name", name},
+                   {"dtype", dtype_name(t.dtype())},
+                   {"shape", shape_json(t.shape())},
+                   {"placements", placements_of(t)},
+                   {"boxes", boxes}});
+  }
+  return out;
+}
+
+// Which rank writes each piece of each tensor: the lowest that holds it. So a
+// replicated piece (HSDP's replicas, FSDP's shards on every tensor-parallel
+// rank, a plain tensor) is written once, and the pieces a pipeline spreads
+// over its stages are each written by the rank that holds them. Returns every
+// tensor once, in the order the ranks hold them (model tensors before
+// optimizer state), and this rank's pieces to write as (name, offset).
+std::pair<std::vector<HeldTensor>, std::set<std::pair<std::string, Shape>>> assign_owners(
+    const std::vector<json>& per_rank, int rank) {
+  std::vector<HeldTensor> all;
+  std::map<std::string, size_t> index;
+  std::set<std::pair<std::string, Shape>> taken, mine;
+  for (size_t r = 0; r < per_rank.size(); ++r)
+    for (const json& d : per_rank[r]["tensors"]) {
+      const std::string name = d["name"].get<std::string>();
+      HeldTensor held{name, d["placements"].get<std::string>(), dtype_from_name(d["dtype"].get<std::string>()),
+                      d["shape"].get<Shape>(), {}};
+      auto [it, fresh] = index.try_emplace(name, all.size());
+      if (fresh) {
+        all.push_back(held);
+      } else {
+        const HeldTensor& first = all[it->second];
+        TS_CHECK(first.shape == held.shape && first.dtype == held.dtype,
+                 "save_checkpoint: '{}' is {} {} on one rank but {} {} on rank {}", name,
+                 shape_str(first.shape), dtype_name(first.dtype), shape_str(held.shape), dtype_name(held.dtype), r);
+      }
+      for (const json& b : d["boxes"]) {
+        std::pair<std::string, Shape> key{name, b[0].get<Shape>()};
+        if (taken.insert(key).second && static_cast<int>(r) == rank) mine.insert(key);
+      }
+    }
+  std::stable_partition(all.begin(), all.end(), [](const HeldTensor& t) { return t.name.rfind("optim.", 0) != 0; });
+  return {all, mine};
+}
+
+// Writes this rank's pieces (`mine`: tensor name and box offset) into
+// tmp_dir/file_name (fsynced) and returns their descriptions.
 json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int rank,
-                      const nn::StateDict& tensors) {
+                      const nn::StateDict& tensors, const std::set<std::pair<std::string, Shape>>& mine) {
   json chunks = json::array();
   DataFile file((tmp_dir / file_name).string(), rank);
   for (const auto& [name, t] : tensors) {
-    bool owner = rank == 0;
-    if (is_dtensor(t)) {
-      const DTensorSpec& spec = dtensor_spec(t);
-      owner = true;
-      for (size_t i = 0; i < spec.placements.size(); ++i) {
-        TS_CHECK(!is_partial(spec.placements[i]),
-                 "save_checkpoint: '{}' is a Partial DTensor; reduce it first", name);
-        if (is_replicate(spec.placements[i]) &&
-            spec.mesh->get_local_rank(static_cast<int64_t>(i)) != 0)
-          owner = false;
-      }
-      const MeshPtr root = spec.mesh->root();
-      const auto& spanned = spec.mesh->dim_names();
-      for (int64_t d = 0; d < root->ndim(); ++d)
-        if (std::find(spanned.begin(), spanned.end(), root->dim_names()[static_cast<size_t>(d)]) == spanned.end() &&
-            root->get_local_rank(d) != 0)
-          owner = false;
-    }
-    if (!owner) continue;
     for (const LocalBox& box : local_boxes(t)) {  // one, or one per block of a blocked shard
+      if (mine.count({name, box.offset}) == 0) continue;
       Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
       uint64_t bytes = c.nbytes();
       uint64_t at = file.size();
@@ -145,7 +185,7 @@ json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int
 // Rank 0: merges every rank's chunk lists into metadata.json, then commits
 // the checkpoint with one atomic rename, updates `latest` and prunes.
 void commit(const fs::path& folder, const fs::path& tmp_dir, const fs::path& final_dir,
-            int64_t step, int world_size, const nn::StateDict& tensors,
+            int64_t step, int world_size, const std::vector<HeldTensor>& tensors,
             const std::vector<json>& per_rank, const std::string& extra_json, int keep) {
   std::map<std::string, json> chunks_of;
   for (const auto& r : per_rank)
@@ -156,7 +196,8 @@ void commit(const fs::path& folder, const fs::path& tmp_dir, const fs::path& fin
       it->second.push_back(std::move(chunk));
     }
   json tensors_json = json::array();
-  for (const auto& [name, t] : tensors) {
+  for (const HeldTensor& t : tensors) {
+    const std::string& name = t.name;
     json chunks = chunks_of.count(name) ? chunks_of[name] : json::array();
     int64_t covered = 0;
     for (const auto& c : chunks) {
@@ -164,12 +205,12 @@ void commit(const fs::path& folder, const fs::path& tmp_dir, const fs::path& fin
       for (const auto& d : c["shape"]) n *= d.get<int64_t>();
       covered += n;
     }
-    TS_CHECK(covered == t.numel(), "save_checkpoint: the chunks of '{}' cover {} of {} elements",
-             name, covered, t.numel());
+    TS_CHECK(covered == shape_numel(t.shape), "save_checkpoint: the chunks of '{}' cover {} of {} elements",
+             name, covered, shape_numel(t.shape));
     tensors_json.push_back({{"name", name},
-                            {"dtype", dtype_name(t.dtype())},
-                            {"shape", shape_json(t.shape())},
-                            {"placements", placements_of(t)},
+                            {"dtype", dtype_name(t.dtype)},
+                            {"shape", shape_json(t.shape)},
+                            {"placements", t.placements},
                             {"chunks", std::move(chunks)}});
   }
   json rank_state = json::array();
@@ -245,21 +286,37 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
   }
   dist::throw_if_any_failed(world, error, "save_checkpoint");
 
-  // 2. Every rank writes its own file in parallel.
+  // 2. What each rank holds, to every rank: the lowest rank holding a piece writes it.
+  json held = json::array();
+  try {
+    held = describe(tensors);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::vector<json> per_rank;
+  for (const auto& text : dist::all_gather_strings(world, json{{"tensors", held}, {"error", error}}.dump()))
+    per_rank.push_back(json::parse(text));
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    std::string e = per_rank[r]["error"].get<std::string>();
+    TS_CHECK(e.empty(), "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
+  }
+  const auto [all, mine] = assign_owners(per_rank, rank);
+
+  // 3. Every rank writes its own file in parallel.
   json chunks = json::array();
   try {
-    chunks = write_own_chunks(tmp_dir, fmt::format("rank-{:05d}.bin", rank), rank, tensors);
+    chunks = write_own_chunks(tmp_dir, fmt::format("rank-{:05d}.bin", rank), rank, tensors, mine);
   } catch (const std::exception& e) {
     error = e.what();
   }
 
-  // 3. Chunk lists, RNG states and errors to every rank; any error fails all.
+  // 4. Chunk lists, RNG states and errors to every rank; any error fails all.
   Generator& gen = default_generator();
-  json mine = {{"chunks", chunks},
-               {"rng", {{"seed", gen.seed()}, {"offset", gen.offset()}}},
-               {"error", error}};
-  std::vector<json> per_rank;
-  for (const auto& text : dist::all_gather_strings(world, mine.dump()))
+  json written = {{"chunks", chunks},
+                  {"rng", {{"seed", gen.seed()}, {"offset", gen.offset()}}},
+                  {"error", error}};
+  per_rank.clear();
+  for (const auto& text : dist::all_gather_strings(world, written.dump()))
     per_rank.push_back(json::parse(text));
   for (size_t r = 0; r < per_rank.size(); ++r) {
     std::string e = per_rank[r]["error"].get<std::string>();
@@ -267,10 +324,10 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
              "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
   }
 
-  // 4. Rank 0 writes the metadata and commits.
+  // 5. Rank 0 writes the metadata and commits.
   if (rank == 0) {
     try {
-      commit(folder, tmp_dir, final_dir, step, world->size(), tensors, per_rank, extra_json, keep);
+      commit(folder, tmp_dir, final_dir, step, world->size(), all, per_rank, extra_json, keep);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -302,8 +359,9 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
 }
 
 namespace {
-CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Module& model,
-                                                optim::AdamW* opt, nn::StateDict& dest, bool convert);
+void load_on_this_rank(const CheckpointMetadata& md, const std::string& dir, nn::Module& model,
+                       optim::AdamW* opt, nn::StateDict& dest, const std::vector<std::string>& unexpected,
+                       bool convert);
 }
 
 CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, optim::AdamW* opt,
@@ -314,10 +372,24 @@ CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, op
   nn::StateDict dest = tensors_of(model, opt, true);
   CheckpointMetadata md;
   std::string error;
+  std::vector<std::string> not_here;  // saved tensors this rank's model lacks
   try {
-    md = load_checkpoint_on_this_rank(dir, model, opt, dest, convert_dtypes);
+    md = read_metadata(dir);
+    for (const auto& t : md.tensors)  // optimizer state is skipped when loading weights only
+      if (nn::find_in(dest, t.name) == nullptr && (opt || t.name.rfind("optim.", 0) != 0))
+        not_here.push_back(t.name);
   } catch (const std::exception& e) {
     error = e.what();
+  }
+  // A pipeline spreads the model over its ranks, each holding its stages'
+  // tensors: a saved tensor is unexpected only when no rank's model holds it.
+  const std::vector<std::string> unexpected = lacked_by_every_rank(not_here);
+  if (error.empty()) {
+    try {
+      load_on_this_rank(md, dir, model, opt, dest, unexpected, convert_dtypes);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
   dist::throw_if_any_failed(dist::world(), error, "load_checkpoint");
   for (auto& [p, m] : model.named_modules())
@@ -326,18 +398,15 @@ CheckpointMetadata load_checkpoint(const std::string& dir, nn::Module& model, op
 }
 
 namespace {
-CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Module& model,
-                                                optim::AdamW* opt, nn::StateDict& dest, bool convert) {
-  CheckpointMetadata md = read_metadata(dir);
+void load_on_this_rank(const CheckpointMetadata& md, const std::string& dir, nn::Module& model,
+                       optim::AdamW* opt, nn::StateDict& dest, const std::vector<std::string>& unexpected,
+                       bool convert) {
   std::string md_file = (fs::path(dir) / "metadata.json").string();
   // Every model tensor must be in the checkpoint; optimizer state may be absent
   // (a parameter that had not stepped yet) and then starts fresh.
-  std::vector<std::string> missing, unexpected;
+  std::vector<std::string> missing;
   for (const auto& [name, t] : dest)
     if (name.rfind("optim.", 0) != 0 && md.find(name) == nullptr) missing.push_back(name);
-  for (const auto& t : md.tensors)  // optimizer state is skipped when loading weights only
-    if (nn::find_in(dest, t.name) == nullptr && (opt || t.name.rfind("optim.", 0) != 0))
-      unexpected.push_back(t.name);
   TS_CHECK(missing.empty() && unexpected.empty(),
            "{}: the checkpoint does not match the model{}: missing keys [{}]; unexpected keys [{}]",
            md_file, opt ? " and optimizer" : "", nn::key_list(missing), nn::key_list(unexpected));
@@ -384,7 +453,6 @@ CheckpointMetadata load_checkpoint_on_this_rank(const std::string& dir, nn::Modu
       default_generator().set_offset(rng["offset"].get<int64_t>());
     }
   }
-  return md;
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 //   <folder>/step-00000100/metadata.json                        what is where
 //   <folder>/latest                                             the newest step
 //
-// Every rank writes its own shards in parallel (a replicated shard is written
-// once, by the rank at coordinate 0 of the replicate dims). metadata.json
+// Every rank writes its own shards in parallel (a piece several ranks hold,
+// as HSDP's replicas do, is written once, by the lowest of them; a pipeline's
+// ranks each write their stages' tensors). metadata.json
 // records, per tensor, its global shape, dtype and placements, and per chunk
 // the file, byte offset, byte size, the chunk's box in the global tensor and
 // its CRC-32C. Loading on any mesh (another world size, 1-D <-> 2-D, a single
@@ -73,7 +74,9 @@ std::string save_checkpoint(const std::string& folder, int64_t step, const nn::S
 std::string latest_checkpoint(const std::string& folder);
 // Every complete checkpoint in folder as (step, directory), by step.
 std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& folder);
-// Loads into the model (any mesh) and optimizer; restores this rank's RNG
+// Loads into the model (any mesh; under a pipeline each rank's model holds
+// its stages' tensors, and a saved tensor no rank's model holds is
+// unexpected) and optimizer; restores this rank's RNG
 // when the world size matches. Returns the metadata (step, extra state).
 // Saved and model dtypes must agree unless convert_dtypes (weights for a new
 // run or for inference: a bf16 checkpoint into an f32 model, and back).

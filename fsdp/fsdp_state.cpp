@@ -60,8 +60,10 @@ void cast_floating(TensorList& ts, DType dtype) {
 }  // namespace
 
 void FSDPState::pre_forward(TensorList& args) {
-  if (training_state == TrainingState::PreBackward) {
+  if (training_state == TrainingState::PreBackward && autograd::in_backward()) {
     // Activation-checkpoint recompute during backward: only make sure the parameters are there.
+    // (Outside a backward it is the next micro-batch's forward while a split
+    // backward's weight half waits: a zero-bubble pipeline. That is a forward.)
     if (param_group) {
       param_group->unshard(/*async_op=*/true);
       param_group->wait_for_unshard();
@@ -113,7 +115,8 @@ void FSDPState::pre_forward(TensorList& args) {
 }
 
 void FSDPState::post_forward(TensorList& outputs) {
-  if (training_state == TrainingState::PreBackward) return;  // recompute: the post-backward reshards
+  // A recompute inside backward: the post-backward reshards.
+  if (training_state == TrainingState::PreBackward && autograd::in_backward()) return;
   if (param_group) param_group->post_forward();
   if (autograd::is_grad_enabled()) {
     TensorList watch;
@@ -136,8 +139,8 @@ void FSDPState::post_forward(TensorList& outputs) {
 
 void FSDPState::pre_backward() {
   training_state = TrainingState::PreBackward;
-  if (!state_ctx->post_backward_final_callback_queued) {
-    state_ctx->post_backward_final_callback_queued = true;
+  if (state_ctx->post_backward_final_callback_pass != autograd::backward_pass_id()) {
+    state_ctx->post_backward_final_callback_pass = autograd::backward_pass_id();
     std::weak_ptr<nn::ModuleExtension> weak = state_ctx->root->module.extension;
     autograd::queue_callback([weak] {
       if (auto st = weak.lock()) static_cast<FSDPState*>(st.get())->root_post_backward_final_callback();
@@ -162,7 +165,7 @@ void FSDPState::root_post_backward_final_callback() {
     if (state_ctx->is_last_backward) g->finalize_backward();
   }
   if (state_ctx->is_last_backward) comm_ctx->post_forward_order.clear();
-  state_ctx->post_backward_final_callback_queued = false;
+  state_ctx->post_backward_final_callback_pass = 0;
 }
 
 void FSDPState::reshard_for_io() {

@@ -26,7 +26,10 @@ struct FSDPStateContext {
   std::vector<FSDPState*> all_states;  // pre-order from the root
   FSDPState* root = nullptr;
   FSDPState* iter_forward_root = nullptr;
-  bool post_backward_final_callback_queued = false;
+  // The backward (autograd::backward_pass_id) whose final callback is queued;
+  // 0: none. Split backwards of several micro-batches (a zero-bubble
+  // pipeline) each queue their own.
+  uint64_t post_backward_final_callback_pass = 0;
   bool is_last_backward = true;
 };
 

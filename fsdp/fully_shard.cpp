@@ -215,6 +215,31 @@ void set_is_last_backward(nn::Module& module, bool last) {
   st.state_ctx->is_last_backward = last;
 }
 
+void reduce_gradients(nn::Module& root) {
+  FSDPState& st = fsdp_state(root);
+  st.lazy_init();
+  const auto& states = st.state_ctx->all_states;  // pre-order from the root
+  // Group by group in the order a backward reaches them (the reverse of the
+  // forward's pre-order), each as a synchronizing backward's post-backward.
+  for (auto it = states.rbegin(); it != states.rend(); ++it) {
+    FSDPParamGroup* g = (*it)->param_group.get();
+    if (!g) continue;
+    const bool sync = g->requires_gradient_sync, reshard = g->reshard_after_backward;
+    g->requires_gradient_sync = true;
+    g->reshard_after_backward = false;  // the parameters stay until a reshard
+    g->post_backward();
+    g->requires_gradient_sync = sync;
+    g->reshard_after_backward = reshard;
+  }
+  for (FSDPState* s : states) {
+    s->training_state = TrainingState::Idle;
+    if (!s->param_group) continue;
+    s->param_group->training_state = TrainingState::Idle;
+    s->param_group->finalize_backward();
+  }
+  st.comm_ctx->post_forward_order.clear();
+}
+
 void set_gradient_divide_factor(nn::Module& module, double factor) {
   TS_CHECK(factor > 0, "set_gradient_divide_factor: the factor must be positive, got {}", factor);
   for (FSDPState* st : states_under(module, true))
@@ -269,7 +294,7 @@ void reset_iter_state(nn::Module& root) {
     if (s->param_group) s->param_group->reset_iter_state();
   }
   st.state_ctx->iter_forward_root = nullptr;
-  st.state_ctx->post_backward_final_callback_queued = false;
+  st.state_ctx->post_backward_final_callback_pass = 0;
 }
 
 void set_prefetch(nn::Module& root, bool enabled) {

@@ -49,6 +49,14 @@ void set_requires_all_reduce(nn::Module& module, bool all_reduce, bool recurse =
 void set_reshard_after_forward(nn::Module& module, bool reshard, bool recurse = true);
 void set_reshard_after_backward(nn::Module& module, bool reshard, bool recurse = true);
 void set_is_last_backward(nn::Module& module, bool last);
+// Root only: now, for every FSDP group under the root, what a gradient-
+// synchronizing backward's post-backward does: the gradients accumulated
+// unsharded over no-sync backwards reduce-scattered (and all-reduced over
+// HSDP's replicas) into the sharded parameters' .grad, group by group in the
+// order a backward reaches them, and waited for. The parameters stay
+// unsharded (reshard() frees them). A pipeline's REDUCE_GRAD (pp/pipeline.h):
+// one reduction after the last micro-batch's backward, as PyTorch's stage.
+void reduce_gradients(nn::Module& root);
 void set_gradient_divide_factor(nn::Module& module, double factor);
 void set_unshard_in_backward(nn::Module& module, bool unshard);
 void set_modules_to_forward_prefetch(nn::Module& module, const std::vector<nn::Module*>& targets);

@@ -46,4 +46,9 @@ void save_safetensors(nn::Module& model, const std::string& path,
 // throws on all.
 void load_safetensors(nn::Module& model, const std::string& path, bool strict = true);
 
+// Of the names this rank's model lacks, those every rank's lacks (collective):
+// under a pipeline each rank holds its stages' tensors, and a file's tensor
+// is unexpected only when no rank holds it.
+std::vector<std::string> lacked_by_every_rank(const std::vector<std::string>& lacked_here);
+
 }  // namespace tessera::fsdp

@@ -83,8 +83,10 @@ class Module {
 
   // ---- access -----------------------------------------------------------------
   // Pre-order, deduplicated by identity (a tied parameter is listed once, under
-  // its first name), like PyTorch.
-  std::vector<std::pair<std::string, Tensor>> named_parameters(bool recurse = true) const;
+  // its first name), like PyTorch. Virtual for a module whose parts are held
+  // under other names (pp::PipelinedModel lists its stages' parameters by
+  // their full model names).
+  virtual std::vector<std::pair<std::string, Tensor>> named_parameters(bool recurse = true) const;
   TensorList parameters(bool recurse = true) const;
   std::vector<std::pair<std::string, Tensor>> named_buffers(bool recurse = true) const;
   std::vector<std::pair<std::string, Module*>> named_modules(const std::string& prefix = "");

@@ -1,7 +1,9 @@
 #include "pp/pipeline.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "autograd/functions.h"
@@ -117,6 +119,17 @@ void Pipeline::materialize(Device device, uint64_t seed) {
     part->to_empty(device);
     part->init_weights(seed);
   }
+  materialized_ = true;  // on meta too: the planner runs steps there (tools/plan.h)
+}
+
+std::string Pipeline::describe_stages() const {
+  std::vector<std::string> out;
+  for (const auto& [s, part] : parts_) {
+    const StageBlocks& b = split_[static_cast<size_t>(s)];
+    out.push_back(fmt::format("stage {} (blocks {}-{}{}{})", s, b.first, b.end - 1, s == 0 ? ", embeddings" : "",
+                              s + 1 == schedule_.stages ? ", output layer and loss" : ""));
+  }
+  return fmt::format("{}", fmt::join(out, ", "));
 }
 
 TensorList Pipeline::parameters() const {
@@ -124,6 +137,33 @@ TensorList Pipeline::parameters() const {
   for (const auto& [s, part] : parts_)
     for (const Tensor& t : part->parameters()) out.push_back(t);
   return out;
+}
+
+Tensor Pipeline::activation_buffer(int64_t rows, int64_t seq, DType dtype, Device device) const {
+  Shape whole{rows, seq, cfg_.n_embd};
+  const MeshPtr& mesh = options_.activation_mesh;
+  return empty(mesh ? local_shape(whole, *mesh, options_.activation_placements, mesh->get_coordinate()) : whole,
+               dtype, device);
+}
+
+Tensor Pipeline::as_activation(const Tensor& piece, int64_t rows, int64_t seq) const {
+  if (!options_.activation_mesh) return piece;
+  return make_dtensor(piece, options_.activation_mesh, options_.activation_placements, {rows, seq, cfg_.n_embd});
+}
+
+Tensor Pipeline::piece_of(const Tensor& activation) const {
+  Tensor t = autograd::detach(activation);
+  if (!options_.activation_mesh) {
+    TS_CHECK(!is_dtensor(t), "pipeline: a stage passes a DTensor ({}) but the pipeline expects plain activations "
+             "(PipelineOptions::activation_mesh unset)", placements_str(dtensor_spec(t).placements));
+    return ops::contiguous(t);
+  }
+  TS_CHECK(is_dtensor(t), "pipeline: a stage passes a plain tensor {} but the pipeline expects DTensors {} "
+           "(PipelineOptions::activation_placements)", shape_str(t.shape()),
+           placements_str(options_.activation_placements));
+  if (dtensor_spec(t).placements != options_.activation_placements)
+    t = redistribute(t, options_.activation_placements);
+  return ops::contiguous(dtensor_spec(t).local);
 }
 
 Tensor Pipeline::forward_logits(const Tensor& idx) {
@@ -142,11 +182,12 @@ Tensor Pipeline::forward_logits(const Tensor& idx) {
     if (s > 0 && rank_of(s - 1) == me) {
       input = h;
     } else if (s > 0) {
-      input = empty({B, T, cfg_.n_embd}, options_.activation_dtype.value_or(w.dtype()), w.device());
-      group_->recv(input, rank_of(s - 1), kTag + s)->wait();
+      Tensor piece = activation_buffer(B, T, options_.activation_dtype.value_or(w.dtype()), w.device());
+      group_->recv(piece, rank_of(s - 1), kTag + s)->wait();
+      input = as_activation(piece, B, T);
     }
     h = (*parts_.at(s))(input);
-    if (s + 1 < S && rank_of(s + 1) != me) group_->send(ops::contiguous(h), rank_of(s + 1), kTag + s + 1)->wait();
+    if (s + 1 < S && rank_of(s + 1) != me) group_->send(piece_of(h), rank_of(s + 1), kTag + s + 1)->wait();
   }
   Tensor logits;
   if (rank_of(S - 1) == me) logits = ops::contiguous(is_dtensor(h) ? full_tensor(h) : h);
@@ -175,18 +216,29 @@ Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
   return f.output;
 }
 
+void Pipeline::set_fsdp_flags(int stage) {
+  // Under FSDP (as PyTorch's stage does): every backward leaves the
+  // gradients unsharded, accumulating over the micro-batches, and the
+  // parameters gathered; the stage's REDUCE_GRAD reduces them once after its
+  // last backward, and its RESHARD frees the parameters.
+  nn::LanguageModel& part = *parts_.at(stage);
+  if (!fsdp::is_fully_sharded(part)) return;
+  fsdp::set_requires_gradient_sync(part, false);
+  fsdp::set_reshard_after_backward(part, false);
+  fsdp::set_is_last_backward(part, false);
+}
+
+// Every module of a stage's part that FSDP shards, in pre-order.
+std::vector<nn::Module*> Pipeline::sharded_modules(int stage) {
+  std::vector<nn::Module*> out;
+  for (auto& [name, m] : parts_.at(stage)->named_modules())
+    if (fsdp::is_fully_sharded(*m)) out.push_back(m);
+  return out;
+}
+
 void Pipeline::backward(int stage, int mb) {
   InFlight& f = flight_.at({stage, mb});
-  // Under FSDP (as PyTorch's stage does): gradients stay unsharded and
-  // accumulate over the micro-batches; the last one's backward reduces them
-  // and reshards. Backwards run in micro-batch order (validate checks it).
-  nn::LanguageModel& part = *parts_.at(stage);
-  if (fsdp::is_fully_sharded(part)) {
-    const bool last = mb + 1 == schedule_.microbatches;
-    fsdp::set_requires_gradient_sync(part, last);
-    fsdp::set_reshard_after_backward(part, last);
-    fsdp::set_is_last_backward(part, last);
-  }
+  set_fsdp_flags(stage);
   autograd::TapeScope scope(*f.tape);
   if (stage + 1 == schedule_.stages)
     autograd::backward(f.output);
@@ -195,17 +247,45 @@ void Pipeline::backward(int stage, int mb) {
   f.tape.reset();
 }
 
+void Pipeline::backward_input(int stage, int mb) {
+  // FSDP's flags wait for the W: another micro-batch's W may run before it.
+  InFlight& f = flight_.at({stage, mb});
+  autograd::TapeScope scope(*f.tape);
+  f.weights = autograd::backward_input({f.output}, {stage + 1 == schedule_.stages ? Tensor() : f.grad_output},
+                                      {f.input});
+  f.tape.reset();
+}
+
+void Pipeline::backward_weight(int stage, int mb) {
+  InFlight& f = flight_.at({stage, mb});
+  set_fsdp_flags(stage);
+  autograd::backward_weight(*f.weights);
+  f.weights.reset();
+}
+
+void Pipeline::done_with_input(const std::pair<int, int>& key) {
+  auto it = flight_.find(key);
+  if (it == flight_.end()) return;
+  it->second.input = Tensor();
+  if (!it->second.weights) flight_.erase(it);
+}
+
 Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   const int m = schedule_.microbatches, S = schedule_.stages, me = group_->rank();
-  TS_CHECK(!parts_.empty() && parts_.begin()->second->parameters().size() > 0 &&
-               !parts_.begin()->second->parameters()[0].is_meta(),
-           "Pipeline::step: the stages are still on meta (call materialize first)");
+  TS_CHECK(materialized_, "Pipeline::step: the stages are still on meta (call materialize first)");
   TS_CHECK(idx.dim() == 2 && targets.shape() == idx.shape(), "Pipeline::step: expected token ids and targets "
            "[B, T] of one shape, got {} and {}", shape_str(idx.shape()), shape_str(targets.shape()));
   const int64_t B = idx.size(0), T = idx.size(1);
   TS_CHECK(B % m == 0, "Pipeline::step: a batch of {} sequences does not split into {} micro-batches "
            "(parallelism.pipeline_parallel_microbatches)", B, m);
   const int64_t bm = B / m;
+  // Stages sharded by FSDP: their UNSHARD, REDUCE_GRAD and RESHARD join the schedule (once).
+  if (!fsdp_actions_ && std::any_of(parts_.begin(), parts_.end(),
+                                    [](const auto& part) { return fsdp::is_fully_sharded(*part.second); })) {
+    add_fsdp_actions(schedule_);
+    validate(schedule_);
+    fsdp_actions_ = true;
+  }
   micro_idx_.clear();
   micro_targets_.clear();
   for (int i = 0; i < m; ++i) {
@@ -243,12 +323,12 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
     const std::pair<int, int> key{a.stage, a.microbatch};
     switch (a.type) {
       case ActionType::RecvF: {
-        Tensor buf = empty({bm, T, cfg_.n_embd}, act, device);
+        Tensor buf = activation_buffer(bm, T, act, device);
         recv_f[key] = {buf, group_->recv(buf, rank_of(a.stage - 1), message_tag(a, schedule_))};
         break;
       }
       case ActionType::RecvB: {
-        Tensor buf = empty({bm, T, cfg_.n_embd}, act, device);
+        Tensor buf = activation_buffer(bm, T, act, device);
         recv_b[key] = {buf, group_->recv(buf, rank_of(a.stage + 1), message_tag(a, schedule_))};
         break;
       }
@@ -262,7 +342,7 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
         } else {
           auto& [buf, work] = recv_f.at(key);
           work->wait();
-          input = buf;
+          input = as_activation(buf, bm, T);
           input.set_requires_grad(true);
           recv_f.erase(key);
         }
@@ -271,10 +351,10 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
         break;
       }
       case ActionType::SendF:
-        sends.push_back(group_->send(ops::contiguous(autograd::detach(flight_.at(key).output)),
-                                     rank_of(a.stage + 1), message_tag(a, schedule_)));
+        sends.push_back(group_->send(piece_of(flight_.at(key).output), rank_of(a.stage + 1), message_tag(a, schedule_)));
         break;
-      case ActionType::Backward: {
+      case ActionType::Backward:
+      case ActionType::BackwardInput: {
         InFlight& f = flight_.at(key);
         if (a.stage + 1 < S) {
           if (rank_of(a.stage + 1) == me) {
@@ -282,24 +362,40 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
           } else {
             auto& [buf, work] = recv_b.at(key);
             work->wait();
-            f.grad_output = buf;
+            f.grad_output = as_activation(buf, bm, T);
             recv_b.erase(key);
           }
         }
-        timed(a, [&] { backward(a.stage, a.microbatch); });
-        --in_flight[a.stage];
+        const bool whole = a.type == ActionType::Backward;
+        timed(a, [&] { whole ? backward(a.stage, a.microbatch) : backward_input(a.stage, a.microbatch); });
+        if (whole) --in_flight[a.stage];  // a split backward's activations go with its W
         // What the next stage needed is done with (its input gradient was taken above).
-        if (a.stage + 1 < S && rank_of(a.stage + 1) == me) flight_.erase({a.stage + 1, a.microbatch});
+        if (a.stage + 1 < S && rank_of(a.stage + 1) == me) done_with_input({a.stage + 1, a.microbatch});
         f.output = Tensor();
         f.grad_output = Tensor();
-        if (a.stage == 0) flight_.erase(key);  // the first stage's input is token ids: nothing to send back
+        if (a.stage == 0) done_with_input(key);  // the first stage's input is token ids: nothing to send back
         break;
       }
+      case ActionType::BackwardWeight: {
+        timed(a, [&] { backward_weight(a.stage, a.microbatch); });
+        --in_flight[a.stage];
+        if (!flight_.at(key).input.defined()) flight_.erase(key);
+        break;
+      }
+      case ActionType::Unshard:  // all-gathers issued now, each waited for by its group's first forward
+        for (nn::Module* m : sharded_modules(a.stage)) fsdp::unshard(*m, /*async_op=*/true);
+        break;
+      case ActionType::ReduceGrad:
+        if (fsdp::is_fully_sharded(*parts_.at(a.stage))) fsdp::reduce_gradients(*parts_.at(a.stage));
+        break;
+      case ActionType::Reshard:
+        for (nn::Module* m : sharded_modules(a.stage)) fsdp::reshard(*m);
+        break;
       case ActionType::SendB:
         // The message holds the input's gradient until it is sent; the input goes now.
-        sends.push_back(group_->send(ops::contiguous(flight_.at(key).input.grad()), rank_of(a.stage - 1),
+        sends.push_back(group_->send(piece_of(flight_.at(key).input.grad()), rank_of(a.stage - 1),
                                      message_tag(a, schedule_)));
-        flight_.erase(key);
+        done_with_input(key);
         break;
     }
   }
@@ -320,6 +416,20 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
 PipelinedModel::PipelinedModel(std::shared_ptr<Pipeline> pipeline)
     : nn::LanguageModel(pipeline->config()), pipeline_(std::move(pipeline)) {
   for (const auto& [s, part] : pipeline_->parts()) register_module(fmt::format("stage{}", s), part);
+}
+
+std::vector<std::pair<std::string, Tensor>> PipelinedModel::named_parameters(bool recurse) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [s, part] : pipeline_->parts())
+    for (auto& named : part->named_parameters(recurse)) out.push_back(std::move(named));
+  return out;
+}
+
+nn::StateDict PipelinedModel::state_dict() {
+  nn::StateDict out;
+  for (const auto& [s, part] : pipeline_->parts())
+    for (auto& entry : part->state_dict()) out.push_back(std::move(entry));
+  return out;
 }
 
 Tensor PipelinedModel::embed(const Tensor&) {

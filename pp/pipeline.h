@@ -11,6 +11,11 @@
 //   Tensor loss = pipe.step(idx, targets);          // forward and backward of every micro-batch
 //   opt.step();
 //
+// Stages sharded by FSDP (fsdp::fully_shard on each part, as
+// train::make_pipeline does) get their UNSHARD, REDUCE_GRAD and RESHARD in
+// the schedule at the first step: parameters gathered once, kept across the
+// micro-batches, gradients reduced once after the stage's last backward.
+//
 // The loss of a step is the batch's mean token loss: each micro-batch's
 // cross-entropy weighted by its share of the batch's tokens, so the step
 // equals gradient accumulation over the same micro-batches on one process,
@@ -27,6 +32,8 @@
 #include <vector>
 
 #include "autograd/tape.h"
+#include "dtensor/device_mesh.h"
+#include "dtensor/placement.h"
 #include "nn/models.h"
 #include "pp/schedule.h"
 #include "runtime/distributed.h"
@@ -53,7 +60,7 @@ std::vector<StageBlocks> split_layers(int64_t n_layer, int stages, const std::ve
 void keep_stage(nn::LanguageModel& model, int stage, const std::vector<StageBlocks>& split);
 
 struct PipelineOptions {
-  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zb_h1
   int microbatches = 4;
   int stages_per_rank = 1;               // > 1: interleaved_1f1b's chunks per rank
   std::vector<int64_t> layers_per_stage;  // empty: split_layers' even split
@@ -61,6 +68,12 @@ struct PipelineOptions {
   // computation's (FSDP's param_dtype under mixed precision). Unset: the
   // parameters' own.
   std::optional<DType> activation_dtype;
+  // The layout of the activations the stages pass when they are DTensors
+  // (tensor parallelism's sequence parallelism: Shard(1) over the "tp"
+  // mesh): each rank sends and receives its own piece to and from the rank
+  // of the same tensor-parallel position. Null: plain tensors.
+  MeshPtr activation_mesh;
+  Placements activation_placements;
 };
 
 class Pipeline {
@@ -80,6 +93,8 @@ class Pipeline {
   const std::vector<StageBlocks>& split() const { return split_; }
   const nn::TransformerConfig& config() const { return cfg_; }
   const dist::ProcessGroupPtr& group() const { return group_; }
+  // This rank's stages for a person: "stage 0 (blocks 0-3, embeddings), ...".
+  std::string describe_stages() const;
 
   // One step's forward and backward over every micro-batch of `idx` and
   // `targets` ([B, T] token ids, the same on every rank of the group; B a
@@ -117,6 +132,17 @@ class Pipeline {
  private:
   Tensor forward(int stage, int mb, const Tensor& input);
   void backward(int stage, int mb);
+  void backward_input(int stage, int mb);   // zb_h1's I: the input's gradient, the rest deferred
+  void backward_weight(int stage, int mb);  // its W: what backward_input deferred
+  void set_fsdp_flags(int stage);            // before a backward that ends with the weights' gradients
+  std::vector<nn::Module*> sharded_modules(int stage);
+  void done_with_input(const std::pair<int, int>& key);  // the entry goes once its weights are done too
+  // An activation (or its gradient) of `rows` sequences as it travels: a
+  // buffer for this rank's piece, the piece as the stage's tensor, the piece
+  // of the stage's tensor to send.
+  Tensor activation_buffer(int64_t rows, int64_t seq, DType dtype, Device device) const;
+  Tensor as_activation(const Tensor& piece, int64_t rows, int64_t seq) const;
+  Tensor piece_of(const Tensor& activation) const;
 
   dist::ProcessGroupPtr group_;
   nn::TransformerConfig cfg_;
@@ -124,6 +150,8 @@ class Pipeline {
   Schedule schedule_;
   std::vector<StageBlocks> split_;
   std::map<int, std::shared_ptr<nn::LanguageModel>> parts_;
+  bool materialized_ = false;
+  bool fsdp_actions_ = false;  // the schedule has its FSDP actions (add_fsdp_actions)
   int max_in_flight_ = 0;
   StepTime time_;
 
@@ -133,6 +161,7 @@ class Pipeline {
     Tensor input;   // the stage's input (received activations: a leaf whose .grad is sent back)
     Tensor output;  // its output (the next stage's input) or, on the last stage, the loss
     Tensor grad_output;  // received from the next stage
+    std::shared_ptr<autograd::WeightGradients> weights;  // after an I, until its W
   };
   std::map<std::pair<int, int>, InFlight> flight_;
   std::vector<Tensor> micro_idx_, micro_targets_;
@@ -143,14 +172,18 @@ class Pipeline {
 // A language model whose forward is a pipeline's forward_logits, so
 // evaluation and nn::generate run on a pipelined model as on any other (every
 // rank of the pipeline calling together). This rank's stage parts are its
-// children ("stage0", ...): parameters() are this rank's, train()/eval()
-// reach them.
+// children ("stage0", ...), so train()/eval() and extensions reach them; its
+// named_parameters() and state_dict() are the parts', under their full model
+// names, so a pipelined run's checkpoint and optimizer state use the same keys
+// as an unpipelined one's (fsdp::save_checkpoint, load_checkpoint).
 class PipelinedModel : public nn::LanguageModel {
  public:
   explicit PipelinedModel(std::shared_ptr<Pipeline> pipeline);
   Tensor forward(const Tensor& idx) override { return pipeline_->forward_logits(idx); }
   Tensor embed(const Tensor& idx) override;
   Tensor head(const Tensor& x) override;
+  std::vector<std::pair<std::string, Tensor>> named_parameters(bool recurse = true) const override;
+  nn::StateDict state_dict() override;
   std::string type_name() const override { return "PipelinedModel"; }
   Pipeline& pipeline() { return *pipeline_; }
 

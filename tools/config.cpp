@@ -237,7 +237,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       int_key("parallelism.pipeline_parallel_degree", c.parallelism.pipeline_parallel_degree,
               "pipeline stages, one per rank of the mesh's outermost dim (1 = none): docs/pipeline-parallel.md"),
       string_key("parallelism.pipeline_parallel_schedule", c.parallelism.pipeline_parallel_schedule,
-                 "the pipeline's schedule", {"gpipe", "1f1b", "interleaved_1f1b"}),
+                 "the pipeline's schedule", {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}),
       int_key("parallelism.pipeline_parallel_microbatches", c.parallelism.pipeline_parallel_microbatches,
               "micro-batches per step and data-parallel rank (0 = 2 x pipeline_parallel_degree)"),
       int_key("parallelism.pipeline_parallel_stages_per_rank", c.parallelism.pipeline_parallel_stages_per_rank,

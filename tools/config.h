@@ -117,7 +117,7 @@ struct TrainConfig {
     // mesh's outermost dim; the data-parallel and tensor-parallel degrees
     // share the rest. Each stage's rank holds its blocks only.
     int64_t pipeline_parallel_degree = 1;
-    std::string pipeline_parallel_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b
+    std::string pipeline_parallel_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zb_h1
     int64_t pipeline_parallel_microbatches = 0;       // per step and data-parallel rank (0: 2 x the degree)
     int64_t pipeline_parallel_stages_per_rank = 0;    // 0: 1, or 2 for interleaved_1f1b
     std::string pipeline_parallel_layers_per_stage;   // "2,3,3": blocks per stage ('' = as even as they go)

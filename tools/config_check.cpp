@@ -148,16 +148,6 @@ void validate(const TrainConfig& c) {
     TS_CHECK(c.training.grad_accum == 1,
              "training.grad_accum ({}) with parallelism.pipeline_parallel_degree {}: the pipeline's micro-batches "
              "are its gradient accumulation (parallelism.pipeline_parallel_microbatches)", c.training.grad_accum, pp);
-    TS_CHECK(!c.parallelism.enable_sequence_parallel,
-             "parallelism.enable_sequence_parallel with parallelism.pipeline_parallel_degree {}: not supported yet "
-             "(the stages would pass sequence-split DTensors)", pp);
-    TS_CHECK(c.activation_checkpoint.mode == "none",
-             "activation_checkpoint.mode {} with parallelism.pipeline_parallel_degree {}: not supported yet",
-             c.activation_checkpoint.mode, pp);
-    TS_CHECK(!c.checkpoint.enable && c.checkpoint.initial_load_path.empty() &&
-                 c.checkpoint.export_safetensors.empty(),
-             "checkpoints with parallelism.pipeline_parallel_degree {}: not supported yet (checkpoint.enable, "
-             "checkpoint.initial_load_path and checkpoint.export_safetensors need a pipeline degree of 1)", pp);
   }
 
   not_empty("checkpoint.folder", c.checkpoint.folder);

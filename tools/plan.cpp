@@ -24,6 +24,7 @@
 #include "runtime/cpu/peak.h"
 #include "runtime/parallel.h"
 #include "tools/step_time.h"
+#include "pp/pipeline.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
 #include "train/step.h"
@@ -170,6 +171,102 @@ std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
 
 namespace {
 
+// Bytes of the optimizer's state (AdamW's two moments, SGD's momentum).
+int64_t optimizer_state_bytes(optim::Optimizer& opt) {
+  TensorList state;
+  if (auto* adamw = dynamic_cast<optim::AdamW*>(&opt)) {
+    for (size_t g = 0; g < adamw->param_groups().size(); ++g)
+      for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j) {
+        state.push_back(adamw->state(g, j).exp_avg);
+        state.push_back(adamw->state(g, j).exp_avg_sq);
+      }
+  } else if (auto* sgd = dynamic_cast<optim::SGD*>(&opt)) {
+    for (size_t j = 0; j < sgd->param_groups()[0].params.size(); ++j) state.push_back(sgd->momentum_buffer(j));
+  }
+  return storage_bytes(state);
+}
+
+// Bytes of the parameters' gradients (after a backward).
+int64_t gradient_bytes(const TensorList& params) {
+  TensorList grads;
+  for (const Tensor& p : params) grads.push_back(p.grad());
+  return storage_bytes(grads);
+}
+
+// The end of a planned step: the optimizer's step, the step's kernel log
+// when it was recorded and, after the first step, the shards and the
+// moments it left (what the step left behind also holds what FSDP's lazy
+// init allocated at the first forward: the moments are counted as such).
+void end_step(Plan& plan, optim::Optimizer& opt, const TensorList& params, int step,
+              std::optional<kernel_log::Recording>& recording, std::shared_ptr<kernel_log::Log>& log) {
+  opt.step();
+  opt.zero_grad();
+  if (recording) {
+    recording.reset();
+    plan.step_log = std::move(log);
+  }
+  if (step == 0) {
+    plan.sharded_parameters = storage_bytes(params);
+    plan.optimizer_state = optimizer_state_bytes(opt);
+  }
+}
+
+// A pipeline's rank: its stages built, sharded and materialised as
+// tessera-train's train::make_pipeline does, and two steps of the schedule on
+// meta tensors (the messages counted by the simulated "pp" group, never
+// sent), so the activations of the micro-batches each stage holds in flight
+// are in the peak as they are in a run.
+void plan_pipeline(const TrainConfig& cfg, Plan& plan, const MeshPtr& mesh, const dist::ProcessGroupPtr& world,
+                   bool log_step) {
+  const auto& T = cfg.training;
+  const train::ParallelismOptions options = parallelism_options(cfg);
+  std::shared_ptr<pp::Pipeline> pipe =
+      train::make_pipeline(transformer_config(cfg), mesh, options, static_cast<uint64_t>(cfg.job.seed));
+  reset_peak_memory_stats(Device::meta());  // the stages' full-size meta copies are gone
+  pp::PipelinedModel model(pipe);
+  std::unique_ptr<optim::Optimizer> opt = train::make_optimizer(model, optimizer_options(cfg));
+  const int m = pipe->schedule().microbatches;
+  plan.micro_batch = T.batch_size / data_parallel_ranks(cfg, plan.world_size) / m;
+  plan.pp_microbatches = m;
+  plan.pp_stages = pipe->describe_stages();
+  plan.pp_bubble = pp::simulate(pipe->schedule()).bubble();
+  for (int step = 0; step < 2; ++step) {
+    // This data-parallel rank's rows of the batch: token ids and targets.
+    const Tensor x = empty({plan.micro_batch * m, T.seq_len}, DType::I64, Device::meta());
+    const Tensor y = empty({plan.micro_batch * m, T.seq_len}, DType::I64, Device::meta());
+    if (step == 1) {
+      for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+      world->reset_stats();
+    }
+    const int64_t steady = held();
+    std::shared_ptr<kernel_log::Log> log;
+    std::optional<kernel_log::Recording> recording_kernels;
+    if (step == 1 && log_step) recording_kernels.emplace(*(log = std::make_shared<kernel_log::Log>()));
+    Tensor loss = ops::reshape(pipe->step(x, y), {1});
+    if (plan.world_size > 1) world->all_reduce(loss, {dist::ReduceOp::Avg})->wait();
+    if (step == 1) plan.forward_peak = peak() - steady;
+    plan.gradients = gradient_bytes(model.parameters());
+    pipe->clip_grad_norm_(T.max_norm);
+    end_step(plan, *opt, model.parameters(), step, recording_kernels, log);
+  }
+  plan.pp_in_flight = pipe->max_in_flight();
+  for (int64_t d = 0; d < mesh->ndim(); ++d)
+    plan.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+  if (plan.world_size > 1) plan.collectives["world"] = world->stats();
+  plan.peak = peak();
+  // This rank's FLOPs: its stages' parameters and blocks, every micro-batch.
+  int64_t params = 0, blocks = 0;
+  for (const auto& [s, part] : pipe->parts()) {
+    for (const Tensor& p : part->parameters()) params += p.numel();
+    blocks += static_cast<int64_t>(part->blocks.size());
+  }
+  const double tokens = static_cast<double>(plan.micro_batch * m * T.seq_len) /
+                        static_cast<double>(cfg.parallelism.tensor_parallel_degree);
+  plan.flops_forward = (2.0 * static_cast<double>(params) +
+                        4.0 * static_cast<double>(blocks * cfg.model.n_embd * T.seq_len)) * tokens;
+  plan.flops_backward = 2 * plan.flops_forward;
+}
+
 Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
   const auto& T = cfg.training;
   Plan plan;
@@ -185,6 +282,10 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
   std::vector<int> all(static_cast<size_t>(world_size));
   std::iota(all.begin(), all.end(), 0);
   dist::ProcessGroupPtr world = dist::simulated_group(rank, all, "world");
+  if (cfg.parallelism.pipeline_parallel_degree > 1) {
+    plan_pipeline(cfg, plan, mesh, world, log_step);
+    return plan;
+  }
   {
     // The model is built on meta, full-size, before it is sharded: on a
     // device as in tessera-train, those tensors have no bytes, and only
@@ -196,8 +297,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     model->to_empty(Device::meta());
     reset_peak_memory_stats(Device::meta());
     model->init_weights(static_cast<uint64_t>(cfg.job.seed));
-    optim::AdamW* adamw = nullptr;
-    std::unique_ptr<optim::Optimizer> opt = train::make_optimizer(*model, optimizer_options(cfg), &adamw);
+    std::unique_ptr<optim::Optimizer> opt = train::make_optimizer(*model, optimizer_options(cfg));
 
     std::vector<nn::Module::HookId> hooks;
     int64_t forward_base = 0;
@@ -229,34 +329,10 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
       Tensor mean = ops::reshape(ops::binary(ops::BinaryOp::Div, loss_sum, static_cast<double>(T.grad_accum)), {1});
       if (world_size > 1) world->all_reduce(mean, {dist::ReduceOp::Sum})->wait();
       if (step == 1) plan.forward_peak = peak() - steady;
-      TensorList grads;
-      for (const Tensor& p : model->parameters()) grads.push_back(p.grad());
-      plan.gradients = storage_bytes(grads);
+      plan.gradients = gradient_bytes(model->parameters());
       Tensor gnorm = T.max_norm > 0 ? nn::clip_grad_norm_(model->parameters(), T.max_norm)
                                     : nn::grad_norm(model->parameters());
-      opt->step();
-      opt->zero_grad();
-      if (recording_kernels) {
-        recording_kernels.reset();
-        plan.step_log = std::move(log);
-      }
-      if (step == 0) {
-        plan.sharded_parameters = storage_bytes(model->parameters());
-        // The moments the first step created (AdamW's two, SGD's momentum),
-        // counted as such: what the step left behind also holds what FSDP's
-        // lazy init allocated at the first forward.
-        TensorList state;
-        if (adamw != nullptr) {
-          for (size_t g = 0; g < adamw->param_groups().size(); ++g)
-            for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j) {
-              state.push_back(adamw->state(g, j).exp_avg);
-              state.push_back(adamw->state(g, j).exp_avg_sq);
-            }
-        } else if (auto* sgd = dynamic_cast<optim::SGD*>(opt.get())) {
-          for (size_t j = 0; j < sgd->param_groups()[0].params.size(); ++j) state.push_back(sgd->momentum_buffer(j));
-        }
-        plan.optimizer_state = storage_bytes(state);
-      }
+      end_step(plan, *opt, model->parameters(), step, recording_kernels, log);
       recording = false;
       if (step == 1 && plan.after_block.size() > model->blocks.size())  // grad_accum > 1: the last micro-batch's
         plan.after_block.erase(plan.after_block.begin(),
@@ -290,15 +366,34 @@ Plan plan_run(const TrainConfig& cfg, int world_size, int rank, bool log_step) {
   validate(cfg);
   validate_for_world(cfg, world_size);
   TS_CHECK(rank >= 0 && rank < world_size, "plan: rank {} is not one of {} ranks", rank, world_size);
-  TS_CHECK(cfg.parallelism.pipeline_parallel_degree == 1,
-           "plan: pipelines (parallelism.pipeline_parallel_degree {}) are not planned yet; plan one stage's share "
-           "as a model of its blocks", cfg.parallelism.pipeline_parallel_degree);
   return plan_once(cfg, world_size, rank, log_step);
+}
+
+std::vector<Plan> plan_stage_positions(const TrainConfig& cfg, int world_size) {
+  const int64_t pp = cfg.parallelism.pipeline_parallel_degree;
+  std::vector<Plan> out;
+  for (int64_t i = 0; i < std::max<int64_t>(pp, 1); ++i)
+    out.push_back(plan_run(cfg, world_size, static_cast<int>(i * world_size / std::max<int64_t>(pp, 1))));
+  return out;
+}
+
+std::string format_stage_plans(const std::vector<Plan>& plans) {
+  std::string out = "per pipeline position (its first rank; the data-parallel ranks beside it hold the same stages):\n";
+  for (const Plan& p : plans) {
+    const dist::CollectiveStats pp = p.collectives.count("pp") ? p.collectives.at("pp") : dist::CollectiveStats{};
+    out += fmt::format("  rank {:<4} {:<52} in flight {:>3}  send {:>4}  recv {:>4}  peak {:>12}\n", p.rank,
+                       p.pp_stages, p.pp_in_flight, pp.send, pp.recv, mib(static_cast<double>(p.peak)));
+  }
+  return out;
 }
 
 void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here, double available_bytes) {
   if (!cfg.job.check_memory) return;
-  const Plan plan = plan_run(cfg, world_size, 0);
+  // The position with the largest peak (a pipeline's stages differ: the
+  // first holds the most micro-batches in flight, the last the logits).
+  Plan plan;
+  for (Plan& p : plan_stage_positions(cfg, world_size))
+    if (p.peak >= plan.peak) plan = std::move(p);
   const double need = static_cast<double>(plan.peak) * ranks_here;
   if (need <= available_bytes) return;
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / 1073741824.0); };
@@ -308,7 +403,8 @@ void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here
     try {
       validate(c);
       validate_for_world(c, world);
-      const double peak = static_cast<double>(plan_run(c, world, 0).peak);
+      double peak = 0;
+      for (const Plan& p : plan_stage_positions(c, world)) peak = std::max(peak, static_cast<double>(p.peak));
       options += fmt::format("\n  {:<48} {} per rank{}", flags, gib(peak),
                              peak * ranks_here <= available_bytes ? "  (fits)" : "");
     } catch (const std::exception&) {
@@ -320,7 +416,14 @@ void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here
     c.activation_checkpoint.mode = "full";
     option("--activation_checkpoint.mode full", c, world_size);
   }
-  {
+  if (const int64_t pp = cfg.parallelism.pipeline_parallel_degree; pp > 1) {
+    // Smaller micro-batches: 1F1B holds at most p of them in flight whatever their number.
+    TrainConfig c = cfg;
+    const int64_t m = cfg.parallelism.pipeline_parallel_microbatches > 0 ? cfg.parallelism.pipeline_parallel_microbatches
+                                                                       : 2 * pp;
+    c.parallelism.pipeline_parallel_microbatches = 2 * m;
+    option(fmt::format("--parallelism.pipeline_parallel_microbatches {}", 2 * m), c, world_size);
+  } else {
     TrainConfig c = cfg;
     c.training.grad_accum *= 2;
     option(fmt::format("--training.grad_accum {}", c.training.grad_accum), c, world_size);
@@ -333,8 +436,8 @@ void check_planned_memory(const TrainConfig& cfg, int world_size, int ranks_here
   option(fmt::format("{} ranks (more nodes)", 2 * world_size), cfg, 2 * world_size);
   throw Error(fmt::format(
       "the planned peak does not fit: each rank needs {} ({} for the {} rank(s) on this node), and "
-      "{} is available. The plan of rank 0:\n{}Settings nearby:{}\n(--job.check_memory false starts anyway)",
-      gib(static_cast<double>(plan.peak)), gib(need), ranks_here, gib(available_bytes),
+      "{} is available. The plan of rank {}:\n{}Settings nearby:{}\n(--job.check_memory false starts anyway)",
+      gib(static_cast<double>(plan.peak)), gib(need), ranks_here, gib(available_bytes), plan.rank,
       format_plan(plan, cfg), options.empty() ? " none valid" : options));
 }
 
@@ -351,6 +454,11 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                    p.world_size,
                    p.replicate > 1 ? fmt::format(" (HSDP {} x {})", p.replicate, p.shard) : "", p.rank,
                    p.micro_batch, cfg.training.seq_len, cfg.training.grad_accum));
+  if (!p.pp_stages.empty())
+    line(fmt::format("pipeline: {}, {} micro-batches per step; this rank: {}; at most {} micro-batch(es) in flight "
+                     "on a stage; bubble {:.1f}% (the schedule simulated, a backward twice a forward)",
+                     cfg.parallelism.pipeline_parallel_schedule, p.pp_microbatches, p.pp_stages, p.pp_in_flight,
+                     100 * p.pp_bubble));
   if (cfg.mixed_precision.param_dtype != "float32") line(fmt::format("bf16 matrix products: in {}", p.bf16_products));
   line("memory per rank (bytes held in tensors, as the allocator counts them):");
   line(fmt::format("  sharded parameters          {:>12}", mib(static_cast<double>(p.sharded_parameters))));
@@ -366,10 +474,14 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
   }
   line(fmt::format("  predicted peak              {:>12}", mib(static_cast<double>(p.peak))));
   line("communication per step (this rank; handed to MPI, and sent over the wire by ring algorithms):");
-  for (const auto& [group, s] : p.collectives)
+  for (const auto& [group, s] : p.collectives) {
     line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} handed {:>12} on a ring",
                      group, s.all_gather, s.reduce_scatter, s.all_reduce, mib(static_cast<double>(s.bytes)),
                      mib(static_cast<double>(s.ring_bytes))));
+    if (s.send + s.recv > 0)  // a pipeline's messages, stage to stage (in the bytes above)
+      line(fmt::format("  {:<22} send {:>4}  recv {:>4}  (activations and their gradients between stages)", "", s.send,
+                       s.recv));
+  }
   // ZeRO-3's figure assumes every parameter gathered twice; a group kept
   // gathered after its forward (the last one, or reshard_after_forward
   // false) is gathered once, so the run can send less than this.

@@ -64,6 +64,14 @@ struct Plan {
   // under activation checkpointing. The model's FLOPs are counted once: a
   // tensor-parallel rank gets 1/degree of its group's.
   double flops_forward = 0, flops_backward = 0, flops_recompute = 0;
+  // A pipeline (parallelism.pipeline_parallel_degree > 1): this rank's
+  // stages, the most micro-batches one of them held activations for at once
+  // in the planned step (1F1B: min(m, p - s) on stage s; GPipe: m), and the
+  // schedule's bubble, simulated with a backward twice a forward (pp::simulate).
+  // Its messages are collectives["pp"]'s send and recv.
+  std::string pp_stages;
+  int pp_microbatches = 0, pp_in_flight = 0;
+  double pp_bubble = 0;
   // The steady step's kernels and collectives in program order, from the
   // forward to the optimizer (for the step-time model, tools/step_time.h);
   // null unless asked for.
@@ -112,8 +120,17 @@ double node_peak_flops(const std::string& param_dtype, int ranks_here, int threa
 // log_step records Plan::step_log.
 Plan plan_run(const TrainConfig& cfg, int world_size, int rank = 0, bool log_step = false);
 
+// A pipeline's plan per stage position: the first rank of each pipeline
+// rank's group (pp outermost: rank i x world_size / degree), whose data-
+// parallel peers hold the same stages. Without a pipeline, rank 0's plan.
+std::vector<Plan> plan_stage_positions(const TrainConfig& cfg, int world_size);
+// Those plans as a table: each position's stages, micro-batches in flight,
+// messages, peak.
+std::string format_stage_plans(const std::vector<Plan>& plans);
+
 // Refuses, before anything is allocated, a run whose planned peak (rank 0's,
-// the largest shards) times the ranks on this node exceeds available_bytes:
+// the largest shards; under a pipeline the largest of its stage positions')
+// times the ranks on this node exceeds available_bytes:
 // the error holds the plan and the predicted peak of the nearest settings
 // (activation checkpointing, a smaller micro-batch, bf16 parameters, twice
 // the ranks), each marked whether it fits. cfg.job.check_memory false skips it.

@@ -609,14 +609,15 @@ int main(int argc, char** argv) {
     }
     tools::validate_for_world(cfg, dist::world_size());
     if (dry_run) {
-      if (dist::rank() == 0)
+      if (dist::rank() == 0) {
         std::fputs(tools::format_plan(tools::plan_run(cfg, dist::world_size(), 0), cfg).c_str(), stdout);
+        if (cfg.parallelism.pipeline_parallel_degree > 1)
+          std::fputs(tools::format_stage_plans(tools::plan_stage_positions(cfg, dist::world_size())).c_str(), stdout);
+      }
       return 0;
     }
     const bool on_cuda = cfg.job.device == "cuda" || (cfg.job.device == "auto" && cuda::is_available());
-    if (cfg.parallelism.pipeline_parallel_degree > 1) {
-      // The planner does not plan pipelines yet (tools/plan.h): nothing to check against.
-    } else if (on_cuda) {
+    if (on_cuda) {
       // Each rank has a GPU of its own: planned as a GPU computes (native
       // bf16) and NCCL reduces (no staging buffers), against its free memory.
       // (Without a GPU, building the mesh says why, below.)

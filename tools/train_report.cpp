@@ -136,13 +136,7 @@ void Trainer::report_setup() {
   say(peak_flops_ > 0 ? fmt::format("MFU against {:.3g} TFLOP/s ({})", peak_flops_ / 1e12, peak_how_)
                       : fmt::format("MFU not reported ({})", peak_how_));
   if (pipe_) {  // each rank's stages, gathered to rank 0's log
-    std::vector<std::string> mine;
-    for (const auto& [s, part] : pipe_->parts()) {
-      const pp::StageBlocks& b = pipe_->split()[static_cast<size_t>(s)];
-      mine.push_back(fmt::format("stage {} (blocks {}-{}{}{})", s, b.first, b.end - 1, s == 0 ? ", embeddings" : "",
-                                 s + 1 == pipe_->schedule().stages ? ", output layer and loss" : ""));
-    }
-    const auto all = dist::all_gather_strings(dist::world(), fmt::format("{}", fmt::join(mine, ", ")));
+    const auto all = dist::all_gather_strings(dist::world(), pipe_->describe_stages());
     std::string line = "pipeline stages:";
     for (size_t r = 0; r < all.size(); ++r) line += fmt::format("{} rank {}: {}", r ? ";" : "", r, all[r]);
     say(line);

@@ -90,6 +90,12 @@ std::shared_ptr<pp::Pipeline> make_pipeline(const nn::TransformerConfig& cfg, co
                              o.pp_stages_per_rank > 0 ? o.pp_stages_per_rank : o.pp_schedule == "interleaved_1f1b" ? 2 : 1),
                          .layers_per_stage = o.pp_layers_per_stage,
                          .activation_dtype = o.param_dtype};
+  // Sequence parallelism: the residual stream between blocks, and so between
+  // stages, is split on the sequence over the tensor-parallel ranks.
+  if (o.sequence_parallel && names.back() == "tp") {
+    po.activation_mesh = (*mesh)["tp"];
+    po.activation_placements = {Shard{1}};
+  }
   auto pipe = std::make_shared<pp::Pipeline>(mesh->get_group("pp"), cfg, po);
   for (const auto& [s, part] : pipe->parts()) parallelize(*part, mesh, o);
   pipe->materialize(mesh->device(), seed);

@@ -334,3 +334,68 @@ TEST_CASE("a hook on a non-leaf fires after the tensor itself is gone", "[tape][
   CHECK_THROWS_WITH(autograd::backward(sum(z)), Catch::Contains("hook failed"));
   autograd::clear_tape();
 }
+
+TEST_CASE("a backward in two parts computes what one computes, the weights' part when asked", "[tape][split]") {
+  // A small stage: its input x (a leaf whose gradient is wanted at once, as a
+  // pipeline stage's), a linear with bias, a GELU, a layer norm, a matmul
+  // with a parameter, and a parameter used alone.
+  auto build = [](uint64_t seed) {
+    std::vector<Tensor> t = {leaf({5, 7}, seed), leaf({6, 7}, seed + 1), leaf({6}, seed + 2), leaf({6}, seed + 3),
+                             leaf({6}, seed + 4), leaf({6, 3}, seed + 5), leaf({3}, seed + 6)};
+    return t;
+  };
+  auto forward = [](const std::vector<Tensor>& t, std::vector<std::string>* events) {
+    const Tensor &x = t[0], &w1 = t[1], &b1 = t[2], &g = t[3], &beta = t[4], &m = t[5], &alone = t[6];
+    autograd::record_marker("post", [events] { events->push_back("marker"); });  // watches nothing: deferred
+    Tensor h = gelu(linear(x, w1, b1));
+    h = layer_norm(h, g, beta, 1e-5);
+    Tensor y = matmul(h, m);
+    Tensor loss = add(sum(square(y)), sum(mul(alone, alone)));
+    return loss;
+  };
+  std::vector<std::string> events;
+  std::vector<Tensor> whole = build(11), split = build(11);
+  autograd::backward(forward(whole, &events));
+  CHECK(events == std::vector<std::string>{"marker"});
+
+  events.clear();
+  Tensor loss = forward(split, &events);
+  auto deferred = autograd::backward_input({loss}, {Tensor()}, {split[0]});
+  // The input's gradient now, bit for bit; no parameter's yet, nor the marker.
+  REQUIRE(split[0].grad().defined());
+  CHECK(equal(split[0].grad(), whole[0].grad()));
+  for (size_t i = 1; i < split.size(); ++i) CHECK_FALSE(split[i].grad().defined());
+  CHECK(events.empty());
+  autograd::backward_weight(*deferred);
+  CHECK(events == std::vector<std::string>{"marker"});
+  for (size_t i = 0; i < split.size(); ++i) {
+    INFO("tensor " << i);
+    REQUIRE(split[i].grad().defined());
+    CHECK(equal(split[i].grad(), whole[i].grad()));
+  }
+  CHECK_THROWS_WITH(autograd::backward_weight(*deferred), Catch::Contains("already computed"));
+}
+
+TEST_CASE("split backwards of several micro-batches in flight each run their own callbacks", "[tape][split]") {
+  Tensor w = leaf({4, 3}, 21);
+  std::vector<std::shared_ptr<autograd::WeightGradients>> pending;
+  std::vector<uint64_t> passes;
+  std::vector<int> ran;
+  for (int mb = 0; mb < 3; ++mb) {
+    Tensor x = leaf({2, 3}, 30 + static_cast<uint64_t>(mb));
+    Tensor y = linear(x, w, Tensor());
+    autograd::record_marker("pre", [&, mb] {  // watches the output: runs in the input's part (FSDP's pre-backward)
+      passes.push_back(autograd::backward_pass_id());
+      autograd::queue_callback([&ran, mb] { ran.push_back(mb); });
+    }, {y});
+    Tensor loss = sum(y);
+    pending.push_back(autograd::backward_input({loss}, {Tensor()}, {x}));
+  }
+  CHECK(ran.empty());
+  CHECK(passes.size() == 3);  // the markers that watch ran in the input's part
+  for (auto& p : pending) autograd::backward_weight(*p);
+  CHECK(ran == std::vector<int>{0, 1, 2});  // each backward_weight ran the callback its backward_input queued
+  CHECK(passes[0] != passes[1]);
+  CHECK(passes[1] != passes[2]);
+  CHECK(autograd::backward_pass_id() == 0);
+}

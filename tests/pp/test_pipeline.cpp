@@ -1,6 +1,6 @@
 // Pipeline parallelism against one process (pp/pipeline.h), under mpirun
-// with 1-4 ranks: GPT-2 and Llama cut into uneven stages, every schedule, 4
-// and 8 micro-batches. The loss, the clipped gradient norm and every
+// with 1-4 ranks: GPT-2 and Llama cut into uneven stages, every schedule
+// (zb_h1's split backward included), 4 and 8 micro-batches. The loss, the clipped gradient norm and every
 // parameter after 3 AdamW steps equal the same model trained on one process
 // with gradient accumulation over the same micro-batches (f64 to 1e-12, f32
 // to 1e-5); the messages per rank are the schedule's; activations in flight
@@ -129,7 +129,7 @@ TEST_CASE("a pipelined step equals gradient accumulation on one process", "[pp][
   auto group = world();
   const int p = group->size();
   for (const std::string arch : {"gpt2", "llama"})
-    for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b"})
+    for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"})
       for (int k : {1, 2}) {
         // 4 and 8 micro-batches; interleaved runs them in groups of p: 2p and 4p.
         const int v = schedule == "interleaved_1f1b" ? 2 : 1;
@@ -148,7 +148,7 @@ TEST_CASE("messages and activations in flight are the schedule's", "[pp][counts]
   auto group = world();
   const int p = group->size(), r = group->rank();
   const auto cfg = config("gpt2", 2 * p);
-  for (const std::string schedule : {"gpipe", "1f1b"}) {
+  for (const std::string schedule : {"gpipe", "1f1b", "zb_h1"}) {
     INFO(schedule);
     pp::Pipeline* pipe = nullptr;
     group->reset_stats();
@@ -158,7 +158,8 @@ TEST_CASE("messages and activations in flight are the schedule's", "[pp][counts]
     CHECK(st.send == s.count(r, pp::ActionType::SendF) + s.count(r, pp::ActionType::SendB));
     CHECK(st.recv == s.count(r, pp::ActionType::RecvF) + s.count(r, pp::ActionType::RecvB));
     if (p == 1) CHECK(st.send + st.recv + st.total() == 0);  // one stage: no message, no collective
-    CHECK(pipe->max_in_flight() == (schedule == "gpipe" ? 6 : std::min(6, p - r)));
+    // Activations held: GPipe every micro-batch, 1F1B min(m, p - r), ZB-H1 until each W: min(m, p).
+    CHECK(pipe->max_in_flight() == (schedule == "gpipe" ? 6 : schedule == "1f1b" ? std::min(6, p - r) : std::min(6, p)));
   }
 }
 
@@ -221,7 +222,9 @@ TEST_CASE("a traced step shows every F and B on the pipeline lane, the waits on 
   }
   std::vector<std::string> want;
   for (const auto& a : pipe.schedule().actions[static_cast<size_t>(group->rank())])
-    if (a.type == pp::ActionType::Forward || a.type == pp::ActionType::Backward) want.push_back(pp::action_str(a));
+    if (a.type == pp::ActionType::Forward || a.type == pp::ActionType::Backward ||
+        a.type == pp::ActionType::BackwardInput || a.type == pp::ActionType::BackwardWeight)
+      want.push_back(pp::action_str(a));
   CHECK(names == want);  // in the schedule's order
   const auto& t = pipe.last_step_time();
   CHECK(t.busy_us > 0);
@@ -229,21 +232,32 @@ TEST_CASE("a traced step shows every F and B on the pipeline lane, the waits on 
   CHECK(std::abs((t.span_us - t.busy_us) - idle) <= 1e-6 * t.span_us + 1.0);  // the bubble lane is the idle time
 }
 
-TEST_CASE("PP x FSDP equals one process with gradient accumulation", "[pp][fsdp]") {
+TEST_CASE("PP x FSDP equals one process with gradient accumulation, with and without recomputation",
+          "[pp][fsdp][checkpointing]") {
   auto world_group = world();
   const int W = world_group->size();
   if (W % 2 != 0) return;  // 2 x 1 at two ranks, 2 x 2 at four
   const int pp_degree = 2, dp = W / 2;
   // pp outermost (TorchTitan's order): rank = pp index * dp + dp index.
   MeshPtr mesh = init_device_mesh("cpu", {pp_degree, dp}, {"pp", "dp"});
+  struct Case {
+    std::string schedule;
+    bool recompute;  // activation checkpointing: each block's forward again in its backward
+  };
   for (const std::string arch : {"gpt2", "llama"})
-    for (const std::string schedule : {"gpipe", "1f1b"}) {
+    for (const Case& c : {Case{"gpipe", false}, Case{"1f1b", false}, Case{"zb_h1", false}, Case{"1f1b", true},
+                          Case{"zb_h1", true}}) {
+      const std::string& schedule = c.schedule;
       const int m = 4;
-      const auto cfg = config(arch, 5);
-      INFO(arch << " " << schedule << " pp 2 x dp " << dp);
+      auto cfg = config(arch, 5);
+      INFO(arch << " " << schedule << " pp 2 x dp " << dp << (c.recompute ? ", blocks recomputed" : ""));
       // The global batch: dp ranks x m micro-batches x 2 sequences; dp rank d
       // takes rows [d B/dp, (d+1) B/dp).
       const auto batches = data(2 * m * dp, 6, cfg.vocab_size, 3);
+      // One process: the same rows, dp x m micro-batches of 2 sequences,
+      // each loss weighted 1 / (dp m); never recomputed.
+      const Result want = reference(cfg, DType::F64, m * dp, batches);
+      cfg.activation_checkpoint = c.recompute;
       const int d = mesh->get_group("dp")->rank();
       pp::Pipeline pipe(mesh->get_group("pp"), cfg, {.schedule = schedule, .microbatches = m});
       pipe.materialize(Device::cpu(), 7);
@@ -276,9 +290,7 @@ TEST_CASE("PP x FSDP equals one process with gradient accumulation", "[pp][fsdp]
       }
       for (auto& [s, part] : pipe.parts())
         for (auto& [name, t] : part->named_parameters()) got.params[name] = full_tensor(t);
-      // One process: the same rows, dp x m micro-batches of 2 sequences,
-      // each loss weighted 1 / (dp m).
-      compare(reference(cfg, DType::F64, m * dp, batches), got, 1e-12);
+      compare(want, got, 1e-12);
     }
 }
 
@@ -287,19 +299,29 @@ TEST_CASE("PP x TP equals one process with gradient accumulation", "[pp][tp]") {
   const int W = world_group->size();
   if (W != 4) return;  // 2 stages x tensor parallel 2
   MeshPtr mesh = init_device_mesh("cpu", {2, 2}, {"pp", "tp"});
+  struct Case {
+    bool loss_parallel, sequence_parallel;
+    std::string schedule;
+  };
+  // Sequence parallelism: the stages pass their pieces of sequence-split activations.
   for (const std::string arch : {"gpt2", "llama"})
-    for (bool loss_parallel : {false, true}) {
+    for (const Case& c : {Case{false, false, "1f1b"}, Case{true, false, "zb_h1"}, Case{true, true, "1f1b"},
+                          Case{false, true, "zb_h1"}}) {
       const int m = 4;
       auto cfg = config(arch, 5);
       cfg.n_kv_head = arch == "llama" ? 2 : 0;  // whole key/value heads per tensor-parallel rank
-      INFO(arch << " pp 2 x tp 2, loss parallel " << loss_parallel);
+      INFO(arch << " pp 2 x tp 2 " << c.schedule << ", loss parallel " << c.loss_parallel << ", sequence parallel "
+                << c.sequence_parallel);
       const auto batches = data(2 * m, 6, cfg.vocab_size, 3);
-      pp::Pipeline pipe(mesh->get_group("pp"), cfg, {.schedule = "1f1b", .microbatches = m});
+      pp::PipelineOptions o{.schedule = c.schedule, .microbatches = m};
+      if (c.sequence_parallel) o.activation_mesh = (*mesh)["tp"], o.activation_placements = {Shard{1}};
+      pp::Pipeline pipe(mesh->get_group("pp"), cfg, o);
       pipe.materialize(Device::cpu(), 7);
       for (auto& [s, part] : pipe.parts()) {
         part->to(DType::F64);
         // The part's plan: its blocks, and the embedding or output layer where it has them.
-        tp::parallelize_module(*part, (*mesh)["tp"], tp::tensor_parallel_plan(*part, 2, loss_parallel));
+        tp::parallelize_module(*part, (*mesh)["tp"],
+                               tp::tensor_parallel_plan(*part, 2, c.loss_parallel, c.sequence_parallel));
       }
       optim::AdamW opt(pipe.parameters(), {.lr = 3e-2, .weight_decay = 0.1});
       Result got;
@@ -314,3 +336,4 @@ TEST_CASE("PP x TP equals one process with gradient accumulation", "[pp][tp]") {
       compare(reference(cfg, DType::F64, m, batches), got, 1e-12);
     }
 }
+

@@ -38,7 +38,10 @@ TEST_CASE("every schedule validates and pairs its messages", "[pp][schedule]") {
           int sends = 0, recvs = 0;
           for (int r = 0; r < p; ++r) {
             CHECK(s.count(r, ActionType::Forward) == m * v);
-            CHECK(s.count(r, ActionType::Backward) == m * v);
+            // A backward is B, or (zb_h1) I and W.
+            CHECK(s.count(r, ActionType::Backward) + s.count(r, ActionType::BackwardInput) == m * v);
+            CHECK(s.count(r, ActionType::BackwardWeight) == s.count(r, ActionType::BackwardInput));
+            CHECK(s.count(r, ActionType::BackwardInput) == (name == "zb_h1" ? m : 0));
             sends += s.count(r, ActionType::SendF) + s.count(r, ActionType::SendB);
             recvs += s.count(r, ActionType::RecvF) + s.count(r, ActionType::RecvB);
           }
@@ -86,6 +89,90 @@ TEST_CASE("the simulated bubble is the formula; activations in flight as promise
       }
 }
 
+TEST_CASE("zb_h1: the weights' gradients fill 1F1B's bubble; every rank holds at most p micro-batches", "[pp][schedule]") {
+  for (int p = 2; p <= 4; ++p)
+    for (int m : {1, 2, 3, 4, 7, 8}) {
+      INFO("p=" << p << " m=" << m);
+      pp::Schedule z = built("zb_h1", p, m);
+      // With F = I = W (the paper's assumption) ...
+      pp::Timing zt = pp::simulate(z, 1.0, 2.0), ot = pp::simulate(built("1f1b", p, m), 1.0, 2.0);
+      // ... 1F1B idles (p - 1)(F + B) per rank; ZB-H1 (p - 1)(F + I - W) = (p - 1) F once the
+      // micro-batches cover the pipeline: a third of 1F1B's.
+      const double idle_1f1b = ot.span - 3.0 * m, idle_zb = zt.span - 3.0 * m;
+      CHECK(std::abs(idle_1f1b - 3.0 * (p - 1)) < 1e-12);
+      if (m >= p) CHECK(std::abs(idle_zb - (p - 1)) < 1e-12);
+      CHECK(idle_zb < idle_1f1b);
+      for (int r = 0; r < p; ++r) {
+        // Activations stay until the W: p micro-batches on every rank (1F1B: p - r).
+        CHECK(zt.max_in_flight[static_cast<size_t>(r)] == std::min(m, p));
+        // Each rank's I's and W's in micro-batch order, every W after its I.
+        int last_i = -1, last_w = -1;
+        for (const auto& a : z.actions[static_cast<size_t>(r)]) {
+          if (a.type == ActionType::BackwardInput) CHECK(a.microbatch == ++last_i);
+          if (a.type == ActionType::BackwardWeight) CHECK(a.microbatch == ++last_w);
+          if (a.type == ActionType::BackwardWeight) CHECK(last_w <= last_i);
+        }
+      }
+    }
+  // The printed lists: rank 0 keeps at most one W pending, rank 1 two, and
+  // runs its last W's where 1F1B's rank 1 would idle at the end.
+  CHECK(pp::format(pp::make_schedule("zb_h1", 2, 3)) ==
+        "schedule zb_h1: 2 stage(s) on 2 rank(s), 3 micro-batch(es)\n"
+        "rank 0: F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 I0.2 W0.2\n"
+        "rank 1: F1.0 I1.0 F1.1 I1.1 W1.0 F1.2 I1.2 W1.1 W1.2\n");
+}
+
+TEST_CASE("a split backward's W before its I, or without it, is refused", "[pp][schedule]") {
+  pp::Schedule z = built("zb_h1", 2, 2);
+  auto& list = z.actions[1];
+  auto i = std::find(list.begin(), list.end(), pp::Action{ActionType::BackwardInput, 1, 0});
+  auto w = std::find(list.begin(), list.end(), pp::Action{ActionType::BackwardWeight, 1, 0});
+  std::iter_swap(i, w);
+  CHECK_THROWS_WITH(pp::validate(z), Catch::Contains("rank 1 runs W1.0 before I1.0"));
+  pp::Schedule y = built("zb_h1", 2, 2);
+  auto& l0 = y.actions[0];
+  l0.erase(std::find(l0.begin(), l0.end(), pp::Action{ActionType::BackwardWeight, 0, 1}));
+  CHECK_THROWS_WITH(pp::validate(y), Catch::Contains("rank 0 has I0.1 without its W"));
+}
+
+TEST_CASE("FSDP's actions: gathered before the first forward, reduced and freed after the last backward",
+          "[pp][schedule][fsdp]") {
+  for (const std::string& name : pp::schedule_names())
+    for (int p = 1; p <= 3; ++p) {
+      const int v = name == "interleaved_1f1b" ? 2 : 1;
+      INFO(name << " p=" << p);
+      pp::Schedule s = built(name, p, 2 * p, v);
+      pp::add_fsdp_actions(s);
+      pp::validate(s);
+      for (int r = 0; r < p; ++r)
+        for (ActionType t : {ActionType::Unshard, ActionType::ReduceGrad, ActionType::Reshard})
+          CHECK(s.count(r, t) == v);  // once per stage
+      CHECK(pp::simulate(s).bubble() == pp::simulate(built(name, p, 2 * p, v)).bubble());  // they cost no compute
+    }
+  pp::Schedule z = built("zb_h1", 2, 2);
+  pp::add_fsdp_actions(z);
+  CHECK(pp::format(z) ==
+        "schedule zb_h1: 2 stage(s) on 2 rank(s), 2 micro-batch(es)\n"
+        "rank 0: UNSHARD0 F0.0 SEND_F0.0 RECV_B0.0 F0.1 SEND_F0.1 I0.0 RECV_B0.1 W0.0 I0.1 W0.1 REDUCE_GRAD0 RESHARD0\n"
+        "rank 1: RECV_F1.0 UNSHARD1 F1.0 RECV_F1.1 I1.0 SEND_B1.0 F1.1 I1.1 SEND_B1.1 W1.0 W1.1 REDUCE_GRAD1 RESHARD1\n");
+  CHECK_THROWS_WITH(pp::add_fsdp_actions(z), Catch::Contains("already has UNSHARD0"));
+  // A gradient reduced before a backward, an unshard after a forward, a lone action.
+  pp::Schedule b = built("1f1b", 2, 2);
+  pp::add_fsdp_actions(b);
+  auto& l1 = b.actions[1];
+  auto reduce = std::find(l1.begin(), l1.end(), pp::Action{ActionType::ReduceGrad, 1, 0});
+  std::rotate(l1.begin() + 3, reduce, reduce + 1);
+  CHECK_THROWS_WITH(pp::validate(b), Catch::Contains("after REDUCE_GRAD1 (the gradients are reduced after the "
+                                                     "stage's last backward)"));
+  pp::Schedule u = built("gpipe", 2, 2);
+  pp::add_fsdp_actions(u);
+  std::swap(u.actions[0][0], u.actions[0][1]);  // F0.0 before UNSHARD0
+  CHECK_THROWS_WITH(pp::validate(u), Catch::Contains("rank 0 runs F0.0 before UNSHARD0"));
+  pp::Schedule one = built("gpipe", 2, 2);
+  one.actions[0].push_back({ActionType::Reshard, 0, 0});
+  CHECK_THROWS_WITH(pp::validate(one), Catch::Contains("stage 0 has 1 of its FSDP actions"));
+}
+
 TEST_CASE("broken schedules are refused, naming the rank and the action", "[pp][schedule]") {
   // A receive taken out.
   pp::Schedule s = built("1f1b", 3, 4);
@@ -115,7 +202,7 @@ TEST_CASE("broken schedules are refused, naming the rank and the action", "[pp][
                                                      "micro-batch order)"));
   // Settings.
   CHECK_THROWS_WITH(pp::make_schedule("zigzag", 2, 4), Catch::Contains("unknown pipeline schedule 'zigzag' "
-                                                                         "(expected one of: gpipe, 1f1b, interleaved_1f1b)"));
+                                                                         "(expected one of: gpipe, 1f1b, interleaved_1f1b, zb_h1)"));
   CHECK_THROWS_WITH(pp::make_schedule("interleaved_1f1b", 3, 4, 2),
                     Catch::Contains("4 micro-batches is not a multiple of 3 ranks"));
   CHECK_THROWS_WITH(pp::make_schedule("1f1b", 2, 4, 2), Catch::Contains("runs one stage per rank, not 2"));

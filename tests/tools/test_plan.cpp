@@ -12,6 +12,7 @@
 #include "runtime/parallel.h"
 #include "runtime/profiler.h"
 #include "runtime/random.h"
+#include "pp/pipeline.h"
 #include "tools/plan.h"
 #include "tools/step_time.h"
 
@@ -55,10 +56,65 @@ struct Measured {
   std::map<std::string, int> sizes;  // of those groups
   int64_t products = 0;  // matrix products the CPU ran in the second step
   int64_t optimizer_state = 0;  // bytes of AdamW's moments after the first step
+  int in_flight = 0;  // a pipeline's: micro-batches one of this rank's stages held at once
 };
+
+// Bytes of AdamW's moments (this rank's pieces).
+int64_t moment_bytes(optim::AdamW& adamw) {
+  int64_t bytes = 0;
+  for (size_t g = 0; g < adamw.param_groups().size(); ++g)
+    for (size_t j = 0; j < adamw.param_groups()[g].params.size(); ++j)
+      for (const Tensor* t : {&adamw.state(g, j).exp_avg, &adamw.state(g, j).exp_avg_sq}) {
+        const Tensor local = is_dtensor(*t) ? local_tensor(*t) : *t;
+        bytes += static_cast<int64_t>(local.storage()->nbytes());
+      }
+  return bytes;
+}
+
+// Two pipelined steps as tessera-train runs them (Trainer::pipeline_step).
+Measured run_two_pipelined_steps(const tools::TrainConfig& cfg) {
+  const int world = dist::world_size(), rank = dist::rank();
+  const tools::MeshDims dims = tools::mesh_dims(cfg, world);
+  MeshPtr mesh = init_device_mesh("cpu", dims.shape, dims.names);
+  Measured m;
+  const int64_t base = memory_stats().allocated_bytes;
+  reset_peak_memory_stats();
+  {
+    auto pipe = train::make_pipeline(tools::transformer_config(cfg), mesh, tools::parallelism_options(cfg), 7);
+    pp::PipelinedModel model(pipe);
+    optim::AdamW* adamw = nullptr;
+    auto opt = train::make_optimizer(model, tools::optimizer_options(cfg), &adamw);
+    const int64_t rows = cfg.training.batch_size / tools::data_parallel_ranks(cfg, world);
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1) {
+        for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        profiler::reset();
+        profiler::enable(true);
+      }
+      const auto seed = static_cast<uint64_t>(1000 * step + rank);
+      Tensor idx = randint({rows, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed);
+      Tensor loss = ops::reshape(pipe->step(idx, randint(idx.shape(), 0, cfg.model.vocab_size, seed + 500)), {1});
+      if (world > 1) dist::world()->all_reduce(loss, {.op = dist::ReduceOp::Avg})->wait();
+      pipe->clip_grad_norm_(cfg.training.max_norm);
+      opt->step();
+      opt->zero_grad();
+      if (step == 0) m.optimizer_state = moment_bytes(*adamw);
+    }
+    profiler::enable(false);
+    m.products = profiler::kernel_time("gemm").calls;
+    m.in_flight = pipe->max_in_flight();
+    for (int64_t d = 0; d < mesh->ndim(); ++d) {
+      m.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+      m.sizes[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->size();
+    }
+  }
+  m.peak = memory_stats().peak_allocated_bytes - base;
+  return m;
+}
 
 // Two steps as tessera-train runs them, on the CPU over the world.
 Measured run_two_steps(const tools::TrainConfig& cfg) {
+  if (cfg.parallelism.pipeline_parallel_degree > 1) return run_two_pipelined_steps(cfg);
   const int world = dist::world_size(), rank = dist::rank();
   const tools::MeshDims dims = tools::mesh_dims(cfg, world);
   const int64_t tp = cfg.parallelism.tensor_parallel_degree;
@@ -91,13 +147,7 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
       nn::clip_grad_norm_(model->parameters(), cfg.training.max_norm);
       opt->step();
       opt->zero_grad();
-      if (step == 0 && adamw != nullptr)
-        for (size_t g = 0; g < adamw->param_groups().size(); ++g)
-          for (size_t j = 0; j < adamw->param_groups()[g].params.size(); ++j)
-            for (const Tensor* t : {&adamw->state(g, j).exp_avg, &adamw->state(g, j).exp_avg_sq}) {
-              const Tensor local = is_dtensor(*t) ? local_tensor(*t) : *t;
-              m.optimizer_state += static_cast<int64_t>(local.storage()->nbytes());
-            }
+      if (step == 0 && adamw != nullptr) m.optimizer_state = moment_bytes(*adamw);
     }
     profiler::enable(false);
     m.products = profiler::kernel_time("gemm").calls;
@@ -141,13 +191,18 @@ void check_plan(const tools::TrainConfig& cfg, const std::string& what) {
     CHECK(want.all_gather == got.all_gather);
     CHECK(want.reduce_scatter == got.reduce_scatter);
     CHECK(want.all_reduce == got.all_reduce);
+    CHECK(want.broadcast == got.broadcast);
+    CHECK(want.send == got.send);
+    CHECK(want.recv == got.recv);
     CHECK(want.mpi_calls == got.mpi_calls);
     CHECK(want.bytes == got.bytes);
     CHECK(want.ring_bytes == got.ring_bytes);
     // A group of one rank completes its collectives at once, unlogged.
     const bool logged = m.sizes.count(group) == 0 || m.sizes.at(group) > 1;
-    CHECK(issued[group] == (got.all_gather + got.reduce_scatter + got.all_reduce) * (dist::world_size() > 1 && logged));
+    CHECK(issued[group] == (got.all_gather + got.reduce_scatter + got.all_reduce + got.broadcast + got.send + got.recv) *
+                               (dist::world_size() > 1 && logged));
   }
+  if (cfg.parallelism.pipeline_parallel_degree > 1) CHECK(plan.pp_in_flight == m.in_flight);
 }
 
 }  // namespace
@@ -198,6 +253,60 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
     c.parallelism.reshard_after_forward_degree = 2;
     check_plan(c, "reshard_after_forward 2 (hpZ)");
   }
+}
+
+// A GPT of 7 blocks, untied, 24 sequences a step, over a pipeline of p stages.
+tools::TrainConfig pipelined(int64_t p) {
+  tools::TrainConfig c = small_config();
+  c.model.n_layer = 7;  // uneven stages, two per rank when interleaved
+  c.model.tie_embeddings = false;
+  c.training.batch_size = 24;
+  c.parallelism.pipeline_parallel_degree = p;
+  return c;
+}
+
+TEST_CASE("the plan predicts a pipeline stage's memory, messages and micro-batches in flight", "[plan][pp]") {
+  dist::init();
+  const int W = dist::world_size();
+  if (W == 1) return;  // a pipeline needs two ranks
+  const int64_t p = W == 3 ? 3 : 2;  // PP 3; PP 2 (x FSDP 2 at four ranks)
+  const int64_t s = dist::rank() / (W / p);  // this rank's stage (pp is the outermost dim)
+  tools::TrainConfig c = pipelined(p);
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}) {
+    c.parallelism.pipeline_parallel_schedule = schedule;
+    check_plan(c, "PP " + std::to_string(p) + " " + schedule);
+    const tools::Plan plan = tools::plan_run(c, W, dist::rank());
+    const int64_t m = 2 * p;  // the default micro-batches
+    if (schedule == "gpipe") CHECK(plan.pp_in_flight == m);
+    if (schedule == "1f1b") CHECK(plan.pp_in_flight == std::min(m, p - s));
+    if (schedule == "zb_h1") CHECK(plan.pp_in_flight == std::min(m, p));  // held until each W
+    CHECK(plan.collectives.at("pp").send == plan.collectives.at("pp").recv);
+    CHECK(plan.pp_bubble > 0);
+  }
+  c.parallelism.pipeline_parallel_schedule = "1f1b";
+  c.mixed_precision.param_dtype = "bfloat16";
+  check_plan(c, "PP, bf16 activations");
+  if (W == 4) {
+    c = small_llama();
+    c.model.n_layer = 5;
+    c.model.tie_embeddings = false;
+    c.training.batch_size = 24;
+    c.parallelism.pipeline_parallel_degree = 2;
+    c.parallelism.tensor_parallel_degree = 2;
+    check_plan(c, "Llama PP 2 x TP 2");
+    c = pipelined(2);
+    c.parallelism.data_parallel_replicate_degree = 2;
+    check_plan(c, "PP 2 x HSDP 2 x 1");
+  }
+  // Every position planned; the first stage holds the most in flight under 1F1B.
+  c = pipelined(p);
+  const auto positions = tools::plan_stage_positions(c, W);
+  REQUIRE(static_cast<int64_t>(positions.size()) == p);
+  for (int64_t i = 0; i < p; ++i) {
+    CHECK(positions[static_cast<size_t>(i)].rank == i * W / p);
+    CHECK(positions[static_cast<size_t>(i)].pp_in_flight == p - i);
+  }
+  CHECK(tools::format_stage_plans(positions).find("stage 0 (blocks 0-") != std::string::npos);
 }
 
 TEST_CASE("sequence parallelism divides the residual stream's activations by the degree", "[plan][tp]") {

@@ -156,7 +156,7 @@ expect_error "model.n_head (6) must be divisible by parallelism.tensor_parallel_
   train 4 --model.n_head 6 --model.n_embd 96 --parallelism.tensor_parallel_degree 4
 expect_error "parallelism: replicate degree 1 x shard degree 3 x tensor-parallel degree 2 = 6 ranks, but the job has 4" \
   train 4 "${llama[@]}" --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 3
-echo "== pipeline parallelism: PP 2, PP 2 x FSDP 2, interleaved, Llama PP 2 x TP 2: the one-rank losses"
+echo "== pipeline parallelism: PP 2, PP 2 x FSDP 2, interleaved, zero bubble (+ activation checkpointing), Llama PP 2 x TP 2 (+ SP): the one-rank losses"
 pipe=(--training.steps 12 --model.tie_embeddings false --model.n_layer 4 --job.dump_folder)
 train 1 "${pipe[@]}" p1 > p1.log
 train 2 "${pipe[@]}" pp2 --parallelism.pipeline_parallel_degree 2 > pp2.log
@@ -164,14 +164,29 @@ train 4 "${pipe[@]}" pp2x2 --parallelism.pipeline_parallel_degree 2 --parallelis
   --parallelism.pipeline_parallel_microbatches 2 > pp2x2.log
 train 2 "${pipe[@]}" ppi --parallelism.pipeline_parallel_degree 2 \
   --parallelism.pipeline_parallel_schedule interleaved_1f1b > ppi.log
+train 4 "${pipe[@]}" zb2x2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 \
+  > zb2x2.log
+train 2 "${pipe[@]}" zb2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 > zb2.log
+train 4 "${pipe[@]}" pphsdp --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2 \
+  > pphsdp.log
 train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lpp2tp2 --parallelism.pipeline_parallel_degree 2 \
   --parallelism.tensor_parallel_degree 2 > lpp2tp2.log
 train 1 "${llama[@]}" --training.steps 12 --job.dump_folder lpp1 > lpp1.log
-for d in p1 pp2 pp2x2 ppi lpp1 lpp2tp2; do losses $d > $d.losses; done
+train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lpp2tp2sp --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true > lpp2tp2sp.log
+train 2 "${pipe[@]}" ppac --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 \
+  --activation_checkpoint.mode full > ppac.log
+for d in p1 pp2 pp2x2 ppi zb2 zb2x2 pphsdp ppac lpp1 lpp2tp2 lpp2tp2sp; do losses $d > $d.losses; done
 close p1.losses pp2.losses 1e-5 || fail "PP 2 drifted from 1 rank"
 close p1.losses pp2x2.losses 1e-5 || fail "PP 2 x FSDP 2 drifted from 1 rank"
 close p1.losses ppi.losses 1e-5 || fail "interleaved PP 2 drifted from 1 rank"
+close p1.losses zb2x2.losses 1e-5 || fail "zero-bubble PP 2 x FSDP 2 drifted from 1 rank"
+cmp pp2.losses zb2.losses || fail "zb_h1's losses differ from 1F1B's (its I and W are B's operations): $(paste pp2.losses zb2.losses)"
+close p1.losses pphsdp.losses 1e-5 || fail "PP 2 x HSDP 2x1 drifted from 1 rank"
+grep -q "PP 2 (zb_h1, 4 micro-batches, 2 stages) x FSDP over 2" zb2x2.log || fail "zb2x2 did not report its mesh"
 close lpp1.losses lpp2tp2.losses 1e-5 || fail "Llama PP 2 x TP 2 drifted from 1 rank"
+close lpp1.losses lpp2tp2sp.losses 1e-5 || fail "Llama PP 2 x TP 2 + SP drifted from 1 rank"
+close p1.losses ppac.losses 1e-5 || fail "zero-bubble PP 2 with activation checkpointing drifted from 1 rank"
 grep -q "PP 2 (1f1b, 4 micro-batches, 2 stages) x FSDP over 1" pp2.log || fail "pp2 did not report its mesh: $(head -3 pp2.log)"
 grep -q "PP 2 (gpipe, 2 micro-batches, 2 stages) x FSDP over 2" pp2x2.log || fail "pp2x2 did not report its mesh"
 grep -q "PP 2 (interleaved_1f1b, 4 micro-batches, 4 stages)" ppi.log || fail "ppi did not report its mesh"
@@ -188,12 +203,37 @@ expect_error "parallelism.pipeline_parallel_degree (2) x 2 stage(s) per rank = 4
   --parallelism.pipeline_parallel_schedule interleaved_1f1b
 expect_error "training.batch_size (8) must be a multiple of parallelism.pipeline_parallel_microbatches (3)" \
   train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatches 3
-expect_error "config key 'parallelism.pipeline_parallel_schedule' has no choice 'zb' (valid: gpipe, 1f1b, interleaved_1f1b)" \
+expect_error "config key 'parallelism.pipeline_parallel_schedule' has no choice 'zb' (valid: gpipe, 1f1b, interleaved_1f1b, zb_h1)" \
   train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb
-expect_error "checkpoints with parallelism.pipeline_parallel_degree 2: not supported yet" \
-  train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --checkpoint.enable true
-expect_error "plan: pipelines (parallelism.pipeline_parallel_degree 2) are not planned yet" \
-  "$bin/tessera-plan" --ranks 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2
+echo "== a pipelined run's checkpoints: resumed bitwise on PP 2 x FSDP 2, resharded to one rank, exported"
+ppck=(--parallelism.pipeline_parallel_degree 2 --checkpoint.enable true --checkpoint.interval 6 --checkpoint.keep 0)
+train 4 "${pipe[@]}" ppck "${ppck[@]}" --checkpoint.export_safetensors pp.safetensors > ppck.log
+losses ppck > ppck.losses
+close p1.losses ppck.losses 1e-5 || fail "PP 2 x FSDP 2 with checkpoints drifted from 1 rank"
+rm -rf ppr pp1r && mkdir -p ppr/checkpoint pp1r/checkpoint
+cp -r ppck/checkpoint/step-00000006 ppr/checkpoint/
+cp -r ppck/checkpoint/step-00000006 pp1r/checkpoint/
+train 4 "${pipe[@]}" ppr "${ppck[@]}" --checkpoint.resume true > ppr.log
+train 1 "${pipe[@]}" pp1r --checkpoint.enable true --checkpoint.interval 6 --checkpoint.resume true > pp1r.log
+for r in ppr pp1r; do grep -q "resumed from" $r.log || fail "$r did not resume: $(cat $r.log)"; done
+grep -q "resharded" pp1r.log || fail "pp1r did not say it resharded"
+losses ppck | grep -E '^(10|12) ' > ppck.tail
+losses ppr | grep -E '^(10|12) ' > ppr.tail
+losses pp1r | grep -E '^(10|12) ' > pp1r.tail
+[[ -s ppck.tail ]] || fail "no losses after step 6 in ppck"
+cmp ppck.tail ppr.tail || fail "a PP 2 x FSDP 2 resume is not bitwise equal: $(cat ppck.tail ppr.tail)"
+close ppck.tail pp1r.tail 1e-5 || fail "a PP 2 checkpoint resumed on one rank drifted beyond f32 rounding"
+"$bin/tessera-ckpt" to-safetensors ppck/checkpoint ppck.safetensors > /dev/null
+same_tensors ppck/pp.safetensors ppck.safetensors || fail "the pipelined export differs from its final checkpoint"
+echo "pipelined checkpoints: resumed bitwise at PP 2 x FSDP 2, within 1e-5 on one rank; export = checkpoint"
+# The planner: each stage position's memory, micro-batches in flight and messages; PP x FSDP x TP at 8 ranks.
+"$bin/tessera-plan" --ranks 8 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2 > pp-plan.txt
+grep -q "^pipeline: 1f1b, 4 micro-batches per step; this rank: stage 0 (blocks 0-1, embeddings); at most 2 micro-batch(es) in flight" \
+  pp-plan.txt || fail "tessera-plan's pipeline line: $(cat pp-plan.txt)"
+grep -Eq "^  rank 4 +stage 1 \(blocks 2-3, output layer and loss\) +in flight +1  send +4  recv +4  peak" pp-plan.txt ||
+  fail "tessera-plan's stage positions: $(cat pp-plan.txt)"
+grep -q "^  tp " pp-plan.txt && grep -q "^  dp_shard " pp-plan.txt || fail "the 3-D plan lacks a dim: $(cat pp-plan.txt)"
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
 grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
 # MFU against this CPU's measured peak (FMA loop, for f32) unless one is given.
