@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 #include "autograd/functions.h"
@@ -46,6 +47,65 @@ std::vector<StageBlocks> split_layers(int64_t n_layer, int stages, const std::ve
     out.push_back({at, at + c});
     at += c;
   }
+  return out;
+}
+
+std::vector<StageBlocks> split_by_names(const nn::TransformerConfig& cfg,
+                                        const std::vector<std::vector<std::string>>& names_per_stage) {
+  const int stages = static_cast<int>(names_per_stage.size());
+  TS_CHECK(stages >= 1, "pipeline: no stages given by module names");
+  // The model's own names, from a model on meta (nothing allocated).
+  const auto model = nn::make_model(cfg, Device::meta());
+  std::vector<std::string> first_only, last_only, blocks;
+  const bool gpt = dynamic_cast<const nn::GPT*>(model.get()) != nullptr;
+  const std::string block_prefix = gpt ? "transformer.h." : "model.layers.";
+  for (const auto& [name, m] : model->named_modules()) {
+    if (name == "transformer.wte" || name == "transformer.wpe" || name == "model.embed_tokens") first_only.push_back(name);
+    if (name == "transformer.ln_f" || name == "model.norm" || name == "lm_head") last_only.push_back(name);
+  }
+  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks.push_back(block_prefix + std::to_string(i));
+  auto block_of = [&](const std::string& name) -> int64_t {
+    const auto it = std::find(blocks.begin(), blocks.end(), name);
+    return it == blocks.end() ? -1 : it - blocks.begin();
+  };
+  std::map<std::string, int> seen;
+  std::vector<StageBlocks> out;
+  int64_t next = 0;  // the first block the next stage must hold
+  for (int s = 0; s < stages; ++s) {
+    int64_t first = -1, end = -1;
+    for (const std::string& name : names_per_stage[static_cast<size_t>(s)]) {
+      auto [it, fresh] = seen.emplace(name, s);
+      TS_CHECK(fresh, "pipeline: stage {} names '{}', which stage {} names too (each module on one stage)", s, name,
+               it->second);
+      if (std::find(first_only.begin(), first_only.end(), name) != first_only.end()) {
+        TS_CHECK(s == 0, "pipeline: stage {} names '{}', an embedding: the first stage (0) embeds", s, name);
+        continue;
+      }
+      if (std::find(last_only.begin(), last_only.end(), name) != last_only.end()) {
+        TS_CHECK(s + 1 == stages, "pipeline: stage {} names '{}', which the last stage ({}) computes", s, name,
+                 stages - 1);
+        continue;
+      }
+      const int64_t b = block_of(name);
+      TS_CHECK(b >= 0, "pipeline: stage {} names '{}', which is not a block ({}0 .. {}{}), an embedding ({}), the "
+               "final norm or the output layer ({}) of this model", s, name, block_prefix, block_prefix,
+               cfg.n_layer - 1, fmt::join(first_only, ", "), fmt::join(last_only, ", "));
+      TS_CHECK(b == (end < 0 ? next : end), "pipeline: stage {} names '{}' where it needs {}{}: each stage holds "
+               "consecutive blocks, in order after the previous stage's", s, name, block_prefix,
+               end < 0 ? next : end);
+      if (first < 0) first = b;
+      end = b + 1;
+    }
+    TS_CHECK(first >= 0, "pipeline: stage {} names no block (each stage needs at least one)", s);
+    out.push_back({first, end});
+    next = end;
+  }
+  TS_CHECK(next == cfg.n_layer, "pipeline: the stages name blocks 0 .. {} of the model's {} (model.n_layer): {}{} "
+           "and after are on no stage", next - 1, cfg.n_layer, block_prefix, next);
+  for (const std::string& name : first_only)
+    TS_CHECK(seen.count(name) != 0, "pipeline: no stage names '{}' (the first stage holds it)", name);
+  for (const std::string& name : last_only)
+    TS_CHECK(seen.count(name) != 0, "pipeline: no stage names '{}' (the last stage holds it)", name);
   return out;
 }
 
@@ -106,7 +166,16 @@ Pipeline::Pipeline(dist::ProcessGroupPtr group, const nn::TransformerConfig& cfg
   schedule_ = make_schedule(options_.schedule, p, options_.microbatches, v);
   add_communication(schedule_);
   validate(schedule_);
-  split_ = split_layers(cfg_.n_layer, schedule_.stages, options_.layers_per_stage);
+  if (!options_.module_names_per_stage.empty()) {
+    TS_CHECK(options_.layers_per_stage.empty(), "pipeline: the stages are given by module names and by layer "
+             "counts; give one");
+    TS_CHECK(static_cast<int>(options_.module_names_per_stage.size()) == schedule_.stages,
+             "pipeline: module names for {} stages, but the schedule has {} ({} rank(s) x {} stage(s) per rank)",
+             options_.module_names_per_stage.size(), schedule_.stages, schedule_.ranks, schedule_.stages_per_rank());
+    split_ = split_by_names(cfg_, options_.module_names_per_stage);
+  } else {
+    split_ = split_layers(cfg_.n_layer, schedule_.stages, options_.layers_per_stage);
+  }
   for (int s : schedule_.stages_of(group_->rank())) {
     auto part = nn::make_model(cfg_, Device::meta());
     keep_stage(*part, s, split_);

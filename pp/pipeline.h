@@ -52,6 +52,17 @@ struct StageBlocks {
 // Refuses more stages than blocks, naming both.
 std::vector<StageBlocks> split_layers(int64_t n_layer, int stages, const std::vector<int64_t>& layers_per_stage = {});
 
+// The same cut given by module names, per stage (TorchTitan's
+// module_fqns_per_model_part): the model's own names of its blocks
+// ("transformer.h.3", "model.layers.3"), embeddings ("transformer.wte",
+// "transformer.wpe", "model.embed_tokens"), final norm ("transformer.ln_f",
+// "model.norm") and output layer ("lm_head"). Every one of them once; each
+// stage's blocks consecutive and after the previous stage's, at least one
+// per stage; the embeddings on the first stage and the final norm and output
+// layer on the last. Refuses anything else naming the stage and the name.
+std::vector<StageBlocks> split_by_names(const nn::TransformerConfig& cfg,
+                                        const std::vector<std::vector<std::string>>& names_per_stage);
+
 // Prunes a full model to stage `stage`'s part: the blocks outside its range,
 // the embeddings unless it is the first stage, the final norm and output
 // layer unless it is the last. Names are unchanged. A model whose output
@@ -64,6 +75,7 @@ struct PipelineOptions {
   int microbatches = 4;
   int stages_per_rank = 1;               // > 1: interleaved_1f1b's chunks per rank
   std::vector<int64_t> layers_per_stage;  // empty: split_layers' even split
+  std::vector<std::vector<std::string>> module_names_per_stage;  // instead: split_by_names
   // The dtype of the activations (and logits) the stages pass: the
   // computation's (FSDP's param_dtype under mixed precision). Unset: the
   // parameters' own.

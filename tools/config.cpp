@@ -245,6 +245,10 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("parallelism.pipeline_parallel_layers_per_stage", c.parallelism.pipeline_parallel_layers_per_stage,
                  "blocks per stage, comma-separated, e.g. \"1,3\" ('' = as even as they go, the extra ones "
                  "in the middle)"),
+      string_key("parallelism.pipeline_parallel_module_names_per_stage",
+                 c.parallelism.pipeline_parallel_module_names_per_stage,
+                 "or the stages by the model's module names: stages separated by ';', names by ',' (the "
+                 "embeddings on the first, the final norm and lm_head on the last): docs/pipeline-parallel.md"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -525,6 +529,33 @@ bool parse_args(TrainConfig& cfg, int argc, char** argv, const std::string& prog
 }
 
 
+namespace {
+// "a,b;c" -> {{"a", "b"}, {"c"}} (spaces around names dropped; '' -> none).
+std::vector<std::vector<std::string>> name_lists(const std::string& text) {
+  std::vector<std::vector<std::string>> out;
+  if (text.find_first_not_of(" \t") == std::string::npos) return out;
+  auto trim = [](std::string t) {
+    t.erase(0, t.find_first_not_of(" \t"));
+    t.erase(t.find_last_not_of(" \t") + 1);
+    return t;
+  };
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t semi = std::min(text.find(';', at), text.size());
+    std::vector<std::string> stage;
+    const std::string part = text.substr(at, semi - at);
+    for (size_t p = 0; p <= part.size();) {
+      const size_t comma = std::min(part.find(',', p), part.size());
+      if (std::string name = trim(part.substr(p, comma - p)); !name.empty()) stage.push_back(name);
+      p = comma + 1;
+    }
+    out.push_back(stage);
+    at = semi + 1;
+  }
+  return out;
+}
+}  // namespace
+
 train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
   const auto& p = cfg.parallelism;
   return {.dp_replicate = p.data_parallel_replicate_degree,
@@ -543,7 +574,8 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .pp_stages_per_rank = p.pipeline_parallel_stages_per_rank,
           .pp_layers_per_stage = positive_list(p.pipeline_parallel_layers_per_stage,
                                                "parallelism.pipeline_parallel_layers_per_stage expects block "
-                                               "counts >= 1")};
+                                               "counts >= 1"),
+          .pp_module_names_per_stage = name_lists(p.pipeline_parallel_module_names_per_stage)};
 }
 
 train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {

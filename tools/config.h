@@ -121,6 +121,9 @@ struct TrainConfig {
     int64_t pipeline_parallel_microbatches = 0;       // per step and data-parallel rank (0: 2 x the degree)
     int64_t pipeline_parallel_stages_per_rank = 0;    // 0: 1, or 2 for interleaved_1f1b
     std::string pipeline_parallel_layers_per_stage;   // "2,3,3": blocks per stage ('' = as even as they go)
+    // Or the stages by module names (TorchTitan's module_fqns_per_model_part):
+    // stages separated by ';', names by ',' ("transformer.wte,transformer.h.0;transformer.h.1,lm_head").
+    std::string pipeline_parallel_module_names_per_stage;
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params

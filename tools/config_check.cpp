@@ -140,7 +140,21 @@ void validate(const TrainConfig& c) {
     TS_CHECK(pp * v <= c.model.n_layer,
              "parallelism.pipeline_parallel_degree ({}) x {} stage(s) per rank = {} stages, but model.n_layer is {}: "
              "each stage needs at least one block", pp, v, pp * v, c.model.n_layer);
-    pp::split_layers(c.model.n_layer, static_cast<int>(pp * v), o.pp_layers_per_stage);  // names the problem
+    if (!o.pp_module_names_per_stage.empty()) {
+      const auto key = "parallelism.pipeline_parallel_module_names_per_stage";
+      TS_CHECK(o.pp_layers_per_stage.empty(), "{} and parallelism.pipeline_parallel_layers_per_stage both cut the "
+               "stages: give one", key);
+      TS_CHECK(static_cast<int64_t>(o.pp_module_names_per_stage.size()) == pp * v, "{} gives {} stage(s), but "
+               "parallelism.pipeline_parallel_degree ({}) x {} stage(s) per rank = {}", key,
+               o.pp_module_names_per_stage.size(), pp, v, pp * v);
+      try {
+        pp::split_by_names(transformer_config(c), o.pp_module_names_per_stage);
+      } catch (const std::exception& e) {
+        throw Error(fmt::format("{}: {}", key, e.what()));
+      }
+    } else {
+      pp::split_layers(c.model.n_layer, static_cast<int>(pp * v), o.pp_layers_per_stage);  // names the problem
+    }
     pp::make_schedule(o.pp_schedule, static_cast<int>(pp), static_cast<int>(m), static_cast<int>(v));
     TS_CHECK(!c.model.tie_embeddings,
              "model.tie_embeddings shares the token embedding (the first pipeline stage's) with the output layer "

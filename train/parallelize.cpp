@@ -89,6 +89,7 @@ std::shared_ptr<pp::Pipeline> make_pipeline(const nn::TransformerConfig& cfg, co
                          .stages_per_rank = static_cast<int>(
                              o.pp_stages_per_rank > 0 ? o.pp_stages_per_rank : o.pp_schedule == "interleaved_1f1b" ? 2 : 1),
                          .layers_per_stage = o.pp_layers_per_stage,
+                         .module_names_per_stage = o.pp_module_names_per_stage,
                          .activation_dtype = o.param_dtype};
   // Sequence parallelism: the residual stream between blocks, and so between
   // stages, is split on the sequence over the tensor-parallel ranks.

@@ -47,6 +47,7 @@ struct ParallelismOptions {
   int64_t pp_microbatches = 0;           // per step (0: 2 x pp)
   int64_t pp_stages_per_rank = 0;        // 0: 1, or 2 for interleaved_1f1b
   std::vector<int64_t> pp_layers_per_stage;  // empty: as even as they go
+  std::vector<std::vector<std::string>> pp_module_names_per_stage;  // instead: pp::split_by_names
 };
 
 // The mesh, outermost dim first: pp (when > 1), dp_replicate (when > 1),

@@ -178,6 +178,30 @@ TEST_CASE("a tied embedding across stages is refused before anything is allocate
                                                                                      " blocks (model.n_layer)"));
 }
 
+TEST_CASE("stages given by module names train as the same cut by counts", "[pp][split][exact]") {
+  auto group = world();
+  const int p = group->size();
+  if (p < 2) return;
+  const auto cfg = config("llama", p + 1);
+  // The first stage takes two blocks, the others one each.
+  std::vector<std::vector<std::string>> names(static_cast<size_t>(p));
+  std::vector<int64_t> counts(static_cast<size_t>(p), 1);
+  counts[0] = 2;
+  names[0] = {"model.embed_tokens", "model.layers.0", "model.layers.1"};
+  for (int s = 1; s < p; ++s) names[static_cast<size_t>(s)] = {"model.layers." + std::to_string(s + 1)};
+  names.back().push_back("model.norm");
+  names.back().push_back("lm_head");
+  const auto batches = data(8, 6, cfg.vocab_size, 2);
+  pp::Pipeline* by_names = nullptr;
+  const Result got = pipelined(group, cfg, DType::F64, {.microbatches = 4, .module_names_per_stage = names}, batches,
+                               &by_names);
+  CHECK(by_names->split()[0].end == 2);
+  compare(pipelined(group, cfg, DType::F64, {.microbatches = 4, .layers_per_stage = counts}, batches), got, 0);
+  CHECK_THROWS_WITH(pp::Pipeline(group, cfg, {.microbatches = 4, .layers_per_stage = counts,
+                                              .module_names_per_stage = names}),
+                    Catch::Contains("by module names and by layer counts; give one"));
+}
+
 TEST_CASE("stage parts keep the full model's names", "[pp][split]") {
   auto group = world();
   const int p = group->size();

@@ -233,3 +233,57 @@ TEST_CASE("layers split over stages; bad splits name the key", "[pp][split]") {
   CHECK_THROWS_WITH(pp::split_layers(5, 2, {2, 2}), Catch::Contains("sum to 4, but the model has 5 blocks"));
   CHECK_THROWS_WITH(pp::split_layers(5, 2, {5, 0}), Catch::Contains("a stage of 0 blocks"));
 }
+
+TEST_CASE("stages by module names: the cut the names say; wrong names refused, naming them", "[pp][split]") {
+  nn::TransformerConfig gpt;
+  gpt.n_layer = 5;
+  gpt.n_head = 2;
+  gpt.n_embd = 8;
+  gpt.vocab_size = 11;
+  gpt.block_size = 4;
+  gpt.tie_embeddings = false;
+  auto cut = [](const std::vector<pp::StageBlocks>& s) {
+    std::vector<std::pair<int64_t, int64_t>> c;
+    for (const auto& b : s) c.push_back({b.first, b.end});
+    return c;
+  };
+  using Cut = std::vector<std::pair<int64_t, int64_t>>;
+  const std::vector<std::vector<std::string>> two = {
+      {"transformer.wte", "transformer.wpe", "transformer.h.0"},
+      {"transformer.h.1", "transformer.h.2", "transformer.h.3", "transformer.h.4", "transformer.ln_f", "lm_head"}};
+  CHECK(cut(pp::split_by_names(gpt, two)) == Cut{{0, 1}, {1, 5}});
+  nn::TransformerConfig llama = gpt;
+  llama.arch = "llama";
+  llama.n_layer = 4;
+  llama.n_kv_head = 1;
+  llama.bias = false;
+  CHECK(cut(pp::split_by_names(llama, {{"model.embed_tokens", "model.layers.0"},
+                                       {"model.layers.1", "model.layers.2"},
+                                       {"model.layers.3", "model.norm", "lm_head"}})) == Cut{{0, 1}, {1, 3}, {3, 4}});
+  auto refused = [&](std::vector<std::vector<std::string>> names, const std::string& why) {
+    INFO(why);
+    CHECK_THROWS_WITH(pp::split_by_names(gpt, names), Catch::Contains(why));
+  };
+  auto with = two;
+  std::swap(with[1][0], with[1][1]);  // h.2 before h.1
+  refused(with, "stage 1 names 'transformer.h.2' where it needs transformer.h.1");
+  with = two;
+  with[1].push_back("transformer.wpe");
+  refused(with, "which stage 0 names too");
+  with = two;
+  std::swap(with[0][1], with[1][5]);  // lm_head on stage 0, the positions on stage 1
+  refused(with, "stage 0 names 'lm_head', which the last stage (1) computes");
+  with = two;
+  with[1].pop_back();
+  refused(with, "no stage names 'lm_head' (the last stage holds it)");
+  with = two;
+  with[1][0] = "transformer.h.9";
+  refused(with, "stage 1 names 'transformer.h.9', which is not a block (transformer.h.0 .. transformer.h.4)");
+  with = two;
+  with[1].erase(with[1].begin() + 3);  // h.4 on no stage
+  refused(with, "blocks 0 .. 3 of the model's 5 (model.n_layer): transformer.h.4 and after are on no stage");
+  refused({{"transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+            "transformer.h.3", "transformer.h.4"},
+           {"transformer.ln_f", "lm_head"}},
+          "stage 1 names no block");
+}

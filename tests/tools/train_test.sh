@@ -167,6 +167,9 @@ train 2 "${pipe[@]}" ppi --parallelism.pipeline_parallel_degree 2 \
 train 4 "${pipe[@]}" zb2x2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 \
   > zb2x2.log
 train 2 "${pipe[@]}" zb2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 > zb2.log
+names="transformer.wte,transformer.wpe,transformer.h.0; transformer.h.1,transformer.h.2,transformer.h.3,transformer.ln_f,lm_head"
+train 2 "${pipe[@]}" ppn --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.pipeline_parallel_module_names_per_stage "$names" > ppn.log
 train 4 "${pipe[@]}" pphsdp --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2 \
   > pphsdp.log
 train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lpp2tp2 --parallelism.pipeline_parallel_degree 2 \
@@ -176,13 +179,16 @@ train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lpp2tp2sp --parallel
   --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true > lpp2tp2sp.log
 train 2 "${pipe[@]}" ppac --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule zb_h1 \
   --activation_checkpoint.mode full > ppac.log
-for d in p1 pp2 pp2x2 ppi zb2 zb2x2 pphsdp ppac lpp1 lpp2tp2 lpp2tp2sp; do losses $d > $d.losses; done
+for d in p1 pp2 pp2x2 ppi zb2 zb2x2 ppn pphsdp ppac lpp1 lpp2tp2 lpp2tp2sp; do losses $d > $d.losses; done
 close p1.losses pp2.losses 1e-5 || fail "PP 2 drifted from 1 rank"
 close p1.losses pp2x2.losses 1e-5 || fail "PP 2 x FSDP 2 drifted from 1 rank"
 close p1.losses ppi.losses 1e-5 || fail "interleaved PP 2 drifted from 1 rank"
 close p1.losses zb2x2.losses 1e-5 || fail "zero-bubble PP 2 x FSDP 2 drifted from 1 rank"
 cmp pp2.losses zb2.losses || fail "zb_h1's losses differ from 1F1B's (its I and W are B's operations): $(paste pp2.losses zb2.losses)"
 close p1.losses pphsdp.losses 1e-5 || fail "PP 2 x HSDP 2x1 drifted from 1 rank"
+close p1.losses ppn.losses 1e-5 || fail "PP 2 cut by module names drifted from 1 rank"
+grep -q "rank 0: stage 0 (blocks 0-0, embeddings); rank 1: stage 1 (blocks 1-3, output layer and loss)" ppn.log ||
+  fail "the stages by module names: $(grep stages ppn.log)"
 grep -q "PP 2 (zb_h1, 4 micro-batches, 2 stages) x FSDP over 2" zb2x2.log || fail "zb2x2 did not report its mesh"
 close lpp1.losses lpp2tp2.losses 1e-5 || fail "Llama PP 2 x TP 2 drifted from 1 rank"
 close lpp1.losses lpp2tp2sp.losses 1e-5 || fail "Llama PP 2 x TP 2 + SP drifted from 1 rank"
@@ -201,6 +207,9 @@ expect_error "parallelism.pipeline_parallel_degree (2) x parallelism.data_parall
 expect_error "parallelism.pipeline_parallel_degree (2) x 2 stage(s) per rank = 4 stages, but model.n_layer is 3" \
   train 2 "${pipe[@]}" x --model.n_layer 3 --parallelism.pipeline_parallel_degree 2 \
   --parallelism.pipeline_parallel_schedule interleaved_1f1b
+expect_error "parallelism.pipeline_parallel_module_names_per_stage: pipeline: stage 1 names 'transformer.h.3' where it needs transformer.h.1" \
+  train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 \
+  --parallelism.pipeline_parallel_module_names_per_stage "transformer.wte,transformer.wpe,transformer.h.0;transformer.h.3,lm_head"
 expect_error "training.batch_size (8) must be a multiple of parallelism.pipeline_parallel_microbatches (3)" \
   train 2 "${pipe[@]}" x --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatches 3
 expect_error "config key 'parallelism.pipeline_parallel_schedule' has no choice 'zb' (valid: gpipe, 1f1b, interleaved_1f1b, zb_h1)" \
