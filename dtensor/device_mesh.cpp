@@ -46,8 +46,28 @@ MeshPtr DeviceMesh::root() const {
 
 MeshPtr DeviceMesh::slice(const std::vector<std::string>& names, bool any_order) const {
   TS_CHECK(!names.empty(), "mesh slice: give at least one dim name");
+  // Each name is one dim of this mesh, or a registered flattening of several.
+  struct Axis {
+    std::vector<int64_t> dims;
+    int64_t size, coordinate;
+    dist::ProcessGroupPtr group;
+  };
+  std::vector<Axis> axes;
   std::vector<int64_t> dims;
-  for (const auto& n : names) dims.push_back(dim_index(n));
+  for (const auto& n : names) {
+    Axis a;
+    auto flat = flattened_.find(n);
+    if (std::find(names_.begin(), names_.end(), n) == names_.end() && flat != flattened_.end()) {
+      const MeshPtr& m = flat->second.mesh;
+      a = {flat->second.dims, m->size(), m->get_local_rank(0), m->get_group(0)};
+    } else {
+      const int64_t d = dim_index(n);
+      const size_t i = static_cast<size_t>(d);
+      a = {{d}, shape_[i], coordinate_[i], groups_[i]};
+    }
+    dims.insert(dims.end(), a.dims.begin(), a.dims.end());
+    axes.push_back(std::move(a));
+  }
   for (size_t i = 1; i < dims.size(); ++i)
     TS_CHECK(any_order ? std::count(dims.begin(), dims.end(), dims[i]) == 1 : dims[i] > dims[i - 1],
              "mesh slice: dims ({}) must {} ({})", fmt::join(names, ", "),
@@ -55,21 +75,23 @@ MeshPtr DeviceMesh::slice(const std::vector<std::string>& names, bool any_order)
   Shape shape;
   std::vector<dist::ProcessGroupPtr> groups;
   std::vector<int64_t> coord;
-  for (int64_t d : dims) {
-    shape.push_back(shape_[static_cast<size_t>(d)]);
-    groups.push_back(groups_[static_cast<size_t>(d)]);
-    coord.push_back(coordinate_[static_cast<size_t>(d)]);
-  }
-  // Ranks of this rank's slice: my coordinates on the other dims, all of the selected ones.
+  for (const Axis& a : axes) shape.push_back(a.size), groups.push_back(a.group), coord.push_back(a.coordinate);
+  // Ranks of this rank's slice: my coordinates on the other dims, all of the
+  // selected ones (a flattened axis row-major over the dims it spans).
   std::vector<int> ranks;
   Shape strides = contiguous_strides(shape_);
   int64_t n = shape_numel(shape);
   for (int64_t i = 0; i < n; ++i) {
     std::vector<int64_t> c = coordinate_;
     int64_t rem = i;
-    for (size_t k = dims.size(); k-- > 0;) {
-      c[static_cast<size_t>(dims[k])] = rem % shape[k];
-      rem /= shape[k];
+    for (size_t k = axes.size(); k-- > 0;) {
+      int64_t along = rem % axes[k].size;
+      rem /= axes[k].size;
+      for (size_t j = axes[k].dims.size(); j-- > 0;) {
+        const size_t d = static_cast<size_t>(axes[k].dims[j]);
+        c[d] = along % shape_[d];
+        along /= shape_[d];
+      }
     }
     int64_t linear = 0;
     for (size_t d = 0; d < c.size(); ++d) linear += c[d] * strides[d];
@@ -98,9 +120,34 @@ dist::ProcessGroupPtr DeviceMesh::flat_group() const {
 
 MeshPtr DeviceMesh::flatten(const std::string& name) const {
   std::string label = name.empty() ? fmt::format("{}", fmt::join(names_, "_")) : name;
-  int64_t me = std::find(ranks_.begin(), ranks_.end(), dist::rank()) - ranks_.begin();
-  return std::make_shared<DeviceMesh>(device_type_, Shape{size()}, ranks_, std::vector<std::string>{label},
-                                      std::vector<dist::ProcessGroupPtr>{flat_group()}, std::vector<int64_t>{me});
+  // The root dims this mesh spans, when they are all the root's own (a
+  // flattening of a flattening is not registered).
+  const MeshPtr top = root();
+  std::vector<int64_t> dims;
+  for (const std::string& n : names_) {
+    const auto& all = top->names_;
+    auto it = std::find(all.begin(), all.end(), n);
+    if (it == all.end()) {
+      dims.clear();
+      break;
+    }
+    dims.push_back(it - all.begin());
+  }
+  if (!name.empty() && !dims.empty()) {
+    auto known = top->flattened_.find(label);
+    if (known != top->flattened_.end()) {
+      TS_CHECK(known->second.dims == dims, "DeviceMesh::flatten: '{}' already names a flattening of other dims of {}",
+               label, top->str());
+      return known->second.mesh;
+    }
+    TS_CHECK(std::find(top->names_.begin(), top->names_.end(), label) == top->names_.end(),
+             "DeviceMesh::flatten: '{}' is a dim of {} already", label, top->str());
+  }
+  const int64_t me = flat_group()->rank();  // row-major over this mesh's dims (a planned rank's too)
+  auto flat = std::make_shared<DeviceMesh>(device_type_, Shape{size()}, ranks_, std::vector<std::string>{label},
+                                           std::vector<dist::ProcessGroupPtr>{flat_group()}, std::vector<int64_t>{me});
+  if (!name.empty() && !dims.empty()) top->flattened_[label] = {dims, flat};
+  return flat;
 }
 
 std::string DeviceMesh::str() const {

@@ -4,6 +4,7 @@
 // flattening several dims creates one new group over their ranks.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,7 +48,12 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   // The mesh this one was sliced from (itself for a mesh made by init_device_mesh).
   MeshPtr root() const;
   // A 1-D mesh over all ranks of this mesh with a new process group (collective
-  // over the world: every rank calls it). Named `name` (default "a_b").
+  // over the world: every rank calls it). Named `name` (default "a_b"). The
+  // flattening of dims of a root mesh is registered on the root under that
+  // name, and the root then slices it like one of its own dims, alone or with
+  // others (PyTorch's _flatten: TorchTitan shards FSDP over "dp_shard_cp",
+  // the data and context dims flattened, next to "tp"). Flattening the same
+  // dims under the same name again returns the registered mesh.
   MeshPtr flatten(const std::string& name = "") const;
   // The group of all ranks of this mesh (created on first use; collective).
   dist::ProcessGroupPtr flat_group() const;
@@ -66,6 +72,12 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   std::vector<int64_t> coordinate_;
   mutable dist::ProcessGroupPtr flat_;
   MeshPtr root_;  // null: this mesh is a root
+  // On a root: its named flattenings, each the root dims it spans (in order) and the 1-D mesh.
+  struct Flattened {
+    std::vector<int64_t> dims;
+    MeshPtr mesh;
+  };
+  mutable std::map<std::string, Flattened> flattened_;
 };
 
 // An n-D mesh over all ranks (product of shape == world size), row-major as

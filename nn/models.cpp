@@ -23,6 +23,16 @@ void LanguageModel::check_tokens(const Tensor& idx) const {
            config.block_size);
 }
 
+void LanguageModel::set_sequence_shard(std::shared_ptr<SequenceShard> shard) {
+  sequence_shard_ = shard;
+  for (auto& block : blocks) {
+    if (auto* gpt = dynamic_cast<GPTBlock*>(block.get())) gpt->attn->sequence = shard;
+    else if (auto* llama = dynamic_cast<LlamaBlock*>(block.get())) llama->self_attn->sequence = shard;
+    else TS_CHECK(false, "{}::set_sequence_shard: block {} is a {}, not a GPT-2 or Llama block", type_name(),
+                  &block - blocks.data(), block->type_name());
+  }
+}
+
 namespace {
 TransformerConfig with_arch(TransformerConfig cfg, const char* arch) {
   cfg.arch = arch;
@@ -80,7 +90,20 @@ Tensor GPT::embed(const Tensor& idx) {
   TS_CHECK(wte != nullptr, "GPT::embed: this model part has no token embedding (a later pipeline stage's)");
   check_tokens(idx);
   Tensor x = (*wte)(idx);
-  if (wpe) x = x + (*wpe)(arange(0, idx.size(1), 1, idx.dtype(), idx.device()));
+  if (wpe) {
+    // Context parallelism: this rank's tokens sit at their global positions.
+    Tensor positions;
+    if (sequence_shard_) {
+      const std::vector<int64_t>& p = sequence_shard_->positions();
+      TS_CHECK(static_cast<int64_t>(p.size()) == idx.size(1),
+               "GPT::embed: this rank holds {} tokens of the sequence (context parallelism), but the input has {}",
+               p.size(), idx.size(1));
+      positions = ops::to(ops::to(from_vector(p, {idx.size(1)}), idx.dtype()), idx.device());
+    } else {
+      positions = arange(0, idx.size(1), 1, idx.dtype(), idx.device());
+    }
+    x = x + (*wpe)(positions);
+  }
   return (*drop)(x);
 }
 

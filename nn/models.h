@@ -29,8 +29,15 @@ class LanguageModel : public Module {
   Tensor run_blocks(Tensor x);
   virtual Tensor head(const Tensor& x) = 0;
 
+  // Context parallelism (cp/): every block's attention and the positions of
+  // the embedding see this rank's slice of the sequence through `shard`
+  // (null: whole sequences again).
+  void set_sequence_shard(std::shared_ptr<SequenceShard> shard);
+  const std::shared_ptr<SequenceShard>& sequence_shard() const { return sequence_shard_; }
+
  protected:
   void check_tokens(const Tensor& idx) const;
+  std::shared_ptr<SequenceShard> sequence_shard_;
 };
 
 class GPT : public LanguageModel {

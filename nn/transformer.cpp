@@ -1,6 +1,7 @@
 #include "nn/transformer.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "runtime/checked.h"
 
@@ -117,23 +118,41 @@ Tensor SwiGLUMLP::forward(const Tensor& x) {
   return (*down_proj)(swiglu((*gate_proj)(x), (*up_proj)(x)));  // silu(gate) * up, fused
 }
 
+namespace {
+// cos/sin [positions, head_dim/2] of angle(pos, i) = pos * theta^(-2i / head_dim), computed in f64.
+std::pair<Tensor, Tensor> rotary_rows(const std::vector<int64_t>& positions, int64_t head_dim, double theta,
+                                      DType dtype, Device device) {
+  const int64_t half = head_dim / 2, t = static_cast<int64_t>(positions.size());
+  std::vector<double> c(static_cast<size_t>(t * half)), s(c.size());
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      double angle = static_cast<double>(positions[static_cast<size_t>(r)]) *
+                     std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+      c[static_cast<size_t>(r * half + i)] = std::cos(angle);
+      s[static_cast<size_t>(r * half + i)] = std::sin(angle);
+    }
+  return {ops::to(ops::to(from_vector(c, {t, half}), dtype), device),
+          ops::to(ops::to(from_vector(s, {t, half}), dtype), device)};
+}
+}  // namespace
+
 std::pair<Tensor, Tensor> RotaryTables::get(int64_t t, int64_t head_dim, double theta, DType dtype,
                                              Device device) {
   if (!cos_.defined() || cos_.size(0) < t || cos_.dtype() != dtype || cos_.device() != device) {
-    // angle(pos, i) = pos * theta^(-2i / head_dim), computed in f64.
-    int64_t half = head_dim / 2;
-    std::vector<double> c(static_cast<size_t>(t * half)), s(c.size());
-    for (int64_t p = 0; p < t; ++p)
-      for (int64_t i = 0; i < half; ++i) {
-        double angle = static_cast<double>(p) *
-                       std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-        c[static_cast<size_t>(p * half + i)] = std::cos(angle);
-        s[static_cast<size_t>(p * half + i)] = std::sin(angle);
-      }
-    cos_ = ops::to(ops::to(from_vector(c, {t, half}), dtype), device);
-    sin_ = ops::to(ops::to(from_vector(s, {t, half}), dtype), device);
+    std::vector<int64_t> all(static_cast<size_t>(t));
+    for (int64_t p = 0; p < t; ++p) all[static_cast<size_t>(p)] = p;
+    std::tie(cos_, sin_) = rotary_rows(all, head_dim, theta, dtype, device);
   }
   return {cos_, sin_};
+}
+
+std::pair<Tensor, Tensor> RotaryTables::at(const std::vector<int64_t>& positions, int64_t head_dim, double theta,
+                                            DType dtype, Device device) {
+  if (!cos_at_.defined() || positions_ != positions || cos_at_.dtype() != dtype || cos_at_.device() != device) {
+    std::tie(cos_at_, sin_at_) = rotary_rows(positions, head_dim, theta, dtype, device);
+    positions_ = positions;
+  }
+  return {cos_at_, sin_at_};
 }
 
 CausalSelfAttention::CausalSelfAttention(const TransformerConfig& cfg, Device device)
@@ -156,6 +175,18 @@ Tensor merge_heads(const Tensor& x) {
   int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
   return reshape(transpose(x, 1, 2), {b, t, h * d});
 }
+// The rotary tables for x [B, T, C]'s tokens: positions 0 .. T-1, or a
+// context-parallel rank's global positions.
+std::pair<Tensor, Tensor> rotary_tables(RotaryTables& tables, const SequenceShard* sequence, const Tensor& x,
+                                        int64_t head_dim, double theta) {
+  const DType dt = ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype());
+  if (!sequence) return tables.get(x.size(1), head_dim, theta, dt, x.device());
+  const std::vector<int64_t>& positions = sequence->positions();
+  TS_CHECK(static_cast<int64_t>(positions.size()) == x.size(1),
+           "attention: this rank holds {} tokens of the sequence (context parallelism), but the input has {}",
+           positions.size(), x.size(1));
+  return tables.at(positions, head_dim, theta, dt, x.device());
+}
 }  // namespace
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
@@ -167,13 +198,13 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   const int64_t head_dim = n_embd / n_head;
   Tensor q = split_heads(qkv[0], head_dim), k = split_heads(qkv[1], head_dim);
   if (use_rope) {
-    auto [cos, sin] = rotary_.get(x.size(1), n_embd / n_head, rope_theta,
-                                  ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
-                                  x.device());
+    auto [cos, sin] = rotary_tables(rotary_, sequence.get(), x, head_dim, rope_theta);
     q = rope(contiguous(q), cos, sin);
     k = rope(contiguous(k), cos, sin);
   }
-  Tensor y = scaled_dot_product_attention(q, k, split_heads(qkv[2], head_dim), /*causal=*/true);
+  Tensor v = split_heads(qkv[2], head_dim);
+  Tensor y = sequence ? sequence->attention(q, k, v, 1.0 / std::sqrt(static_cast<double>(head_dim)))
+                      : scaled_dot_product_attention(q, k, v, /*causal=*/true);
   return (*resid_dropout)((*c_proj)(merge_heads(y)));
 }
 
@@ -191,13 +222,13 @@ LlamaAttention::LlamaAttention(const TransformerConfig& cfg, Device device)
 
 Tensor LlamaAttention::forward(const Tensor& x) {
   TS_CHECK(x.dim() == 3, "LlamaAttention: expected [B, T, C], got {}", shape_str(x.shape()));
-  auto [cos, sin] = rotary_.get(x.size(1), head_dim, rope_theta,
-                                ops::compute_dtype(x.device(), KernelFamily::Rope, x.dtype()),
-                                x.device());
+  auto [cos, sin] = rotary_tables(rotary_, sequence.get(), x, head_dim, rope_theta);
   Tensor q = rope(contiguous(split_heads((*q_proj)(x), head_dim)), cos, sin);
   Tensor k = rope(contiguous(split_heads((*k_proj)(x), head_dim)), cos, sin);
   Tensor v = split_heads((*v_proj)(x), head_dim);
-  return (*o_proj)(merge_heads(scaled_dot_product_attention(q, k, v, /*causal=*/true)));
+  Tensor y = sequence ? sequence->attention(q, k, v, 1.0 / std::sqrt(static_cast<double>(head_dim)))
+                      : scaled_dot_product_attention(q, k, v, /*causal=*/true);
+  return (*o_proj)(merge_heads(y));
 }
 
 GPTBlock::GPTBlock(const TransformerConfig& cfg, Device device) : checkpoint(cfg.activation_checkpoint) {

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "nn/layers.h"
 #include "runtime/checked.h"
@@ -55,6 +56,29 @@ struct TransformerConfig {
   void check_file_claims(const FieldNames& names = {}) const;
 };
 
+// This rank's slice of every sequence, under context parallelism (cp/): the
+// global positions of its tokens, and causal attention of its queries against
+// the whole sequence's keys (the slice's owner exchanges K/V with the other
+// slices' ranks). A model without one sees whole sequences: positions
+// 0 .. T-1 and scaled_dot_product_attention.
+class SequenceShard {
+ public:
+  virtual ~SequenceShard() = default;
+  // The global position of each of this rank's tokens, in the order they are
+  // held (for rotary tables and learned positions); its size is the local length.
+  virtual const std::vector<int64_t>& positions() const = 0;
+  // Causal attention over the whole sequence of this rank's queries q
+  // [B, H, T_local, D] with its keys and values k, v [B, Hkv, T_local, D].
+  virtual Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale) = 0;
+  // A batch of whole sequences (tokens, targets) [B, T], the same on every
+  // rank holding a slice: this rank's slices (and the layout for T).
+  virtual std::pair<Tensor, Tensor> shard_batch(const Tensor& tokens, const Tensor& targets,
+                                                int64_t ignore_index = -100) = 0;
+  // The slice's mean loss weighed so that the mean over the slices' ranks is
+  // the whole sequence's mean (train::forward_backward calls both).
+  virtual Tensor weigh_loss(const Tensor& mean_loss) const = 0;
+};
+
 // GPT-2 MLP: c_fc -> GELU -> c_proj.
 class GeluMLP : public Module {
  public:
@@ -82,9 +106,15 @@ class RotaryTables {
  public:
   // The tables for sequences of length t (a prefix of the cached ones).
   std::pair<Tensor, Tensor> get(int64_t t, int64_t head_dim, double theta, DType dtype, Device device);
+  // The tables' rows at the given positions (a context-parallel rank's tokens),
+  // each row the same numbers as row p of get's.
+  std::pair<Tensor, Tensor> at(const std::vector<int64_t>& positions, int64_t head_dim, double theta, DType dtype,
+                               Device device);
 
  private:
   Tensor cos_, sin_;
+  std::vector<int64_t> positions_;  // at's cache: the positions cos_at_/sin_at_ hold
+  Tensor cos_at_, sin_at_;
 };
 
 // GPT-2 attention: one fused c_attn projection to q, k, v; causal SDPA; c_proj.
@@ -99,6 +129,7 @@ class CausalSelfAttention : public Module {
   double rope_theta;
   std::shared_ptr<Linear> c_attn, c_proj;
   std::shared_ptr<Dropout> resid_dropout;
+  std::shared_ptr<SequenceShard> sequence;  // context parallelism: LanguageModel::set_sequence_shard
 
  private:
   RotaryTables rotary_;
@@ -113,6 +144,7 @@ class LlamaAttention : public Module {
   int64_t n_head, n_kv_head, head_dim;
   double rope_theta;
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<SequenceShard> sequence;  // context parallelism: LanguageModel::set_sequence_shard
 
  private:
   RotaryTables rotary_;

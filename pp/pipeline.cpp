@@ -237,6 +237,19 @@ Tensor Pipeline::piece_of(const Tensor& activation) const {
 
 Tensor Pipeline::forward_logits(const Tensor& idx) {
   autograd::NoGradGuard no_grad;
+  // Context parallelism: every rank runs the whole sequences (attention over
+  // them alone, no K/V exchanged); the slices come back after.
+  const std::shared_ptr<nn::SequenceShard> slices = parts_.begin()->second->sequence_shard();
+  struct Restore {
+    std::map<int, std::shared_ptr<nn::LanguageModel>>& parts;
+    std::shared_ptr<nn::SequenceShard> slices;
+    ~Restore() {
+      if (slices)
+        for (auto& [s, part] : parts) part->set_sequence_shard(slices);
+    }
+  } restore{parts_, slices};
+  if (slices)
+    for (auto& [s, part] : parts_) part->set_sequence_shard(nullptr);
   TS_CHECK(idx.dim() == 2, "Pipeline::forward_logits: expected token ids [B, T], got {}", shape_str(idx.shape()));
   const int S = schedule_.stages, me = group_->rank();
   auto rank_of = [&](int st) { return schedule_.stage_rank[static_cast<size_t>(st)]; };
@@ -280,7 +293,9 @@ Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
   if (stage + 1 < schedule_.stages) return f.output = h;
   // The batch's mean token loss, this micro-batch's share of it.
   const Tensor& logits = h;
-  f.output = mul(nn::cross_entropy(logits, micro_targets_[static_cast<size_t>(mb)]), token_share_);
+  Tensor loss = nn::cross_entropy(logits, micro_targets_[static_cast<size_t>(mb)]);
+  if (!micro_weights_.empty()) loss = loss * ops::to(micro_weights_[static_cast<size_t>(mb)], loss.dtype());
+  f.output = mul(loss, token_share_);
   losses_[static_cast<size_t>(mb)] = autograd::detach(f.output);
   return f.output;
 }
@@ -344,7 +359,7 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   TS_CHECK(materialized_, "Pipeline::step: the stages are still on meta (call materialize first)");
   TS_CHECK(idx.dim() == 2 && targets.shape() == idx.shape(), "Pipeline::step: expected token ids and targets "
            "[B, T] of one shape, got {} and {}", shape_str(idx.shape()), shape_str(targets.shape()));
-  const int64_t B = idx.size(0), T = idx.size(1);
+  const int64_t B = idx.size(0);
   TS_CHECK(B % m == 0, "Pipeline::step: a batch of {} sequences does not split into {} micro-batches "
            "(parallelism.pipeline_parallel_microbatches)", B, m);
   const int64_t bm = B / m;
@@ -357,10 +372,21 @@ Tensor Pipeline::step(const Tensor& idx, const Tensor& targets) {
   }
   micro_idx_.clear();
   micro_targets_.clear();
+  micro_weights_.clear();
+  // Context parallelism: every stage holds this rank's slice of the
+  // sequences (one shard object for all its parts), and each micro-batch's
+  // loss is weighed as train::loss weighs it.
+  const std::shared_ptr<nn::SequenceShard>& slices = parts_.begin()->second->sequence_shard();
   for (int i = 0; i < m; ++i) {
-    micro_idx_.push_back(ops::contiguous(ops::narrow(idx, 0, i * bm, bm)));
-    micro_targets_.push_back(ops::contiguous(ops::narrow(targets, 0, i * bm, bm)));
+    Tensor x = ops::contiguous(ops::narrow(idx, 0, i * bm, bm)), y = ops::contiguous(ops::narrow(targets, 0, i * bm, bm));
+    if (slices) {
+      std::tie(x, y) = slices->shard_batch(x, y);
+      micro_weights_.push_back(slices->weigh_loss(ones({}, DType::F64, x.device())));
+    }
+    micro_idx_.push_back(x);
+    micro_targets_.push_back(y);
   }
+  const int64_t T = micro_idx_[0].size(1);  // this rank's tokens of a sequence
   token_share_ = 1.0 / m;  // equal micro-batches: each holds 1/m of the batch's tokens
   flight_.clear();
   losses_.assign(static_cast<size_t>(m), Tensor());

@@ -177,6 +177,9 @@ class Pipeline {
   };
   std::map<std::pair<int, int>, InFlight> flight_;
   std::vector<Tensor> micro_idx_, micro_targets_;
+  // Context parallelism (the parts share one sequence shard): each
+  // micro-batch's loss weight (nn::SequenceShard::weigh_loss of 1).
+  std::vector<Tensor> micro_weights_;
   std::vector<Tensor> losses_;  // the last stage's, per micro-batch
   double token_share_ = 1;  // each micro-batch's share of the batch's tokens
 };

@@ -116,6 +116,10 @@ class ProcessGroup {
 
   virtual CollectiveStats stats() const = 0;
   virtual void reset_stats() = 0;
+  // Traces (runtime/trace.h): this group's collectives and messages on a
+  // lane of their own named `lane` (a layer's exchanges, e.g. context
+  // parallelism's K/V), instead of each kind's lane. Set before the first.
+  virtual void set_trace_lane(const std::string& lane) { (void)lane; }
   // Collectives issued so far on this group (the next one gets this number).
   virtual int64_t sequence() const = 0;
   // A group of dist::simulated_group: counts, never communicates.

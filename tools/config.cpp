@@ -249,6 +249,14 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  c.parallelism.pipeline_parallel_module_names_per_stage,
                  "or the stages by the model's module names: stages separated by ';', names by ',' (the "
                  "embeddings on the first, the final norm and lm_head on the last): docs/pipeline-parallel.md"),
+      int_key("parallelism.context_parallel_degree", c.parallelism.context_parallel_degree,
+              "ranks each sequence is split over (context parallelism; 1 = none): docs/context-parallel.md"),
+      string_key("parallelism.context_parallel_rotate_method", c.parallelism.context_parallel_rotate_method,
+                 "how attention's K/V reach the other slices: one all-gather per layer, or passed rank to rank",
+                 {"allgather", "ring"}),
+      bool_key("parallelism.context_parallel_load_balance", c.parallelism.context_parallel_load_balance,
+               "cut the sequence into 2 x degree chunks, rank r holding chunks r and 2 x degree - 1 - r, so every "
+               "rank does the same causal attention work (false: contiguous runs)"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -575,7 +583,10 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .pp_layers_per_stage = positive_list(p.pipeline_parallel_layers_per_stage,
                                                "parallelism.pipeline_parallel_layers_per_stage expects block "
                                                "counts >= 1"),
-          .pp_module_names_per_stage = name_lists(p.pipeline_parallel_module_names_per_stage)};
+          .pp_module_names_per_stage = name_lists(p.pipeline_parallel_module_names_per_stage),
+          .cp = p.context_parallel_degree,
+          .cp_rotate_method = p.context_parallel_rotate_method,
+          .cp_load_balance = p.context_parallel_load_balance};
 }
 
 train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {

@@ -124,6 +124,13 @@ struct TrainConfig {
     // Or the stages by module names (TorchTitan's module_fqns_per_model_part):
     // stages separated by ';', names by ',' ("transformer.wte,transformer.h.0;transformer.h.1,lm_head").
     std::string pipeline_parallel_module_names_per_stage;
+    // > 1: context parallelism (cp/context_parallel.h): every sequence split
+    // over this many ranks, a mesh dim between the data-parallel and the
+    // tensor-parallel ones; attention exchanges K/V between them, FSDP shards
+    // over data x context. The ranks of one group train on the same rows.
+    int64_t context_parallel_degree = 1;
+    std::string context_parallel_rotate_method = "allgather";  // allgather | ring
+    bool context_parallel_load_balance = true;  // head-tail chunks (false: contiguous runs)
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cp/context_parallel.h"
 #include "pp/pipeline.h"
 #include "pp/schedule.h"
 #include "runtime/check.h"
@@ -164,6 +165,20 @@ void validate(const TrainConfig& c) {
              "are its gradient accumulation (parallelism.pipeline_parallel_microbatches)", c.training.grad_accum, pp);
   }
 
+  if (const int64_t cp = c.parallelism.context_parallel_degree; cp != 1) {
+    const auto& p = c.parallelism;
+    TS_CHECK(cp >= 1, "parallelism.context_parallel_degree must be >= 1, got {}", cp);
+    cp::parse_rotate_method(p.context_parallel_rotate_method, "parallelism.context_parallel_rotate_method");
+    // Every sequence is training.seq_len tokens: its split is checked here,
+    // before any rank allocates.
+    cp::sequence_layout(t.seq_len, static_cast<int>(cp), p.context_parallel_load_balance, [](const char* field) {
+      const std::string f = field;
+      return f == "load_balance" ? std::string("parallelism.context_parallel_load_balance")
+             : f == "seq_len"    ? std::string("training.seq_len")
+                                 : f;
+    });
+  }
+
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
@@ -252,6 +267,8 @@ FieldNames parallelism_key_names() {
     if (f == "tp") return "parallelism.tensor_parallel_degree";
     if (f == "sequence_parallel") return "parallelism.enable_sequence_parallel";
     if (f == "pp") return "parallelism.pipeline_parallel_degree";
+    if (f == "cp") return "parallelism.context_parallel_degree";
+    if (f == "cp_rotate_method") return "parallelism.context_parallel_rotate_method";
     return "parallelism." + f;
   };
 }

@@ -160,6 +160,12 @@ double node_peak_flops(const std::string& param_dtype, int ranks_here, int threa
   return flops;
 }
 
+std::vector<std::pair<std::string, dist::ProcessGroupPtr>> flattened_groups(const MeshPtr& mesh) {
+  const auto& names = mesh->dim_names();
+  if (std::find(names.begin(), names.end(), "cp") == names.end()) return {};
+  return {{"dp_shard_cp", mesh->root()->slice({"dp_shard_cp"})->get_group(0)}};
+}
+
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
   std::vector<dist::ProcessGroupPtr> out;
   for (auto& [name, module] : model.named_modules())
@@ -236,6 +242,7 @@ void plan_pipeline(const TrainConfig& cfg, Plan& plan, const MeshPtr& mesh, cons
     const Tensor y = empty({plan.micro_batch * m, T.seq_len}, DType::I64, Device::meta());
     if (step == 1) {
       for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+      for (const auto& [name, g] : flattened_groups(mesh)) g->reset_stats();
       world->reset_stats();
     }
     const int64_t steady = held();
@@ -252,6 +259,7 @@ void plan_pipeline(const TrainConfig& cfg, Plan& plan, const MeshPtr& mesh, cons
   plan.pp_in_flight = pipe->max_in_flight();
   for (int64_t d = 0; d < mesh->ndim(); ++d)
     plan.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+  for (const auto& [name, g] : flattened_groups(mesh)) plan.collectives[name] = g->stats();
   if (plan.world_size > 1) plan.collectives["world"] = world->stats();
   plan.peak = peak();
   // This rank's FLOPs: its stages' parameters and blocks, every micro-batch.
@@ -316,6 +324,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     for (int step = 0; step < 2; ++step) {
       if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        for (const auto& [name, g] : flattened_groups(mesh)) g->reset_stats();
         for (const auto& g : post_forward_groups(*model)) g->reset_stats();
         world->reset_stats();
         forward_base = held();
@@ -340,6 +349,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     }
     for (int64_t d = 0; d < mesh->ndim(); ++d)
       plan.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
+    for (const auto& [name, g] : flattened_groups(mesh)) plan.collectives[name] = g->stats();
     if (world_size > 1) plan.collectives["world"] = world->stats();
     for (const auto& g : post_forward_groups(*model))
       plan.collectives[fmt::format("dp_shard/post-forward{}", g->size())] += g->stats();
@@ -459,6 +469,25 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                      "on a stage; bubble {:.1f}% (the schedule simulated, a backward twice a forward)",
                      cfg.parallelism.pipeline_parallel_schedule, p.pp_microbatches, p.pp_stages, p.pp_in_flight,
                      100 * p.pp_bubble));
+  if (const auto& par = cfg.parallelism; par.context_parallel_degree > 1) {
+    // Each layer's K/V exchange: every rank's K and V slices, [2, B, Hkv, T/cp, D]
+    // in the compute dtype, reach every other rank once forward and once backward.
+    const int64_t cp = par.context_parallel_degree, kv_heads = cfg.model.n_kv_head > 0 ? cfg.model.n_kv_head
+                                                                                       : cfg.model.n_head;
+    const double elem = cfg.mixed_precision.param_dtype == "bfloat16" ? 2 : 4;
+    const double slice = 2.0 * static_cast<double>(p.micro_batch * kv_heads / cfg.parallelism.tensor_parallel_degree *
+                                                   cfg.training.seq_len / cp * (cfg.model.n_embd / cfg.model.n_head)) *
+                         elem;
+    line(fmt::format("context parallel: {} ranks, {}, {}; this rank holds {} of {} tokens a sequence; per layer and "
+                     "micro-batch it sends {} of K/V forward ({} x its slice of {}){}",
+                     cp, par.context_parallel_rotate_method,
+                     par.context_parallel_load_balance ? "head-tail chunks" : "contiguous runs",
+                     cfg.training.seq_len / cp, cfg.training.seq_len,
+                     mib(static_cast<double>(cp - 1) * slice), cp - 1, mib(slice),
+                     par.context_parallel_rotate_method == "ring"
+                         ? ", and K/V again with their gradients (f32) backward"
+                         : ", gathers them again backward and reduce-scatters their gradients (f32)"));
+  }
   if (cfg.mixed_precision.param_dtype != "float32") line(fmt::format("bf16 matrix products: in {}", p.bf16_products));
   line("memory per rank (bytes held in tensors, as the allocator counts them):");
   line(fmt::format("  sharded parameters          {:>12}", mib(static_cast<double>(p.sharded_parameters))));
@@ -478,9 +507,10 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
     line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} handed {:>12} on a ring",
                      group, s.all_gather, s.reduce_scatter, s.all_reduce, mib(static_cast<double>(s.bytes)),
                      mib(static_cast<double>(s.ring_bytes))));
-    if (s.send + s.recv > 0)  // a pipeline's messages, stage to stage (in the bytes above)
-      line(fmt::format("  {:<22} send {:>4}  recv {:>4}  (activations and their gradients between stages)", "", s.send,
-                       s.recv));
+    if (s.send + s.recv > 0)  // a pipeline's messages, stage to stage, or the ring's K/V (in the bytes above)
+      line(fmt::format("  {:<22} send {:>4}  recv {:>4}  ({})", "", s.send, s.recv,
+                       group == "cp" ? "K/V blocks and their gradients around the ring"
+                                     : "activations and their gradients between stages"));
   }
   // ZeRO-3's figure assumes every parameter gathered twice; a group kept
   // gathered after its forward (the last one, or reshard_after_forward

@@ -31,6 +31,9 @@ namespace tessera::tools {
 // group for its backward all-gathers (N ranks each; a plan sums their
 // collectives as "dp_shard/post-forwardN"); none otherwise.
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model);
+// The groups of the dims train::parallelize flattens, by name: FSDP's over
+// data x context ("dp_shard_cp") when the mesh has a "cp" dim.
+std::vector<std::pair<std::string, dist::ProcessGroupPtr>> flattened_groups(const MeshPtr& mesh);
 
 struct Plan {
   int world_size = 1, rank = 0;

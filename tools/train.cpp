@@ -311,7 +311,7 @@ double Trainer::evaluate() {
     auto [x, y] = val_->eval_batch(i, micro_global_);  // the same windows at any world size
     Tensor lx = ops::contiguous(ops::narrow(x, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
     Tensor ly = ops::contiguous(ops::narrow(y, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
-    total += nn::cross_entropy((*model_)(lx), ly).item();
+    total += train::loss(*model_, lx, ly).item();  // under context parallelism this rank's slice, weighed
   }
   model_->train();
   return all_reduce(total / static_cast<double>(T_.eval_batches), dist::ReduceOp::Avg);
@@ -548,6 +548,15 @@ void Trainer::sample(const std::string& when) {
     std::printf("\n--- sample%s (temperature %.2f, top-k %lld) ---\n%s", when.empty() ? "" : (" at " + when).c_str(),
                 cfg_.sample.temperature, static_cast<long long>(cfg_.sample.top_k), cfg_.sample.prompt.c_str());
   }
+  // Context parallelism: every rank generates the whole sequence (attention
+  // over it alone, no K/V exchanged); the slices come back after.
+  std::shared_ptr<nn::SequenceShard> slices = model_->sequence_shard();
+  model_->set_sequence_shard(nullptr);
+  struct Restore {
+    nn::LanguageModel& model;
+    std::shared_ptr<nn::SequenceShard> slices;
+    ~Restore() { model.set_sequence_shard(slices); }
+  } restore{*model_, slices};
   nn::generate(*model_, prompt,
                {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
                 static_cast<uint64_t>(cfg_.job.seed)},

@@ -113,7 +113,17 @@ std::string Trainer::layout() const {
       pipe_ ? fmt::format("PP {} ({}, {} micro-batches, {} stages) x ", pipe_->group()->size(),
                           pipe_->schedule().name, pipe_->schedule().microbatches, pipe_->schedule().stages)
             : "";
-  return pipeline + (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard)", rep, shard) : fmt::format("FSDP over {}", shard)) +
+  const auto& p = cfg_.parallelism;
+  const int64_t cp = p.context_parallel_degree;
+  // FSDP shards over data x context: its degree is shard x cp.
+  const std::string context =
+      cp > 1 ? fmt::format(" x context parallel {} ({}, {})", cp, p.context_parallel_rotate_method,
+                           p.context_parallel_load_balance ? "head-tail" : "contiguous")
+             : "";
+  return pipeline +
+         (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard{})", rep, shard * cp, cp > 1 ? " x cp" : "")
+                  : fmt::format("FSDP over {}{}", shard * cp, cp > 1 ? fmt::format(" (data {} x context {})", shard, cp) : "")) +
+         context +
          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_, tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
                   : "");

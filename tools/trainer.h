@@ -45,7 +45,9 @@ class Trainer {
         T_(cfg_.training),
         tp_(cfg_.parallelism.tensor_parallel_degree),
         dp_(tools::data_parallel_ranks(cfg_, world_)),
-        dp_rank_((rank_ / tp_) % dp_),  // the mesh: pp outermost, tp innermost
+        // The mesh: pp outermost, then the data dims, cp, tp innermost; the
+        // ranks of a cp x tp group train on the same rows.
+        dp_rank_((rank_ / (tp_ * cfg_.parallelism.context_parallel_degree)) % dp_),
         allowed_(tools::split_list(cfg_.checkpoint.allow_resume_change)) {}
   int run();
   // --eval-only: the validation loss of given weights (no training, nothing saved).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cp/context_parallel.h"
 #include "fsdp/fully_shard.h"
 #include "runtime/distributed.h"
 #include "tp/parallelize.h"
@@ -15,23 +16,30 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
   TS_CHECK(o.dp_shard == -1 || o.dp_shard >= 1, "{} must be -1 or >= 1, got {}", f("dp_shard"), o.dp_shard);
   TS_CHECK(o.tp >= 1, "{} must be >= 1, got {}", f("tp"), o.tp);
   TS_CHECK(o.pp >= 1, "{} must be >= 1, got {}", f("pp"), o.pp);
+  TS_CHECK(o.cp >= 1, "{} must be >= 1, got {}", f("cp"), o.cp);
+  cp::parse_rotate_method(o.cp_rotate_method, f("cp_rotate_method"));
+
   MeshDims d;
   d.pp = o.pp;
   d.replicate = o.dp_replicate;
+  d.cp = o.cp;
   d.tp = o.tp;
   d.shard = o.dp_shard;
-  const CheckedInt others = named(f("pp"), o.pp) * named(f("dp_replicate"), o.dp_replicate) * named(f("tp"), o.tp);
+  const CheckedInt others = named(f("pp"), o.pp) * named(f("dp_replicate"), o.dp_replicate) * named(f("cp"), o.cp) *
+                            named(f("tp"), o.tp);
   if (d.shard == -1) {
-    TS_CHECK(world_size % others.value == 0, "{}{} ({}){} must divide the number of ranks ({})",
+    TS_CHECK(world_size % others.value == 0, "{}{} ({}){}{} must divide the number of ranks ({})",
              o.pp > 1 ? fmt::format("{} ({}) x ", f("pp"), o.pp) : "", f("dp_replicate"), o.dp_replicate,
+             o.cp > 1 ? fmt::format(" x {} ({})", f("cp"), o.cp) : "",
              o.tp > 1 ? fmt::format(" x {} ({})", f("tp"), o.tp) : "", world_size);
     d.shard = world_size / others.value;
   }
   TS_CHECK((others * named(f("dp_shard"), d.shard)).value == world_size,
-           "parallelism: {}replicate degree {} x shard degree {}{} = {} ranks, but the job has {}",
+           "parallelism: {}replicate degree {} x shard degree {}{}{} = {} ranks, but the job has {}",
            d.pp > 1 ? fmt::format("pipeline degree {} x ", d.pp) : "", d.replicate, d.shard,
-           d.tp > 1 ? fmt::format(" x tensor-parallel degree {}", d.tp) : "", d.pp * d.replicate * d.shard * d.tp,
-           world_size);
+           d.cp > 1 ? fmt::format(" x context-parallel degree {}", d.cp) : "",
+           d.tp > 1 ? fmt::format(" x tensor-parallel degree {}", d.tp) : "",
+           d.pp * d.replicate * d.shard * d.cp * d.tp, world_size);
   TS_CHECK(o.reshard_after_forward_degree == 0 ||
                (o.reshard_after_forward_degree >= 1 && d.shard % o.reshard_after_forward_degree == 0),
            "{} ({}) must divide the shard degree ({} at {} ranks), or be 0", f("reshard_after_forward_degree"),
@@ -43,6 +51,7 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
   if (d.pp > 1) dim(d.pp, "pp");
   if (d.replicate > 1) dim(d.replicate, "dp_replicate");
   dim(d.shard, "dp_shard");
+  if (d.cp > 1) dim(d.cp, "cp");
   if (d.tp > 1) dim(d.tp, "tp");
   return d;
 }
@@ -59,10 +68,29 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
   if (names.back() == "tp")
     tp::parallelize_module(model, (*mesh)["tp"],
                            tp::tensor_parallel_plan(model, mesh->size(-1), o.loss_parallel, o.sequence_parallel));
+  const bool context = std::find(names.begin(), names.end(), "cp") != names.end();
+  if (context) {
+    cp::apply_context_parallel(model, mesh->get_group("cp"),
+                               {.rotate_method = cp::parse_rotate_method(o.cp_rotate_method),
+                                .load_balance = o.cp_load_balance,
+                                .names = [](const char* field) {
+                                  const std::string f = field;
+                                  return f == "load_balance" ? std::string("cp_load_balance")
+                                         : f == "seq_len"    ? std::string("the sequence length")
+                                                             : f;
+                                }});
+  }
+  // The data dims; the context-parallel ranks hold one model replica's
+  // gradients of different tokens, so FSDP shards over data x context.
   std::vector<std::string> data;
   for (const std::string& n : names)
-    if (n != "tp" && n != "pp") data.push_back(n);
-  const MeshPtr dp = data.size() == names.size() ? mesh : mesh->slice(data);
+    if (n != "tp" && n != "pp" && n != "cp") data.push_back(n);
+  if (context) {
+    const MeshPtr top = mesh->root();
+    top->slice({"dp_shard", "cp"})->flatten("dp_shard_cp");
+    data.back() = "dp_shard_cp";
+  }
+  const MeshPtr dp = context ? mesh->root()->slice(data) : data.size() == names.size() ? mesh : mesh->slice(data);
   const bool pipelined = std::find(names.begin(), names.end(), "pp") != names.end();
   fsdp::FullyShardOptions opt{
       .mesh = dp,
@@ -99,6 +127,12 @@ std::shared_ptr<pp::Pipeline> make_pipeline(const nn::TransformerConfig& cfg, co
   }
   auto pipe = std::make_shared<pp::Pipeline>(mesh->get_group("pp"), cfg, po);
   for (const auto& [s, part] : pipe->parts()) parallelize(*part, mesh, o);
+  // Context parallelism: this rank's stages hold the same slice of each
+  // sequence, one shard object for all (Pipeline::step shards each micro-batch once).
+  if (std::find(names.begin(), names.end(), "cp") != names.end()) {
+    const std::shared_ptr<nn::SequenceShard> slices = pipe->parts().begin()->second->sequence_shard();
+    for (const auto& [s, part] : pipe->parts()) part->set_sequence_shard(slices);
+  }
   pipe->materialize(mesh->device(), seed);
   return pipe;
 }

@@ -48,15 +48,21 @@ struct ParallelismOptions {
   int64_t pp_stages_per_rank = 0;        // 0: 1, or 2 for interleaved_1f1b
   std::vector<int64_t> pp_layers_per_stage;  // empty: as even as they go
   std::vector<std::vector<std::string>> pp_module_names_per_stage;  // instead: pp::split_by_names
+  // > 1: context parallelism (cp/context_parallel.h): every sequence split
+  // over this many ranks, a mesh dim between dp_shard and tp; FSDP shards
+  // over dp_shard x cp flattened ("dp_shard_cp", as TorchTitan does).
+  int64_t cp = 1;
+  std::string cp_rotate_method = "allgather";  // allgather | ring
+  bool cp_load_balance = true;                 // head-tail chunks (false: contiguous runs)
 };
 
 // The mesh, outermost dim first: pp (when > 1), dp_replicate (when > 1),
-// dp_shard, tp (when > 1), for world_size ranks; throws naming the option (through `names`, as
+// dp_shard, cp (when > 1), tp (when > 1), for world_size ranks; throws naming the option (through `names`, as
 // nn's validation does) when the degrees do not make world_size.
 struct MeshDims {
   Shape shape;
   std::vector<std::string> names;
-  int64_t pp = 1, replicate = 1, shard = 1, tp = 1;
+  int64_t pp = 1, replicate = 1, shard = 1, cp = 1, tp = 1;
   int64_t data_parallel() const { return replicate * shard; }  // ranks that see different data
 };
 MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const FieldNames& names = {});
@@ -64,8 +70,10 @@ MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const Fiel
 MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_type = "cpu");
 
 // Shards `model` (built on meta, not yet materialised) over `mesh` (made by
-// make_mesh): tensor parallelism over its "tp" dim when it has one, then FSDP
-// over the others, each block and then the root.
+// make_mesh): tensor parallelism over its "tp" dim when it has one, context
+// parallelism over its "cp" dim (forward_backward then hands the model this
+// rank's slice of each sequence), then FSDP over the others, each block and
+// then the root.
 void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& options);
 
 // The pipeline over the mesh's "pp" dim (options.pp > 1): this rank's stage

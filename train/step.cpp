@@ -6,6 +6,15 @@
 
 namespace tessera::train {
 
+Tensor loss(nn::LanguageModel& model, const Tensor& x, const Tensor& y) {
+  const auto& slices = model.sequence_shard();
+  if (!slices) return nn::cross_entropy(model(x), y);
+  // Context parallelism: this rank's slice of the sequences, its loss
+  // weighed so that the mean over the slices is the sequences' mean.
+  auto [xs, ys] = slices->shard_batch(x, y);
+  return slices->weigh_loss(nn::cross_entropy(model(xs), ys));
+}
+
 Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const BatchFn& batch) {
   TS_CHECK(grad_accum >= 1, "forward_backward: grad_accum must be >= 1, got {}", grad_accum);
   Tensor loss_sum;
@@ -13,7 +22,7 @@ Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const Batc
     // Gradients are reduced once, after the last micro-batch.
     fsdp::set_requires_gradient_sync(model, m + 1 == grad_accum);
     auto [x, y] = batch(m);
-    Tensor loss = nn::cross_entropy(model(x), y);
+    Tensor loss = train::loss(model, x, y);
     if (!loss_sum.defined()) loss_sum = zeros({}, DType::F64, loss.device());
     loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
     autograd::backward(loss * (1.0 / static_cast<double>(grad_accum)));

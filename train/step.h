@@ -13,8 +13,15 @@
 
 namespace tessera::train {
 
-// Micro-batch m's (inputs, targets) on the model's device.
+// Micro-batch m's (inputs, targets) on the model's device: whole sequences
+// (under context parallelism every rank of a cp group gets the same, and
+// forward_backward takes the rank's slice).
 using BatchFn = std::function<std::pair<Tensor, Tensor>(int64_t micro_batch)>;
+
+// The mean cross-entropy of `model` on whole sequences x -> y. Under context
+// parallelism (the model has a sequence shard) this rank's slice of them,
+// weighed so that the mean over the cp group's ranks is the batch's mean.
+Tensor loss(nn::LanguageModel& model, const Tensor& x, const Tensor& y);
 
 // The forward and backward passes of one optimizer step: grad_accum
 // micro-batches, each loss scaled by 1 / grad_accum, gradients reduced after

@@ -47,9 +47,15 @@ trace::Lane lane_of(const std::string& kind) {
 }
 
 void complete(Collective& op, Collective::Stage stage, std::string error = "") {
-  if (op.issued_us >= 0)
-    trace::record(lane_of(op.kind), fmt::format("{} #{} ({})", op.kind, op.seq, op.group->name), op.issued_us,
-                  trace::now_us());
+  if (op.issued_us >= 0) {
+    std::string own;
+    {
+      std::lock_guard<std::mutex> lock(op.group->stats_mu);
+      own = op.group->trace_lane;
+    }
+    trace::record(own.empty() ? lane_of(op.kind) : trace::register_lane(own),
+                  fmt::format("{} #{} ({})", op.kind, op.seq, op.group->name), op.issued_us, trace::now_us());
+  }
   op.stage = stage;
   op.error = std::move(error);
   // The lambdas' references go now; keep_alive's stay until the collective is

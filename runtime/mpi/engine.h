@@ -95,6 +95,7 @@ class GroupState {
   std::string broken_reason;
   std::mutex stats_mu;
   CollectiveStats stats;
+  std::string trace_lane;  // set_trace_lane's (under stats_mu); empty: each kind's lane
 };
 
 class Engine {

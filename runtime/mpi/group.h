@@ -26,6 +26,10 @@ class MpiGroup final : public ProcessGroup {
   CollectiveStats stats() const override;
   void reset_stats() override;
   int64_t sequence() const override { return state_->next_seq; }
+  void set_trace_lane(const std::string& lane) override {
+    std::lock_guard<std::mutex> lock(state_->stats_mu);
+    state_->trace_lane = lane;
+  }
 
   // Wraps a communicator this rank belongs to (called where MPI may be called).
   static std::shared_ptr<ProcessGroup> make_child(MPI_Comm comm, const std::string& name);

@@ -42,6 +42,23 @@ expect docs/labs.md "($(peak 1 --preset tiny "${ac[@]}") against $(peak 1 --pres
 params=$("$plan" --ranks 1 --preset tiny | sed -n 's/.*(\([0-9]*\) without the position table.*/\1/p')
 expect docs/labs.md "d=64 ($(python3 -c "print(f'{$params:,}')") parameters)"
 
+# labs.md lab 11: the default model at 2 sequences of 2048 tokens, CP 1 and CP 4.
+long=(--training.seq_len 2048 --training.batch_size 2)
+above() { "$plan" --ranks "$@" | awk '/forward \+ backward/ { print $5 }'; }
+expect docs/labs.md "fall from $(above 1 "${long[@]}") MiB on one rank to $(above 4 "${long[@]}" --parallelism.context_parallel_degree 4) MiB per rank at CP 4"
+cp4=$("$plan" --ranks 4 "${long[@]}" --parallelism.context_parallel_degree 4)
+kv=$(sed -n 's/.* it sends \([0-9.]* MiB\) of K\/V forward.*/\1/p' <<< "$cp4")
+expect docs/labs.md "sends $kv of K/V per layer forward"
+read -r cag crs < <(awk '/^  cp / { print $3, $5 }' <<< "$cp4")
+expect docs/labs.md "$cag all-gathers and $crs reduce-scatters per step (two and one per layer)"
+cp4r=$("$plan" --ranks 4 "${long[@]}" --parallelism.context_parallel_degree 4 --parallelism.context_parallel_rotate_method ring)
+expect docs/context-parallel.md "$(sed -n 's/^\(context parallel: 4 ranks, ring, .*\)$/\1/p' <<< "$cp4r")"
+expect docs/context-parallel.md "$(awk '/K\/V blocks and their gradients/ { print $2 }' <<< "$cp4r") messages sent per step with the ring"
+expect docs/context-parallel.md "or $cag all-gathers and $crs reduce-scatters with the all-gather"
+expect docs/context-parallel.md "the ring holds less than the all-gather: $(above 4 "${long[@]}" --parallelism.context_parallel_degree 4 --parallelism.context_parallel_rotate_method ring) MiB"
+expect docs/context-parallel.md "($(above 4 "${long[@]}" --parallelism.context_parallel_degree 4) against $(above 1 "${long[@]}") MiB above the steady state"
+expect docs/context-parallel.md "the activations per rank at CP 4 are $(python3 -c "print(f'{$(above 4 "${long[@]}" --parallelism.context_parallel_degree 4) / $(above 1 "${long[@]}"):.2f}')") of CP 1's"
+
 # The tiny run of labs 1 and 6 (a second each): the loss at step 40, to the bit.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

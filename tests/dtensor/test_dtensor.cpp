@@ -165,6 +165,29 @@ TEST_CASE("3-D meshes: named dims, coordinates, multi-name slices, flattening, r
       for (int64_t j = 0; j < b; ++j)
         for (int64_t k = 0; k < c; ++k) bc_ranks.push_back(rank_at(co[0], j, k));
       CHECK(group_members(bc->get_group(0)) == bc_ranks);
+      // A named flattening is registered on the root: "bc" slices like one of
+      // its dims, alone or with "a", in the mesh's order or any other.
+      auto again = m->slice({"bc"});
+      CHECK(again->ranks() == bc_ranks);
+      CHECK(again->get_coordinate() == std::vector<int64_t>{co[1] * c + co[2]});
+      CHECK(again->get_group(0) == bc->get_group(0));
+      CHECK(m->slice({"b", "c"})->flatten("bc") == bc);  // the registered mesh, no new group
+      auto a_bc = m->slice({"a", "bc"});
+      std::vector<int> all(static_cast<size_t>(w));
+      for (int i = 0; i < w; ++i) all[static_cast<size_t>(i)] = i;
+      CHECK(a_bc->shape() == Shape{a, b * c});
+      CHECK(a_bc->ranks() == all);
+      CHECK(a_bc->get_coordinate() == std::vector<int64_t>{co[0], co[1] * c + co[2]});
+      CHECK(a_bc->get_group("a") == m->get_group("a"));
+      CHECK(a_bc->get_group("bc") == bc->get_group(0));
+      CHECK(a_bc->root() == m);
+      std::vector<int> bc_a;
+      for (int64_t j = 0; j < b * c; ++j)
+        for (int64_t i = 0; i < a; ++i) bc_a.push_back(rank_at(i, j / c, j % c));
+      CHECK(m->slice({"bc", "a"}, /*any_order=*/true)->ranks() == bc_a);
+      CHECK_THROWS_WITH(m->slice({"bc", "c"}, true), Catch::Contains("be distinct dims of the mesh"));
+      CHECK_THROWS_WITH(m->slice({"a", "b"})->flatten("bc"), Catch::Contains("'bc' already names a flattening of other dims"));
+      CHECK_THROWS_WITH(m->slice({"a", "c"})->flatten("b"), Catch::Contains("'b' is a dim of"));
       // A DTensor on the flattened submesh: sharded over a*c ranks, replicated along b.
       Tensor full5 = ints({5, 3}, 17);
       Tensor on_flat = distribute_tensor_local(full5, flat, {Shard{0}});

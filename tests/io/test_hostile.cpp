@@ -320,8 +320,8 @@ TEST_CASE("class 6: products of sizes from a file or a flag are checked", "[host
   tools::TrainConfig cfg;
   cfg.parallelism.data_parallel_replicate_degree = int64_t{1} << 32;
   cfg.parallelism.tensor_parallel_degree = int64_t{1} << 32;
-  refused([&] { tools::mesh_dims(cfg, 4); }, {"parallelism.data_parallel_replicate_degree x "
-                                               "parallelism.tensor_parallel_degree", "overflows"});
+  refused([&] { tools::mesh_dims(cfg, 4); }, {"parallelism.data_parallel_replicate_degree x ",
+                                               "x parallelism.tensor_parallel_degree", "overflows"});
   // An llm.c header whose sizes overflow int64: refused before any read, not 9.2e18 bytes asked.
   TempDir dir;
   for (auto [layers, channels] : {std::pair{2147483647, 2147483640}, {1, 2147483640}, {2147483647, 64}}) {

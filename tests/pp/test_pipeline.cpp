@@ -16,6 +16,7 @@
 #include "nn/optim.h"
 #include "pp/pipeline.h"
 #include "tp/parallelize.h"
+#include "train/parallelize.h"
 #include "runtime/trace.h"
 #include "tests/helpers.h"
 
@@ -316,6 +317,48 @@ TEST_CASE("PP x FSDP equals one process with gradient accumulation, with and wit
         for (auto& [name, t] : part->named_parameters()) got.params[name] = full_tensor(t);
       compare(want, got, 1e-12);
     }
+}
+
+TEST_CASE("PP x CP equals one process with gradient accumulation", "[pp][cp]") {
+  auto world_group = world();
+  if (world_group->size() != 4) return;  // 2 stages x context parallel 2
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const std::string method : {"allgather", "ring"})
+      for (const std::string schedule : {"1f1b", "zb_h1"}) {
+        INFO(arch << " pp 2 x cp 2, " << method << ", " << schedule);
+        const int m = 4;
+        const auto cfg = config(arch, 5);
+        // Sequences of 4 tokens: head-tail chunks of 1; every rank gets the whole batch.
+        const auto batches = data(2 * m, 4, cfg.vocab_size, 3);
+        const Result want = reference(cfg, DType::F64, m, batches);
+        train::ParallelismOptions o{.param_dtype = DType::F64, .reduce_dtype = DType::F64, .pp = 2,
+                                    .pp_schedule = schedule, .pp_microbatches = m, .cp = 2,
+                                    .cp_rotate_method = method};
+        MeshPtr mesh = train::make_mesh(o);
+        auto pipe = train::make_pipeline(cfg, mesh, o, 7);
+        for (auto& [s, part] : pipe->parts()) part->to(DType::F64);
+        optim::AdamW opt(pipe->parameters(), {.lr = 3e-2, .weight_decay = 0.1});
+        mesh->get_group("cp")->reset_stats();
+        Result got;
+        for (const auto& [idx, targets] : batches) {
+          Tensor loss = ops::reshape(pipe->step(idx, targets), {1});
+          // Each cp rank's loss is its slice's, weighed: their mean is the batch's.
+          world_group->all_reduce(loss, {.op = dist::ReduceOp::Avg})->wait();
+          got.losses.push_back(loss.item());
+          got.norms.push_back(pipe->clip_grad_norm_(0.5).item());
+          opt.step();
+          opt.zero_grad();
+        }
+        for (auto& [s, part] : pipe->parts())
+          for (auto& [name, t] : part->named_parameters()) got.params[name] = full_tensor(t);
+        compare(want, got, 1e-12);
+        // K/V exchanged per block of this rank's stage and micro-batch (forward and backward).
+        int64_t blocks = 0;
+        for (auto& [s, part] : pipe->parts()) blocks += static_cast<int64_t>(part->blocks.size());
+        const auto st = mesh->get_group("cp")->stats();
+        if (method == "ring") CHECK(st.send == 3 * m * blocks * 4);  // (3 x 2 - 2) messages each, 3 steps
+        else CHECK(st.all_gather == 3 * m * blocks * 2);
+      }
 }
 
 TEST_CASE("PP x TP equals one process with gradient accumulation", "[pp][tp]") {

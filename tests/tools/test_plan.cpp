@@ -88,6 +88,7 @@ Measured run_two_pipelined_steps(const tools::TrainConfig& cfg) {
     for (int step = 0; step < 2; ++step) {
       if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        for (const auto& [name, g] : tools::flattened_groups(mesh)) g->reset_stats();
         profiler::reset();
         profiler::enable(true);
       }
@@ -107,6 +108,10 @@ Measured run_two_pipelined_steps(const tools::TrainConfig& cfg) {
       m.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
       m.sizes[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->size();
     }
+    for (const auto& [name, g] : tools::flattened_groups(mesh)) {
+      m.collectives[name] = g->stats();
+      m.sizes[name] = g->size();
+    }
   }
   m.peak = memory_stats().peak_allocated_bytes - base;
   return m;
@@ -117,7 +122,7 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
   if (cfg.parallelism.pipeline_parallel_degree > 1) return run_two_pipelined_steps(cfg);
   const int world = dist::world_size(), rank = dist::rank();
   const tools::MeshDims dims = tools::mesh_dims(cfg, world);
-  const int64_t tp = cfg.parallelism.tensor_parallel_degree;
+  const int64_t tp = cfg.parallelism.tensor_parallel_degree, cp = cfg.parallelism.context_parallel_degree;
   MeshPtr mesh = init_device_mesh("cpu", dims.shape, dims.names);
   Measured m;
   const int64_t base = memory_stats().allocated_bytes;
@@ -134,12 +139,14 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     for (int step = 0; step < 2; ++step) {
       if (step == 1) {
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
+        for (const auto& [name, g] : tools::flattened_groups(mesh)) g->reset_stats();
         for (const auto& g : tools::post_forward_groups(*model)) g->reset_stats();
         profiler::reset();
         profiler::enable(true);
       }
       auto batch = [&](int64_t i) {
-        uint64_t seed = static_cast<uint64_t>(1000 * step + 10 * i + rank / std::max<int64_t>(tp, 1));  // a tensor-parallel group shares rows
+        // A tensor-parallel (and context-parallel) group shares rows.
+        uint64_t seed = static_cast<uint64_t>(1000 * step + 10 * i + rank / std::max<int64_t>(tp * cp, 1));
         return std::pair{randint({micro, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed),
                          randint({micro, cfg.training.seq_len}, 0, cfg.model.vocab_size, seed + 500)};
       };
@@ -154,6 +161,10 @@ Measured run_two_steps(const tools::TrainConfig& cfg) {
     for (int64_t d = 0; d < mesh->ndim(); ++d) {
       m.collectives[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->stats();
       m.sizes[mesh->dim_names()[static_cast<size_t>(d)]] = mesh->get_group(d)->size();
+    }
+    for (const auto& [name, g] : tools::flattened_groups(mesh)) {
+      m.collectives[name] = g->stats();
+      m.sizes[name] = g->size();
     }
     for (const auto& g : tools::post_forward_groups(*model))
       m.collectives[fmt::format("dp_shard/post-forward{}", g->size())] += g->stats();
@@ -245,6 +256,27 @@ TEST_CASE("the plan predicts a step's peak memory and its collectives", "[plan]"
     c.parallelism.enable_sequence_parallel = true;
     check_plan(c, "gpt2, tensor parallel 2 + sequence parallel (loss parallel)");
   }
+  if (dist::world_size() > 1) {  // context parallelism over every rank, or 2 x FSDP 2 at 4
+    const int cp = dist::world_size() == 4 ? 2 : dist::world_size();
+    for (const std::string method : {"allgather", "ring"})
+      for (bool lb : {true, false}) {
+        c = small_llama();
+        c.model.tie_embeddings = false;
+        c.training.seq_len = lb ? 4 * cp : 3 * cp + 1;
+        c.parallelism.context_parallel_degree = cp;
+        c.parallelism.context_parallel_rotate_method = method;
+        c.parallelism.context_parallel_load_balance = lb;
+        check_plan(c, fmt::format("llama, context parallel {} ({}, {})", cp, method, lb ? "head-tail" : "contiguous"));
+      }
+    if (dist::world_size() == 4) {
+      c.parallelism.tensor_parallel_degree = 2;
+      c.parallelism.context_parallel_degree = 2;
+      c.parallelism.enable_sequence_parallel = true;
+      c.training.seq_len = 8;
+      c.parallelism.context_parallel_load_balance = true;
+      check_plan(c, "llama, context parallel 2 x tensor parallel 2 + sequence parallel");
+    }
+  }
   if (dist::world_size() == 4) {
     c = small_config();
     c.parallelism.data_parallel_replicate_degree = 2;
@@ -297,6 +329,10 @@ TEST_CASE("the plan predicts a pipeline stage's memory, messages and micro-batch
     c = pipelined(2);
     c.parallelism.data_parallel_replicate_degree = 2;
     check_plan(c, "PP 2 x HSDP 2 x 1");
+    c = pipelined(2);
+    c.parallelism.context_parallel_degree = 2;
+    c.parallelism.context_parallel_rotate_method = "ring";
+    check_plan(c, "PP 2 x CP 2 (ring)");
   }
   // Every position planned; the first stage holds the most in flight under 1F1B.
   c = pipelined(p);
@@ -307,6 +343,26 @@ TEST_CASE("the plan predicts a pipeline stage's memory, messages and micro-batch
     CHECK(positions[static_cast<size_t>(i)].pp_in_flight == p - i);
   }
   CHECK(tools::format_stage_plans(positions).find("stage 0 (blocks 0-") != std::string::npos);
+}
+
+TEST_CASE("context parallelism divides a long sequence's activations by about the degree", "[plan][cp]") {
+  dist::init();
+  tools::TrainConfig c;  // the default model (4 blocks, d=256) at 2 sequences of 2048 tokens
+  c.training.seq_len = 2048;
+  c.training.batch_size = 2;
+  const double one = static_cast<double>(tools::plan_run(c, 1, 0).forward_peak);
+  c.parallelism.context_parallel_degree = 4;
+  for (const std::string method : {"allgather", "ring"}) {
+    c.parallelism.context_parallel_rotate_method = method;
+    for (int r = 0; r < 4; ++r) {
+      const tools::Plan four = tools::plan_run(c, 4, r);
+      INFO(method << ", rank " << r << ": " << four.forward_peak << " bytes against " << one << " at CP 1");
+      // A quarter of the tokens' activations, plus one layer's K/V of the whole sequence at most.
+      CHECK(static_cast<double>(four.forward_peak) <= 0.35 * one);
+      CHECK(static_cast<double>(four.forward_peak) >= 0.25 * one);
+      CHECK(tools::format_plan(four, c).find("context parallel: 4 ranks, " + method) != std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("sequence parallelism divides the residual stream's activations by the degree", "[plan][tp]") {

@@ -243,6 +243,61 @@ grep -q "^pipeline: 1f1b, 4 micro-batches per step; this rank: stage 0 (blocks 0
 grep -Eq "^  rank 4 +stage 1 \(blocks 2-3, output layer and loss\) +in flight +1  send +4  recv +4  peak" pp-plan.txt ||
   fail "tessera-plan's stage positions: $(cat pp-plan.txt)"
 grep -q "^  tp " pp-plan.txt && grep -q "^  dp_shard " pp-plan.txt || fail "the 3-D plan lacks a dim: $(cat pp-plan.txt)"
+echo "== context parallelism: CP 2, CP 2 x FSDP 2 (ring, contiguous), HSDP x CP, Llama CP 2 x TP 2 + SP, PP 2 x CP 2: the one-rank losses"
+ctx=(--training.steps 12 --job.dump_folder)
+train 1 "${ctx[@]}" c1 > c1.log
+train 2 "${ctx[@]}" cp2 --parallelism.context_parallel_degree 2 > cp2.log
+train 4 "${ctx[@]}" cp2x2 --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method ring \
+  --parallelism.context_parallel_load_balance false --training.seq_len 63 > cp2x2.log
+train 1 "${ctx[@]}" c1s63 --training.seq_len 63 > c1s63.log
+train 4 "${ctx[@]}" cphsdp --parallelism.context_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2 \
+  > cphsdp.log
+train 4 "${llama[@]}" --training.steps 12 --job.dump_folder lcp2tp2 --parallelism.context_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true > lcp2tp2.log
+train 4 "${pipe[@]}" ppcp --parallelism.pipeline_parallel_degree 2 --parallelism.context_parallel_degree 2 \
+  --parallelism.context_parallel_rotate_method ring > ppcp.log
+losses ppcp > ppcp.losses
+close p1.losses ppcp.losses 1e-5 || fail "PP 2 x CP 2 drifted from 1 rank"
+grep -q "PP 2 (1f1b, 4 micro-batches, 2 stages) x FSDP over 2 (data 1 x context 2) x context parallel 2 (ring, head-tail)" \
+  ppcp.log || fail "ppcp did not report its mesh: $(head -3 ppcp.log)"
+for d in c1 cp2 cp2x2 c1s63 cphsdp lcp2tp2; do losses $d > $d.losses; done
+close c1.losses cp2.losses 1e-5 || fail "CP 2 drifted from 1 rank"
+close c1s63.losses cp2x2.losses 1e-5 || fail "CP 2 x FSDP 2 (ring, an uneven contiguous split) drifted from 1 rank"
+close c1.losses cphsdp.losses 1e-5 || fail "HSDP 2 x CP 2 drifted from 1 rank"
+close lpp1.losses lcp2tp2.losses 1e-5 || fail "Llama CP 2 x TP 2 + SP drifted from 1 rank"
+grep -q "FSDP over 2 (data 1 x context 2) x context parallel 2 (allgather, head-tail)" cp2.log ||
+  fail "cp2 did not report its mesh: $(head -3 cp2.log)"
+grep -q "FSDP over 4 (data 2 x context 2) x context parallel 2 (ring, contiguous)" cp2x2.log ||
+  fail "cp2x2 did not report its mesh: $(head -3 cp2x2.log)"
+grep -q "HSDP 2x2 (replicate x shard x cp) x context parallel 2" cphsdp.log || fail "cphsdp did not report its mesh"
+grep -q "x context parallel 2 (allgather, head-tail) x tensor parallel 2 (loss parallel) + sequence parallel" lcp2tp2.log ||
+  fail "lcp2tp2 did not report its mesh: $(head -3 lcp2tp2.log)"
+# A CP 2 x FSDP 2 checkpoint resumes on one rank (resharded), and a sample is generated on the whole sequence.
+train 4 "${ctx[@]}" cpck --parallelism.context_parallel_degree 2 --checkpoint.enable true --checkpoint.interval 6 \
+  --sample.max_new_tokens 8 > cpck.log
+grep -q -- "--- sample" cpck.log || fail "no sample from a context-parallel run: $(tail -5 cpck.log)"
+rm -rf cp1r && mkdir -p cp1r/checkpoint && cp -r cpck/checkpoint/step-00000006 cp1r/checkpoint/
+train 1 "${ctx[@]}" cp1r --checkpoint.enable true --checkpoint.interval 6 --checkpoint.resume true > cp1r.log
+grep -q "resharded" cp1r.log || fail "cp1r did not say it resharded: $(head -5 cp1r.log)"
+losses cpck | grep -E '^(10|12) ' > cpck.tail
+losses cp1r | grep -E '^(10|12) ' > cp1r.tail
+[[ -s cpck.tail ]] || fail "no losses after step 6 in cpck"
+close cpck.tail cp1r.tail 1e-5 || fail "a CP 2 checkpoint resumed on one rank drifted beyond f32 rounding"
+# Refused before any rank allocates, naming the key.
+expect_error "parallelism.context_parallel_load_balance = true cuts the sequence into 2 x 2 = 4 equal chunks (head-tail), but training.seq_len = 63 is not a multiple of 4" \
+  train 2 "${ctx[@]}" x --parallelism.context_parallel_degree 2 --training.seq_len 63
+expect_error "parallelism.context_parallel_degree (3) must divide the number of ranks (4)" \
+  train 4 "${ctx[@]}" x --parallelism.context_parallel_degree 3 --training.seq_len 60
+expect_error "config key 'parallelism.context_parallel_rotate_method' has no choice 'alltoall' (valid: allgather, ring)" \
+  train 2 "${ctx[@]}" x --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method alltoall
+# The planner's context dimension: the K/V bytes, the ring's messages on the cp group.
+"$bin/tessera-plan" --ranks 4 --preset tiny "${ctx[@]}" x --parallelism.context_parallel_degree 4 \
+  --parallelism.context_parallel_rotate_method ring > cp-plan.txt
+grep -q "^context parallel: 4 ranks, ring, head-tail chunks; this rank holds 16 of 64 tokens a sequence" cp-plan.txt ||
+  fail "tessera-plan's context line: $(cat cp-plan.txt)"
+grep -Eq "^ +send +20  recv +20  \(K/V blocks and their gradients around the ring\)" cp-plan.txt ||
+  fail "tessera-plan's ring messages (2 layers x (3 x 4 - 2)): $(cat cp-plan.txt)"
+grep -q "^  dp_shard_cp " cp-plan.txt || fail "the plan lacks FSDP's dp_shard_cp group: $(cat cp-plan.txt)"
 grep -q "HSDP 2x2" hsdp.log || fail "hsdp run did not report its mesh"
 grep -q "exposed comm" w4.log || fail "log lines lack exposed communication"
 # MFU against this CPU's measured peak (FMA loop, for f32) unless one is given.
