@@ -1,18 +1,20 @@
 // Context parallelism's load balance, measured: a Llama of a few blocks
 // trained on long sequences over every rank as one cp group (FSDP over the
 // same ranks), each rotate method with head-tail chunks and with the plain
-// contiguous split. Per layout, after a warm-up step, the mean over `steps`
-// traced steps of each rank's attention time (the "context parallel
-// attention" lane: the blocks of the one-process kernel this rank computed,
-// forward and backward), the slowest rank's over the fastest's, and the step
-// time. Under the causal mask the contiguous split gives the last rank
-// (2cp - 1) times the first's blocks; head-tail gives every rank the same.
+// contiguous split. Per layout, after a warm-up step, over `steps` traced
+// steps, each rank's attention work (cp::ContextParallel::work): the score
+// entries its blocks cover (exact), the CPU time of its attention kernels
+// (the calling thread's: what the work costs, without time descheduled, so
+// it holds with more ranks than cores) and the wall time of its spans on the
+// "context parallel attention" trace lane (meaningful with a core per
+// rank); the slowest rank's over the fastest's, and the step time. Under the
+// causal mask the contiguous split gives rank r (2r + 1) times the first
+// rank's blocks; head-tail gives every rank the same.
 //
 //   mpirun -np 4 --bind-to core -x OMP_NUM_THREADS=1 build/benchmarks/bench_context_parallel [seq] [n_embd] [steps] [trace folder]
 //
-// Needs one core per rank to mean anything (ranks sharing a core slow each
-// other down whatever their share). A fourth argument writes the last step
-// of each layout as <folder>/<method>-<layout>.json (tools/trace_png.py draws it).
+// A fourth argument writes the last step of each layout as
+// <folder>/<method>-<layout>.json (tools/trace_png.py draws it).
 #include <tessera/tessera.h>
 
 #include <algorithm>
@@ -46,8 +48,8 @@ int main(int argc, char** argv) {
                 "%lld tokens; mean of %d traced steps after one warm-up\n",
                 cp, static_cast<long long>(cfg.n_layer), static_cast<long long>(width), static_cast<long long>(seq),
                 steps);
-    std::printf("%-10s %-11s %40s %14s %10s\n", "method", "layout", "attention ms per rank (rank 0 ..)",
-                "slowest/fastest", "step ms");
+    std::printf("%-10s %-11s %14s %34s %9s %34s %9s %9s\n", "method", "layout", "scores max/min",
+                "attention CPU ms per rank", "max/min", "attention wall ms per rank", "max/min", "step ms");
   }
   const trace::Lane attention = trace::register_lane("context parallel attention");
   for (const std::string method : {"allgather", "ring"})
@@ -58,14 +60,15 @@ int main(int argc, char** argv) {
       train::parallelize(*model, mesh, o);
       model->to_empty(Device::cpu());
       model->init_weights(1);
-      std::vector<double> mine;  // this rank's attention ms per traced step
-      double step_ms = 0;
+      auto slices = std::dynamic_pointer_cast<cp::ContextParallel>(model->sequence_shard());
+      double wall_ms = 0, cpu_ms = 0, scores = 0, step_ms = 0;  // this rank's, per traced step
       for (int k = 0; k <= steps; ++k) {
         Tensor x = randint({1, seq}, 0, cfg.vocab_size, 10 + static_cast<uint64_t>(k));
         Tensor y = randint({1, seq}, 0, cfg.vocab_size, 20 + static_cast<uint64_t>(k));
         world->barrier()->wait();
         trace::take();
         trace::enable(k > 0);
+        slices->reset_work();
         const double t0 = trace::now_us();
         train::forward_backward(*model, 1, [&](int64_t) { return std::pair{x, y}; });
         world->barrier()->wait();
@@ -74,24 +77,37 @@ int main(int argc, char** argv) {
         std::vector<trace::Span> spans = trace::take();
         model->zero_grad();
         if (k == 0) continue;
-        mine.push_back(trace::covered_us(spans, attention) / 1e3);
+        wall_ms += trace::covered_us(spans, attention) / 1e3 / steps;
+        cpu_ms += slices->work().cpu_seconds * 1e3 / steps;
+        scores += slices->work().scores / steps;
         step_ms += (t1 - t0) / 1e3 / steps;
         if (k == steps && !trace_dir.empty())
           trace::write_chrome_trace(trace_dir + "/" + method + "-" + (lb ? "head-tail" : "contiguous") + ".json", spans,
                                     fmt::format("CP {} {} {}: one step of a Llama at {} tokens", cp, method,
                                                 lb ? "head-tail" : "contiguous", seq));
       }
-      double mean = 0;
-      for (double v : mine) mean += v / static_cast<double>(mine.size());
-      Tensor all = empty({cp}, DType::F64);
-      world->all_gather_into_tensor(all, full({1}, mean, DType::F64))->wait();
-      const std::vector<double> per_rank = all.to_vector<double>();
+      // Every rank's figures on rank 0: [scores, cpu, wall] per rank.
+      Tensor all = empty({3 * cp}, DType::F64);
+      world->all_gather_into_tensor(all, from_vector(std::vector<double>{scores, cpu_ms, wall_ms}, {3}))->wait();
+      const std::vector<double> v = all.to_vector<double>();
       if (me == 0) {
-        std::string ms;
-        for (double v : per_rank) ms += fmt::format("{}{:.1f}", ms.empty() ? "" : " ", v);
-        const auto [lo, hi] = std::minmax_element(per_rank.begin(), per_rank.end());
-        std::printf("%-10s %-11s %40s %14.2f %10.1f\n", method.c_str(), lb ? "head-tail" : "contiguous", ms.c_str(),
-                    *hi / *lo, step_ms);
+        auto column = [&](int i) {
+          std::vector<double> c;
+          for (int r = 0; r < cp; ++r) c.push_back(v[static_cast<size_t>(3 * r + i)]);
+          return c;
+        };
+        auto ratio = [](const std::vector<double>& c) {
+          const auto [lo, hi] = std::minmax_element(c.begin(), c.end());
+          return *hi / *lo;
+        };
+        auto list = [](const std::vector<double>& c) {
+          std::string out;
+          for (double x : c) out += fmt::format("{}{:.1f}", out.empty() ? "" : " ", x);
+          return out;
+        };
+        std::printf("%-10s %-11s %14.2f %34s %9.2f %34s %9.2f %9.1f\n", method.c_str(), lb ? "head-tail" : "contiguous",
+                    ratio(column(0)), list(column(1)).c_str(), ratio(column(1)), list(column(2)).c_str(),
+                    ratio(column(2)), step_ms);
       }
     }
   dist::finalize();

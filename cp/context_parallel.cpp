@@ -1,5 +1,7 @@
 #include "cp/context_parallel.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <map>
 
@@ -96,6 +98,30 @@ void merge(Partial& acc, const ops::AttentionResult& r, DType dt) {
   acc.lse = ops::add(m, ops::unary(ops::UnaryOp::Log, sum));
 }
 
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Times one attention block (forward or backward) into the rank's work
+// stats and onto the attention trace lane.
+class BlockTimer {
+ public:
+  BlockTimer(ContextParallel::WorkStats& work, Pair kind, int64_t q_len, int64_t k_len, const char* name)
+      : work_(work), span_(attention_lane(), name), cpu0_(thread_cpu_seconds()) {
+    work_.blocks++;
+    const double all = static_cast<double>(q_len) * static_cast<double>(k_len);
+    work_.scores += kind == Pair::Triangle ? (all + static_cast<double>(q_len)) / 2 : all;
+  }
+  ~BlockTimer() { work_.cpu_seconds += thread_cpu_seconds() - cpu0_; }
+
+ private:
+  ContextParallel::WorkStats& work_;
+  trace::Scope span_;
+  double cpu0_;
+};
+
 // One layer's attention over the group: the layout and group captured by
 // value, so that the backward sees what the forward saw.
 struct RingAttention {
@@ -104,6 +130,7 @@ struct RingAttention {
   RotateMethod method;
   bool causal;
   double scale;
+  std::shared_ptr<ContextParallel::WorkStats> work;
 
   int me() const { return group->rank(); }
   int cp() const { return group->size(); }
@@ -197,7 +224,8 @@ struct RingAttention {
           const Pair kind = pair_kind(mine[a], b, causal);
           if (kind == Pair::Skipped) continue;
           if (!kb.defined()) kb = ops::contiguous(ops::narrow(ks, 2, at, b.length)), vb = ops::contiguous(ops::narrow(vs, 2, at, b.length));
-          trace::Scope span(attention_lane(), kind == Pair::Triangle ? "attention (diagonal)" : "attention");
+          BlockTimer timer(*work, kind, mine[a].length, b.length,
+                           kind == Pair::Triangle ? "attention (diagonal)" : "attention");
           merge(acc[a], ops::attention(qs[a], kb, vb, kind == Pair::Triangle, scale), acc_dt);
         }
         at += b.length;
@@ -234,8 +262,8 @@ struct RingAttention {
           const Pair kind = pair_kind(mine[a], b, causal);
           if (kind == Pair::Skipped) continue;
           if (!kb.defined()) kb = ops::contiguous(ops::narrow(ks, 2, at, b.length)), vb = ops::contiguous(ops::narrow(vs, 2, at, b.length));
-          trace::Scope span(attention_lane(), kind == Pair::Triangle ? "attention backward (diagonal)"
-                                                                     : "attention backward");
+          BlockTimer timer(*work, kind, mine[a].length, b.length,
+                           kind == Pair::Triangle ? "attention backward (diagonal)" : "attention backward");
           ops::AttentionGrads g =
               ops::attention_backward(dos[a], qs[a], kb, vb, os[a], ls[a], kind == Pair::Triangle, scale);
           Tensor gq = ops::to(g.dq, acc_dt);
@@ -410,7 +438,7 @@ Tensor ContextParallel::attention(const Tensor& q, const Tensor& k, const Tensor
            len, seq_len_, shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
   if (size() == 1) return scaled_dot_product_attention(q, k, v, causal, scale);
   TS_PROFILE("cp_attention");
-  RingAttention ring{group_, layout_, options_.rotate_method, causal, scale};
+  RingAttention ring{group_, layout_, options_.rotate_method, causal, scale, work_};
   Tensor qc = ops::contiguous(q), kc = ops::contiguous(k), vc = ops::contiguous(v);
   ops::AttentionResult r = ring.forward(qc, kc, vc);
   if (autograd::should_record({q, k, v})) {

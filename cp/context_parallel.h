@@ -102,6 +102,19 @@ class ContextParallel final : public nn::SequenceShard {
   // targets / the whole sequence's.
   Tensor weigh_loss(const Tensor& mean_loss) const override;
 
+  // This rank's attention work since the last reset (forward and backward):
+  // the blocks computed, the score entries they cover (query x key pairs
+  // the causal mask keeps: the load balance, exactly) and the calling
+  // thread's CPU time in their kernels (the work's time without the time
+  // this rank was descheduled or waited; with an OpenMP team, its main thread's).
+  struct WorkStats {
+    int64_t blocks = 0;
+    double scores = 0;
+    double cpu_seconds = 0;
+  };
+  WorkStats work() const { return *work_; }
+  void reset_work() { *work_ = {}; }
+
   // nn::SequenceShard
   const std::vector<int64_t>& positions() const override { return positions_; }
   Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale) override;
@@ -116,6 +129,7 @@ class ContextParallel final : public nn::SequenceShard {
   std::vector<std::vector<Chunk>> layout_;
   std::vector<int64_t> positions_;
   Tensor loss_weight_;  // shard_batch's: cp x local count / whole count (f64, 0-dim)
+  std::shared_ptr<WorkStats> work_ = std::make_shared<WorkStats>();  // shared with the backward closures
 };
 
 // Context parallelism over `group` for `model` (built on meta or materialised):

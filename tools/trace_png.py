@@ -4,7 +4,8 @@
 
 One band per rank; in each, one lane per kind of work the trace records:
 compute (forward and backward ops in two colours), a pipeline's F and B
-actions and its bubble, each collective kind (and point-to-point messages) on
+actions and its bubble, context parallelism's attention blocks and K/V
+exchanges, each collective kind (and point-to-point messages) on
 its own lane (the time the communication thread spends in it), the compute
 stream waiting for communication (exposed communication), FSDP's copies
 in and out of its buffers, and the bytes the rank holds in tensors (the
@@ -39,6 +40,8 @@ LANES = [
     ("pipeline", "pipeline F / B"),
     ("pipeline bubble", "pipeline bubble"),
     ("compute", "compute"),
+    ("context parallel attention", "CP attention"),
+    ("context parallel K/V", "CP K/V exchange"),
     ("all_gather", "all-gather"),
     ("reduce_scatter", "reduce-scatter"),
     ("all_reduce", "all-reduce"),
@@ -67,6 +70,10 @@ def series_of(lane, name):
         return 1 if name.endswith(".backward") else 0
     if lane == "pipeline":  # F<stage>.<micro-batch> / B<stage>.<micro-batch>
         return 1 if name.startswith("B") else 0
+    if lane == "context parallel attention":  # "attention (diagonal)", "attention backward", ...
+        return 1 if name.startswith("attention backward") else 0
+    if lane == "context parallel K/V":  # the cp group's collectives and messages: "all_gather #3 (cp)"
+        return 2 if name.startswith("all_gather") else 3 if name.startswith("reduce_scatter") else 5
     return {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 4, "other collectives": 5, "send_recv": 5,
             "waiting for communication (exposed)": 6, "fsdp": 7, "pipeline bubble": 8}.get(lane)
 
