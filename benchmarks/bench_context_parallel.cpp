@@ -11,7 +11,8 @@
 // causal mask the contiguous split gives rank r (2r + 1) times the first
 // rank's blocks; head-tail gives every rank the same.
 //
-//   mpirun -np 4 --bind-to core -x OMP_NUM_THREADS=1 build/benchmarks/bench_context_parallel [seq] [n_embd] [steps] [trace folder]
+//   mpirun -np 4 --bind-to core -x OMP_NUM_THREADS=1 build/benchmarks/bench_context_parallel [seq]
+//   [n_embd] [steps] [trace folder]
 //
 // A fourth argument writes the last step of each layout as
 // <folder>/<method>-<layout>.json (tools/trace_png.py draws it).
@@ -44,12 +45,15 @@ int main(int argc, char** argv) {
   cfg.bias = false;
   cfg.tie_embeddings = false;
   if (me == 0) {
-    std::printf("context parallel load balance: CP %d, Llama %lld blocks d=%lld (4 heads, 2 K/V heads), 1 sequence of "
-                "%lld tokens; mean of %d traced steps after one warm-up\n",
-                cp, static_cast<long long>(cfg.n_layer), static_cast<long long>(width), static_cast<long long>(seq),
-                steps);
+    std::printf(
+        "context parallel load balance: CP %d, Llama %lld blocks d=%lld (4 heads, 2 K/V heads), 1 "
+        "sequence of "
+        "%lld tokens; mean of %d traced steps after one warm-up\n",
+        cp, static_cast<long long>(cfg.n_layer), static_cast<long long>(width),
+        static_cast<long long>(seq), steps);
     std::printf("%-10s %-11s %14s %34s %9s %34s %9s %9s\n", "method", "layout", "scores max/min",
-                "attention CPU ms per rank", "max/min", "attention wall ms per rank", "max/min", "step ms");
+                "attention CPU ms per rank", "max/min", "attention wall ms per rank", "max/min",
+                "step ms");
   }
   const trace::Lane attention = trace::register_lane("context parallel attention");
   for (const std::string method : {"allgather", "ring"})
@@ -82,13 +86,17 @@ int main(int argc, char** argv) {
         scores += slices->work().scores / steps;
         step_ms += (t1 - t0) / 1e3 / steps;
         if (k == steps && !trace_dir.empty())
-          trace::write_chrome_trace(trace_dir + "/" + method + "-" + (lb ? "head-tail" : "contiguous") + ".json", spans,
-                                    fmt::format("CP {} {} {}: one step of a Llama at {} tokens", cp, method,
-                                                lb ? "head-tail" : "contiguous", seq));
+          trace::write_chrome_trace(
+              trace_dir + "/" + method + "-" + (lb ? "head-tail" : "contiguous") + ".json", spans,
+              fmt::format("CP {} {} {}: one step of a Llama at {} tokens", cp, method,
+                          lb ? "head-tail" : "contiguous", seq));
       }
       // Every rank's figures on rank 0: [scores, cpu, wall] per rank.
       Tensor all = empty({3 * cp}, DType::F64);
-      world->all_gather_into_tensor(all, from_vector(std::vector<double>{scores, cpu_ms, wall_ms}, {3}))->wait();
+      world
+          ->all_gather_into_tensor(all,
+                                   from_vector(std::vector<double>{scores, cpu_ms, wall_ms}, {3}))
+          ->wait();
       const std::vector<double> v = all.to_vector<double>();
       if (me == 0) {
         auto column = [&](int i) {
@@ -105,9 +113,9 @@ int main(int argc, char** argv) {
           for (double x : c) out += fmt::format("{}{:.1f}", out.empty() ? "" : " ", x);
           return out;
         };
-        std::printf("%-10s %-11s %14.2f %34s %9.2f %34s %9.2f %9.1f\n", method.c_str(), lb ? "head-tail" : "contiguous",
-                    ratio(column(0)), list(column(1)).c_str(), ratio(column(1)), list(column(2)).c_str(),
-                    ratio(column(2)), step_ms);
+        std::printf("%-10s %-11s %14.2f %34s %9.2f %34s %9.2f %9.1f\n", method.c_str(),
+                    lb ? "head-tail" : "contiguous", ratio(column(0)), list(column(1)).c_str(),
+                    ratio(column(1)), list(column(2)).c_str(), ratio(column(2)), step_ms);
       }
     }
   dist::finalize();

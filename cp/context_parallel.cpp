@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 #include "autograd/functions.h"
 #include "autograd/tape.h"
@@ -13,35 +14,43 @@
 
 namespace tessera::cp {
 
-const char* rotate_method_name(RotateMethod m) { return m == RotateMethod::Ring ? "ring" : "allgather"; }
+const char* rotate_method_name(RotateMethod m) {
+  return m == RotateMethod::Ring ? "ring" : "allgather";
+}
 
 RotateMethod parse_rotate_method(const std::string& name, const std::string& key) {
   if (name == "allgather") return RotateMethod::AllGather;
   if (name == "ring") return RotateMethod::Ring;
-  detail::throw_error(fmt::format(
-      "{}: expected allgather (one all-gather of K/V per layer) or ring (K/V passed rank to rank), got '{}'", key,
-      name));
+  detail::throw_error(
+      fmt::format("{}: expected allgather (one all-gather of K/V per layer) or ring (K/V passed "
+                  "rank to rank), got '{}'",
+                  key, name));
 }
 
-std::vector<std::vector<Chunk>> sequence_layout(int64_t seq_len, int cp, bool load_balance, const FieldNames& names) {
+std::vector<std::vector<Chunk>> sequence_layout(int64_t seq_len, int cp, bool load_balance,
+                                                const FieldNames& names) {
   TS_CHECK(cp >= 1, "context parallelism: expected a degree >= 1, got {}", cp);
   const std::string len = field_name(names, "seq_len");
   std::vector<std::vector<Chunk>> layout(static_cast<size_t>(cp));
   if (load_balance && cp > 1) {
     TS_CHECK(seq_len > 0 && seq_len % (2 * cp) == 0,
-             "{} = true cuts the sequence into 2 x {} = {} equal chunks (head-tail), but {} = {} is not a multiple "
+             "{} = true cuts the sequence into 2 x {} = {} equal chunks (head-tail), but {} = {} "
+             "is not a multiple "
              "of {}: use a multiple, or {} = false (a contiguous split)",
-             field_name(names, "load_balance"), cp, 2 * cp, len, seq_len, 2 * cp, field_name(names, "load_balance"));
+             field_name(names, "load_balance"), cp, 2 * cp, len, seq_len, 2 * cp,
+             field_name(names, "load_balance"));
     const int64_t c = seq_len / (2 * cp);
     for (int r = 0; r < cp; ++r)
       layout[static_cast<size_t>(r)] = {{r * c, c}, {(2 * cp - 1 - r) * c, c}};
     return layout;
   }
-  TS_CHECK(seq_len >= cp, "context parallelism over {} ranks needs at least one token each, but {} = {}", cp, len,
+  TS_CHECK(seq_len >= cp,
+           "context parallelism over {} ranks needs at least one token each, but {} = {}", cp, len,
            seq_len);
   const int64_t base = seq_len / cp, extra = seq_len % cp;
   for (int r = 0; r < cp; ++r)
-    layout[static_cast<size_t>(r)] = {{r * base + std::min<int64_t>(r, extra), base + (r < extra ? 1 : 0)}};
+    layout[static_cast<size_t>(r)] = {
+        {r * base + std::min<int64_t>(r, extra), base + (r < extra ? 1 : 0)}};
   return layout;
 }
 
@@ -59,7 +68,9 @@ trace::Lane attention_lane() {
 constexpr const char* kExchangeLane = "context parallel K/V";
 
 // Partial results merge, and gradients accumulate, in f32 (f64 for f64).
-DType accumulate_dtype(DType dt) { return dt == DType::F64 ? DType::F64 : DType::F32; }
+DType accumulate_dtype(DType dt) {
+  return dt == DType::F64 ? DType::F64 : DType::F32;
+}
 
 int64_t length_of(const std::vector<Chunk>& chunks) {
   int64_t n = 0;
@@ -88,7 +99,8 @@ void merge(Partial& acc, const ops::AttentionResult& r, DType dt) {
     acc = {out, lse};
     return;
   }
-  // lse = m + log(e1 + e2) with e_i = exp(lse_i - m), m the larger: out = (e1 out_1 + e2 out_2) / (e1 + e2).
+  // lse = m + log(e1 + e2) with e_i = exp(lse_i - m), m the larger: out = (e1 out_1 + e2 out_2) /
+  // (e1 + e2).
   Tensor m = ops::binary(ops::BinaryOp::Maximum, acc.lse, lse);
   Tensor e1 = ops::unary(ops::UnaryOp::Exp, ops::sub(acc.lse, m));
   Tensor e2 = ops::unary(ops::UnaryOp::Exp, ops::sub(lse, m));
@@ -108,7 +120,8 @@ double thread_cpu_seconds() {
 // stats and onto the attention trace lane.
 class BlockTimer {
  public:
-  BlockTimer(ContextParallel::WorkStats& work, Pair kind, int64_t q_len, int64_t k_len, const char* name)
+  BlockTimer(ContextParallel::WorkStats& work, Pair kind, int64_t q_len, int64_t k_len,
+             const char* name)
       : work_(work), span_(attention_lane(), name), cpu0_(thread_cpu_seconds()) {
     work_.blocks++;
     const double all = static_cast<double>(q_len) * static_cast<double>(k_len);
@@ -143,17 +156,26 @@ struct RingAttention {
     return m;
   }
   // [2, B, Hkv, L, D]: k and v of rank r's slice in one buffer (one message).
-  static Shape kv_shape(const Tensor& k, int64_t len) { return {2, k.size(0), k.size(1), len, k.size(3)}; }
-  static Tensor part(const Tensor& kv, int64_t i) { return ops::select(kv, 0, i); }  // k (0) or v (1): a view
+  static Shape kv_shape(const Tensor& k, int64_t len) {
+    return {2, k.size(0), k.size(1), len, k.size(3)};
+  }
+  static Tensor part(const Tensor& kv, int64_t i) {
+    return ops::select(kv, 0, i);
+  }  // k (0) or v (1): a view
   // The chunk pieces of a slice along the sequence (dim 2 of [B, H, L, D]).
-  std::vector<Tensor> chunks_of(const Tensor& x, int r) const {
+  std::vector<Tensor> chunks_of(const Tensor& x, int r, DType dt) const {
     std::vector<Tensor> out;
     int64_t at = 0;
     for (const Chunk& c : layout[static_cast<size_t>(r)]) {
-      out.push_back(ops::contiguous(ops::narrow(x, 2, at, c.length)));
+      out.push_back(ops::contiguous(ops::to(ops::narrow(x, 2, at, c.length), dt)));
       at += c.length;
     }
     return out;
+  }
+  // Chunk b's keys and values of a packed block, in dtype dt.
+  static std::pair<Tensor, Tensor> keys_of(const Tensor& kv, int64_t at, int64_t length, DType dt) {
+    return {ops::contiguous(ops::to(ops::narrow(part(kv, 0), 2, at, length), dt)),
+            ops::contiguous(ops::to(ops::narrow(part(kv, 1), 2, at, length), dt))};
   }
 
   // Every rank's packed K/V, padded to the longest slice: [cp, 2, B, Hkv, Lmax, D].
@@ -169,12 +191,16 @@ struct RingAttention {
     Shape all = padded.shape();
     all.insert(all.begin(), cp());
     Tensor gathered = empty(all, own.dtype(), own.device());
-    group->all_gather_into_tensor(ops::reshape(gathered, {gathered.numel()}), ops::reshape(padded, {padded.numel()}))
+    group
+        ->all_gather_into_tensor(ops::reshape(gathered, {gathered.numel()}),
+                                 ops::reshape(padded, {padded.numel()}))
         ->wait(current_stream(own.device()));
     return gathered;
   }
   // Rank r's packed buffer in a gathered [cp, 2, B, Hkv, Lmax, D].
-  Tensor slice_of(const Tensor& gathered, int r) const { return ops::narrow(ops::select(gathered, 0, r), 3, 0, length(r)); }
+  Tensor slice_of(const Tensor& gathered, int r) const {
+    return ops::narrow(ops::select(gathered, 0, r), 3, 0, length(r));
+  }
 
   // Calls f(kv of rank src, src) for every rank's K/V, this rank's first,
   // then the ring's order (or the gathered order). With the ring, the next
@@ -182,8 +208,11 @@ struct RingAttention {
   template <class F>
   void for_each_kv(const Tensor& own, F&& f) const {
     if (method == RotateMethod::AllGather) {
-      TS_PROFILE("cp_all_gather_kv");
-      Tensor gathered = all_gather_kv(own);
+      Tensor gathered;
+      {
+        TS_PROFILE("cp_all_gather_kv");
+        gathered = all_gather_kv(own);
+      }
       f(own, me());
       for (int s = 1; s < cp(); ++s) {
         const int src = (me() + cp() - s) % cp();
@@ -213,17 +242,18 @@ struct RingAttention {
   ops::AttentionResult forward(const Tensor& q, const Tensor& k, const Tensor& v) const {
     const auto& mine = layout[static_cast<size_t>(me())];
     const DType acc_dt = accumulate_dtype(q.dtype());
-    std::vector<Tensor> qs = chunks_of(q, me());
+    // Blocks computed in f32 (f64) from 16-bit inputs: each partial result is
+    // merged unrounded, and only the merged output is rounded, once.
+    std::vector<Tensor> qs = chunks_of(q, me(), acc_dt);
     std::vector<Partial> acc(mine.size());
     for_each_kv(ops::contiguous(ops::stack({k, v}, 0)), [&](const Tensor& kv, int src) {
-      Tensor ks = part(kv, 0), vs = part(kv, 1);
       int64_t at = 0;
       for (const Chunk& b : layout[static_cast<size_t>(src)]) {
         Tensor kb, vb;
         for (size_t a = 0; a < mine.size(); ++a) {
           const Pair kind = pair_kind(mine[a], b, causal);
           if (kind == Pair::Skipped) continue;
-          if (!kb.defined()) kb = ops::contiguous(ops::narrow(ks, 2, at, b.length)), vb = ops::contiguous(ops::narrow(vs, 2, at, b.length));
+          if (!kb.defined()) std::tie(kb, vb) = keys_of(kv, at, b.length, acc_dt);
           BlockTimer timer(*work, kind, mine[a].length, b.length,
                            kind == Pair::Triangle ? "attention (diagonal)" : "attention");
           merge(acc[a], ops::attention(qs[a], kb, vb, kind == Pair::Triangle, scale), acc_dt);
@@ -239,33 +269,30 @@ struct RingAttention {
   // dq, dk, dv from dout and the forward's merged out and lse: every pair's
   // gradients by the one-process backward kernel against the final lse (the
   // softmax over the whole sequence), dK/dV summed at the keys' owner.
-  TensorList backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                      const Tensor& lse) const {
+  TensorList backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& out, const Tensor& lse) const {
     const auto& mine = layout[static_cast<size_t>(me())];
     const DType acc_dt = accumulate_dtype(q.dtype());
-    std::vector<Tensor> qs = chunks_of(q, me()), dos = chunks_of(ops::contiguous(dout), me()),
-                        os = chunks_of(out, me());
-    std::vector<Tensor> ls;
-    {
-      int64_t at = 0;
-      for (const Chunk& c : mine) ls.push_back(ops::contiguous(ops::narrow(lse, 2, at, c.length))), at += c.length;
-    }
+    // In f32 (f64) from 16-bit inputs, as the forward's blocks.
+    std::vector<Tensor> qs = chunks_of(q, me(), acc_dt), dos = chunks_of(dout, me(), acc_dt),
+                        os = chunks_of(out, me(), acc_dt), ls = chunks_of(lse, me(), acc_dt);
     std::vector<Tensor> dq(mine.size());
     // Adds this rank's queries' gradients against rank src's keys into dkv
     // [2, B, Hkv, L_src, D] (acc dtype).
     auto contribute = [&](const Tensor& kv, const Tensor& dkv, int src) {
-      Tensor ks = part(kv, 0), vs = part(kv, 1), dks = part(dkv, 0), dvs = part(dkv, 1);
+      Tensor dks = part(dkv, 0), dvs = part(dkv, 1);
       int64_t at = 0;
       for (const Chunk& b : layout[static_cast<size_t>(src)]) {
         Tensor kb, vb;
         for (size_t a = 0; a < mine.size(); ++a) {
           const Pair kind = pair_kind(mine[a], b, causal);
           if (kind == Pair::Skipped) continue;
-          if (!kb.defined()) kb = ops::contiguous(ops::narrow(ks, 2, at, b.length)), vb = ops::contiguous(ops::narrow(vs, 2, at, b.length));
-          BlockTimer timer(*work, kind, mine[a].length, b.length,
-                           kind == Pair::Triangle ? "attention backward (diagonal)" : "attention backward");
-          ops::AttentionGrads g =
-              ops::attention_backward(dos[a], qs[a], kb, vb, os[a], ls[a], kind == Pair::Triangle, scale);
+          if (!kb.defined()) std::tie(kb, vb) = keys_of(kv, at, b.length, acc_dt);
+          BlockTimer timer(
+              *work, kind, mine[a].length, b.length,
+              kind == Pair::Triangle ? "attention backward (diagonal)" : "attention backward");
+          ops::AttentionGrads g = ops::attention_backward(dos[a], qs[a], kb, vb, os[a], ls[a],
+                                                          kind == Pair::Triangle, scale);
           Tensor gq = ops::to(g.dq, acc_dt);
           dq[a] = dq[a].defined() ? ops::add(dq[a], gq) : gq;
           ops::add_(ops::narrow(dks, 2, at, b.length), ops::to(g.dk, acc_dt));
@@ -293,8 +320,9 @@ struct RingAttention {
       TS_PROFILE("cp_reduce_scatter_dkv");
       Shape one(all.begin() + 1, all.end());
       Tensor mine_padded = empty(one, acc_dt, q.device());
-      group->reduce_scatter_tensor(ops::reshape(mine_padded, {mine_padded.numel()}),
-                                   ops::reshape(grads, {grads.numel()}), {dist::ReduceOp::Sum})
+      group
+          ->reduce_scatter_tensor(ops::reshape(mine_padded, {mine_padded.numel()}),
+                                  ops::reshape(grads, {grads.numel()}), {dist::ReduceOp::Sum})
           ->wait(current_stream(q.device()));
       dkv = ops::narrow(mine_padded, 3, 0, length(me()));
     } else {
@@ -330,7 +358,8 @@ struct RingAttention {
       }
       dkv = dcur;
     }
-    return {ops::to(ops::cat(dq, 2), q.dtype()), ops::to(part(dkv, 0), k.dtype()), ops::to(part(dkv, 1), v.dtype())};
+    return {ops::to(ops::cat(dq, 2), q.dtype()), ops::to(part(dkv, 0), k.dtype()),
+            ops::to(part(dkv, 1), v.dtype())};
   }
 };
 
@@ -339,14 +368,13 @@ struct RingAttention {
 ContextParallel::ContextParallel(dist::ProcessGroupPtr group, ContextParallelOptions options)
     : group_(std::move(group)), options_(std::move(options)) {
   TS_CHECK(group_ != nullptr, "ContextParallel: expected a process group, got null");
-  group_->set_trace_lane(kExchangeLane);
 }
 
 void ContextParallel::set_sequence_length(int64_t seq_len) {
   if (seq_len == seq_len_) return;
   TS_CHECK(options_.max_seq_len == 0 || seq_len <= options_.max_seq_len,
-           "context parallelism: a sequence of {} tokens exceeds the model's block_size {}", seq_len,
-           options_.max_seq_len);
+           "context parallelism: a sequence of {} tokens exceeds the model's block_size {}",
+           seq_len, options_.max_seq_len);
   layout_ = sequence_layout(seq_len, size(), options_.load_balance, options_.names);
   seq_len_ = seq_len;
   positions_.clear();
@@ -355,27 +383,31 @@ void ContextParallel::set_sequence_length(int64_t seq_len) {
 }
 
 int64_t ContextParallel::local_length(int r) const {
-  TS_CHECK(r >= 0 && r < size(), "ContextParallel::local_length: rank {} is not in 0 .. {}", r, size() - 1);
-  TS_CHECK(!layout_.empty(), "ContextParallel: no sequence length set (call shard_batch or set_sequence_length)");
+  TS_CHECK(r >= 0 && r < size(), "ContextParallel::local_length: rank {} is not in 0 .. {}", r,
+           size() - 1);
+  TS_CHECK(!layout_.empty(),
+           "ContextParallel: no sequence length set (call shard_batch or set_sequence_length)");
   return length_of(layout_[static_cast<size_t>(r)]);
 }
 
 Tensor ContextParallel::shard(const Tensor& x, int64_t dim) const {
-  TS_CHECK(!layout_.empty(), "ContextParallel::shard: no sequence length set (call set_sequence_length)");
+  TS_CHECK(!layout_.empty(),
+           "ContextParallel::shard: no sequence length set (call set_sequence_length)");
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
   TS_CHECK(d >= 0 && d < x.dim() && x.size(d) == seq_len_,
-           "ContextParallel::shard: expected a whole sequence of {} along dim {}, got {}", seq_len_, dim,
-           shape_str(x.shape()));
+           "ContextParallel::shard: expected a whole sequence of {} along dim {}, got {}", seq_len_,
+           dim, shape_str(x.shape()));
   std::vector<Tensor> pieces;
-  for (const Chunk& c : layout_[static_cast<size_t>(rank())]) pieces.push_back(ops::narrow(x, d, c.start, c.length));
+  for (const Chunk& c : layout_[static_cast<size_t>(rank())])
+    pieces.push_back(ops::narrow(x, d, c.start, c.length));
   return pieces.size() == 1 ? ops::contiguous(pieces[0]) : ops::cat(pieces, d);
 }
 
 Tensor ContextParallel::unshard(const Tensor& local, int64_t dim) const {
   const int64_t d = dim < 0 ? dim + local.dim() : dim;
   TS_CHECK(d >= 0 && d < local.dim() && local.size(d) == local_length(rank()),
-           "ContextParallel::unshard: expected this rank's {} tokens along dim {}, got {}", local_length(rank()), dim,
-           shape_str(local.shape()));
+           "ContextParallel::unshard: expected this rank's {} tokens along dim {}, got {}",
+           local_length(rank()), dim, shape_str(local.shape()));
   if (size() == 1) return local;
   int64_t lmax = 0;
   for (int r = 0; r < size(); ++r) lmax = std::max(lmax, local_length(r));
@@ -387,12 +419,15 @@ Tensor ContextParallel::unshard(const Tensor& local, int64_t dim) const {
   }
   padded = ops::contiguous(padded);
   Tensor all = empty({size() * padded.numel()}, local.dtype(), local.device());
-  group_->all_gather_into_tensor(all, ops::reshape(padded, {padded.numel()}))->wait(current_stream(local.device()));
+  group_->all_gather_into_tensor(all, ops::reshape(padded, {padded.numel()}))
+      ->wait(current_stream(local.device()));
   std::map<int64_t, Tensor> by_start;
   for (int r = 0; r < size(); ++r) {
-    Tensor slice = ops::reshape(ops::narrow(all, 0, r * padded.numel(), padded.numel()), padded.shape());
+    Tensor slice =
+        ops::reshape(ops::narrow(all, 0, r * padded.numel(), padded.numel()), padded.shape());
     int64_t at = 0;
-    for (const Chunk& c : layout_[static_cast<size_t>(r)]) by_start[c.start] = ops::narrow(slice, d, at, c.length), at += c.length;
+    for (const Chunk& c : layout_[static_cast<size_t>(r)])
+      by_start[c.start] = ops::narrow(slice, d, at, c.length), at += c.length;
   }
   std::vector<Tensor> pieces;
   for (auto& [start, t] : by_start) pieces.push_back(t);
@@ -402,39 +437,50 @@ Tensor ContextParallel::unshard(const Tensor& local, int64_t dim) const {
 std::pair<Tensor, Tensor> ContextParallel::shard_batch(const Tensor& tokens, const Tensor& targets,
                                                        int64_t ignore_index) {
   TS_CHECK(tokens.dim() == 2 && targets.shape() == tokens.shape(),
-           "ContextParallel::shard_batch: expected tokens and targets [batch, seq] of one shape, got {} and {}",
+           "ContextParallel::shard_batch: expected tokens and targets [batch, seq] of one shape, "
+           "got {} and {}",
            shape_str(tokens.shape()), shape_str(targets.shape()));
   set_sequence_length(tokens.size(1));
   Tensor x = shard(tokens, 1), y = shard(targets, 1);
   auto counted = [&](const Tensor& t) {
-    return ops::sum(ops::to(ops::binary(ops::BinaryOp::Ne, t, static_cast<double>(ignore_index)), DType::F64));
+    return ops::sum(
+        ops::to(ops::binary(ops::BinaryOp::Ne, t, static_cast<double>(ignore_index)), DType::F64));
   };
-  loss_weight_ = ops::div(ops::mul(counted(y), static_cast<double>(size())), counted(targets));
+  // (A batch whose targets are all ignored has a loss of 0, as on one process: not 0/0.)
+  loss_weight_ = ops::div(ops::mul(counted(y), static_cast<double>(size())),
+                          ops::binary(ops::BinaryOp::Maximum, counted(targets), 1.0));
   return {x, y};
 }
 
 Tensor ContextParallel::weigh_loss(const Tensor& mean_loss) const {
   if (size() == 1 || !loss_weight_.defined()) return mean_loss;
-  return mean_loss * ops::to(ops::to(loss_weight_, mean_loss.dtype()), mean_loss.device());
+  // Weighed in f32 at least: a 16-bit weight would round cp x 5/12 to 8 bits.
+  const DType dt = mean_loss.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  return to(mean_loss, dt) * ops::to(ops::to(loss_weight_, dt), mean_loss.device());
 }
 
 Tensor ContextParallel::attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   return attention(q, k, v, /*causal=*/true, scale);
 }
 
-Tensor ContextParallel::attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
+Tensor ContextParallel::attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                  double scale) {
   TS_CHECK(!q.is_subclass() && !k.is_subclass() && !v.is_subclass(),
-           "context-parallel attention: expected plain tensors (a rank's heads under tensor parallelism), got a "
+           "context-parallel attention: expected plain tensors (a rank's heads under tensor "
+           "parallelism), got a "
            "DTensor");
   TS_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-           "context-parallel attention: q, k, v must be 4-D [batch, heads, seq, head_dim]; got {}, {}, {}",
+           "context-parallel attention: q, k, v must be 4-D [batch, heads, seq, head_dim]; got {}, "
+           "{}, {}",
            shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
   TS_CHECK(causal || !options_.load_balance || size() == 1,
-           "{} = true (head-tail chunks) balances the causal mask's work; attention without the mask needs {} = false",
+           "{} = true (head-tail chunks) balances the causal mask's work; attention without the "
+           "mask needs {} = false",
            field_name(options_.names, "load_balance"), field_name(options_.names, "load_balance"));
   const int64_t len = local_length(rank());
   TS_CHECK(q.size(2) == len && k.size(2) == len && v.size(2) == len,
-           "context-parallel attention: this rank holds {} of the sequence's {} tokens, but q, k, v are {}, {}, {}",
+           "context-parallel attention: this rank holds {} of the sequence's {} tokens, but q, k, "
+           "v are {}, {}, {}",
            len, seq_len_, shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
   if (size() == 1) return scaled_dot_product_attention(q, k, v, causal, scale);
   TS_PROFILE("cp_attention");
@@ -443,17 +489,22 @@ Tensor ContextParallel::attention(const Tensor& q, const Tensor& k, const Tensor
   ops::AttentionResult r = ring.forward(qc, kc, vc);
   if (autograd::should_record({q, k, v})) {
     Tensor out = autograd::detach(r.out), lse = r.lse;
-    autograd::record("cp_attention", {q, k, v}, {r.out}, [ring, qc, kc, vc, out, lse](const TensorList& g) {
-      TS_PROFILE("cp_attention_backward");
-      return ring.backward(g[0], qc, kc, vc, out, lse);
-    });
+    autograd::record("cp_attention", {q, k, v}, {r.out},
+                     [ring, qc, kc, vc, out, lse](const TensorList& g) {
+                       TS_PROFILE("cp_attention_backward");
+                       return ring.backward(g[0], qc, kc, vc, out, lse);
+                     });
   }
   return r.out;
 }
 
-std::shared_ptr<ContextParallel> apply_context_parallel(nn::LanguageModel& model, const dist::ProcessGroupPtr& group,
+std::shared_ptr<ContextParallel> apply_context_parallel(nn::LanguageModel& model,
+                                                        const dist::ProcessGroupPtr& group,
                                                         ContextParallelOptions options) {
   if (options.max_seq_len == 0) options.max_seq_len = model.config.block_size;
+  // The group's exchanges on a trace lane of their own (a mesh's cp group
+  // carries nothing else).
+  group->set_trace_lane(kExchangeLane);
   auto shard = std::make_shared<ContextParallel>(group, std::move(options));
   model.set_sequence_shard(shard);
   return shard;

@@ -129,14 +129,16 @@ class ContextParallel final : public nn::SequenceShard {
   std::vector<std::vector<Chunk>> layout_;
   std::vector<int64_t> positions_;
   Tensor loss_weight_;  // shard_batch's: cp x local count / whole count (f64, 0-dim)
-  std::shared_ptr<WorkStats> work_ = std::make_shared<WorkStats>();  // shared with the backward closures
+  std::shared_ptr<WorkStats> work_ =
+      std::make_shared<WorkStats>();  // shared with the backward closures
 };
 
 // Context parallelism over `group` for `model` (built on meta or materialised):
 // every block's attention and the learned or rotary positions see this
 // rank's slice through the returned object. A group of one rank changes
 // nothing and issues no collective.
-std::shared_ptr<ContextParallel> apply_context_parallel(nn::LanguageModel& model, const dist::ProcessGroupPtr& group,
+std::shared_ptr<ContextParallel> apply_context_parallel(nn::LanguageModel& model,
+                                                        const dist::ProcessGroupPtr& group,
                                                         ContextParallelOptions options = {});
 
 }  // namespace tessera::cp

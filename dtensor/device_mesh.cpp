@@ -134,6 +134,9 @@ MeshPtr DeviceMesh::flatten(const std::string& name) const {
     dims.push_back(it - all.begin());
   }
   if (!name.empty() && !dims.empty()) {
+    TS_CHECK(std::is_sorted(dims.begin(), dims.end()),
+             "DeviceMesh::flatten: '{}' would flatten dims ({}) out of the order of {}; slice them in its order",
+             label, fmt::join(names_, ", "), top->str());
     auto known = top->flattened_.find(label);
     if (known != top->flattened_.end()) {
       TS_CHECK(known->second.dims == dims, "DeviceMesh::flatten: '{}' already names a flattening of other dims of {}",

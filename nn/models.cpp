@@ -33,6 +33,20 @@ void LanguageModel::set_sequence_shard(std::shared_ptr<SequenceShard> shard) {
   }
 }
 
+WholeSequences::WholeSequences(std::vector<LanguageModel*> models) {
+  for (LanguageModel* m : models) {
+    saved_.emplace_back(m, m->sequence_shard());
+    if (m->sequence_shard()) m->set_sequence_shard(nullptr);
+  }
+}
+
+WholeSequences::~WholeSequences() noexcept {
+  // set_sequence_shard throws only for a block that is neither GPT-2's nor
+  // Llama's, and these blocks took the shard before.
+  for (auto& [m, shard] : saved_)
+    if (shard) m->set_sequence_shard(shard);
+}
+
 namespace {
 TransformerConfig with_arch(TransformerConfig cfg, const char* arch) {
   cfg.arch = arch;

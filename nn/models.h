@@ -81,6 +81,20 @@ class Llama : public LanguageModel {
   std::shared_ptr<Linear> lm_head;
 };
 
+// For its scope, the models run on whole sequences (context parallelism set
+// aside: generation, evaluation on every rank); their sequence shards come
+// back when it ends.
+class WholeSequences {
+ public:
+  explicit WholeSequences(std::vector<LanguageModel*> models);
+  ~WholeSequences() noexcept;
+  WholeSequences(const WholeSequences&) = delete;
+  WholeSequences& operator=(const WholeSequences&) = delete;
+
+ private:
+  std::vector<std::pair<LanguageModel*, std::shared_ptr<SequenceShard>>> saved_;
+};
+
 // The model cfg.arch names (gpt2: GPT, llama: Llama), built on `device`
 // (meta: no bytes until to_empty); cfg is validated first.
 std::shared_ptr<LanguageModel> make_model(const TransformerConfig& cfg, Device device = Device::cpu());

@@ -239,17 +239,9 @@ Tensor Pipeline::forward_logits(const Tensor& idx) {
   autograd::NoGradGuard no_grad;
   // Context parallelism: every rank runs the whole sequences (attention over
   // them alone, no K/V exchanged); the slices come back after.
-  const std::shared_ptr<nn::SequenceShard> slices = parts_.begin()->second->sequence_shard();
-  struct Restore {
-    std::map<int, std::shared_ptr<nn::LanguageModel>>& parts;
-    std::shared_ptr<nn::SequenceShard> slices;
-    ~Restore() {
-      if (slices)
-        for (auto& [s, part] : parts) part->set_sequence_shard(slices);
-    }
-  } restore{parts_, slices};
-  if (slices)
-    for (auto& [s, part] : parts_) part->set_sequence_shard(nullptr);
+  std::vector<nn::LanguageModel*> parts;
+  for (auto& [s, part] : parts_) parts.push_back(part.get());
+  nn::WholeSequences whole(parts);
   TS_CHECK(idx.dim() == 2, "Pipeline::forward_logits: expected token ids [B, T], got {}", shape_str(idx.shape()));
   const int S = schedule_.stages, me = group_->rank();
   auto rank_of = [&](int st) { return schedule_.stage_rank[static_cast<size_t>(st)]; };
@@ -294,7 +286,10 @@ Tensor Pipeline::forward(int stage, int mb, const Tensor& input) {
   // The batch's mean token loss, this micro-batch's share of it.
   const Tensor& logits = h;
   Tensor loss = nn::cross_entropy(logits, micro_targets_[static_cast<size_t>(mb)]);
-  if (!micro_weights_.empty()) loss = loss * ops::to(micro_weights_[static_cast<size_t>(mb)], loss.dtype());
+  if (!micro_weights_.empty()) {  // weighed in f32 at least, as nn::SequenceShard::weigh_loss does
+    const DType dt = loss.dtype() == DType::F64 ? DType::F64 : DType::F32;
+    loss = to(loss, dt) * ops::to(micro_weights_[static_cast<size_t>(mb)], dt);
+  }
   f.output = mul(loss, token_share_);
   losses_[static_cast<size_t>(mb)] = autograd::detach(f.output);
   return f.output;

@@ -550,13 +550,7 @@ void Trainer::sample(const std::string& when) {
   }
   // Context parallelism: every rank generates the whole sequence (attention
   // over it alone, no K/V exchanged); the slices come back after.
-  std::shared_ptr<nn::SequenceShard> slices = model_->sequence_shard();
-  model_->set_sequence_shard(nullptr);
-  struct Restore {
-    nn::LanguageModel& model;
-    std::shared_ptr<nn::SequenceShard> slices;
-    ~Restore() { model.set_sequence_shard(slices); }
-  } restore{*model_, slices};
+  nn::WholeSequences whole({model_.get()});
   nn::generate(*model_, prompt,
                {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
                 static_cast<uint64_t>(cfg_.job.seed)},

@@ -40,10 +40,12 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
            d.cp > 1 ? fmt::format(" x context-parallel degree {}", d.cp) : "",
            d.tp > 1 ? fmt::format(" x tensor-parallel degree {}", d.tp) : "",
            d.pp * d.replicate * d.shard * d.cp * d.tp, world_size);
+  // FSDP shards over data x context.
   TS_CHECK(o.reshard_after_forward_degree == 0 ||
-               (o.reshard_after_forward_degree >= 1 && d.shard % o.reshard_after_forward_degree == 0),
-           "{} ({}) must divide the shard degree ({} at {} ranks), or be 0", f("reshard_after_forward_degree"),
-           o.reshard_after_forward_degree, d.shard, world_size);
+               (o.reshard_after_forward_degree >= 1 && d.shard * d.cp % o.reshard_after_forward_degree == 0),
+           "{} ({}) must divide the shard degree ({} at {} ranks{}), or be 0", f("reshard_after_forward_degree"),
+           o.reshard_after_forward_degree, d.shard * d.cp, world_size,
+           d.cp > 1 ? fmt::format(": data {} x context {}", d.shard, d.cp) : "");
   TS_CHECK(!o.sequence_parallel || o.tp > 1,
            "{} splits activations over the tensor-parallel ranks: it needs {} > 1, got {}", f("sequence_parallel"),
            f("tp"), o.tp);
@@ -70,6 +72,9 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
                            tp::tensor_parallel_plan(model, mesh->size(-1), o.loss_parallel, o.sequence_parallel));
   const bool context = std::find(names.begin(), names.end(), "cp") != names.end();
   if (context) {
+    TS_CHECK(o.cp_rotate_method != "ring" || mesh->device_type() != "cuda",
+             "cp_rotate_method ring passes K/V as point-to-point messages, which the NCCL process groups do not "
+             "have yet: use allgather on CUDA");
     cp::apply_context_parallel(model, mesh->get_group("cp"),
                                {.rotate_method = cp::parse_rotate_method(o.cp_rotate_method),
                                 .load_balance = o.cp_load_balance,

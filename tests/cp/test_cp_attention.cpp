@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "autograd/functions.h"
 #include "autograd/tape.h"
@@ -47,13 +48,15 @@ std::string train_key(const char* field) {
 }
 
 double relative(const Tensor& got, const Tensor& want) {
-  const double scale = std::max(1.0, ops::to(ops::max(ops::unary(ops::UnaryOp::Abs, want)), DType::F64).item());
+  const double scale =
+      std::max(1.0, ops::to(ops::max(ops::unary(ops::UnaryOp::Abs, want)), DType::F64).item());
   return testing::max_abs_diff(got, want) / scale;
 }
 
 }  // namespace
 
-TEST_CASE("the sequence layout: head-tail chunks r and 2cp-1-r, or contiguous runs", "[cp][layout]") {
+TEST_CASE("the sequence layout: head-tail chunks r and 2cp-1-r, or contiguous runs",
+          "[cp][layout]") {
   using cp::Chunk;
   auto ht = cp::sequence_layout(16, 4, true);
   REQUIRE(ht.size() == 4);
@@ -64,17 +67,21 @@ TEST_CASE("the sequence layout: head-tail chunks r and 2cp-1-r, or contiguous ru
   CHECK(plain[0] == std::vector<Chunk>{{0, 4}});
   CHECK(plain[1] == std::vector<Chunk>{{4, 4}});
   CHECK(plain[2] == std::vector<Chunk>{{8, 3}});
-  CHECK(cp::sequence_layout(7, 1, true)[0] == std::vector<Chunk>{{0, 7}});  // one rank: the whole sequence
+  CHECK(cp::sequence_layout(7, 1, true)[0] ==
+        std::vector<Chunk>{{0, 7}});  // one rank: the whole sequence
   CHECK_THROWS_WITH(cp::sequence_layout(18, 4, true, train_key),
                     Catch::Contains("parallelism.context_parallel_load_balance = true") &&
                         Catch::Contains("training.seq_len = 18 is not a multiple of 8"));
-  CHECK_THROWS_WITH(cp::sequence_layout(2, 3, false, train_key), Catch::Contains("training.seq_len = 2"));
-  CHECK_THROWS_WITH(cp::parse_rotate_method("alltoall", "parallelism.context_parallel_rotate_method"),
-                    Catch::Contains("parallelism.context_parallel_rotate_method: expected allgather") &&
-                        Catch::Contains("'alltoall'"));
+  CHECK_THROWS_WITH(cp::sequence_layout(2, 3, false, train_key),
+                    Catch::Contains("training.seq_len = 2"));
+  CHECK_THROWS_WITH(
+      cp::parse_rotate_method("alltoall", "parallelism.context_parallel_rotate_method"),
+      Catch::Contains("parallelism.context_parallel_rotate_method: expected allgather") &&
+          Catch::Contains("'alltoall'"));
 }
 
-TEST_CASE("context-parallel attention equals one process's, forward and backward", "[cp][attention][exact]") {
+TEST_CASE("context-parallel attention equals one process's, forward and backward",
+          "[cp][attention][exact]") {
   auto group = world();
   const int c = group->size();
   struct Case {
@@ -82,8 +89,11 @@ TEST_CASE("context-parallel attention equals one process's, forward and backward
     bool load_balance, causal;
   };
   // Head-tail lengths are multiples of 2c; contiguous ones split evenly and not.
-  const std::vector<Case> cases{{6 * c, true, true}, {2 * c, true, true}, {5 * c, false, true},
-                                {3 * c + 1, false, true}, {2 * c + c / 2 + 1, false, false}};
+  const std::vector<Case> cases{{6 * c, true, true},
+                                {2 * c, true, true},
+                                {5 * c, false, true},
+                                {3 * c + 1, false, true},
+                                {2 * c + c / 2 + 1, false, false}};
   uint64_t seed = 10;
   for (DType dt : {DType::F64, DType::F32})
     for (const auto& [t, lb, causal] : cases)
@@ -100,8 +110,9 @@ TEST_CASE("context-parallel attention equals one process's, forward and backward
         cp::ContextParallel ctx(group, {.rotate_method = method, .load_balance = lb});
         ctx.set_sequence_length(t);
         group->reset_stats();
-        Grads got = run(ctx.shard(q, 2), ctx.shard(k, 2), ctx.shard(v, 2), ctx.shard(dout, 2),
-                        [&](auto& a, auto& b, auto& d) { return ctx.attention(a, b, d, causal, scale); });
+        Grads got =
+            run(ctx.shard(q, 2), ctx.shard(k, 2), ctx.shard(v, 2), ctx.shard(dout, 2),
+                [&](auto& a, auto& b, auto& d) { return ctx.attention(a, b, d, causal, scale); });
         const auto st = group->stats();  // the attention's exchanges alone
         // The ranks' blocks cover the mask's score entries once forward and
         // once backward; head-tail gives every rank the same share.
@@ -113,7 +124,9 @@ TEST_CASE("context-parallel attention equals one process's, forward and backward
           for (double x : each) total += x;
           const double td = static_cast<double>(t);
           CHECK(total == 2 * (causal ? td * (td + 1) / 2 : td * td));
-          if (lb) CHECK(*std::max_element(each.begin(), each.end()) == *std::min_element(each.begin(), each.end()));
+          if (lb)
+            CHECK(*std::max_element(each.begin(), each.end()) ==
+                  *std::min_element(each.begin(), each.end()));
         }
         const double tol = dt == DType::F64 ? 1e-12 : 1e-5;
         CHECK(relative(got.out, ctx.shard(want.out, 2)) <= tol);
@@ -140,20 +153,56 @@ TEST_CASE("context-parallel attention equals one process's, forward and backward
       }
 }
 
+TEST_CASE("bf16 blocks merge unrounded: context parallelism is as close to f64 as one process", "[cp][attention]") {
+  auto group = world();
+  const int c = group->size();
+  const int64_t t = 8 * c;
+  // bf16 inputs, and the f64 attention of the same (rounded) values as the reference.
+  Tensor q = randn({1, 4, t, 16}, 41, DType::BF16), k = randn({1, 2, t, 16}, 42, DType::BF16);
+  Tensor v = randn({1, 2, t, 16}, 43, DType::BF16), dout = randn({1, 4, t, 16}, 44, DType::BF16);
+  const double scale = 0.25;
+  auto f64 = [](const Tensor& x) { return ops::to(x, DType::F64); };
+  Grads want = run(f64(q), f64(k), f64(v), f64(dout),
+                   [&](auto& a, auto& b, auto& d) { return scaled_dot_product_attention(a, b, d, true, scale); });
+  Grads one = run(q, k, v, dout,
+                  [&](auto& a, auto& b, auto& d) { return scaled_dot_product_attention(a, b, d, true, scale); });
+  for (auto method : {cp::RotateMethod::AllGather, cp::RotateMethod::Ring}) {
+    INFO(cp::rotate_method_name(method) << " cp=" << c);
+    cp::ContextParallel ctx(group, {.rotate_method = method});
+    ctx.set_sequence_length(t);
+    Grads got = run(ctx.shard(q, 2), ctx.shard(k, 2), ctx.shard(v, 2), ctx.shard(dout, 2),
+                    [&](auto& a, auto& b, auto& d) { return ctx.attention(a, b, d, true, scale); });
+    CHECK(got.out.dtype() == DType::BF16);
+    // Rounded once, at the end: within bf16's half-ulp (2^-9) of the f64 result,
+    // as one process's kernel is.
+    for (auto [g, o, w] : {std::tuple{got.out, one.out, want.out}, {got.dq, one.dq, want.dq},
+                           {got.dk, one.dk, want.dk}, {got.dv, one.dv, want.dv}}) {
+      const double mine = relative(f64(g), ctx.shard(w, 2)), single = relative(f64(ctx.shard(o, 2)), ctx.shard(w, 2));
+      INFO("cp " << mine << ", one process " << single);
+      CHECK(mine <= std::max(2 * single, 1.0 / 256));
+    }
+  }
+}
+
 TEST_CASE("bad context-parallel inputs are refused by name", "[cp][errors]") {
   auto group = world();
   const int c = group->size();
   cp::ContextParallel ctx(group, {.load_balance = true, .names = train_key});
   if (c > 1) {
     CHECK_THROWS_WITH(ctx.set_sequence_length(2 * c + 1),
-                      Catch::Contains("parallelism.context_parallel_load_balance = true") && Catch::Contains("multiple of"));
+                      Catch::Contains("parallelism.context_parallel_load_balance = true") &&
+                          Catch::Contains("multiple of"));
   }
   ctx.set_sequence_length(8 * c);  // 8 tokens a rank
   Tensor q = randn({1, 2, 5, 4}, 1, DType::F64);
-  CHECK_THROWS_WITH(ctx.attention(q, q, q, true, 0.5), Catch::Contains("this rank holds 8 of the sequence's"));
+  CHECK_THROWS_WITH(ctx.attention(q, q, q, true, 0.5),
+                    Catch::Contains("this rank holds 8 of the sequence's"));
   Tensor ql = randn({1, 2, 8, 4}, 1, DType::F64);
   if (c > 1)
-    CHECK_THROWS_WITH(ctx.attention(ql, ql, ql, /*causal=*/false, 0.5),
-                      Catch::Contains("attention without the mask needs parallelism.context_parallel_load_balance = false"));
-  CHECK_THROWS_WITH(ctx.shard(randn({2, 3}, 1), 1), Catch::Contains("expected a whole sequence of"));
+    CHECK_THROWS_WITH(
+        ctx.attention(ql, ql, ql, /*causal=*/false, 0.5),
+        Catch::Contains(
+            "attention without the mask needs parallelism.context_parallel_load_balance = false"));
+  CHECK_THROWS_WITH(ctx.shard(randn({2, 3}, 1), 1),
+                    Catch::Contains("expected a whole sequence of"));
 }

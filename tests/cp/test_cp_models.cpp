@@ -13,10 +13,10 @@
 #include "cp/context_parallel.h"
 #include "dtensor/dtensor.h"
 #include "nn/models.h"
+#include "tests/helpers.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
 #include "train/step.h"
-#include "tests/helpers.h"
 
 using namespace tessera;
 
@@ -58,11 +58,14 @@ Batches data(int64_t rows, int64_t seq, int64_t vocab, int steps) {
   return out;
 }
 
-Tensor whole(const Tensor& t) { return is_dtensor(t) ? full_tensor(t) : t; }
+Tensor whole(const Tensor& t) {
+  return is_dtensor(t) ? full_tensor(t) : t;
+}
 
 // Steps of forward_backward, clipping and AdamW; `rows` picks this rank's
 // rows of each global batch; the loss is averaged over `loss_group`.
-Run train(nn::LanguageModel& model, const Batches& batches, const std::function<Tensor(const Tensor&)>& rows,
+Run train(nn::LanguageModel& model, const Batches& batches,
+          const std::function<Tensor(const Tensor&)>& rows,
           const dist::ProcessGroupPtr& loss_group) {
   auto opt = train::make_optimizer(model, {.lr = 3e-2});
   Run r;
@@ -71,7 +74,8 @@ Run train(nn::LanguageModel& model, const Batches& batches, const std::function<
       return std::pair{rows(batches[k].first), rows(batches[k].second)};
     });
     loss = ops::reshape(ops::clone(loss), {1});
-    if (loss_group && loss_group->size() > 1) loss_group->all_reduce(loss, {dist::ReduceOp::Avg})->wait();
+    if (loss_group && loss_group->size() > 1)
+      loss_group->all_reduce(loss, {dist::ReduceOp::Avg})->wait();
     r.losses.push_back(loss.item());
     if (k == 0)
       for (auto& [name, p] : model.named_parameters()) r.grads[name] = ops::clone(whole(p.grad()));
@@ -88,11 +92,13 @@ Run reference(const nn::TransformerConfig& cfg, DType dt, const Batches& batches
   model->to_empty(Device::cpu());
   model->init_weights(7);
   model->to(dt);
-  return train(*model, batches, [](const Tensor& t) { return t; }, nullptr);
+  return train(
+      *model, batches, [](const Tensor& t) { return t; }, nullptr);
 }
 
 double relative(const Tensor& got, const Tensor& want) {
-  const double scale = std::max(1.0, ops::to(ops::max(ops::unary(ops::UnaryOp::Abs, want)), DType::F64).item());
+  const double scale =
+      std::max(1.0, ops::to(ops::max(ops::unary(ops::UnaryOp::Abs, want)), DType::F64).item());
   return testing::max_abs_diff(got, want) / scale;
 }
 
@@ -119,8 +125,8 @@ void compare(const Run& want, const Run& got, double tol, double param_tol = 0) 
 }
 
 // The model over make_mesh(o): this rank's data-parallel rows of each batch.
-Run parallel(const nn::TransformerConfig& cfg, DType dt, train::ParallelismOptions o, const Batches& batches,
-             MeshPtr* mesh_out = nullptr) {
+Run parallel(const nn::TransformerConfig& cfg, DType dt, train::ParallelismOptions o,
+             const Batches& batches, MeshPtr* mesh_out = nullptr) {
   o.param_dtype = o.reduce_dtype = dt;  // FSDP computes and reduces in the model's dtype
   MeshPtr mesh = train::make_mesh(o);
   auto model = nn::make_model(cfg, Device::meta());
@@ -131,12 +137,15 @@ Run parallel(const nn::TransformerConfig& cfg, DType dt, train::ParallelismOptio
   const auto& names = mesh->dim_names();
   int64_t dp = 1, dp_rank = 0;
   for (const std::string& n : names)
-    if (n == "dp_replicate" || n == "dp_shard") dp_rank = dp_rank * mesh->size(mesh->dim_index(n)) + mesh->get_local_rank(n), dp *= mesh->size(mesh->dim_index(n));
+    if (n == "dp_replicate" || n == "dp_shard")
+      dp_rank = dp_rank * mesh->size(mesh->dim_index(n)) + mesh->get_local_rank(n),
+      dp *= mesh->size(mesh->dim_index(n));
   const int64_t rows = batches[0].first.size(0) / dp;
   if (mesh_out) *mesh_out = mesh;
-  return train(*model, batches,
-               [&](const Tensor& t) { return ops::contiguous(ops::narrow(t, 0, dp_rank * rows, rows)); },
-               dist::world());
+  return train(
+      *model, batches,
+      [&](const Tensor& t) { return ops::contiguous(ops::narrow(t, 0, dp_rank * rows, rows)); },
+      dist::world());
 }
 
 }  // namespace
@@ -147,22 +156,49 @@ TEST_CASE("GPT-2 and Llama under context parallelism equal one process", "[cp][m
     std::string arch;
     bool rope;
   };
-  for (const auto& [arch, rope] : std::vector<Model>{{"gpt2", false}, {"gpt2", true}, {"llama", false}})
+  for (const auto& [arch, rope] :
+       std::vector<Model>{{"gpt2", false}, {"gpt2", true}, {"llama", false}})
     for (bool lb : {true, false})
       for (const std::string method : {"allgather", "ring"}) {
         // Head-tail: 2 tokens a chunk; contiguous: a length that splits unevenly.
         const int64_t t = lb ? 4 * c : 3 * c + 1;
-        INFO(arch << (rope ? " rope" : "") << " cp=" << c << " T=" << t << " load_balance=" << lb << " " << method);
+        INFO(arch << (rope ? " rope" : "") << " cp=" << c << " T=" << t << " load_balance=" << lb
+                  << " " << method);
         const auto cfg = config(arch, rope);
         const Batches batches = data(2, t, cfg.vocab_size, 3);
-        const train::ParallelismOptions o{.cp = c, .cp_rotate_method = method, .cp_load_balance = lb};
+        const train::ParallelismOptions o{
+            .cp = c, .cp_rotate_method = method, .cp_load_balance = lb};
         compare(reference(cfg, DType::F64, batches), parallel(cfg, DType::F64, o, batches), 1e-12);
         if (arch == "llama" && method == "ring")
-          compare(reference(cfg, DType::F32, batches), parallel(cfg, DType::F32, o, batches), 1e-5, 1e-3);
+          compare(reference(cfg, DType::F32, batches), parallel(cfg, DType::F32, o, batches), 1e-5,
+                  1e-3);
       }
 }
 
-TEST_CASE("context parallelism composes with FSDP, HSDP and tensor parallelism at 4 ranks", "[cp][models][compose]") {
+TEST_CASE("ignored targets, an all-ignored batch and recomputed blocks under context parallelism",
+          "[cp][models][exact]") {
+  const int c = world();
+  for (const std::string method : {"allgather", "ring"}) {
+    INFO("llama cp=" << c << " " << method);
+    auto cfg = config("llama");
+    // An uneven contiguous split: the slices' counted targets differ.
+    const int64_t t = 3 * c + 1;
+    Batches batches = data(2, t, cfg.vocab_size, 3);
+    // Step 0: a quarter of the targets ignored; step 1: all of them.
+    Tensor mask = ops::binary(ops::BinaryOp::Lt, rand({2, t}, 77, DType::F64), 0.25);
+    batches[0].second = where(mask, full({}, -100.0, DType::I64), batches[0].second);
+    batches[1].second = full({2, t}, -100.0, DType::I64);
+    const train::ParallelismOptions o{.cp = c, .cp_rotate_method = method, .cp_load_balance = false};
+    compare(reference(cfg, DType::F64, batches), parallel(cfg, DType::F64, o, batches), 1e-12);
+    // Each block recomputed in backward: the K/V exchange runs again there.
+    cfg.activation_checkpoint = true;
+    const Batches plain = data(2, t, cfg.vocab_size, 3);
+    compare(reference(cfg, DType::F64, plain), parallel(cfg, DType::F64, o, plain), 1e-12);
+  }
+}
+
+TEST_CASE("context parallelism composes with FSDP, HSDP and tensor parallelism at 4 ranks",
+          "[cp][models][compose]") {
   if (world() != 4) return;
   for (const std::string arch : {"gpt2", "llama"})
     for (const std::string method : {"allgather", "ring"}) {
@@ -171,24 +207,32 @@ TEST_CASE("context parallelism composes with FSDP, HSDP and tensor parallelism a
       const Run want = reference(cfg, DType::F64, batches);
       {
         INFO(arch << " FSDP 2 x CP 2, " << method);
-        compare(want, parallel(cfg, DType::F64, {.dp_shard = 2, .cp = 2, .cp_rotate_method = method}, batches), 1e-12);
+        compare(want,
+                parallel(cfg, DType::F64, {.dp_shard = 2, .cp = 2, .cp_rotate_method = method},
+                         batches),
+                1e-12);
       }
       {
         INFO(arch << " HSDP 2 x CP 2, " << method);
-        compare(want, parallel(cfg, DType::F64, {.dp_replicate = 2, .dp_shard = 1, .cp = 2, .cp_rotate_method = method},
-                               batches), 1e-12);
+        compare(want,
+                parallel(cfg, DType::F64,
+                         {.dp_replicate = 2, .dp_shard = 1, .cp = 2, .cp_rotate_method = method},
+                         batches),
+                1e-12);
       }
       for (bool sp : {false, true}) {
         INFO(arch << " TP 2 x CP 2, " << method << (sp ? " + SP" : ""));
         compare(want,
-                parallel(cfg, DType::F64, {.tp = 2, .sequence_parallel = sp, .cp = 2, .cp_rotate_method = method},
+                parallel(cfg, DType::F64,
+                         {.tp = 2, .sequence_parallel = sp, .cp = 2, .cp_rotate_method = method},
                          batches),
                 1e-12);
       }
     }
 }
 
-TEST_CASE("the K/V exchanges per layer are the rotate method's; one rank issues none", "[cp][counts]") {
+TEST_CASE("the K/V exchanges per layer are the rotate method's; one rank issues none",
+          "[cp][counts]") {
   const int c = world();
   const auto cfg = config("llama");
   for (const std::string method : {"allgather", "ring"}) {

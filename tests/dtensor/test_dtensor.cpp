@@ -188,6 +188,7 @@ TEST_CASE("3-D meshes: named dims, coordinates, multi-name slices, flattening, r
       CHECK_THROWS_WITH(m->slice({"bc", "c"}, true), Catch::Contains("be distinct dims of the mesh"));
       CHECK_THROWS_WITH(m->slice({"a", "b"})->flatten("bc"), Catch::Contains("'bc' already names a flattening of other dims"));
       CHECK_THROWS_WITH(m->slice({"a", "c"})->flatten("b"), Catch::Contains("'b' is a dim of"));
+      CHECK_THROWS_WITH(m->slice({"c", "a"}, true)->flatten("ca"), Catch::Contains("out of the order of"));
       // A DTensor on the flattened submesh: sharded over a*c ranks, replicated along b.
       Tensor full5 = ints({5, 3}, 17);
       Tensor on_flat = distribute_tensor_local(full5, flat, {Shard{0}});
