@@ -239,6 +239,26 @@ struct RingAttention {
     }
   }
 
+  // Calls f(a, kind, kb, vb, at, length) for every pair of this rank's query
+  // chunk a and a key chunk of rank src's packed block kv that the mask
+  // keeps: kb, vb the chunk's keys and values in dtype dt (taken once per
+  // key chunk), at and length where they lie in src's slice.
+  template <class F>
+  void for_each_pair(const Tensor& kv, int src, DType dt, F&& f) const {
+    const auto& mine = layout[static_cast<size_t>(me())];
+    int64_t at = 0;
+    for (const Chunk& b : layout[static_cast<size_t>(src)]) {
+      Tensor kb, vb;
+      for (size_t a = 0; a < mine.size(); ++a) {
+        const Pair kind = pair_kind(mine[a], b, causal);
+        if (kind == Pair::Skipped) continue;
+        if (!kb.defined()) std::tie(kb, vb) = keys_of(kv, at, b.length, dt);
+        f(a, kind, kb, vb, at, b.length);
+      }
+      at += b.length;
+    }
+  }
+
   ops::AttentionResult forward(const Tensor& q, const Tensor& k, const Tensor& v) const {
     const auto& mine = layout[static_cast<size_t>(me())];
     const DType acc_dt = accumulate_dtype(q.dtype());
@@ -247,19 +267,13 @@ struct RingAttention {
     std::vector<Tensor> qs = chunks_of(q, me(), acc_dt);
     std::vector<Partial> acc(mine.size());
     for_each_kv(ops::contiguous(ops::stack({k, v}, 0)), [&](const Tensor& kv, int src) {
-      int64_t at = 0;
-      for (const Chunk& b : layout[static_cast<size_t>(src)]) {
-        Tensor kb, vb;
-        for (size_t a = 0; a < mine.size(); ++a) {
-          const Pair kind = pair_kind(mine[a], b, causal);
-          if (kind == Pair::Skipped) continue;
-          if (!kb.defined()) std::tie(kb, vb) = keys_of(kv, at, b.length, acc_dt);
-          BlockTimer timer(*work, kind, mine[a].length, b.length,
-                           kind == Pair::Triangle ? "attention (diagonal)" : "attention");
-          merge(acc[a], ops::attention(qs[a], kb, vb, kind == Pair::Triangle, scale), acc_dt);
-        }
-        at += b.length;
-      }
+      for_each_pair(
+          kv, src, acc_dt,
+          [&](size_t a, Pair kind, const Tensor& kb, const Tensor& vb, int64_t, int64_t length) {
+            BlockTimer timer(*work, kind, mine[a].length, length,
+                             kind == Pair::Triangle ? "attention (diagonal)" : "attention");
+            merge(acc[a], ops::attention(qs[a], kb, vb, kind == Pair::Triangle, scale), acc_dt);
+          });
     });
     std::vector<Tensor> outs, lses;
     for (Partial& p : acc) outs.push_back(p.out), lses.push_back(p.lse);
@@ -281,25 +295,19 @@ struct RingAttention {
     // [2, B, Hkv, L_src, D] (acc dtype).
     auto contribute = [&](const Tensor& kv, const Tensor& dkv, int src) {
       Tensor dks = part(dkv, 0), dvs = part(dkv, 1);
-      int64_t at = 0;
-      for (const Chunk& b : layout[static_cast<size_t>(src)]) {
-        Tensor kb, vb;
-        for (size_t a = 0; a < mine.size(); ++a) {
-          const Pair kind = pair_kind(mine[a], b, causal);
-          if (kind == Pair::Skipped) continue;
-          if (!kb.defined()) std::tie(kb, vb) = keys_of(kv, at, b.length, acc_dt);
-          BlockTimer timer(
-              *work, kind, mine[a].length, b.length,
-              kind == Pair::Triangle ? "attention backward (diagonal)" : "attention backward");
-          ops::AttentionGrads g = ops::attention_backward(dos[a], qs[a], kb, vb, os[a], ls[a],
-                                                          kind == Pair::Triangle, scale);
-          Tensor gq = ops::to(g.dq, acc_dt);
-          dq[a] = dq[a].defined() ? ops::add(dq[a], gq) : gq;
-          ops::add_(ops::narrow(dks, 2, at, b.length), ops::to(g.dk, acc_dt));
-          ops::add_(ops::narrow(dvs, 2, at, b.length), ops::to(g.dv, acc_dt));
-        }
-        at += b.length;
-      }
+      for_each_pair(
+          kv, src, acc_dt,
+          [&](size_t a, Pair kind, const Tensor& kb, const Tensor& vb, int64_t at, int64_t length) {
+            BlockTimer timer(
+                *work, kind, mine[a].length, length,
+                kind == Pair::Triangle ? "attention backward (diagonal)" : "attention backward");
+            ops::AttentionGrads g = ops::attention_backward(dos[a], qs[a], kb, vb, os[a], ls[a],
+                                                            kind == Pair::Triangle, scale);
+            Tensor gq = ops::to(g.dq, acc_dt);
+            dq[a] = dq[a].defined() ? ops::add(dq[a], gq) : gq;
+            ops::add_(ops::narrow(dks, 2, at, length), ops::to(g.dk, acc_dt));
+            ops::add_(ops::narrow(dvs, 2, at, length), ops::to(g.dv, acc_dt));
+          });
     };
     const Tensor own = ops::contiguous(ops::stack({k, v}, 0));
     Tensor dkv;  // this rank's keys' gradients, [2, B, Hkv, L, D]
