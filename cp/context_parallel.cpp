@@ -135,6 +135,26 @@ class BlockTimer {
   double cpu0_;
 };
 
+// Every rank's x, padded along dim to `longest` (the longest slice): one
+// all-gather into [ranks, ...x's shape with dim = longest].
+Tensor gather_padded(dist::ProcessGroup& group, const Tensor& x, int64_t dim, int64_t longest) {
+  Tensor padded = x;
+  if (x.size(dim) < longest) {
+    Shape pad = x.shape();
+    pad[static_cast<size_t>(dim)] = longest - x.size(dim);
+    padded = ops::cat({x, zeros(pad, x.dtype(), x.device())}, dim);
+  }
+  padded = ops::contiguous(padded);
+  Shape all = padded.shape();
+  all.insert(all.begin(), group.size());
+  Tensor gathered = empty(all, x.dtype(), x.device());
+  group
+      .all_gather_into_tensor(ops::reshape(gathered, {gathered.numel()}),
+                              ops::reshape(padded, {padded.numel()}))
+      ->wait(current_stream(x.device()));
+  return gathered;
+}
+
 // One layer's attention over the group: the layout and group captured by
 // value, so that the backward sees what the forward saw.
 struct RingAttention {
@@ -180,22 +200,7 @@ struct RingAttention {
 
   // Every rank's packed K/V, padded to the longest slice: [cp, 2, B, Hkv, Lmax, D].
   Tensor all_gather_kv(const Tensor& own) const {
-    const int64_t lmax = max_length(), len = own.size(3);
-    Tensor padded = own;
-    if (len < lmax) {
-      Shape pad = own.shape();
-      pad[3] = lmax - len;
-      padded = ops::cat({own, zeros(pad, own.dtype(), own.device())}, 3);
-    }
-    padded = ops::contiguous(padded);
-    Shape all = padded.shape();
-    all.insert(all.begin(), cp());
-    Tensor gathered = empty(all, own.dtype(), own.device());
-    group
-        ->all_gather_into_tensor(ops::reshape(gathered, {gathered.numel()}),
-                                 ops::reshape(padded, {padded.numel()}))
-        ->wait(current_stream(own.device()));
-    return gathered;
+    return gather_padded(*group, own, 3, max_length());
   }
   // Rank r's packed buffer in a gathered [cp, 2, B, Hkv, Lmax, D].
   Tensor slice_of(const Tensor& gathered, int r) const {
@@ -419,20 +424,10 @@ Tensor ContextParallel::unshard(const Tensor& local, int64_t dim) const {
   if (size() == 1) return local;
   int64_t lmax = 0;
   for (int r = 0; r < size(); ++r) lmax = std::max(lmax, local_length(r));
-  Tensor padded = local;
-  if (local.size(d) < lmax) {
-    Shape pad = local.shape();
-    pad[static_cast<size_t>(d)] = lmax - local.size(d);
-    padded = ops::cat({local, zeros(pad, local.dtype(), local.device())}, d);
-  }
-  padded = ops::contiguous(padded);
-  Tensor all = empty({size() * padded.numel()}, local.dtype(), local.device());
-  group_->all_gather_into_tensor(all, ops::reshape(padded, {padded.numel()}))
-      ->wait(current_stream(local.device()));
+  const Tensor all = gather_padded(*group_, local, d, lmax);
   std::map<int64_t, Tensor> by_start;
   for (int r = 0; r < size(); ++r) {
-    Tensor slice =
-        ops::reshape(ops::narrow(all, 0, r * padded.numel(), padded.numel()), padded.shape());
+    Tensor slice = ops::select(all, 0, r);
     int64_t at = 0;
     for (const Chunk& c : layout_[static_cast<size_t>(r)])
       by_start[c.start] = ops::narrow(slice, d, at, c.length), at += c.length;
