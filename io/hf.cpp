@@ -307,6 +307,8 @@ void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::
            "Hugging Face GPT-2 export: the model must be gpt2 with learned positions, biases and a tied output "
            "layer (arch {}, rope {}, bias {}, tie_embeddings {})",
            m.arch, m.rope, m.bias, m.tie_embeddings);
+  TS_CHECK(!m.is_moe(), "Hugging Face export: a mixture of experts (moe_experts = {}) has no Llama layout, and "
+           "the Mixtral export is not written yet", m.moe_experts);
   fs::create_directories(dir);
   std::vector<nn::SafetensorsEntry> entries;
   std::vector<Tensor> tensors;

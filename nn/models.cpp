@@ -134,7 +134,7 @@ Llama::Llama(const TransformerConfig& config_in, Device device) : LanguageModel(
   embed_tokens = model->register_module("embed_tokens", std::make_shared<Embedding>(cfg.vocab_size, cfg.n_embd, build));
   layers = model->register_module("layers", std::make_shared<ModuleList>());
   for (int64_t i = 0; i < cfg.n_layer; ++i) {
-    auto block = std::make_shared<LlamaBlock>(cfg, build);
+    auto block = std::make_shared<LlamaBlock>(cfg, build, i);
     layers->push_back(block);
     blocks.push_back(block);
   }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "nn/moe.h"
 #include "runtime/checked.h"
 
 namespace tessera::nn {
@@ -46,6 +47,26 @@ void TransformerConfig::validate(const FieldNames& names) const {
   TS_CHECK(dropout >= 0 && dropout < 1, "{} must be in [0, 1), got {}", f("dropout"), dropout);
   TS_CHECK(rope_theta > 0, "{} must be > 0, got {}", f("rope_theta"), rope_theta);
   TS_CHECK(norm_eps > 0 && norm_eps < 1, "{} must be in (0, 1), got {}", f("norm_eps"), norm_eps);
+  at_least("moe_experts", moe_experts, 0, " (0 = dense)");
+  if (is_moe()) {
+    TS_CHECK(arch == "llama", "{} applies to {} = llama (a mixture of SwiGLU experts), got {}", f("moe_experts"),
+             f("arch"), arch);
+    TS_CHECK(moe_top_k >= 1 && moe_top_k <= moe_experts, "{} must be in [1, {} = {}], got {}", f("moe_top_k"),
+             f("moe_experts"), moe_experts, moe_top_k);
+    at_least("moe_shared_experts", moe_shared_experts, 0);
+    TS_CHECK(moe_every >= 1 && moe_every <= n_layer, "{} must be in [1, {} = {}], got {}", f("moe_every"),
+             f("n_layer"), n_layer, moe_every);
+    at_least("moe_hidden", moe_hidden, 0, " (0 = the dense MLP's width)");
+    TS_CHECK(moe_router == "softmax" || moe_router == "sigmoid", "{}: expected softmax or sigmoid, got '{}'",
+             f("moe_router"), moe_router);
+    TS_CHECK(moe_balance == "none" || moe_balance == "aux_loss" || moe_balance == "bias",
+             "{}: expected none, aux_loss or bias, got '{}'", f("moe_balance"), moe_balance);
+    TS_CHECK(std::isfinite(moe_balance_coeff) && moe_balance_coeff >= 0,
+             "{} must be >= 0 (0 = the method's default), got {}", f("moe_balance_coeff"), moe_balance_coeff);
+    TS_CHECK(!activation_checkpoint,
+             "{} with {} > 0: a recomputed MoE layer would route twice and lose its balance loss's gradient; "
+             "not supported yet", f("activation_checkpoint"), f("moe_experts"));
+  }
   parameter_count(names);
 }
 
@@ -68,7 +89,16 @@ int64_t TransformerConfig::parameter_count(const FieldNames& names) const {
                                              : CheckedInt{((8 * C).value / 3 + 63) / 64 * 64, C.expr + " x 8/3"};
     // q and o: C x C; k and v: C x (n_kv_head x head size).
     const CheckedInt kv_width{n_embd / n_head * kv.value, C.expr + " / " + field_name(names, "n_head") + " x " + kv.expr};
-    block = 2 * (C * C) + 2 * (C * kv_width) + 3 * (C * hidden) + 2 * C;
+    const CheckedInt attention_and_norms = 2 * (C * C) + 2 * (C * kv_width) + 2 * C;
+    block = attention_and_norms + 3 * (C * hidden);
+    if (is_moe()) {
+      // An MoE layer: the router, the experts and the shared experts in place of the MLP.
+      const CheckedInt E = key("moe_experts", moe_experts), S = key("moe_shared_experts", moe_shared_experts);
+      const CheckedInt width = moe_hidden > 0 ? key("moe_hidden", moe_hidden) : hidden;
+      const CheckedInt moe_block = attention_and_norms + C * E + (E + S) * (3 * (C * width));
+      const CheckedInt moe_layers{moe_layer_count(), "the MoE layers"}, dense{n_layer - moe_layer_count(), "the dense layers"};
+      return (embeddings + dense * block + moe_layers * moe_block + norm + head).value;
+    }
   } else {
     const CheckedInt hidden = ffn_hidden > 0 ? key("ffn_hidden", ffn_hidden) : 4 * C;
     const CheckedInt biases = bias ? 3 * C + C + hidden + C : zero;  // c_attn, attn c_proj, c_fc, mlp c_proj
@@ -247,17 +277,20 @@ Tensor GPTBlock::forward(const Tensor& x) {
   return maybe_checkpoint(checkpoint, x, [this](const Tensor& in) { return body(in); });
 }
 
-LlamaBlock::LlamaBlock(const TransformerConfig& cfg, Device device) : checkpoint(cfg.activation_checkpoint) {
+LlamaBlock::LlamaBlock(const TransformerConfig& cfg, Device device, int64_t layer)
+    : checkpoint(cfg.activation_checkpoint) {
   input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, device));
   self_attn = register_module("self_attn", std::make_shared<LlamaAttention>(cfg, device));
   post_attention_layernorm =
       register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, device));
-  mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(cfg, device));
+  if (cfg.is_moe_layer(layer)) moe = register_module("block_sparse_moe", std::make_shared<MoE>(cfg, device));
+  else mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(cfg, device));
 }
 
 Tensor LlamaBlock::body(const Tensor& x) {
   Tensor h = x + (*self_attn)((*input_layernorm)(x));
-  return h + (*mlp)((*post_attention_layernorm)(h));
+  Tensor normed = (*post_attention_layernorm)(h);
+  return h + (moe ? (*moe)(normed) : (*mlp)(normed));
 }
 
 Tensor LlamaBlock::forward(const Tensor& x) {

@@ -28,12 +28,29 @@ struct TransformerConfig {
   bool gelu_tanh = false;  // GPT-2's MLP: GELU's tanh approximation (GPT-2, Hugging Face) instead of exact (nanoGPT)
   bool activation_checkpoint = false;  // recompute each block in backward
 
+  // Mixture of experts (Llama; nn/moe.h). 0 experts: every MLP is dense.
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 2;           // experts per token
+  int64_t moe_shared_experts = 0;  // experts every token passes through (DeepSeek, Qwen-MoE)
+  int64_t moe_every = 1;           // layer i is MoE when (i + 1) % moe_every == 0 (1: all, Mixtral)
+  int64_t moe_hidden = 0;          // each expert's width (0: mlp_hidden())
+  std::string moe_router = "softmax";  // softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+  bool moe_norm_topk = true;  // softmax: the chosen weights rescaled to sum to 1 (Mixtral; sigmoid always)
+  std::string moe_balance = "aux_loss";  // none | aux_loss | bias (DeepSeek-V3's loss-free balancing)
+  double moe_balance_coeff = 0;  // 0: the method's default (aux_loss 0.01, bias 0.001)
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t head_dim() const { return n_embd / n_head; }
   // The width of the MLP: ffn_hidden, else 4 * n_embd (GPT-2) or Llama's
   // 8/3 * n_embd rounded up to a multiple of 64.
   int64_t mlp_hidden() const;
+  bool is_moe() const { return moe_experts > 0; }
+  bool is_moe_layer(int64_t layer) const { return is_moe() && (layer + 1) % moe_every == 0; }
+  int64_t moe_layer_count() const { return is_moe() ? n_layer / moe_every : 0; }
+  int64_t moe_width() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
+  double moe_balance_coefficient() const {
+    return moe_balance_coeff > 0 ? moe_balance_coeff : moe_balance == "bias" ? 0.001 : 0.01;
+  }
 
   // What a caller calls a field in its messages: tessera-train maps
   // "n_embd" to "model.n_embd" and "block_size" to "training.seq_len".
@@ -165,15 +182,20 @@ class GPTBlock : public Module {
   Tensor body(const Tensor& x);
 };
 
+class MoE;
+
 class LlamaBlock : public Module {
  public:
-  LlamaBlock(const TransformerConfig& cfg, Device device);
+  // Layer `layer` of the model: its MLP is a mixture of experts when
+  // cfg.is_moe_layer(layer), registered as block_sparse_moe (Mixtral's name).
+  LlamaBlock(const TransformerConfig& cfg, Device device, int64_t layer = 0);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "LlamaDecoderLayer"; }
   bool checkpoint;
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<LlamaAttention> self_attn;
-  std::shared_ptr<SwiGLUMLP> mlp;
+  std::shared_ptr<SwiGLUMLP> mlp;  // null in an MoE layer
+  std::shared_ptr<MoE> moe;        // null in a dense layer
 
  private:
   Tensor body(const Tensor& x);

@@ -2,6 +2,7 @@
 
 #include "autograd/tape.h"
 #include "fsdp/fully_shard.h"
+#include "nn/moe.h"
 #include "runtime/stream.h"
 
 namespace tessera::train {
@@ -25,6 +26,9 @@ Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const Batc
     Tensor loss = train::loss(model, x, y);
     if (!loss_sum.defined()) loss_sum = zeros({}, DType::F64, loss.device());
     loss_sum = ops::add(loss_sum, ops::to(loss, DType::F64));
+    // Mixtures of experts: their balance losses join the gradient, not the reported loss.
+    Tensor aux = nn::take_aux_losses(model);
+    if (aux.defined()) loss = loss + to(aux, loss.dtype());
     autograd::backward(loss * (1.0 / static_cast<double>(grad_accum)));
   }
   return loss_sum;
@@ -42,6 +46,7 @@ StepResult train_step(nn::LanguageModel& model, optim::Optimizer& optimizer, dou
   r.grad_norm = o.max_norm > 0 ? nn::clip_grad_norm_(model.parameters(), o.max_norm) : nn::grad_norm(model.parameters());
   optimizer.step();
   optimizer.zero_grad();
+  r.routing = nn::update_expert_biases(model);
   return r;
 }
 

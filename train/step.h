@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "nn/models.h"
+#include "nn/moe.h"
 #include "nn/optim.h"
 #include "runtime/distributed.h"
 
@@ -25,8 +26,9 @@ Tensor loss(nn::LanguageModel& model, const Tensor& x, const Tensor& y);
 
 // The forward and backward passes of one optimizer step: grad_accum
 // micro-batches, each loss scaled by 1 / grad_accum, gradients reduced after
-// the last. Returns the sum of the micro-batches' losses (f64, on the device,
-// not read: no host sync).
+// the last. An MoE model's auxiliary balance losses join each backward but
+// not the returned sum of the micro-batches' cross-entropies (f64, on the
+// device, not read: no host sync).
 Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const BatchFn& batch);
 
 struct StepOptions {
@@ -36,10 +38,15 @@ struct StepOptions {
 struct StepResult {
   Tensor loss;       // the mean over micro-batches and `loss_group`'s ranks: f64 [1], on the device
   Tensor grad_norm;  // the total gradient norm before clipping (0-dim, on the device)
+  // Per MoE layer, the (token, expert) pairs it routed this step, summed over
+  // its batch group; bias balancing has moved its expert biases by them.
+  std::vector<nn::RoutingStats> routing;
 };
 // Sets the learning rate, runs forward_backward, averages the loss over the
 // ranks of `loss_group` (null or one rank: none), clips, steps and zeroes the
-// gradients. Nothing is read on the host.
+// gradients, then moves the expert biases of bias-balanced MoE layers
+// (nn::update_expert_biases). Nothing is read on the host, except an MoE
+// layer's routing (its top-k choice runs there).
 StepResult train_step(nn::LanguageModel& model, optim::Optimizer& optimizer, double lr, const StepOptions& options,
                       const BatchFn& batch, const dist::ProcessGroupPtr& loss_group);
 

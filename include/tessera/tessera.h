@@ -28,6 +28,7 @@
 #include "nn/layers.h"
 #include "nn/models.h"
 #include "nn/module.h"
+#include "nn/moe.h"
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 #include "nn/transformer.h"
