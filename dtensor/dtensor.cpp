@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "autograd/tape.h"
 #include "dtensor/redistribute.h"
 #include "dtensor/rules.h"
 #include "runtime/ops.h"
@@ -177,6 +178,22 @@ Placements partial_as_replicate(const Placements& ps) {
   return out;
 }
 }  // namespace
+
+Tensor distribute_parameter(const Tensor& t, MeshPtr mesh, const Placements& placements, const char* op) {
+  TS_CHECK(!is_dtensor(t), "{}: a parameter is already a DTensor ({}); apply tensor and expert parallelism before "
+           "fully_shard, once per module", op, dtensor_spec(t).str());
+  Tensor out;
+  if (t.is_meta()) {
+    Placements ps = normalize_placements(placements, *mesh, t.dim(), op);
+    const Shape shape = local_shape(t.shape(), *mesh, ps, mesh->get_coordinate());
+    out = make_dtensor(empty(shape, t.dtype(), Device::meta()), mesh, ps, t.shape());
+  } else {
+    autograd::NoGradGuard no_grad;
+    out = distribute_tensor(t, mesh, placements);
+  }
+  out.set_requires_grad(t.requires_grad());
+  return out;
+}
 
 Tensor distribute_tensor_local(const Tensor& full, MeshPtr mesh, const Placements& placements_in) {
   TS_CHECK(!is_dtensor(full), "distribute_tensor: the input is already a DTensor");

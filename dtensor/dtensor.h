@@ -64,6 +64,11 @@ Tensor make_dtensor(const Tensor& local, MeshPtr mesh, Placements placements, Sh
 Tensor distribute_tensor(const Tensor& full, MeshPtr mesh, const Placements& placements);
 // Same, without communication: every rank already holds the same full tensor.
 Tensor distribute_tensor_local(const Tensor& full, MeshPtr mesh, const Placements& placements);
+// A module's parameter laid out by `placements` (tensor and expert
+// parallelism): a meta tensor gets a meta shard of the right shape (bytes
+// come at to_empty), a real one is cut from mesh rank 0's values. Keeps
+// requires_grad; `op` names the caller in errors (a DTensor is refused).
+Tensor distribute_parameter(const Tensor& t, MeshPtr mesh, const Placements& placements, const char* op);
 
 // A DTensor from this rank's local piece. Without global_shape, shards are
 // assumed even (local size x mesh size on sharded dims), as in PyTorch; pass

@@ -35,9 +35,11 @@ void FSDPState::lazy_init() {
       st->param_group->comm_ctx = comm_ctx.get();
       const_cast<std::string&>(st->param_group->fqn) = name;
       if (root_mesh == nullptr) root_mesh = st->param_group->mesh_info.mesh;
-      TS_CHECK(*st->param_group->mesh_info.mesh == *root_mesh,
-               "fully_shard: module '{}' uses {} but the modules around it use {}; one root needs one mesh", name,
-               st->param_group->mesh_info.mesh->str(), root_mesh->str());
+      // Groups may shard over different meshes of the job (an MoE block's
+      // experts over the ranks that hold the same experts); one device.
+      TS_CHECK(st->param_group->mesh_info.mesh->device_type() == root_mesh->device_type(),
+               "fully_shard: module '{}' uses {} but the modules around it use {}; one root needs one device type",
+               name, st->param_group->mesh_info.mesh->str(), root_mesh->str());
     }
     state_ctx->all_states.push_back(st);
   }

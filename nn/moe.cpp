@@ -117,11 +117,16 @@ Tensor MoE::forward(const Tensor& x) {
   // Route: scores in f32 at least, the choice on the host.
   Tensor logits = linear(tessera::to(flat, rdt), tessera::to(gate->weight, rdt));
   Tensor scores = sigmoid ? tessera::sigmoid(logits) : softmax(logits, -1);  // [N, E]
-  const std::vector<double> s = ops::to(scores, DType::F64).to_vector<double>();
-  std::vector<double> bias(static_cast<size_t>(E), 0.0);
-  if (balance == "bias") bias = expert_bias.to_vector<double>();
   std::vector<int64_t> choice(static_cast<size_t>(N * k)), order(static_cast<size_t>(E));
-  for (int64_t n = 0; n < N; ++n) {
+  if (device.is_meta()) {
+    // A plan (tools/plan.h) has no scores to read: the tokens go round the
+    // experts, every one receiving its even share (the balanced load).
+    for (int64_t p = 0; p < N * k; ++p) choice[static_cast<size_t>(p)] = p % E;
+  }
+  const std::vector<double> s = device.is_meta() ? std::vector<double>() : scores.to_vector<double>();
+  std::vector<double> bias(static_cast<size_t>(E), 0.0);
+  if (balance == "bias" && !device.is_meta()) bias = expert_bias.to_vector<double>();
+  for (int64_t n = 0; n < N && !device.is_meta(); ++n) {
     std::iota(order.begin(), order.end(), int64_t{0});
     auto key = [&](int64_t e) { return s[static_cast<size_t>(n * E + e)] + bias[static_cast<size_t>(e)]; };
     // The k largest; a tie goes to the lower expert index.
@@ -149,7 +154,10 @@ Tensor MoE::forward(const Tensor& x) {
   if (norm_topk) w = w / sum(w, {1}, true);
 
   Tensor rows = embedding(flat, indices(token_of_row, device));  // [N k, C], by expert
-  auto local = [this](const Tensor& xs, const std::vector<int64_t>& c) { return experts->run(xs, c); };
+  // Through the experts module's hooks (FSDP gathers their weights there).
+  auto local = [this](const Tensor& xs, const std::vector<int64_t>& c) {
+    return experts->call_with_hooks({xs}, [&](const TensorList& in) { return TensorList{experts->run(in[0], c)}; })[0];
+  };
   Tensor outs = placement ? placement->run(rows, counts, local) : local(rows, counts);
   // Combine: each pair's output weighed by its router weight, in the routing dtype.
   Tensor per_pair = reshape(tessera::to(embedding(outs, indices(slot, device)), rdt), {N, k, C});
@@ -182,6 +190,11 @@ Tensor MoE::forward(const Tensor& x) {
   return reshape(y, shape);
 }
 
+void MoE::reset_parameters(uint64_t, const std::string&) {
+  // The children initialise their weights; the selection offsets start at 0.
+  ops::zero_(expert_bias);
+}
+
 Tensor MoE::take_aux_loss() {
   Tensor a = aux_loss_;
   aux_loss_ = Tensor();
@@ -211,6 +224,7 @@ RoutingStats MoE::update_bias() {
     delta[static_cast<size_t>(e)] = balance_coeff * static_cast<double>((d > 0) - (d < 0));
   }
   const double mean_delta = std::accumulate(delta.begin(), delta.end(), 0.0) / static_cast<double>(E);
+  if (expert_bias.is_meta()) return stats;
   std::vector<double> b = expert_bias.to_vector<double>();
   for (int64_t e = 0; e < E; ++e) b[static_cast<size_t>(e)] += delta[static_cast<size_t>(e)] - mean_delta;
   autograd::NoGradGuard no_grad;

@@ -66,6 +66,7 @@ class MoE : public Module {
  public:
   MoE(const TransformerConfig& cfg, Device device);
   Tensor forward(const Tensor& x) override;  // [..., C] -> [..., C]
+  void reset_parameters(uint64_t seed, const std::string& prefix) override;  // zeroes expert_bias
   std::string type_name() const override { return "MoE"; }
 
   int64_t num_experts, top_k;

@@ -130,6 +130,11 @@ WorkPtr ProcessGroup::recv(const Tensor&, int src, int) {
                           src, name()));
 }
 
+WorkPtr ProcessGroup::all_to_all_single(const Tensor&, const Tensor&, const std::vector<int64_t>&,
+                                        const std::vector<int64_t>&) {
+  throw Error(fmt::format("all_to_all_single on group '{}': this process group has no variable all-to-all", name()));
+}
+
 ProcessGroupPtr world() {
   if (!world_state().initialized) init();
   return world_state().group;

@@ -94,6 +94,16 @@ class ProcessGroup {
   // Splits input along dim 0 into size equal chunks; chunk j goes to rank j, and
   // output chunk i comes from rank i.
   virtual WorkPtr all_to_all(const Tensor& output, const Tensor& input) = 0;
+  // The same with sizes of its own per rank (PyTorch's all_to_all_single with
+  // split sizes, MPI's alltoallv): input's first input_splits[0] rows (dim 0)
+  // go to rank 0, the next input_splits[1] to rank 1, ...; output receives
+  // output_splits[i] rows from rank i, in rank order. The splits must agree
+  // (rank i's output_splits[j] == rank j's input_splits[i]): exchange the
+  // counts first with all_to_all when only the sender knows them (as expert
+  // parallelism's dispatch does, ep/). Counted as an all_to_all.
+  virtual WorkPtr all_to_all_single(const Tensor& output, const Tensor& input,
+                                    const std::vector<int64_t>& output_splits,
+                                    const std::vector<int64_t>& input_splits);
   virtual WorkPtr barrier() = 0;
 
   // Point to point, between two ranks of the group (pipeline stages): send

@@ -174,6 +174,22 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("model.gelu", c.model.gelu,
                  "the gpt2 MLP's GELU: exact (nanoGPT) or tanh (the approximation GPT-2 and Hugging Face use)",
                  {"exact", "tanh"}),
+      int_key("model.moe_experts", c.model.moe_experts,
+              "routed experts per MoE layer (llama; 0 = dense MLPs): docs/moe.md"),
+      int_key("model.moe_top_k", c.model.moe_top_k, "experts each token is routed to"),
+      int_key("model.moe_shared_experts", c.model.moe_shared_experts,
+              "experts every token passes through besides its routed ones (DeepSeek, Qwen-MoE)"),
+      int_key("model.moe_every", c.model.moe_every,
+              "every this many layers is MoE (layer i when (i + 1) % moe_every == 0; 1 = all, Mixtral)"),
+      int_key("model.moe_hidden", c.model.moe_hidden, "each expert's hidden width (0 = the dense MLP's)"),
+      string_key("model.moe_router", c.model.moe_router,
+                 "router scores: softmax (Mixtral, Qwen) or sigmoid with the top-k renormalised (DeepSeek-V3)",
+                 {"softmax", "sigmoid"}),
+      string_key("model.moe_balance", c.model.moe_balance,
+                 "load balancing: an auxiliary loss (Switch), DeepSeek-V3's loss-free expert bias, or none",
+                 {"none", "aux_loss", "bias"}),
+      float_key("model.moe_balance_coeff", c.model.moe_balance_coeff,
+                "the auxiliary loss's weight, or the bias's step per update (0 = 0.01 for aux_loss, 0.001 for bias)"),
       int_key("training.batch_size", c.training.batch_size, "global batch in sequences"),
       int_key("training.batch_tokens", c.training.batch_tokens,
               "global batch in tokens (> 0: sets training.batch_size to it / training.seq_len; llm.c's -d)"),
@@ -257,6 +273,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("parallelism.context_parallel_load_balance", c.parallelism.context_parallel_load_balance,
                "cut the sequence into 2 x degree chunks, rank r holding chunks r and 2 x degree - 1 - r, so every "
                "rank does the same causal attention work (false: contiguous runs)"),
+      int_key("parallelism.expert_parallel_degree", c.parallelism.expert_parallel_degree,
+              "ranks each MoE layer's experts are split over, tokens moved to them by all-to-all (1 = none; it "
+              "divides the shard degree): docs/moe.md"),
       int_key("parallelism.reshard_after_forward_degree", c.parallelism.reshard_after_forward_degree,
               "after forward, keep parameters sharded over groups of N ranks, N dividing the shard "
               "degree (hpZ; 0 = as reshard_after_forward says)"),
@@ -335,6 +354,22 @@ const std::vector<Preset>& presets() {
          c.model.n_kv_head = 2;
          c.model.bias = false;
        }},
+      {"moe-small", "Llama with a mixture of experts: 4 layers, d=128, 8 experts of width 128, top-2, "
+                    "DeepSeek-V3's loss-free bias balancing (step 0.01)",
+       [](TrainConfig& c) {
+         c.model.arch = "llama";
+         c.model.n_head = 4;
+         c.model.n_kv_head = 2;
+         c.model.n_embd = 128;
+         c.model.bias = false;
+         c.model.moe_experts = 8;
+         c.model.moe_top_k = 2;
+         c.model.moe_hidden = 128;
+         c.model.moe_router = "sigmoid";
+         c.model.moe_balance = "bias";
+         c.model.moe_balance_coeff = 0.01;  // balanced (max/mean < 1.3) within 200 steps: docs/moe.md
+       },
+       "moe"},
       {"gpt-medium", "GPT, 8 layers, d=384, 6 heads: a larger run",
        [](TrainConfig& c) {
          c.model.n_layer = 8;
@@ -586,7 +621,8 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .pp_module_names_per_stage = name_lists(p.pipeline_parallel_module_names_per_stage),
           .cp = p.context_parallel_degree,
           .cp_rotate_method = p.context_parallel_rotate_method,
-          .cp_load_balance = p.context_parallel_load_balance};
+          .cp_load_balance = p.context_parallel_load_balance,
+          .ep = p.expert_parallel_degree};
 }
 
 train::OptimizerOptions optimizer_options(const TrainConfig& cfg) {
@@ -691,6 +727,14 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   m.gelu_tanh = c.model.gelu == "tanh";
   m.norm_eps = c.model.norm_eps;
   m.activation_checkpoint = c.activation_checkpoint.mode == "full";
+  m.moe_experts = c.model.moe_experts;
+  m.moe_top_k = c.model.moe_top_k;
+  m.moe_shared_experts = c.model.moe_shared_experts;
+  m.moe_every = c.model.moe_every;
+  m.moe_hidden = c.model.moe_hidden;
+  m.moe_router = c.model.moe_router;
+  m.moe_balance = c.model.moe_balance;
+  m.moe_balance_coeff = c.model.moe_balance_coeff;
   return m;
 }
 
@@ -726,6 +770,14 @@ void set_model(TrainConfig& c, const nn::TransformerConfig& m) {
   c.model.rope_theta = m.rope_theta;
   c.model.gelu = m.gelu_tanh ? "tanh" : "exact";
   c.model.norm_eps = m.norm_eps;
+  c.model.moe_experts = m.moe_experts;
+  c.model.moe_top_k = m.moe_top_k;
+  c.model.moe_shared_experts = m.moe_shared_experts;
+  c.model.moe_every = m.moe_every;
+  c.model.moe_hidden = m.moe_hidden;
+  c.model.moe_router = m.moe_router;
+  c.model.moe_balance = m.moe_balance;
+  c.model.moe_balance_coeff = m.moe_balance_coeff;
 }
 
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device) {

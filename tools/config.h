@@ -53,6 +53,15 @@ struct TrainConfig {
     double rope_theta = 10000.0;
     double norm_eps = 1e-5;      // LayerNorm / RMSNorm epsilon (Hugging Face Llama: 1e-6 or 1e-5)
     std::string gelu = "exact";  // gpt2 MLP: exact (nanoGPT) | tanh (GPT-2, Hugging Face's gelu_new)
+    // Mixture of experts (llama; nn/moe.h, docs/moe.md): 0 experts = dense MLPs.
+    int64_t moe_experts = 0;
+    int64_t moe_top_k = 2;
+    int64_t moe_shared_experts = 0;
+    int64_t moe_every = 1;
+    int64_t moe_hidden = 0;              // each expert's width (0 = ffn_hidden's default)
+    std::string moe_router = "softmax";  // softmax | sigmoid
+    std::string moe_balance = "aux_loss";  // none | aux_loss | bias
+    double moe_balance_coeff = 0;        // 0 = the method's default (aux_loss 0.01, bias 0.001)
   } model;
   struct Training {
     int64_t batch_size = 16;  // global batch, in sequences
@@ -131,6 +140,10 @@ struct TrainConfig {
     int64_t context_parallel_degree = 1;
     std::string context_parallel_rotate_method = "allgather";  // allgather | ring
     bool context_parallel_load_balance = true;  // head-tail chunks (false: contiguous runs)
+    // > 1: expert parallelism (ep/expert_parallel.h): every MoE layer's experts
+    // split over groups of this many data-parallel ranks (it divides the shard
+    // degree), tokens moved to them and back by all-to-all.
+    int64_t expert_parallel_degree = 1;
   } parallelism;
   struct MixedPrecision {
     std::string param_dtype = "float32";   // float32 | bfloat16: compute dtype of gathered params

@@ -179,6 +179,23 @@ void validate(const TrainConfig& c) {
     });
   }
 
+  if (const int64_t ep = c.parallelism.expert_parallel_degree; ep != 1 || c.model.moe_experts > 0) {
+    // Before any rank allocates: the experts split whole over the expert-parallel ranks.
+    TS_CHECK(ep >= 1, "parallelism.expert_parallel_degree must be >= 1, got {}", ep);
+    TS_CHECK(ep == 1 || c.model.moe_experts > 0,
+             "parallelism.expert_parallel_degree {} splits the experts of MoE layers, but the model is dense: set "
+             "model.moe_experts (a multiple of {})", ep, ep);
+    TS_CHECK(c.model.moe_experts % ep == 0,
+             "model.moe_experts ({}) must be divisible by parallelism.expert_parallel_degree ({}): each "
+             "expert-parallel rank holds moe_experts / degree whole experts", c.model.moe_experts, ep);
+    TS_CHECK(c.parallelism.pipeline_parallel_degree == 1 && c.parallelism.context_parallel_degree == 1 &&
+                 c.parallelism.tensor_parallel_degree == 1,
+             "model.moe_experts {} (a mixture of experts) trains under FSDP, HSDP and expert parallelism so far; "
+             "with parallelism.pipeline_parallel_degree {}, context_parallel_degree {} or tensor_parallel_degree {} "
+             "it is not written yet", c.model.moe_experts, c.parallelism.pipeline_parallel_degree,
+             c.parallelism.context_parallel_degree, c.parallelism.tensor_parallel_degree);
+  }
+
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");

@@ -265,6 +265,13 @@ std::pair<Tensor, Tensor> Trainer::train_step(int64_t step) {
       },
       // Over NCCL on CUDA (the mesh's group), MPI otherwise.
       world_ == 1 ? nullptr : device_.is_cuda() ? mesh_->flat_group() : dist::world());
+  if (!r.routing.empty()) {
+    double worst = 1;
+    for (const nn::RoutingStats& layer : r.routing) worst = std::max(worst, layer.max_over_mean());
+    window_imbalance_ += worst;
+    ++window_routed_steps_;
+    last_routing_ = std::move(r.routing);
+  }
   // On a group of its own: on the world group it would queue behind the loss
   // all-reduce, which starts only when the device has computed the loss.
   if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");

@@ -54,13 +54,24 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
   }
   // (At most 100: the peak was raised to the rate reached where it was below; the min only drops rounding.)
   double mfu = peak_flops_ > 0 ? std::min(100.0, 100.0 * achieved / peak_flops_) : std::nan("");
+  // Mixtures of experts: the steps' worst layer's max / mean tokens per expert, averaged over the window.
+  const double imbalance = window_routed_steps_ > 0 ? window_imbalance_ / static_cast<double>(window_routed_steps_) : NAN;
+  window_imbalance_ = 0;
+  window_routed_steps_ = 0;
   if (rank_ == 0) {
     say(fmt::format(
         "step {:>5}/{} | loss {:.4f} | val {} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s "
-        "({:.0f}/rank) | MFU {} | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%",
+        "({:.0f}/rank) | MFU {} | peak mem {:.1f} MiB/rank | exposed comm {:.1f}%{}",
         step, T_.steps, loss, std::isnan(last_val_) ? "-     " : fmt::format("{:.4f}", last_val_),
-        lr, gnorm, tok_s, tok_s / world_, std::isnan(mfu) ? "-" : fmt::format("{:.1f}%", mfu), peak_mib, exposed));
-    jsonl_->write(json{
+        lr, gnorm, tok_s, tok_s / world_, std::isnan(mfu) ? "-" : fmt::format("{:.1f}%", mfu), peak_mib, exposed,
+        std::isnan(imbalance) ? "" : fmt::format(" | experts max/mean {:.2f}", imbalance)));
+    json moe = json::object();
+    if (!std::isnan(imbalance)) {
+      json loads = json::array();
+      for (const nn::RoutingStats& layer : last_routing_) loads.push_back(layer.tokens_per_expert);
+      moe = {{"moe_max_over_mean", imbalance}, {"moe_tokens_per_expert", loads}};
+    }
+    json record{
         {"step", step},
         {"loss", loss},
         {"lr", lr},
@@ -72,8 +83,9 @@ void Trainer::log_line(int64_t step, double loss, double lr, double gnorm) {
         {"peak_mem_mib_max_rank", peak_mib},
         {"exposed_comm_pct_max_rank", exposed},
         {"host_syncs_between_logs_max_rank", syncs},
-        {"ranks",
-         world_}}.dump());
+        {"ranks", world_}};
+    record.update(moe);
+    jsonl_->write(record.dump());
   }
   window_start_ = Clock::now();
   window_tokens_ = 0;

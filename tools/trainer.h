@@ -120,6 +120,12 @@ class Trainer {
   std::vector<std::pair<int64_t, Tensor>> pending_losses_;  // (step, loss on the device), not read yet
   double last_loss_ = NAN;
   int64_t window_syncs_ = 0;  // host syncs made by the steps between two log steps (0 expected)
+  // Mixtures of experts: each step's tokens per expert (per MoE layer, summed
+  // over the data ranks), the last step's kept, and the window's mean of the
+  // step's worst layer's max / mean load.
+  std::vector<nn::RoutingStats> last_routing_;
+  double window_imbalance_ = 0;
+  int64_t window_routed_steps_ = 0;
   std::vector<int64_t> trace_steps_;  // profiling.trace_steps
   std::vector<std::string> allowed_;  // checkpoint.allow_resume_change: exactness keys that may differ
   bool rng_restored_ = false;         // resume took every rank's saved dropout stream

@@ -9,29 +9,10 @@ namespace tessera::tp {
 
 namespace {
 
-// The parameter slot's tensor as a DTensor laid out by `placements` over the
-// mesh: a meta tensor gets a meta shard of the right shape (bytes come at
-// to_empty); a real one is cut from mesh rank 0's values.
-Tensor to_dtensor(const Tensor& t, const MeshPtr& mesh, const Placements& placements) {
-  TS_CHECK(!is_dtensor(t), "parallelize_module: a parameter is already a DTensor ({}); apply tensor "
-           "parallelism before fully_shard, once per module", dtensor_spec(t).str());
-  Tensor out;
-  if (t.is_meta()) {
-    Placements ps = normalize_placements(placements, *mesh, t.dim(), "parallelize_module");
-    const Shape shape = local_shape(t.shape(), *mesh, ps, mesh->get_coordinate());
-    out = make_dtensor(empty(shape, t.dtype(), Device::meta()), mesh, ps, t.shape());
-  } else {
-    autograd::NoGradGuard no_grad;
-    out = distribute_tensor(t, mesh, placements);
-  }
-  out.set_requires_grad(t.requires_grad());
-  return out;
-}
-
 void shard_parameter(nn::Module& m, const std::string& name, const MeshPtr& mesh, const Placement& p) {
   nn::Module::Slot* slot = m.find_parameter_slot(name);
   if (slot == nullptr || !slot->value.defined()) return;
-  slot->value = to_dtensor(slot->value, mesh, {p});
+  slot->value = distribute_parameter(slot->value, mesh, {p}, "parallelize_module");
 }
 
 // The input as a DTensor in `desired` placement: a plain tensor is taken to

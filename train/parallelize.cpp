@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cp/context_parallel.h"
+#include "ep/expert_parallel.h"
 #include "fsdp/fully_shard.h"
 #include "runtime/distributed.h"
 #include "tp/parallelize.h"
@@ -17,6 +18,7 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
   TS_CHECK(o.tp >= 1, "{} must be >= 1, got {}", f("tp"), o.tp);
   TS_CHECK(o.pp >= 1, "{} must be >= 1, got {}", f("pp"), o.pp);
   TS_CHECK(o.cp >= 1, "{} must be >= 1, got {}", f("cp"), o.cp);
+  TS_CHECK(o.ep >= 1, "{} must be >= 1, got {}", f("ep"), o.ep);
   cp::parse_rotate_method(o.cp_rotate_method, f("cp_rotate_method"));
 
   MeshDims d;
@@ -46,6 +48,14 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
            "{} ({}) must divide the shard degree ({} at {} ranks{}), or be 0", f("reshard_after_forward_degree"),
            o.reshard_after_forward_degree, d.shard * d.cp, world_size,
            d.cp > 1 ? fmt::format(": data {} x context {}", d.shard, d.cp) : "");
+  d.ep = o.ep;
+  TS_CHECK(d.shard % o.ep == 0,
+           "{} ({}) must divide the shard degree {} ({} at {} ranks): the expert-parallel ranks are data-parallel "
+           "ranks, each holding moe_experts / {} experts",
+           f("ep"), o.ep, f("dp_shard"), d.shard, world_size, f("ep"));
+  TS_CHECK(o.ep == 1 || (o.pp == 1 && o.cp == 1 && o.tp == 1),
+           "{} ({}) composes with FSDP and HSDP so far; with {} ({}), {} ({}) or {} ({}) it is not written yet",
+           f("ep"), o.ep, f("pp"), o.pp, f("cp"), o.cp, f("tp"), o.tp);
   TS_CHECK(!o.sequence_parallel || o.tp > 1,
            "{} splits activations over the tensor-parallel ranks: it needs {} > 1, got {}", f("sequence_parallel"),
            f("tp"), o.tp);
@@ -97,6 +107,36 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
   }
   const MeshPtr dp = context ? mesh->root()->slice(data) : data.size() == names.size() ? mesh : mesh->slice(data);
   const bool pipelined = std::find(names.begin(), names.end(), "pp") != names.end();
+  const std::vector<nn::MoE*> moes = nn::moe_layers(model);
+  TS_CHECK(moes.empty() || (!pipelined && !context && names.back() != "tp"),
+           "a mixture of experts composes with FSDP, HSDP and expert parallelism so far; under pipeline, context or "
+           "tensor parallelism it is not written yet (mesh {})", mesh->str());
+  MeshPtr experts_dp;  // the mesh the experts' FSDP shards over (expert parallelism)
+  if (!moes.empty()) {
+    // Every data rank's tokens are one batch: the balance statistics sum over them.
+    const dist::ProcessGroupPtr batch = dp->size() > 1 ? dp->flat_group() : nullptr;
+    if (o.ep > 1) {
+      Shape shape;
+      std::vector<std::string> dims;
+      for (const std::string& n : names) {
+        const int64_t size = mesh->size(mesh->dim_index(n));
+        if (n == "dp_shard") {
+          TS_CHECK(size % o.ep == 0, "ep ({}) must divide dp_shard ({})", o.ep, size);
+          shape.insert(shape.end(), {size / o.ep, o.ep});
+          dims.insert(dims.end(), {"dp_shard_mod_ep", "ep"});
+        } else {
+          shape.push_back(size);
+          dims.push_back(n);
+        }
+      }
+      const MeshPtr expert_mesh = init_device_mesh(mesh->device_type(), shape, dims);
+      ep::apply_expert_parallel(model, (*expert_mesh)["ep"], batch, "moe_experts", "ep");
+      dims.erase(std::find(dims.begin(), dims.end(), "ep"));
+      experts_dp = expert_mesh->slice(dims);
+    } else {
+      for (nn::MoE* m : moes) m->batch_group = batch;
+    }
+  }
   fsdp::FullyShardOptions opt{
       .mesh = dp,
       // true keeps PyTorch's default (the root stays unsharded after forward: it is needed first in backward)
@@ -107,7 +147,19 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
           : o.reshard_after_forward ? fsdp::ReshardAfterForward{}
                                     : fsdp::ReshardAfterForward{false},
       .mp_policy = {.param_dtype = o.param_dtype, .reduce_dtype = o.reduce_dtype}};
-  for (auto& block : model.blocks) fsdp::fully_shard(*block, opt);
+  for (auto& block : model.blocks) {
+    if (experts_dp) {
+      // The experts first, over the ranks that hold the same ones; every data
+      // rank's tokens reached them, so their gradients divide by all of them.
+      fsdp::FullyShardOptions expert_opt = opt;
+      expert_opt.mesh = experts_dp;
+      for (nn::MoE* m : nn::moe_layers(*block)) {
+        fsdp::fully_shard(*m->experts, expert_opt);
+        fsdp::set_gradient_divide_factor(*m->experts, static_cast<double>(dp->size()));
+      }
+    }
+    fsdp::fully_shard(*block, opt);
+  }
   fsdp::fully_shard(model, opt);
   if (!o.prefetch) fsdp::set_prefetch(model, false);
 }

@@ -54,6 +54,12 @@ struct ParallelismOptions {
   int64_t cp = 1;
   std::string cp_rotate_method = "allgather";  // allgather | ring
   bool cp_load_balance = true;                 // head-tail chunks (false: contiguous runs)
+  // > 1: expert parallelism (ep/expert_parallel.h): the experts of every MoE
+  // layer split over groups of this many data-parallel ranks (it divides
+  // dp_shard), tokens moved to them by all-to-all; the experts' own FSDP
+  // shards over the dp_shard / ep ranks holding the same experts
+  // (TorchTitan's dp_shard_mod_ep), their gradients divided by every data rank.
+  int64_t ep = 1;
 };
 
 // The mesh, outermost dim first: pp (when > 1), dp_replicate (when > 1),
@@ -63,6 +69,7 @@ struct MeshDims {
   Shape shape;
   std::vector<std::string> names;
   int64_t pp = 1, replicate = 1, shard = 1, cp = 1, tp = 1;
+  int64_t ep = 1;  // carved out of shard: the experts' mesh is (replicate, shard / ep, ep)
   int64_t data_parallel() const { return replicate * shard; }  // ranks that see different data
 };
 MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const FieldNames& names = {});
@@ -72,8 +79,10 @@ MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_t
 // Shards `model` (built on meta, not yet materialised) over `mesh` (made by
 // make_mesh): tensor parallelism over its "tp" dim when it has one, context
 // parallelism over its "cp" dim (forward_backward then hands the model this
-// rank's slice of each sequence), then FSDP over the others, each block and
-// then the root.
+// rank's slice of each sequence), expert parallelism (options.ep) over a mesh
+// of its own, (dp_replicate, dp_shard_mod_ep, ep) on the same ranks, then FSDP
+// over the data dims, each block (an MoE block's experts first, over
+// dp_shard_mod_ep) and then the root. MoE layers balance over all data ranks.
 void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& options);
 
 // The pipeline over the mesh's "pp" dim (options.pp > 1): this rank's stage

@@ -42,6 +42,7 @@
 #include "pp/pipeline.h"
 #include "pp/schedule.h"
 #include "cp/context_parallel.h"
+#include "ep/expert_parallel.h"
 
 #include "io/data.h"
 #include "io/hf.h"

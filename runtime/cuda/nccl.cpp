@@ -190,6 +190,48 @@ class NcclGroup final : public dist::ProcessGroup {
     });
   }
 
+  dist::WorkPtr all_to_all_single(const Tensor& output, const Tensor& input, const std::vector<int64_t>& output_splits,
+                                  const std::vector<int64_t>& input_splits) override {
+    if (on_host(output, input)) return base_->all_to_all_single(output, input, output_splits, input_splits);
+    check(output, "all_to_all_single", "output");
+    check(input, "all_to_all_single", "input");
+    TS_CHECK(output.dtype() == input.dtype() && input.dim() >= 1 && output.dim() >= 1 &&
+                 static_cast<int>(output_splits.size()) == size() && static_cast<int>(input_splits.size()) == size(),
+             "all_to_all_single: input {} ({}) and output {} ({}) need one dtype, a dim 0, and {} split sizes each",
+             shape_str(input.shape()), dtype_name(input.dtype()), shape_str(output.shape()),
+             dtype_name(output.dtype()), size());
+    int64_t row = 1;
+    for (int64_t d = 1; d < input.dim(); ++d) row *= input.size(d);
+    int64_t sent = 0, received = 0;
+    for (int p = 0; p < size(); ++p) sent += input_splits[static_cast<size_t>(p)], received += output_splits[static_cast<size_t>(p)];
+    TS_CHECK(sent == input.size(0) && received == output.size(0),
+             "all_to_all_single: the splits sum to {} and {} rows, the tensors have {} and {}", sent, received,
+             input.size(0), output.size(0));
+    ++stats_.all_to_all;
+    if (size() == 1) {
+      if (input.numel() > 0 && input.data_ptr() != output.data_ptr())
+        ops::copy_(output, ops::reshape(input, output.shape()));
+      return local_work({output, input});
+    }
+    const size_t row_bytes = static_cast<size_t>(row) * dtype_size(input.dtype());
+    return launch({output, input}, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      size_t send_at = 0, recv_at = 0;
+      for (int peer = 0; peer < size() && r == ncclSuccess; ++peer) {
+        const size_t n_send = static_cast<size_t>(input_splits[static_cast<size_t>(peer)]);
+        const size_t n_recv = static_cast<size_t>(output_splits[static_cast<size_t>(peer)]);
+        r = ncclSend(static_cast<const char*>(input.data_ptr()) + send_at * row_bytes, n_send * row,
+                     nccl_type(input.dtype()), peer, comm_, s);
+        if (r == ncclSuccess)
+          r = ncclRecv(static_cast<char*>(output.data_ptr()) + recv_at * row_bytes, n_recv * row,
+                       nccl_type(input.dtype()), peer, comm_, s);
+        send_at += n_send, recv_at += n_recv;
+      }
+      ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
   dist::WorkPtr barrier() override {
     ++stats_.barrier;
     return base_->barrier();

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <numeric>
 #include <utility>
 
 #include "runtime/mpi/engine.h"
@@ -458,6 +459,91 @@ WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
     if (ex.count > 0)  // this rank's own chunk stays local
       std::memcpy(ex.recv[static_cast<size_t>(ex.rank)],
                   ex.send + ex.send_stride * static_cast<size_t>(ex.rank), ex.bytes);
+  };
+  return submit(c);
+}
+
+WorkPtr MpiGroup::all_to_all_single(const Tensor& output, const Tensor& input,
+                                    const std::vector<int64_t>& output_splits,
+                                    const std::vector<int64_t>& input_splits) {
+  const char* op = "all_to_all_single";
+  check_tensor(output, op, "output", simulated());
+  check_tensor(input, op, "input", simulated());
+  TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
+           dtype_name(output.dtype()));
+  TS_CHECK(input.dim() >= 1 && output.dim() >= 1, "{}: input {} and output {} need a dim 0 to split", op,
+           shape_str(input.shape()), shape_str(output.shape()));
+  auto row_width = [](const Tensor& t) {
+    int64_t w = 1;
+    for (int64_t d = 1; d < t.dim(); ++d) w *= t.size(d);
+    return w;
+  };
+  const int64_t row = row_width(input);
+  TS_CHECK(row_width(output) == row, "{}: input rows {} and output rows {} differ in width", op,
+           shape_str(input.shape()), shape_str(output.shape()));
+  auto check_splits = [&](const std::vector<int64_t>& splits, const Tensor& t, const char* what) {
+    TS_CHECK(static_cast<int>(splits.size()) == size(), "{}: {} has {} sizes for a group of {} ranks", op, what,
+             splits.size(), size());
+    int64_t total = 0;
+    for (int64_t n : splits) {
+      TS_CHECK(n >= 0, "{}: {} has a negative size {}", op, what, n);
+      total += n;
+    }
+    TS_CHECK(total == t.size(0), "{}: {} sum to {} rows, but the tensor has {} ({})", op, what, total, t.size(0),
+             shape_str(t.shape()));
+  };
+  check_splits(input_splits, input, "input_splits");
+  check_splits(output_splits, output, "output_splits");
+  count(kAllToAll);
+  const int me = rank();
+  TS_CHECK(input_splits[static_cast<size_t>(me)] == output_splits[static_cast<size_t>(me)],
+           "{}: this rank (group rank {}) sends itself {} rows but expects {}", op, me,
+           input_splits[static_cast<size_t>(me)], output_splits[static_cast<size_t>(me)]);
+  if (simulated() && size() == 1) return std::make_shared<DoneWork>();
+  if (size() == 1) {
+    if (input.numel() > 0 && input.data_ptr() != output.data_ptr()) {
+      Tensor dst = output;
+      ops::copy_(dst, ops::reshape(input, output.shape()));
+    }
+    return std::make_shared<DoneWork>();
+  }
+  // Every rank agrees on the kind, dtype and row width (debug mode); the sizes differ by design.
+  auto c = make(kAllToAll, "all_to_all_single", input.dtype(), row, -1, ReduceOp::Sum, -2,
+                static_cast<int64_t>(input.nbytes()));
+  c->keep_alive = {input, output};
+  if (simulated()) return simulate(c, static_cast<double>(input.nbytes()));
+  const size_t row_bytes = static_cast<size_t>(row) * dtype_size(input.dtype());
+  std::vector<int64_t> send_at(static_cast<size_t>(size()), 0), recv_at(static_cast<size_t>(size()), 0);
+  std::exclusive_scan(input_splits.begin(), input_splits.end(), send_at.begin(), int64_t{0});
+  std::exclusive_scan(output_splits.begin(), output_splits.end(), recv_at.begin(), int64_t{0});
+  std::vector<int> send_count(static_cast<size_t>(size())), recv_count(static_cast<size_t>(size()));
+  for (int p = 0; p < size(); ++p) {
+    send_count[static_cast<size_t>(p)] = count_of(input_splits[static_cast<size_t>(p)] * row, op);
+    recv_count[static_cast<size_t>(p)] = count_of(output_splits[static_cast<size_t>(p)] * row, op);
+  }
+  char* out = output.numel() ? static_cast<char*>(output.data_ptr()) : nullptr;
+  const char* in = input.numel() ? static_cast<const char*>(input.data_ptr()) : nullptr;
+  MPI_Comm comm = state_->comm;
+  MPI_Datatype type = transfer_type(input.dtype());
+  const int world = size(), tag = tag_of(c->seq);
+  c->start = [=](std::vector<MPI_Request>& reqs) {
+    // Every pair exchanges a message, empty ones too, so that splits which
+    // disagree fail in MPI (truncation) or by the timeout, never match late.
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      char* at = out ? out + static_cast<size_t>(recv_at[static_cast<size_t>(p)]) * row_bytes : nullptr;
+      TS_MPI(MPI_Irecv(at, recv_count[static_cast<size_t>(p)], type, p, tag, comm, &reqs.emplace_back(MPI_REQUEST_NULL)));
+    }
+    for (int k = 1; k < world; ++k) {  // staggered, as Exchange
+      const int p = (me + k) % world;
+      const char* at = in ? in + static_cast<size_t>(send_at[static_cast<size_t>(p)]) * row_bytes : nullptr;
+      TS_MPI(MPI_Isend(at, send_count[static_cast<size_t>(p)], type, p, tag, comm,
+                       &reqs.emplace_back(MPI_REQUEST_NULL)));
+    }
+    const size_t own = static_cast<size_t>(input_splits[static_cast<size_t>(me)]) * row_bytes;
+    if (own > 0)
+      std::memcpy(out + static_cast<size_t>(recv_at[static_cast<size_t>(me)]) * row_bytes,
+                  in + static_cast<size_t>(send_at[static_cast<size_t>(me)]) * row_bytes, own);
   };
   return submit(c);
 }

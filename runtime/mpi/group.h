@@ -18,6 +18,8 @@ class MpiGroup final : public ProcessGroup {
   WorkPtr all_reduce(const Tensor& tensor, ReduceOptions options) override;
   WorkPtr broadcast(const Tensor& tensor, int src) override;
   WorkPtr all_to_all(const Tensor& output, const Tensor& input) override;
+  WorkPtr all_to_all_single(const Tensor& output, const Tensor& input, const std::vector<int64_t>& output_splits,
+                            const std::vector<int64_t>& input_splits) override;
   WorkPtr barrier() override;
   WorkPtr send(const Tensor& tensor, int dst, int tag) override;
   WorkPtr recv(const Tensor& tensor, int src, int tag) override;

@@ -212,6 +212,46 @@ TEST_CASE("broadcast, all_to_all and barrier", "[dist]") {
   }
 }
 
+TEST_CASE("all_to_all_single moves runs of rows of each rank's own sizes, empty runs included", "[dist]") {
+  auto pg = world();
+  const int W = pg->size(), me = pg->rank();
+  // Rank i sends rank j rows(i, j) rows of width 3: some runs empty, sizes awkward.
+  auto rows = [](int i, int j) { return static_cast<int64_t>((i * 7 + j * 3 + 1) % 5 == 0 ? 0 : (i * 5 + j * 2) % 4 + 1); };
+  for (DType dt : {DType::F64, DType::BF16, DType::I64}) {
+    INFO(dtype_name(dt));
+    auto input_of = [&](int r) {
+      int64_t n = 0;
+      for (int j = 0; j < W; ++j) n += rows(r, j);
+      return ops::reshape(input_for(r, n * 3, dt, 17), {n, 3});
+    };
+    std::vector<int64_t> send, recv;
+    for (int j = 0; j < W; ++j) send.push_back(rows(me, j)), recv.push_back(rows(j, me));
+    Tensor in = input_of(me);
+    int64_t n_out = 0;
+    for (int64_t n : recv) n_out += n;
+    Tensor out = full({n_out, 3}, -99.0, dt);
+    const int64_t before = pg->stats().all_to_all;
+    pg->all_to_all_single(out, in, recv, send)->wait();
+    CHECK(pg->stats().all_to_all == before + 1);
+    // Run i of the output: rank i's rows for me, which start after its runs for ranks < me.
+    std::vector<Tensor> want;
+    for (int i = 0; i < W; ++i) {
+      int64_t at = 0;
+      for (int j = 0; j < me; ++j) at += rows(i, j);
+      if (rows(i, me) > 0) want.push_back(ops::narrow(input_of(i), 0, at, rows(i, me)));
+    }
+    if (!want.empty()) CHECK(testing::equal(out, ops::cat(want, 0)));
+  }
+  // Sizes that do not add up are refused by name before anything moves.
+  std::vector<int64_t> zeros_w(static_cast<size_t>(W), 0), one(static_cast<size_t>(W), 0);
+  one[0] = 1;
+  Tensor two = zeros({2, 3});
+  CHECK_THROWS_WITH(pg->all_to_all_single(two, two, zeros_w, zeros_w),
+                    Catch::Contains("input_splits sum to 0 rows, but the tensor has 2"));
+  CHECK_THROWS_WITH(pg->all_to_all_single(two, two, std::vector<int64_t>{2}, std::vector<int64_t>(W + 1, 0)),
+                    Catch::Contains("sizes for a group of"));
+}
+
 TEST_CASE("collectives return at once and complete on wait; several in flight", "[dist][async]") {
   auto pg = world();
   int W = pg->size(), r = pg->rank();

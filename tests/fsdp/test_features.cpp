@@ -164,12 +164,22 @@ TEST_CASE("error paths name what is wrong", "[fsdp][errors]") {
     nn::Linear l3(4, 3);
     CHECK_THROWS_WITH(fsdp::fully_shard(l3, {.mesh = mesh3}), Catch::Contains("expects a 1D or 2D DeviceMesh"));
   }
-  {  // Different meshes under one root.
-    auto other = init_device_mesh("cpu", {w, 1}, {"x", "y"});
-    MLPStack model;
-    fsdp::fully_shard(*model.blocks()[0], {.mesh = other});
-    fsdp::fully_shard(model, {.mesh = mesh});
-    CHECK_THROWS_WITH(model(randn({2, 15}, 1)), Catch::Contains("one root needs one mesh"));
+  {  // Different meshes under one root (experts' FSDP under expert parallelism): the same numbers.
+    auto other = init_device_mesh("cpu", {w, 1}, {"x", "y"});  // HSDP, replicated over w
+    MLPStack one, two;
+    for (auto* b : one.blocks()) fsdp::fully_shard(*b, {.mesh = mesh});
+    fsdp::fully_shard(one, {.mesh = mesh});
+    fsdp::fully_shard(*two.blocks()[0], {.mesh = other});
+    for (size_t i = 1; i < two.blocks().size(); ++i) fsdp::fully_shard(*two.blocks()[i], {.mesh = mesh});
+    fsdp::fully_shard(two, {.mesh = mesh});
+    Tensor x = randn({2, 15}, 1 + static_cast<uint64_t>(mesh->get_local_rank(0)));
+    Tensor la = sum(one(x));
+    autograd::backward(la);
+    Tensor lb = sum(two(x));
+    autograd::backward(lb);
+    CHECK(la.item() == lb.item());
+    CHECK(std::abs(nn::grad_norm(one.parameters()).item() - nn::grad_norm(two.parameters()).item()) <=
+          1e-6 * nn::grad_norm(one.parameters()).item());
   }
   {  // A meta model not materialised.
     MLPStack model(Device::meta());

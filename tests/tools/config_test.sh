@@ -167,6 +167,14 @@ bad "training.max_norm must be >= 0" --training.max_norm -1
 # Consistency between keys.
 bad "model.n_embd (100) must be divisible by model.n_head (3)" --model.n_embd 100 --model.n_head 3
 bad "model.n_kv_head (3) must divide model.n_head (8)" --preset llama-small --model.n_kv_head 3
+# Mixtures of experts: refused before any rank allocates, naming the key.
+bad "model.moe_top_k must be in [1, model.moe_experts = 8], got 9" --preset moe-small --model.moe_top_k 9
+bad "model.moe_experts (8) must be divisible by parallelism.expert_parallel_degree (3)" --preset moe-small \
+  --parallelism.expert_parallel_degree 3
+bad "parallelism.expert_parallel_degree 2 splits the experts of MoE layers, but the model is dense" \
+  --parallelism.expert_parallel_degree 2
+bad "model.moe_experts applies to model.arch = llama" --model.moe_experts 4
+bad "model.moe_router" --preset moe-small --model.moe_router tanh
 bad "model.n_kv_head (16) must divide model.n_head (8)" --preset llama-small --model.n_kv_head 16
 bad "needs an even head size for rotary embeddings, but model.n_embd / model.n_head = 24 / 8 = 3" \
   --preset llama-small --model.n_embd 24
