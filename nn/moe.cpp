@@ -10,10 +10,6 @@
 namespace tessera::nn {
 
 namespace {
-double residual_std(const TransformerConfig& cfg) {
-  return 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(cfg.n_layer, 1)));
-}
-
 Tensor local_of(const Tensor& t) { return is_dtensor(t) ? to_local(t) : t; }
 
 // The dtype routing runs in: f32 at least, f64 for f64 models.
@@ -97,7 +93,7 @@ MoE::MoE(const TransformerConfig& cfg, Device device)
   const int64_t width = cfg.moe_width();
   gate = register_module("gate", std::make_shared<Linear>(cfg.n_embd, num_experts, false, device));
   experts = register_module("experts",
-                            std::make_shared<GroupedExperts>(num_experts, cfg.n_embd, width, residual_std(cfg), device));
+                            std::make_shared<GroupedExperts>(num_experts, cfg.n_embd, width, cfg.residual_std(), device));
   if (cfg.moe_shared_experts > 0) {
     TransformerConfig shared = cfg;
     shared.ffn_hidden = width * cfg.moe_shared_experts;

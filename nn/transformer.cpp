@@ -114,18 +114,16 @@ Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(con
   return autograd::checkpoint([f](const TensorList& in) { return TensorList{f(in[0])}; }, {x})[0];
 }
 
-namespace {
 // Residual projections get the GPT-2 scaled init std 0.02 / sqrt(2 * n_layer).
-double residual_std(const TransformerConfig& cfg) {
-  return 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(cfg.n_layer, 1)));
+double TransformerConfig::residual_std() const {
+  return 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(n_layer, 1)));
 }
-}  // namespace
 
 GeluMLP::GeluMLP(const TransformerConfig& cfg, Device device) {
   int64_t hidden = cfg.ffn_hidden > 0 ? cfg.ffn_hidden : 4 * cfg.n_embd;
   c_fc = register_module("c_fc", std::make_shared<Linear>(cfg.n_embd, hidden, cfg.bias, device));
   c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, cfg.n_embd, cfg.bias, device));
-  c_proj->init_std = residual_std(cfg);
+  c_proj->init_std = cfg.residual_std();
   dropout = register_module("dropout", std::make_shared<Dropout>(cfg.dropout));
   tanh_approximation = cfg.gelu_tanh;
 }
@@ -141,7 +139,7 @@ SwiGLUMLP::SwiGLUMLP(const TransformerConfig& cfg, Device device) {
   gate_proj = register_module("gate_proj", std::make_shared<Linear>(cfg.n_embd, hidden, false, device));
   up_proj = register_module("up_proj", std::make_shared<Linear>(cfg.n_embd, hidden, false, device));
   down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, cfg.n_embd, false, device));
-  down_proj->init_std = residual_std(cfg);
+  down_proj->init_std = cfg.residual_std();
 }
 
 Tensor SwiGLUMLP::forward(const Tensor& x) {
@@ -189,7 +187,7 @@ CausalSelfAttention::CausalSelfAttention(const TransformerConfig& cfg, Device de
     : n_head(cfg.n_head), n_embd(cfg.n_embd), use_rope(cfg.rope), rope_theta(cfg.rope_theta) {
   c_attn = register_module("c_attn", std::make_shared<Linear>(n_embd, 3 * n_embd, cfg.bias, device));
   c_proj = register_module("c_proj", std::make_shared<Linear>(n_embd, n_embd, cfg.bias, device));
-  c_proj->init_std = residual_std(cfg);
+  c_proj->init_std = cfg.residual_std();
   resid_dropout = register_module("resid_dropout", std::make_shared<Dropout>(cfg.dropout));
 }
 
@@ -247,7 +245,7 @@ LlamaAttention::LlamaAttention(const TransformerConfig& cfg, Device device)
   k_proj = register_module("k_proj", std::make_shared<Linear>(c, n_kv_head * head_dim, false, device));
   v_proj = register_module("v_proj", std::make_shared<Linear>(c, n_kv_head * head_dim, false, device));
   o_proj = register_module("o_proj", std::make_shared<Linear>(n_head * head_dim, c, false, device));
-  o_proj->init_std = residual_std(cfg);
+  o_proj->init_std = cfg.residual_std();
 }
 
 Tensor LlamaAttention::forward(const Tensor& x) {

@@ -47,6 +47,8 @@ struct TransformerConfig {
   bool is_moe() const { return moe_experts > 0; }
   bool is_moe_layer(int64_t layer) const { return is_moe() && (layer + 1) % moe_every == 0; }
   int64_t moe_layer_count() const { return is_moe() ? n_layer / moe_every : 0; }
+  // GPT-2's init std of the projections into the residual stream: 0.02 / sqrt(2 n_layer).
+  double residual_std() const;
   int64_t moe_width() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
   double moe_balance_coefficient() const {
     return moe_balance_coeff > 0 ? moe_balance_coeff : moe_balance == "bias" ? 0.001 : 0.01;
