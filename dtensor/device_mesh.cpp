@@ -153,6 +153,56 @@ MeshPtr DeviceMesh::flatten(const std::string& name) const {
   return flat;
 }
 
+MeshPtr DeviceMesh::unflatten(const std::string& name, const Shape& sizes, const std::vector<std::string>& names) const {
+  const int64_t d = dim_index(name);
+  TS_CHECK(!sizes.empty() && sizes.size() == names.size(),
+           "DeviceMesh::unflatten: {} sizes for {} names (splitting '{}' of {})", sizes.size(), names.size(), name,
+           str());
+  for (int64_t s : sizes)
+    TS_CHECK(s > 0, "DeviceMesh::unflatten: sizes {} must be positive (splitting '{}' of {})", shape_str(sizes), name,
+             str());
+  TS_CHECK(shape_numel(sizes) == shape_[static_cast<size_t>(d)],
+           "DeviceMesh::unflatten: sizes {} hold {} ranks, but '{}' of {} has {}", shape_str(sizes),
+           shape_numel(sizes), name, str(), shape_[static_cast<size_t>(d)]);
+  std::vector<std::string> all_names;
+  Shape shape;
+  std::vector<dist::ProcessGroupPtr> groups;
+  std::vector<int64_t> coordinate;
+  const dist::ProcessGroupPtr parent = get_group(d);
+  const int64_t along = coordinate_[static_cast<size_t>(d)];  // this rank's place in `parent`
+  for (int64_t k = 0; k < ndim(); ++k) {
+    if (k != d) {
+      all_names.push_back(names_[static_cast<size_t>(k)]);
+      shape.push_back(shape_[static_cast<size_t>(k)]);
+      groups.push_back(groups_[static_cast<size_t>(k)]);
+      coordinate.push_back(coordinate_[static_cast<size_t>(k)]);
+      continue;
+    }
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      int64_t stride = 1;
+      for (size_t i = j + 1; i < sizes.size(); ++i) stride *= sizes[i];
+      const int64_t mine = along / stride % sizes[j], first = along - mine * stride;
+      // The ranks of `parent` that differ from this one along new dim j only.
+      std::vector<int> members;
+      for (int64_t i = 0; i < sizes[j]; ++i) members.push_back(static_cast<int>(first + i * stride));
+      dist::ProcessGroupPtr g;
+      if (parent->simulated()) {
+        g = parent->new_group(members, names[j]);
+      } else {  // split from the world, as flat_group: the lowest global rank names each new group
+        g = dist::world()->split(parent->global_ranks()[static_cast<size_t>(first)], static_cast<int>(mine), names[j]);
+        if (device_type_ == "cuda" && g->size() > 1) g = cuda::nccl_group(g);
+      }
+      all_names.push_back(names[j]);
+      shape.push_back(sizes[j]);
+      groups.push_back(std::move(g));
+      coordinate.push_back(mine);
+    }
+  }
+  TS_CHECK(std::set<std::string>(all_names.begin(), all_names.end()).size() == all_names.size(),
+           "DeviceMesh::unflatten: the dims ({}) must be unique", fmt::join(all_names, ", "));
+  return std::make_shared<DeviceMesh>(device_type_, shape, ranks_, all_names, groups, coordinate);
+}
+
 std::string DeviceMesh::str() const {
   return fmt::format("DeviceMesh({}, {}, ({}))", device_type_, shape_str(shape_), fmt::join(names_, ", "));
 }

@@ -55,6 +55,15 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   // the data and context dims flattened, next to "tp"). Flattening the same
   // dims under the same name again returns the registered mesh.
   MeshPtr flatten(const std::string& name = "") const;
+  // A new root mesh over the same ranks with dim `name` split into dims
+  // `names` of sizes `sizes` (their product its size; row-major: the last
+  // varies fastest along it), as PyTorch's DeviceMesh._unflatten: TorchTitan
+  // carves expert parallelism out of the data-parallel ranks, dp_shard ->
+  // (dp_shard_mod_ep, ep). The other dims keep their groups; each new dim gets
+  // a group over the ranks of the old dim's that differ along it only
+  // (collective over the world, as flatten: every rank calls it; a simulated
+  // mesh's groups stay simulated).
+  MeshPtr unflatten(const std::string& name, const Shape& sizes, const std::vector<std::string>& names) const;
   // The group of all ranks of this mesh (created on first use; collective).
   dist::ProcessGroupPtr flat_group() const;
 

@@ -1,12 +1,25 @@
 #include "ep/expert_parallel.h"
 
 #include <numeric>
+#include <optional>
+#include <string>
 
 #include "dtensor/dtensor.h"
+#include "runtime/trace.h"
 
 namespace tessera::ep {
 
 namespace {
+
+// Trace lanes: the phases of each MoE layer's exchange on this rank (counts
+// and dispatch, the local experts, combine; the row exchanges' backwards),
+// and the expert-parallel group's all-to-alls (ProcessGroup::set_trace_lane;
+// the group carries nothing else).
+trace::Lane phase_lane() {
+  static const trace::Lane lane = trace::register_lane("expert parallel");
+  return lane;
+}
+constexpr const char* kExchangeLane = "expert parallel all-to-all";
 
 Tensor exchange(const Tensor& x, const dist::ProcessGroupPtr& group, const std::vector<int64_t>& send_rows,
                 const std::vector<int64_t>& recv_rows) {
@@ -24,11 +37,14 @@ Tensor indices(const std::vector<int64_t>& v, Device device) {
 }  // namespace
 
 Tensor all_to_all_rows(const Tensor& x, const dist::ProcessGroupPtr& group, const std::vector<int64_t>& send_rows,
-                       const std::vector<int64_t>& recv_rows) {
+                       const std::vector<int64_t>& recv_rows, const char* name) {
   Tensor y = exchange(x, group, send_rows, recv_rows);
   if (autograd::should_record({x}))
-    autograd::record("all_to_all_rows", {x}, {y}, [group, send_rows, recv_rows](const TensorList& g) {
-      return TensorList{exchange(g[0], group, recv_rows, send_rows)};
+    autograd::record("all_to_all_rows", {x}, {y}, [group, send_rows, recv_rows, name](const TensorList& g) {
+      const double start = trace::enabled() && name != nullptr ? trace::now_us() : -1;
+      Tensor back = exchange(g[0], group, recv_rows, send_rows);
+      if (start >= 0) trace::record(phase_lane(), std::string(name) + " backward", start, trace::now_us());
+      return TensorList{back};
     });
   return y;
 }
@@ -45,6 +61,7 @@ Tensor ExpertParallel::run(const Tensor& x, const std::vector<int64_t>& counts, 
   TS_CHECK(static_cast<int64_t>(counts.size()) == experts_, "ExpertParallel: {} counts for {} experts",
            counts.size(), experts_);
   // Counts first: rank i learns how many of its experts' rows each rank sends.
+  std::optional<trace::Scope> phase(std::in_place, phase_lane(), "dispatch");
   Tensor mine = from_vector(counts, {experts_}, Device::cpu());
   Tensor theirs = empty({experts_}, DType::I64, Device::cpu());
   group_->all_to_all(theirs, mine)->wait();
@@ -65,7 +82,7 @@ Tensor ExpertParallel::run(const Tensor& x, const std::vector<int64_t>& counts, 
       local_counts[static_cast<size_t>(l)] += got[static_cast<size_t>(p * L + l)];
     }
 
-  Tensor arrived = all_to_all_rows(x, group_, send, recv);  // by source rank, then local expert
+  Tensor arrived = all_to_all_rows(x, group_, send, recv, "dispatch");  // by source rank, then local expert
   // Regroup by local expert (source order kept within one): row r of the
   // regrouped rows is row order[r] of the arrived ones.
   std::vector<int64_t> start(static_cast<size_t>(ep * L));
@@ -82,9 +99,12 @@ Tensor ExpertParallel::run(const Tensor& x, const std::vector<int64_t>& counts, 
     }
   const Device device = x.device();
   Tensor grouped = order.empty() ? arrived : embedding(arrived, indices(order, device));
+  phase.emplace(phase_lane(), "experts");
   Tensor out = local(grouped, local_counts);
+  phase.emplace(phase_lane(), "combine");
   Tensor by_source = back.empty() ? out : embedding(out, indices(back, device));
-  Tensor y = all_to_all_rows(by_source, group_, recv, send);
+  Tensor y = all_to_all_rows(by_source, group_, recv, send, "combine");
+  phase.reset();
 
   const int me = group_->rank();
   ++stats_.exchanges;
@@ -112,6 +132,7 @@ void apply_expert_parallel(nn::Module& model, const MeshPtr& ep_mesh, const dist
     }
     moe->placement = std::make_shared<ExpertParallel>(group, moe->num_experts);
   }
+  if (ep > 1) group->set_trace_lane(kExchangeLane);
 }
 
 }  // namespace tessera::ep

@@ -23,9 +23,10 @@ namespace tessera::ep {
 
 // x's rows [N, ...] exchanged over `group`: send_rows[p] consecutive rows
 // to rank p, recv_rows[i] received from rank i, in rank order.
-// Differentiable: the gradient goes back by the reverse exchange.
+// Differentiable: the gradient goes back by the reverse exchange, traced as
+// "<name> backward" on the "expert parallel" lane when `name` is given.
 Tensor all_to_all_rows(const Tensor& x, const dist::ProcessGroupPtr& group, const std::vector<int64_t>& send_rows,
-                       const std::vector<int64_t>& recv_rows);
+                       const std::vector<int64_t>& recv_rows, const char* name = nullptr);
 
 // What one MoE layer exchanged, counted on this rank (every forward adds).
 struct DispatchStats {

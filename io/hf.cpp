@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 
 #include "nn/safetensors.h"
 #include "runtime/check.h"
@@ -135,7 +136,9 @@ void read_gpt2_config(nn::TransformerConfig& m, const json& c, const std::string
   m.block_size = positive(c, "n_positions", path);  // the learned positions' table
 }
 
-void read_llama_config(nn::TransformerConfig& m, const json& c, const std::string& path) {
+// Llama's fields; Mixtral's are Llama's with its own RoPE base by default
+// (1e6) and no attention_bias/mlp_bias fields.
+void read_llama_config(nn::TransformerConfig& m, const json& c, const std::string& path, double default_theta = 10000.0) {
   m.arch = "llama";
   m.n_layer = positive(c, "num_hidden_layers", path);
   m.n_head = positive(c, "num_attention_heads", path);
@@ -165,9 +168,107 @@ void read_llama_config(nn::TransformerConfig& m, const json& c, const std::strin
       rope != nullptr ? get_string(*rope, "rope_type", get_string(*rope, "type", "default", path), path) : "default";
   TS_CHECK(type == "default", "Hugging Face Llama: {} scales RoPE (rope_type '{}'); Tessera computes the "
            "unscaled rotation only", path, type);
-  m.rope_theta = get_number(c, "rope_theta", rope != nullptr ? get_number(*rope, "rope_theta", 10000.0, path) : 10000.0,
-                            path);
+  m.rope_theta = get_number(c, "rope_theta",
+                            rope != nullptr ? get_number(*rope, "rope_theta", default_theta, path) : default_theta, path);
   m.block_size = positive(c, "max_position_embeddings", path);
+}
+
+// Mixtral (MixtralForCausalLM): a Llama whose every MLP is a mixture of
+// num_local_experts SwiGLU experts, num_experts_per_tok per token by a softmax
+// router whose chosen weights are rescaled to sum to 1 (nn/moe.h with
+// moe_router softmax, moe_norm_topk, moe_every 1, no shared experts).
+void read_mixtral_config(nn::TransformerConfig& m, const json& c, const std::string& path) {
+  read_llama_config(m, c, path, 1e6);
+  m.moe_experts = positive(c, "num_local_experts", path);
+  m.moe_top_k = get_int(c, "num_experts_per_tok", 2, path);
+  m.moe_hidden = m.ffn_hidden;
+  m.moe_every = 1;
+  m.moe_shared_experts = 0;
+  m.moe_router = "softmax";
+  m.moe_norm_topk = true;
+  // Mixtral's balance loss when trained (output_router_logits); 0 is none.
+  const double coeff = get_number(c, "router_aux_loss_coef", 0.001, path);
+  TS_CHECK(coeff >= 0, "Hugging Face Mixtral: {}: \"router_aux_loss_coef\" must be >= 0, got {}", path, coeff);
+  m.moe_balance = coeff > 0 ? "aux_loss" : "none";
+  m.moe_balance_coeff = coeff;
+  const double jitter = get_number(c, "router_jitter_noise", 0.0, path);
+  TS_CHECK(jitter == 0, "Hugging Face Mixtral: {} has router_jitter_noise {}; Tessera's router adds no noise",
+           path, jitter);
+  // Attention within a window: the same as full attention when the window
+  // covers every position.
+  if (c.contains("sliding_window") && !c["sliding_window"].is_null()) {
+    const int64_t window = get_int(c, "sliding_window", 0, path);
+    TS_CHECK(window >= m.block_size, "Hugging Face Mixtral: {} has sliding_window {} below "
+             "max_position_embeddings {}; Tessera's attention is over every earlier position", path, window,
+             m.block_size);
+  }
+}
+
+// Mixtral stores each expert's weights apart, as Linear weights
+// (model.layers.N.block_sparse_moe.experts.E.w1.weight, [hidden, C]);
+// Tessera stacks each of w1, w2, w3 on a leading expert dim
+// (model.layers.N.block_sparse_moe.experts.w1, [E, hidden, C]), and keeps a
+// bias balancing's selection offsets (expert_bias), which Mixtral has not: zero.
+const std::regex& mixtral_expert_name() {
+  static const std::regex re(R"((model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight)");
+  return re;
+}
+
+void stack_experts(nn::StateDict& weights, const nn::TransformerConfig& cfg, const std::string& dir) {
+  const int64_t E = cfg.moe_experts;
+  std::map<std::string, std::vector<Tensor>> stacks;  // Tessera's name -> one tensor per expert
+  nn::StateDict out;
+  // transformers 5 holds (and may store) the experts fused: mlp.gate, and
+  // mlp.experts.gate_up_proj [E, 2 hidden, C] (w1 then w3) and down_proj
+  // [E, C, hidden] (w2).
+  static const std::regex fused(R"((model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj))");
+  for (auto& [name, t] : weights) {
+    std::smatch m;
+    if (std::regex_match(name, m, fused)) {
+      const std::string moe = std::string(m[1]) + ".block_sparse_moe.";
+      if (m[2] == "gate.weight") {
+        out.emplace_back(moe + "gate.weight", t);
+      } else if (m[2] == "experts.down_proj") {
+        out.emplace_back(moe + "experts.w2", t);
+      } else {
+        TS_CHECK(t.dim() == 3 && t.size(1) % 2 == 0, "Hugging Face Mixtral: {}: {} is {}, expected [experts, "
+                 "2 x intermediate_size, hidden_size]", dir, name, shape_str(t.shape()));
+        const int64_t hidden = t.size(1) / 2;
+        out.emplace_back(moe + "experts.w1", ops::contiguous(ops::narrow(t, 1, 0, hidden)));
+        out.emplace_back(moe + "experts.w3", ops::contiguous(ops::narrow(t, 1, hidden, hidden)));
+      }
+      continue;
+    }
+    if (!std::regex_match(name, m, mixtral_expert_name())) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::string layer = m[2], expert = m[3];
+    TS_CHECK(layer.size() <= 9 && std::stoll(layer) < cfg.n_layer && expert.size() <= 9 && std::stoll(expert) < E,
+             "Hugging Face Mixtral: {} holds {}, but its config.json has {} layers of {} experts (num_hidden_layers, "
+             "num_local_experts)", dir, name, cfg.n_layer, E);
+    auto& stack = stacks[std::string(m[1]) + "." + std::string(m[4])];
+    stack.resize(static_cast<size_t>(E));
+    Tensor& slot = stack[static_cast<size_t>(std::stoll(expert))];
+    TS_CHECK(!slot.defined(), "Hugging Face Mixtral: {} holds {} twice", dir, name);
+    slot = t;
+  }
+  for (auto& [name, stack] : stacks) {
+    const std::string expert_prefix = name.substr(0, name.size() - 2), w = name.substr(name.size() - 2);
+    for (int64_t e = 0; e < E; ++e) {
+      const Tensor& t = stack[static_cast<size_t>(e)];
+      TS_CHECK(t.defined(), "Hugging Face Mixtral: {} has no {}{}.{}.weight (num_local_experts is {})", dir,
+               expert_prefix, e, w, E);
+      TS_CHECK(t.dim() == 2 && t.shape() == stack[0].shape(), "Hugging Face Mixtral: {}: {}{}.{}.weight is {}, "
+               "expected a 2-D weight of expert 0's shape {}", dir, expert_prefix, e, w, shape_str(t.shape()),
+               shape_str(stack[0].shape()));
+    }
+    out.emplace_back(name, ops::stack(stack, 0));
+  }
+  for (int64_t layer = 0; layer < cfg.n_layer; ++layer)
+    if (cfg.is_moe_layer(layer))
+      out.emplace_back(fmt::format("model.layers.{}.block_sparse_moe.expert_bias", layer), zeros({E}, DType::F32));
+  weights = std::move(out);
 }
 
 }  // namespace
@@ -180,9 +281,10 @@ nn::TransformerConfig read_hf_config(const std::string& dir) {
   nn::TransformerConfig m;
   if (type == "gpt2") read_gpt2_config(m, c, path);
   else if (type == "llama") read_llama_config(m, c, path);
+  else if (type == "mixtral") read_mixtral_config(m, c, path);
   else
-    TS_CHECK(false, "Hugging Face model: {} has model_type '{}'; Tessera reads gpt2 (GPT2LMHeadModel) and llama "
-             "(LlamaForCausalLM)", path, type);
+    TS_CHECK(false, "Hugging Face model: {} has model_type '{}'; Tessera reads gpt2 (GPT2LMHeadModel), llama "
+             "(LlamaForCausalLM) and mixtral (MixtralForCausalLM)", path, type);
   // What any model must satisfy, checked before anything is built or written,
   // under the file's own names.
   const bool gpt2 = type == "gpt2";
@@ -192,7 +294,9 @@ nn::TransformerConfig read_hf_config(const std::string& dir) {
       {"ffn_hidden", gpt2 ? "n_inner" : "intermediate_size"}, {"vocab_size", "vocab_size"},
       {"block_size", gpt2 ? "n_positions" : "max_position_embeddings"},
       {"norm_eps", gpt2 ? "layer_norm_epsilon" : "rms_norm_eps"}, {"rope_theta", "rope_theta"},
-      {"gelu_tanh", "activation_function"}};
+      {"gelu_tanh", "activation_function"}, {"moe_experts", "num_local_experts"},
+      {"moe_top_k", "num_experts_per_tok"}, {"moe_hidden", "intermediate_size"},
+      {"moe_balance_coeff", "router_aux_loss_coef"}};
   const auto names = [&](const char* field) {
     auto it = keys.find(field);
     return fmt::format("Hugging Face model: {}'s \"{}\"", path, it != keys.end() ? it->second : field);
@@ -259,6 +363,7 @@ nn::StateDict read_hf_weights(const std::string& dir, const nn::TransformerConfi
       out.emplace_back(name, t);
     }
   }
+  if (cfg.is_moe()) stack_experts(out, cfg, dir);
   // A tied output layer is its embedding table: named under both, as the
   // model's state dict has it. A file that also stores a different lm_head
   // contradicts its own config.json, and is refused rather than read as either.
@@ -307,20 +412,51 @@ void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::
            "Hugging Face GPT-2 export: the model must be gpt2 with learned positions, biases and a tied output "
            "layer (arch {}, rope {}, bias {}, tie_embeddings {})",
            m.arch, m.rope, m.bias, m.tie_embeddings);
-  TS_CHECK(!m.is_moe(), "Hugging Face export: a mixture of experts (moe_experts = {}) has no Llama layout, and "
-           "the Mixtral export is not written yet", m.moe_experts);
+  // A mixture of experts is written as Mixtral, which has one kind: every
+  // layer's MLP routed by softmax to top-k experts whose weights sum to 1.
+  TS_CHECK(!m.is_moe() || (m.moe_every == 1 && m.moe_shared_experts == 0 && m.moe_router == "softmax" &&
+                           m.moe_norm_topk),
+           "Hugging Face export: a mixture of experts is written as Mixtral (MixtralForCausalLM), whose every layer "
+           "routes by softmax to top-k experts with the chosen weights rescaled, and has no shared experts; this "
+           "model has moe_every {}, moe_shared_experts {}, moe_router {}, moe_norm_topk {}",
+           m.moe_every, m.moe_shared_experts, m.moe_router, m.moe_norm_topk);
   fs::create_directories(dir);
   std::vector<nn::SafetensorsEntry> entries;
   std::vector<Tensor> tensors;
   uint64_t offset = 0;
-  for (const auto& [name, value] : weights) {
-    if (name == "lm_head.weight" && m.tie_embeddings) continue;  // tied to the embedding table
-    Tensor t = ops::contiguous(ops::to(value, DType::F32));
-    if (gpt2 && is_conv1d_weight(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
+  auto add = [&](const std::string& name, const Tensor& t) {
     const uint64_t bytes = static_cast<uint64_t>(t.numel()) * 4;
     entries.push_back({name, DType::F32, t.shape(), offset, offset + bytes});
     tensors.push_back(t);
     offset += bytes;
+  };
+  int64_t expert_hidden = 0;
+  for (const auto& [name, value] : weights) {
+    if (name == "lm_head.weight" && m.tie_embeddings) continue;  // tied to the embedding table
+    Tensor t = ops::contiguous(ops::to(value, DType::F32));
+    if (gpt2 && is_conv1d_weight(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
+    static const std::string bias_suffix = ".block_sparse_moe.expert_bias";
+    if (m.is_moe() && name.size() > bias_suffix.size() &&
+        name.compare(name.size() - bias_suffix.size(), bias_suffix.size(), bias_suffix) == 0) {
+      // Selection offsets Mixtral's router does not have: only a model whose are all zero routes the same there.
+      TS_CHECK(ops::sum(ops::binary(ops::BinaryOp::Ne, t, zeros(t.shape(), DType::F32)), {}, false, DType::F64)
+                       .item() == 0,
+               "Hugging Face export: {} is not zero (moe_balance bias moved it); Mixtral's router has no such "
+               "offsets, so it would choose other experts than this model", name);
+      continue;
+    }
+    static const std::regex stacked(R"((model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123]))");
+    std::smatch match;
+    if (m.is_moe() && std::regex_match(name, match, stacked)) {  // [E, ...] -> one weight per expert
+      TS_CHECK(t.dim() == 3 && t.size(0) == m.moe_experts, "Hugging Face export: {} is {}, expected [{}, ., .]",
+               name, shape_str(t.shape()), m.moe_experts);
+      if (match[2] == "w1") expert_hidden = t.size(1);
+      for (int64_t e = 0; e < t.size(0); ++e)
+        add(fmt::format("{}.{}.{}.weight", std::string(match[1]), e, std::string(match[2])),
+            ops::contiguous(ops::select(t, 0, e)));
+      continue;
+    }
+    add(name, t);
   }
   nn::write_safetensors((fs::path(dir) / "model.safetensors").string(), entries,
                         [&](size_t i) { return tensors[i]; }, {{"format", "pt"}});
@@ -345,13 +481,20 @@ void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::
     // GPT-2's end-of-text token where the vocabulary has it (byte-token models do not).
     c["bos_token_id"] = c["eos_token_id"] = m.vocab_size > 50256 ? json(50256) : json(nullptr);
   } else {
-    // The MLP's width as the weights have it (model.ffn_hidden 0 means the model chose it).
-    auto gate = std::find_if(weights.begin(), weights.end(),
-                             [](const auto& e) { return e.first == "model.layers.0.mlp.gate_proj.weight"; });
-    TS_CHECK(gate != weights.end(), "Hugging Face Llama export: the weights have no model.layers.0.mlp.gate_proj.weight");
-    const int64_t hidden = gate->second.size(0);
-    c = {{"architectures", {"LlamaForCausalLM"}},
-         {"model_type", "llama"},
+    // Llama's fields, which Mixtral shares; the MLP's width (each expert's
+    // for Mixtral) as the weights have it (model.ffn_hidden 0 means the model chose it).
+    int64_t hidden = expert_hidden;
+    if (m.is_moe()) {
+      TS_CHECK(hidden > 0, "Hugging Face Mixtral export: the weights have no model.layers.N.block_sparse_moe.experts.w1");
+    } else {
+      auto gate = std::find_if(weights.begin(), weights.end(),
+                               [](const auto& e) { return e.first == "model.layers.0.mlp.gate_proj.weight"; });
+      TS_CHECK(gate != weights.end(),
+               "Hugging Face Llama export: the weights have no model.layers.0.mlp.gate_proj.weight");
+      hidden = gate->second.size(0);
+    }
+    c = {{"architectures", {m.is_moe() ? "MixtralForCausalLM" : "LlamaForCausalLM"}},
+         {"model_type", m.is_moe() ? "mixtral" : "llama"},
          {"hidden_act", "silu"},
          {"num_hidden_layers", m.n_layer},
          {"num_attention_heads", m.n_head},
@@ -364,12 +507,22 @@ void write_hf(const std::string& dir, const nn::TransformerConfig& m, const nn::
          {"rms_norm_eps", m.norm_eps},
          {"rope_theta", m.rope_theta},
          {"tie_word_embeddings", m.tie_embeddings},
-         {"attention_bias", false},
-         {"mlp_bias", false},
          {"attention_dropout", 0.0},
          {"bos_token_id", nullptr},
          {"eos_token_id", nullptr},
          {"torch_dtype", "float32"}};
+    if (m.is_moe()) {
+      c["num_local_experts"] = m.moe_experts;
+      c["num_experts_per_tok"] = m.moe_top_k;
+      // The balance loss's weight when transformers trains it (output_router_logits).
+      c["router_aux_loss_coef"] = m.moe_balance == "aux_loss" ? m.moe_balance_coefficient() : 0.0;
+      c["output_router_logits"] = false;
+      c["router_jitter_noise"] = 0.0;
+      c["sliding_window"] = nullptr;
+    } else {
+      c["attention_bias"] = false;
+      c["mlp_bias"] = false;
+    }
   }
   std::ofstream((fs::path(dir) / "config.json").string()) << c.dump(2) << "\n";
 }

@@ -1,5 +1,6 @@
 // Hugging Face's layouts, both ways: a folder as `transformers` writes a
-// GPT2LMHeadModel or a LlamaForCausalLM (config.json and model.safetensors)
+// GPT2LMHeadModel, a LlamaForCausalLM or a MixtralForCausalLM (config.json
+// and model.safetensors)
 // read into a Tessera model, and a Tessera model written as one that
 // `transformers` loads.
 //
@@ -12,6 +13,10 @@
 // Llama: the same names and layout (model.layers.N.self_attn.q_proj, ...);
 // config.json carries the sizes, grouped-query heads, RMSNorm's epsilon and
 // RoPE's base, and whether the output layer is tied.
+// Mixtral: Llama's names with block_sparse_moe in place of mlp (its router
+// gate, and experts.E.w1/w2/w3 for each expert E, which Tessera stacks as
+// experts.w1/w2/w3 [E, ...]; nn/moe.h); config.json adds num_local_experts and
+// num_experts_per_tok (a softmax router, the chosen weights rescaled to sum to 1).
 #pragma once
 
 #include <memory>
@@ -22,7 +27,7 @@
 namespace tessera::io {
 
 // The model in an HF folder's config.json, as Tessera's configuration (arch
-// gpt2 or llama; block_size: GPT-2's n_positions, Llama's
+// gpt2 or llama, Mixtral being a llama with moe_experts; block_size: GPT-2's n_positions, Llama's
 // max_position_embeddings), validated as any model is; throws naming the
 // file and the field Tessera cannot take.
 nn::TransformerConfig read_hf_config(const std::string& dir);

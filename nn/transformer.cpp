@@ -70,6 +70,11 @@ void TransformerConfig::validate(const FieldNames& names) const {
   parameter_count(names);
 }
 
+int64_t TransformerConfig::active_parameter_count() const {
+  const int64_t idle = is_moe() ? moe_layer_count() * (moe_experts - moe_top_k) * 3 * n_embd * moe_width() : 0;
+  return parameter_count() - idle;
+}
+
 void TransformerConfig::check_file_claims(const FieldNames& names) const {
   TS_CHECK(n_layer <= kMaxLayers, "{} is {}; a model read from a file has at most {} layers (the deepest trained "
            "have a few hundred)", field_name(names, "n_layer"), n_layer, kMaxLayers);

@@ -67,6 +67,10 @@ struct TransformerConfig {
   // Tied weights count once; GPT-2's position table counts (nanoGPT's
   // summary line leaves it out: LanguageModel::num_parameters).
   int64_t parameter_count(const FieldNames& names = {}) const;
+  // The parameters one token's forward multiplies by: parameter_count less
+  // the routed experts a token does not pick (moe_experts - moe_top_k per MoE
+  // layer). The N of the 6N FLOPs per token of an MoE model.
+  int64_t active_parameter_count() const;
   // What a file may claim beyond validate(): at most kMaxLayers layers, so
   // that building the model it describes (on meta, before any weight is
   // read) is bounded work. The importers call it (io/hf.h, io/llmc.h, a

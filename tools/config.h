@@ -60,6 +60,7 @@ struct TrainConfig {
     int64_t moe_every = 1;
     int64_t moe_hidden = 0;              // each expert's width (0 = ffn_hidden's default)
     std::string moe_router = "softmax";  // softmax | sigmoid
+    bool moe_norm_topk = true;           // softmax: the chosen weights rescaled to sum to 1 (Mixtral)
     std::string moe_balance = "aux_loss";  // none | aux_loss | bias
     double moe_balance_coeff = 0;        // 0 = the method's default (aux_loss 0.01, bias 0.001)
   } model;

@@ -16,8 +16,11 @@
 
 #include "autograd/tape.h"
 #include "dtensor/dtensor.h"
+#include "ep/expert_parallel.h"
+#include "fsdp/fsdp_param_group.h"
 #include "fsdp/fsdp_state.h"
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/cpu/blas.h"
@@ -164,6 +167,21 @@ std::vector<std::pair<std::string, dist::ProcessGroupPtr>> flattened_groups(cons
   const auto& names = mesh->dim_names();
   if (std::find(names.begin(), names.end(), "cp") == names.end()) return {};
   return {{"dp_shard_cp", mesh->root()->slice({"dp_shard_cp"})->get_group(0)}};
+}
+
+std::vector<std::pair<std::string, dist::ProcessGroupPtr>> expert_groups(nn::Module& model) {
+  std::vector<std::pair<std::string, dist::ProcessGroupPtr>> out;
+  std::set<const dist::ProcessGroup*> seen;
+  for (nn::MoE* m : nn::moe_layers(model)) {
+    if (auto* ep = dynamic_cast<ep::ExpertParallel*>(m->placement.get());
+        ep != nullptr && seen.insert(ep->group().get()).second)
+      out.emplace_back("ep", ep->group());
+    if (fsdp::FSDPState* st = fsdp::state_of(*m->experts); st != nullptr && st->param_group) {
+      const dist::ProcessGroupPtr& g = st->param_group->mesh_info.shard_group;
+      if (g && seen.insert(g.get()).second) out.emplace_back("dp_shard_mod_ep", g);
+    }
+  }
+  return out;
 }
 
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model) {
@@ -326,6 +344,7 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
         for (int64_t d = 0; d < mesh->ndim(); ++d) mesh->get_group(d)->reset_stats();
         for (const auto& [name, g] : flattened_groups(mesh)) g->reset_stats();
         for (const auto& g : post_forward_groups(*model)) g->reset_stats();
+        for (const auto& [name, g] : expert_groups(*model)) g->reset_stats();
         world->reset_stats();
         forward_base = held();
         recording = true;
@@ -353,16 +372,27 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
     if (world_size > 1) plan.collectives["world"] = world->stats();
     for (const auto& g : post_forward_groups(*model))
       plan.collectives[fmt::format("dp_shard/post-forward{}", g->size())] += g->stats();
+    for (const auto& [name, g] : expert_groups(*model)) plan.collectives[name] += g->stats();
+    for (nn::MoE* m : nn::moe_layers(*model)) {
+      plan.expert_parameters += m->experts->w1.numel() + m->experts->w2.numel() + m->experts->w3.numel();
+      plan.expert_bytes += storage_bytes(m->experts->parameters());
+    }
+    if (cfg.model.moe_experts > 0) {
+      const int64_t ep = cfg.parallelism.expert_parallel_degree, k = cfg.model.moe_top_k;
+      plan.moe_imbalance_bound =
+          static_cast<double>(ep * std::min(k, cfg.model.moe_experts / ep)) / static_cast<double>(k);
+    }
     plan.peak = peak();
     for (size_t i = 0; i < hooks.size(); ++i) model->blocks[i]->remove_hook(hooks[i]);
   }
   // PaLM's estimate (appendix B): 2N per token forward for the matmuls, plus
-  // 4 x layers x width x seq_len for the attention scores and values.
+  // 4 x layers x width x seq_len for the attention scores and values; N the
+  // parameters a token passes through (a mixture of experts: its top-k experts).
   // This rank's share: its data-parallel group's tokens, split among its
   // tensor-parallel ranks (the model's FLOPs counted once, as MFU does).
   const double tokens = static_cast<double>(plan.micro_batch * T.grad_accum * T.seq_len) /
                         static_cast<double>(cfg.parallelism.tensor_parallel_degree);  // validated >= 1
-  const double per_token = 2.0 * static_cast<double>(plan.parameters) +
+  const double per_token = 2.0 * static_cast<double>(transformer_config(cfg).active_parameter_count()) +
                            4.0 * static_cast<double>(cfg.model.n_layer * cfg.model.n_embd * T.seq_len);
   plan.flops_forward = per_token * tokens;
   plan.flops_backward = 2 * plan.flops_forward;
@@ -488,6 +518,29 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                          ? ", and K/V again with their gradients (f32) backward"
                          : ", gathers them again backward and reduce-scatters their gradients (f32)"));
   }
+  if (const auto& m = cfg.model; m.moe_experts > 0) {
+    const int64_t ep = cfg.parallelism.expert_parallel_degree;
+    const auto layers = transformer_config(cfg).moe_layer_count();
+    line(fmt::format("mixture of experts: {} MoE layer(s) of {} experts, top {}{}; the routed experts are {} "
+                     "parameters ({:.0f}% of the model), {} of them active per token; this rank holds {} of their "
+                     "weights{}",
+                     layers, m.moe_experts, m.moe_top_k,
+                     m.moe_shared_experts > 0 ? fmt::format(", {} shared", m.moe_shared_experts) : "",
+                     p.expert_parameters,
+                     100.0 * static_cast<double>(p.expert_parameters) / static_cast<double>(p.parameters),
+                     p.expert_parameters / m.moe_experts * m.moe_top_k, mib(static_cast<double>(p.expert_bytes)),
+                     ep > 1 ? fmt::format(" (expert parallel {}: {} experts a layer per rank, FSDP over the other {} "
+                                          "data rank(s))", ep, m.moe_experts / ep, p.replicate * p.shard / ep)
+                            : ""));
+    if (ep > 1) {
+      const dist::CollectiveStats a2a = p.collectives.count("ep") ? p.collectives.at("ep") : dist::CollectiveStats{};
+      line(fmt::format("  all-to-all over ep per step: {} (5 per MoE layer and micro-batch: counts, dispatch and "
+                       "combine forward, combine and dispatch backward), {} handed at balanced routing; at the worst "
+                       "routing a rank's experts receive up to {:.3g}x the balanced rows (ep x min(top_k, experts "
+                       "per rank) / top_k), and their dispatch buffers and activations grow as much",
+                       a2a.all_to_all, mib(static_cast<double>(a2a.bytes)), p.moe_imbalance_bound));
+    }
+  }
   if (cfg.mixed_precision.param_dtype != "float32") line(fmt::format("bf16 matrix products: in {}", p.bf16_products));
   line("memory per rank (bytes held in tensors, as the allocator counts them):");
   line(fmt::format("  sharded parameters          {:>12}", mib(static_cast<double>(p.sharded_parameters))));
@@ -504,9 +557,10 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
   line(fmt::format("  predicted peak              {:>12}", mib(static_cast<double>(p.peak))));
   line("communication per step (this rank; handed to MPI, and sent over the wire by ring algorithms):");
   for (const auto& [group, s] : p.collectives) {
-    line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}  {:>12} handed {:>12} on a ring",
-                     group, s.all_gather, s.reduce_scatter, s.all_reduce, mib(static_cast<double>(s.bytes)),
-                     mib(static_cast<double>(s.ring_bytes))));
+    line(fmt::format("  {:<22} all-gather {:>4}  reduce-scatter {:>4}  all-reduce {:>4}{}  {:>12} handed {:>12} on a ring",
+                     group, s.all_gather, s.reduce_scatter, s.all_reduce,
+                     s.all_to_all > 0 ? fmt::format("  all-to-all {:>4}", s.all_to_all) : "",
+                     mib(static_cast<double>(s.bytes)), mib(static_cast<double>(s.ring_bytes))));
     if (s.send + s.recv > 0)  // a pipeline's messages, stage to stage, or the ring's K/V (in the bytes above)
       line(fmt::format("  {:<22} send {:>4}  recv {:>4}  ({})", "", s.send, s.recv,
                        group == "cp" ? "K/V blocks and their gradients around the ring"

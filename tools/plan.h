@@ -31,6 +31,9 @@ namespace tessera::tools {
 // group for its backward all-gathers (N ranks each; a plan sums their
 // collectives as "dp_shard/post-forwardN"); none otherwise.
 std::vector<dist::ProcessGroupPtr> post_forward_groups(nn::Module& model);
+// The groups expert parallelism made (train::parallelize): "ep", over which
+// the tokens are dispatched, and "dp_shard_mod_ep", the experts' FSDP.
+std::vector<std::pair<std::string, dist::ProcessGroupPtr>> expert_groups(nn::Module& model);
 // The groups of the dims train::parallelize flattens, by name: FSDP's over
 // data x context ("dp_shard_cp") when the mesh has a "cp" dim.
 std::vector<std::pair<std::string, dist::ProcessGroupPtr>> flattened_groups(const MeshPtr& mesh);
@@ -75,6 +78,16 @@ struct Plan {
   std::string pp_stages;
   int pp_microbatches = 0, pp_in_flight = 0;
   double pp_bubble = 0;
+  // A mixture of experts: the routed experts' parameters (every MoE layer,
+  // all experts) and the bytes of this rank's shards of them; the
+  // dispatch/combine all-to-alls are collectives["ep"] (5 per MoE layer and
+  // micro-batch: the counts, dispatch and combine forward, combine and
+  // dispatch backward), their bytes at balanced routing (the meta device
+  // routes round-robin). At the worst routing a rank's experts receive up to
+  // moe_imbalance_bound times the balanced rows: ep x min(top_k, experts
+  // per rank) / top_k, and so do its dispatch buffers and expert activations.
+  int64_t expert_parameters = 0, expert_bytes = 0;
+  double moe_imbalance_bound = 1;
   // The steady step's kernels and collectives in program order, from the
   // forward to the optimizer (for the step-time model, tools/step_time.h);
   // null unless asked for.

@@ -19,12 +19,12 @@
 //       (To start a run from a file, tessera-train's
 //       --checkpoint.initial_load_path does the same without a checkpoint.)
 //   tessera-ckpt from-hf HF_FOLDER OUT_FOLDER
-//       A Hugging Face GPT-2 or Llama (config.json + model.safetensors, as
+//       A Hugging Face GPT-2, Llama or Mixtral (config.json + model.safetensors, as
 //       save_pretrained writes it) as a step-0 checkpoint with its model
 //       configuration, which tessera-train continues. Its tokenizer.json goes
 //       along when it is byte-level BPE (io/tokenizer.h).
 //   tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER
-//       A gpt2 or llama checkpoint as a folder that transformers'
+//       A gpt2 or llama checkpoint (an MoE llama as Mixtral) as a folder that transformers'
 //       from_pretrained loads (io/hf.h), with the tokenizer.json found
 //       beside the checkpoint (in it or the two folders above), if any.
 //   tessera-ckpt from-llmc MODEL.bin OUT_FOLDER
@@ -67,8 +67,8 @@ int usage(FILE* out, int code) {
       "       tessera-ckpt from-safetensors IN.safetensors OUT_FOLDER [--step N] [--preset NAME]\n"
       "                    [--model.KEY VALUE ...]   (model keys for a file without a stored "
       "model)\n"
-      "       tessera-ckpt from-hf HF_FOLDER OUT_FOLDER        (a Hugging Face GPT-2 or Llama -> a checkpoint)\n"
-      "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2 or llama checkpoint -> Hugging Face)\n"
+      "       tessera-ckpt from-hf HF_FOLDER OUT_FOLDER        (a Hugging Face GPT-2, Llama or Mixtral -> a checkpoint)\n"
+      "       tessera-ckpt to-hf CHECKPOINT OUT_HF_FOLDER      (a gpt2, llama or MoE llama checkpoint -> Hugging Face)\n"
       "       tessera-ckpt from-llmc MODEL.bin OUT_FOLDER      (llm.c's GPT-2 model file -> a checkpoint)\n"
       "       tessera-ckpt to-llmc CHECKPOINT OUT.bin [--dtype float32|bfloat16]   (-> llm.c)\n"
       "       tessera-ckpt read-plan CHECKPOINT --ranks N [--tensor NAME]   (what each of N FSDP ranks reads to load it)\n"
@@ -346,8 +346,12 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
               static_cast<long long>(m.n_embd), static_cast<long long>(m.n_head),
               static_cast<long long>(m.n_kv_head > 0 ? m.n_kv_head : m.n_head), static_cast<long long>(m.vocab_size),
               static_cast<long long>(cfg.training.seq_len),
-              m.arch == "gpt2" ? ("GELU " + m.gelu).c_str()
-                               : fmt::format("RoPE base {:g}, RMSNorm eps {:g}", m.rope_theta, m.norm_eps).c_str());
+              m.arch == "gpt2"
+                  ? ("GELU " + m.gelu).c_str()
+                  : fmt::format("RoPE base {:g}, RMSNorm eps {:g}{}", m.rope_theta, m.norm_eps,
+                                m.moe_experts > 0 ? fmt::format(", {} experts (top {})", m.moe_experts, m.moe_top_k)
+                                                  : "")
+                        .c_str());
   return 0;
 }
 
@@ -423,7 +427,9 @@ int to_hf(const std::vector<std::string>& args) {
     std::printf("%s -> %s\n", tokenizer.c_str(), (fs::path(args[1]) / "tokenizer.json").c_str());
   }
   std::printf("%s -> %s: config.json and model.safetensors (%s)\n", args[0].c_str(), args[1].c_str(),
-              cfg.model.arch == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
+              cfg.model.arch == "gpt2"           ? "GPT2LMHeadModel"
+              : cfg.model.moe_experts > 0 ? "MixtralForCausalLM"
+                                          : "LlamaForCausalLM");
   return 0;
 }
 

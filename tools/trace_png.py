@@ -5,7 +5,8 @@
 One band per rank; in each, one lane per kind of work the trace records:
 compute (forward and backward ops in two colours), a pipeline's F and B
 actions and its bubble, context parallelism's attention blocks and K/V
-exchanges, each collective kind (and point-to-point messages) on
+exchanges, expert parallelism's phases (dispatch, the local experts,
+combine, and the exchanges' backwards) and its all-to-alls, each collective kind (and point-to-point messages) on
 its own lane (the time the communication thread spends in it), the compute
 stream waiting for communication (exposed communication), FSDP's copies
 in and out of its buffers, and the bytes the rank holds in tensors (the
@@ -42,6 +43,8 @@ LANES = [
     ("compute", "compute"),
     ("context parallel attention", "CP attention"),
     ("context parallel K/V", "CP K/V exchange"),
+    ("expert parallel", "EP dispatch / combine"),
+    ("expert parallel all-to-all", "EP all-to-all"),
     ("all_gather", "all-gather"),
     ("reduce_scatter", "reduce-scatter"),
     ("all_reduce", "all-reduce"),
@@ -62,6 +65,7 @@ SERIES = [
     ("waiting for communication (exposed)", "#c44e52"),
     ("FSDP copy-in / copy-out", "#64b5cd"),
     ("pipeline bubble (idle)", "#f0c040"),
+    ("MoE dispatch / combine", "#da8bc3"),
 ]
 
 
@@ -74,6 +78,10 @@ def series_of(lane, name):
         return 1 if name.startswith("attention backward") else 0
     if lane == "context parallel K/V":  # the cp group's collectives and messages: "all_gather #3 (cp)"
         return 2 if name.startswith("all_gather") else 3 if name.startswith("reduce_scatter") else 5
+    if lane == "expert parallel":  # "dispatch", "experts", "combine", "combine backward", ...
+        return 0 if name == "experts" else 9
+    if lane == "expert parallel all-to-all":  # "all_to_all #5 (ep)", "all_to_all_single #6 (ep)"
+        return 5
     return {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 4, "other collectives": 5, "send_recv": 5,
             "waiting for communication (exposed)": 6, "fsdp": 7, "pipeline bubble": 8}.get(lane)
 

@@ -239,8 +239,11 @@ void Trainer::build_model() {
     model_->init_weights(static_cast<uint64_t>(cfg_.job.seed));
   }
   // PaLM's estimate (appendix B): 6N per token for the matmuls of forward and
-  // backward, plus 12 * layers * width * seq_len for attention scores.
-  flops_per_token_ = 6.0 * static_cast<double>(parameters_) +
+  // backward, plus 12 * layers * width * seq_len for attention scores; N the
+  // parameters a token passes through (a mixture of experts: its top-k experts).
+  const int64_t active = parameters_ - (tools::parameter_count(cfg_) -
+                                        tools::transformer_config(cfg_).active_parameter_count());
+  flops_per_token_ = 6.0 * static_cast<double>(active) +
                      12.0 * static_cast<double>(cfg_.model.n_layer) *
                          static_cast<double>(cfg_.model.n_embd) * static_cast<double>(T_.seq_len);
 }

@@ -136,6 +136,10 @@ std::string Trainer::layout() const {
          (rep > 1 ? fmt::format("HSDP {}x{} (replicate x shard{})", rep, shard * cp, cp > 1 ? " x cp" : "")
                   : fmt::format("FSDP over {}{}", shard * cp, cp > 1 ? fmt::format(" (data {} x context {})", shard, cp) : "")) +
          context +
+         (p.expert_parallel_degree > 1
+              ? fmt::format(" x expert parallel {} ({} experts a layer per rank)", p.expert_parallel_degree,
+                            cfg_.model.moe_experts / p.expert_parallel_degree)
+              : "") +
          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_, tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
                   : "");

@@ -296,7 +296,19 @@ ParallelizePlan full_plan(const nn::LanguageModel& model, int64_t degree, bool l
   const auto row_out =
       sequence_parallel ? style(RowwiseParallel{.output_layout = Shard{1}, .use_local_output = false}) : row;
   if (gpt) return gpt_plan(c, col, row_out, once, loss_parallel, sequence_parallel);
+  // A mixture of experts (nn/moe.h) runs whole on every rank: the router's
+  // choice is made on the host from every token's scores, and each rank's
+  // experts (expert parallelism moves tokens between the data-parallel ranks
+  // of one tensor-parallel index) compute the same outputs from the same
+  // tokens. Its input is gathered whole (Replicate) and handed on as a plain
+  // tensor, its output, the same on every rank, handed back in the blocks'
+  // layout; its parameters stay plain, their gradients equal on every rank.
+  const auto moe_in = style(PrepareModuleInput{.input_layout = between, .desired_input_layout = Replicate{},
+                                               .use_local_output = true});
+  const auto moe_out = style(PrepareModuleOutput{.output_layout = Replicate{}, .desired_output_layout = between,
+                                                 .use_local_output = !sequence_parallel});
   ParallelizePlan plan = {{"model.layers.*.self_attn", once},       {"model.layers.*.mlp", once},
+                          {"model.layers.*.block_sparse_moe", moe_in}, {"model.layers.*.block_sparse_moe", moe_out},
                           {"model.layers.*.self_attn.q_proj", col}, {"model.layers.*.self_attn.k_proj", col},
                           {"model.layers.*.self_attn.v_proj", col}, {"model.layers.*.self_attn.o_proj", row_out},
                           {"model.layers.*.mlp.gate_proj", col},    {"model.layers.*.mlp.up_proj", col},

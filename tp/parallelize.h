@@ -120,6 +120,10 @@ void parallelize_module(nn::Module& module, const MeshPtr& mesh, const Paralleli
 // GPT-2's position table stay replicated; each block's attention and MLP
 // take their input as a Replicate DTensor (PrepareModuleInput), so that a
 // block costs two all-reduces forward and two backward, Megatron's count.
+// A Llama's mixture of experts (block_sparse_moe) is not split: it runs
+// whole on every tensor-parallel rank, on its input gathered whole, and
+// hands its output back in the blocks' layout (expert parallelism splits the
+// experts over the data-parallel ranks instead: train/parallelize.h).
 // Throws naming the field when a head count does not divide by the degree.
 //
 // sequence_parallel splits the activations between the blocks on the

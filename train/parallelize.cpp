@@ -53,9 +53,9 @@ MeshDims mesh_dims(const ParallelismOptions& o, int world_size, const FieldNames
            "{} ({}) must divide the shard degree {} ({} at {} ranks): the expert-parallel ranks are data-parallel "
            "ranks, each holding moe_experts / {} experts",
            f("ep"), o.ep, f("dp_shard"), d.shard, world_size, f("ep"));
-  TS_CHECK(o.ep == 1 || (o.pp == 1 && o.cp == 1 && o.tp == 1),
-           "{} ({}) composes with FSDP and HSDP so far; with {} ({}), {} ({}) or {} ({}) it is not written yet",
-           f("ep"), o.ep, f("pp"), o.pp, f("cp"), o.cp, f("tp"), o.tp);
+  TS_CHECK(o.ep == 1 || (o.pp == 1 && o.cp == 1),
+           "{} ({}) composes with FSDP, HSDP and tensor parallelism so far; with {} ({}) or {} ({}) it is not "
+           "written yet", f("ep"), o.ep, f("pp"), o.pp, f("cp"), o.cp);
   TS_CHECK(!o.sequence_parallel || o.tp > 1,
            "{} splits activations over the tensor-parallel ranks: it needs {} > 1, got {}", f("sequence_parallel"),
            f("tp"), o.tp);
@@ -108,30 +108,24 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
   const MeshPtr dp = context ? mesh->root()->slice(data) : data.size() == names.size() ? mesh : mesh->slice(data);
   const bool pipelined = std::find(names.begin(), names.end(), "pp") != names.end();
   const std::vector<nn::MoE*> moes = nn::moe_layers(model);
-  TS_CHECK(moes.empty() || (!pipelined && !context && names.back() != "tp"),
-           "a mixture of experts composes with FSDP, HSDP and expert parallelism so far; under pipeline, context or "
-           "tensor parallelism it is not written yet (mesh {})", mesh->str());
+  TS_CHECK(moes.empty() || (!pipelined && !context),
+           "a mixture of experts composes with FSDP, HSDP, tensor and expert parallelism so far; under pipeline or "
+           "context parallelism it is not written yet (mesh {})", mesh->str());
   MeshPtr experts_dp;  // the mesh the experts' FSDP shards over (expert parallelism)
   if (!moes.empty()) {
     // Every data rank's tokens are one batch: the balance statistics sum over them.
     const dist::ProcessGroupPtr batch = dp->size() > 1 ? dp->flat_group() : nullptr;
     if (o.ep > 1) {
-      Shape shape;
-      std::vector<std::string> dims;
-      for (const std::string& n : names) {
-        const int64_t size = mesh->size(mesh->dim_index(n));
-        if (n == "dp_shard") {
-          TS_CHECK(size % o.ep == 0, "ep ({}) must divide dp_shard ({})", o.ep, size);
-          shape.insert(shape.end(), {size / o.ep, o.ep});
-          dims.insert(dims.end(), {"dp_shard_mod_ep", "ep"});
-        } else {
-          shape.push_back(size);
-          dims.push_back(n);
-        }
-      }
-      const MeshPtr expert_mesh = init_device_mesh(mesh->device_type(), shape, dims);
+      // TorchTitan's carving: the same ranks with dp_shard split into
+      // (dp_shard_mod_ep, ep); the experts shard over ep and are FSDP'd over
+      // the rest of the data dims. Under tensor parallelism the experts are
+      // whole on every tensor-parallel rank (tp/parallelize.h), each of which
+      // exchanges its copy of the tokens with the ranks of its own tp index.
+      const int64_t shard = mesh->size(mesh->dim_index("dp_shard"));  // ep divides it (mesh_dims)
+      const MeshPtr expert_mesh = mesh->unflatten("dp_shard", {shard / o.ep, o.ep}, {"dp_shard_mod_ep", "ep"});
+      std::vector<std::string> dims = expert_mesh->dim_names();
       ep::apply_expert_parallel(model, (*expert_mesh)["ep"], batch, "moe_experts", "ep");
-      dims.erase(std::find(dims.begin(), dims.end(), "ep"));
+      std::erase_if(dims, [](const std::string& n) { return n == "ep" || n == "tp"; });
       experts_dp = expert_mesh->slice(dims);
     } else {
       for (nn::MoE* m : moes) m->batch_group = batch;

@@ -59,6 +59,8 @@ struct ParallelismOptions {
   // dp_shard), tokens moved to them by all-to-all; the experts' own FSDP
   // shards over the dp_shard / ep ranks holding the same experts
   // (TorchTitan's dp_shard_mod_ep), their gradients divided by every data rank.
+  // With tp > 1 the experts are whole on every tensor-parallel rank, and the
+  // ranks of one tp index exchange their tokens (no expert tensor parallelism).
   int64_t ep = 1;
 };
 
@@ -69,7 +71,7 @@ struct MeshDims {
   Shape shape;
   std::vector<std::string> names;
   int64_t pp = 1, replicate = 1, shard = 1, cp = 1, tp = 1;
-  int64_t ep = 1;  // carved out of shard: the experts' mesh is (replicate, shard / ep, ep)
+  int64_t ep = 1;  // carved out of shard: the experts' mesh is (replicate, shard / ep, ep[, tp])
   int64_t data_parallel() const { return replicate * shard; }  // ranks that see different data
 };
 MeshDims mesh_dims(const ParallelismOptions& options, int world_size, const FieldNames& names = {});
@@ -80,7 +82,8 @@ MeshPtr make_mesh(const ParallelismOptions& options, const std::string& device_t
 // make_mesh): tensor parallelism over its "tp" dim when it has one, context
 // parallelism over its "cp" dim (forward_backward then hands the model this
 // rank's slice of each sequence), expert parallelism (options.ep) over a mesh
-// of its own, (dp_replicate, dp_shard_mod_ep, ep) on the same ranks, then FSDP
+// of its own, (dp_replicate, dp_shard_mod_ep, ep, tp) on the same ranks
+// (DeviceMesh::unflatten of dp_shard), then FSDP
 // over the data dims, each block (an MoE block's experts first, over
 // dp_shard_mod_ep) and then the root. MoE layers balance over all data ranks.
 void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const ParallelismOptions& options);

@@ -59,6 +59,20 @@ expect docs/context-parallel.md "the ring holds less than the all-gather: $(abov
 expect docs/context-parallel.md "($(above 4 "${long[@]}" --parallelism.context_parallel_degree 4) against $(above 1 "${long[@]}") MiB above the steady state"
 expect docs/context-parallel.md "the activations per rank at CP 4 are $(python3 -c "print(f'{$(above 4 "${long[@]}" --parallelism.context_parallel_degree 4) / $(above 1 "${long[@]}"):.2f}')") of CP 1's"
 
+# labs.md lab 12: moe-small at 4 ranks, EP 1, 2 and 4.
+moe() { "$plan" --ranks 4 --preset moe-small --parallelism.expert_parallel_degree "$@"; }
+ring() { awk -v g="$1" '$1 == g && /on a ring/ { print $(NF-4) }'; }  # GROUP: its ring MiB
+ep1=$(moe 1) ep2=$(moe 2) ep4=$(moe 4)
+expect docs/labs.md "$(grep -o 'the routed experts are [0-9]* parameters ([0-9]*% of the model), [0-9]* of them active per token' <<< "$ep1")"
+expect docs/labs.md "the \`dp_shard\` group sends $(ring dp_shard <<< "$ep1") MiB on a ring"
+expect docs/labs.md "(\`dp_shard_mod_ep\`, $(ring dp_shard_mod_ep <<< "$ep2") MiB)"
+a2a=$(awk '$1 == "ep" { for (i = 1; i <= NF; ++i) if ($i == "all-to-all") print $(i + 1) }' <<< "$ep2")
+expect docs/labs.md "group's $a2a all-to-alls per step (5 per MoE layer) send $(ring ep <<< "$ep2") MiB"
+expect docs/labs.md "the dense parts' $(ring dp_shard <<< "$ep2") MiB, $(python3 -c "print(f'{$(ring dp_shard <<< "$ep2") + $(ring dp_shard_mod_ep <<< "$ep2") + $(ring ep <<< "$ep2"):.1f}')") MiB in all"
+expect docs/labs.md "the tokens' $(ring ep <<< "$ep4") MiB and the dense $(ring dp_shard <<< "$ep4") MiB make $(python3 -c "print(f'{$(ring dp_shard <<< "$ep4") + $(ring ep <<< "$ep4"):.1f}')") MiB"
+bound() { sed -n 's/.*receive up to \([0-9.]*x\) the balanced rows.*/\1/p'; }
+expect docs/labs.md "$(bound <<< "$ep2") the balanced rows at EP 2 and $(bound <<< "$ep4") at EP 4"
+
 # The tiny run of labs 1 and 6 (a second each): the loss at step 40, to the bit.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -95,6 +95,53 @@ Tensor chunk_piece(const Tensor& full, const DeviceMesh& mesh, const Placements&
 }
 }  // namespace
 
+TEST_CASE("unflattening a dim: the groups of the mesh with that dim split, the others kept", "[dtensor][mesh]") {
+  // dp_shard -> (dp_shard_mod_ep, ep), as expert parallelism carves it: the
+  // new mesh's groups hold the ranks init_device_mesh gives the 3-D shape.
+  const int w = world();
+  int tested = 0;
+  for (int64_t a = 1; a <= w; ++a) {
+    if (w % a) continue;
+    const int64_t b = w / a;
+    auto m = init_device_mesh("cpu", {a, b}, {"rep", "shard"});
+    for (int64_t x = 1; x <= b; ++x) {
+      if (b % x) continue;
+      const int64_t y = b / x;
+      INFO(m->str() << " -> shard as " << x << " x " << y);
+      auto u = m->unflatten("shard", {x, y}, {"outer", "inner"});
+      auto want = init_device_mesh("cpu", {a, x, y}, {"rep", "outer", "inner"});
+      CHECK(u->shape() == Shape{a, x, y});
+      CHECK(u->dim_names() == std::vector<std::string>{"rep", "outer", "inner"});
+      CHECK(u->get_coordinate() == want->get_coordinate());
+      CHECK(u->ranks() == want->ranks());
+      CHECK(u->get_group("rep") == m->get_group("rep"));  // kept, not made again
+      for (const std::string name : {"outer", "inner"}) {
+        CHECK(u->get_group(name)->rank() == want->get_group(name)->rank());
+        CHECK(group_members(u->get_group(name)) == group_members(want->get_group(name)));
+      }
+      // A planned rank's (simulated) mesh unflattens to the same members, without communicating.
+      std::vector<dist::ProcessGroupPtr> sim;
+      std::vector<int> all(static_cast<size_t>(w));
+      for (int i = 0; i < w; ++i) all[static_cast<size_t>(i)] = i;
+      for (const std::string name : {"rep", "shard"})
+        sim.push_back(dist::simulated_group(static_cast<int>(m->get_local_rank(name)), group_members(m->get_group(name)),
+                                            name));
+      auto planned = std::make_shared<DeviceMesh>("cpu", m->shape(), all, m->dim_names(), sim, m->get_coordinate())
+                         ->unflatten("shard", {x, y}, {"outer", "inner"});
+      for (const std::string name : {"outer", "inner"}) {
+        CHECK(planned->get_group(name)->simulated());
+        CHECK(planned->get_group(name)->global_ranks() == group_members(want->get_group(name)));
+        CHECK(planned->get_group(name)->rank() == want->get_group(name)->rank());
+      }
+      ++tested;
+    }
+    CHECK_THROWS_WITH(m->unflatten("shard", {b + 1}, {"x"}), Catch::Contains("hold " + std::to_string(b + 1) + " ranks"));
+    CHECK_THROWS_WITH(m->unflatten("shard", {b, 1}, {"rep", "x"}), Catch::Contains("must be unique"));
+    CHECK_THROWS_WITH(m->unflatten("tp", {1}, {"x"}), Catch::Contains("no dim named 'tp'"));
+  }
+  CHECK(tested > 0);
+}
+
 TEST_CASE("3-D meshes: named dims, coordinates, multi-name slices, flattening, redistribute", "[dtensor][mesh]") {
   int w = world(), r = dist::rank();
   int meshes_tested = 0;

@@ -4,7 +4,8 @@
 // steps equal the same model trained on one process on the whole batch, in
 // f64 to 1e-12, with both routers and both balancing methods (the biases
 // move between steps, from loads summed over the ranks), at EP 1, 2, 3 and 4
-// (each rank's share of the experts), EP x FSDP and EP x HSDP at 4 ranks; a
+// (each rank's share of the experts), EP x FSDP, EP x HSDP and EP x TP (with
+// and without sequence parallelism) at 4 ranks, TP 2 alone at 2 and 4; a
 // step where experts receive no token; the all-to-alls per step are 5 per MoE
 // layer (none at EP 1); the variable all-to-all's backward; bad degrees
 // refused by name.
@@ -13,21 +14,20 @@
 #include <map>
 
 #include "dtensor/dtensor.h"
+#include "fsdp/checkpoint.h"
 #include "ep/expert_parallel.h"
 #include "nn/models.h"
+#include "tests/fsdp/fsdp_helpers.h"
 #include "tests/helpers.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
 #include "train/step.h"
 
 using namespace tessera;
+using testing::equal;
+using testing::world;
 
 namespace {
-
-int world() {
-  dist::init();
-  return dist::world_size();
-}
 
 nn::TransformerConfig config(int64_t experts, int64_t top_k, const std::string& router, const std::string& balance) {
   nn::TransformerConfig c;
@@ -112,22 +112,33 @@ Run reference(const nn::TransformerConfig& cfg, const Batches& batches) {
   return train(*model, batches, [](const Tensor& t) { return t; }, nullptr);
 }
 
-Run parallel(const nn::TransformerConfig& cfg, train::ParallelismOptions o, const Batches& batches) {
+// A model under the layout `o` in f64 and this rank's rows of a batch.
+struct Parallel {
+  std::shared_ptr<nn::LanguageModel> model;
+  std::function<Tensor(const Tensor&)> rows;
+};
+
+Parallel build(const nn::TransformerConfig& cfg, train::ParallelismOptions o, uint64_t seed = 7) {
   o.param_dtype = o.reduce_dtype = DType::F64;
   MeshPtr mesh = train::make_mesh(o);
   auto model = nn::make_model(cfg, Device::meta());
   train::parallelize(*model, mesh, o);
   model->to_empty(Device::cpu());
-  model->init_weights(7);
+  model->init_weights(seed);
   model->to(DType::F64);
   int64_t dp = 1, dp_rank = 0;
   for (const std::string& n : mesh->dim_names())
     if (n == "dp_replicate" || n == "dp_shard")
       dp_rank = dp_rank * mesh->size(mesh->dim_index(n)) + mesh->get_local_rank(n), dp *= mesh->size(mesh->dim_index(n));
-  const int64_t rows = batches[0].first.size(0) / dp;
-  return train(
-      *model, batches, [&](const Tensor& t) { return ops::contiguous(ops::narrow(t, 0, dp_rank * rows, rows)); },
-      dist::world());
+  return {model, [dp, dp_rank](const Tensor& t) {
+            const int64_t rows = t.size(0) / dp;
+            return ops::contiguous(ops::narrow(t, 0, dp_rank * rows, rows));
+          }};
+}
+
+Run parallel(const nn::TransformerConfig& cfg, train::ParallelismOptions o, const Batches& batches) {
+  Parallel p = build(cfg, o);
+  return train(*p.model, batches, p.rows, dist::world());
 }
 
 double relative(const Tensor& got, const Tensor& want) {
@@ -246,4 +257,104 @@ TEST_CASE("expert-parallel degrees that do not fit are refused by name", "[ep]")
         train::parallelize(*model, mesh, o);
       },
       "moe_experts (");
+}
+
+TEST_CASE("an MoE Llama under tensor parallelism, and EP x TP, equals one process", "[ep][tp][exact]") {
+  // The MoE runs whole on every tensor-parallel rank (tp/parallelize.h); the
+  // dense block beside it is split Megatron's way; expert parallelism moves
+  // tokens between the data-parallel ranks of one tensor-parallel index.
+  const int w = world();
+  if (w % 2 != 0) return;  // tensor parallelism 2 needs an even world
+  const Batches batches = data(w, 6, 29, 3);  // w / 2 data ranks, 2 sequences each
+  for (const std::string router : {"softmax", "sigmoid"}) {
+    const std::string balance = router == "softmax" ? "aux_loss" : "bias";
+    auto cfg = config(4, 2, router, balance);
+    cfg.moe_every = 2;  // block 0 dense (split over TP), block 1 MoE
+    cfg.moe_shared_experts = router == "sigmoid" ? 1 : 0;
+    const Run want = reference(cfg, batches);
+    for (bool sp : {false, true}) {
+      INFO(router << " " << balance << (sp ? ", sequence parallel" : ""));
+      {
+        INFO("TP 2 x FSDP " << w / 2);
+        compare(want, parallel(cfg, {.tp = 2, .loss_parallel = true, .sequence_parallel = sp}, batches));
+      }
+      if (w == 4) {
+        INFO("EP 2 x TP 2");
+        const Run got = parallel(cfg, {.tp = 2, .loss_parallel = true, .sequence_parallel = sp, .ep = 2}, batches);
+        compare(want, got);
+        for (int64_t n : got.all_to_alls) CHECK(n == 5);  // one MoE layer
+      }
+    }
+  }
+}
+
+TEST_CASE("an MoE checkpoint saved under one expert layout reloads under every other", "[ep][checkpoint]") {
+  const int w = world();
+  // Bias balancing, so that the saved expert_bias buffers are not zero.
+  auto cfg = config(w == 3 ? 6 : 4, 2, "sigmoid", "bias");
+  cfg.moe_shared_experts = 1;
+  const Batches batches = data(2 * w, 5, 29, 3);
+  std::vector<std::pair<std::string, train::ParallelismOptions>> layouts = {{"FSDP", {.ep = 1}}};
+  if (w > 1) layouts.push_back({fmt::format("EP {}", w), {.ep = w}});
+  if (w == 4) {
+    layouts.push_back({"EP 2 x FSDP 2", {.ep = 2}});
+    layouts.push_back({"EP 2 x TP 2 + SP", {.tp = 2, .sequence_parallel = true, .ep = 2}});
+    layouts.push_back({"HSDP 2 x (FSDP 2 = EP 2)", {.dp_replicate = 2, .dp_shard = 2, .ep = 2}});
+  }
+  auto step = [&](Parallel& p, optim::Optimizer& opt, size_t k) {
+    train::forward_backward(*p.model, 1, [&](int64_t) {
+      return std::pair{p.rows(batches[k].first), p.rows(batches[k].second)};
+    });
+    nn::clip_grad_norm_(p.model->parameters(), 0.5);
+    opt.step();
+    opt.zero_grad();
+    nn::update_expert_biases(*p.model);
+  };
+  auto state = [](nn::Module& model) {
+    std::map<std::string, Tensor> out;
+    for (auto& [name, t] : model.state_dict()) out[name] = ops::clone(whole(t));
+    return out;
+  };
+  // Saved from the last layout after two steps; the third step taken there is the reference.
+  testing::SharedDir dir;
+  Parallel saved = build(cfg, layouts.back().second);
+  optim::AdamW* saved_adamw = nullptr;
+  auto saved_opt = train::make_optimizer(*saved.model, {.lr = 3e-2, .eps = 1e-6}, &saved_adamw);
+  step(saved, *saved_opt, 0);
+  step(saved, *saved_opt, 1);
+  const std::string ckpt = fsdp::save_checkpoint(dir.path.string(), 2, *saved.model, saved_adamw);
+  const std::map<std::string, Tensor> at_save = state(*saved.model);
+  bool moved = false;
+  for (const auto& [name, t] : at_save)
+    if (name.find("expert_bias") != std::string::npos) moved = moved || !equal(t, zeros_like(t));
+  REQUIRE(moved);
+  step(saved, *saved_opt, 2);
+  const std::map<std::string, Tensor> want = state(*saved.model);
+  for (const auto& [what, o] : layouts) {
+    INFO("saved under " << layouts.back().first << ", loaded under " << what << " at " << w << " ranks");
+    Parallel p = build(cfg, o, /*seed=*/99);
+    optim::AdamW* adamw = nullptr;
+    auto opt = train::make_optimizer(*p.model, {.lr = 3e-2, .eps = 1e-6}, &adamw);
+    fsdp::load_checkpoint(ckpt, *p.model, adamw);
+    for (const auto& [name, t] : state(*p.model)) {
+      INFO(name);
+      REQUIRE(at_save.count(name) == 1);
+      CHECK(equal(t, at_save.at(name)));
+    }
+    step(p, *opt, 2);  // the moments came back too: the next step matches
+    for (const auto& [name, t] : state(*p.model)) {
+      const double r = relative(t, want.at(name));
+      INFO(name << ": relative difference " << r);
+      CHECK(r <= 1e-12);
+    }
+  }
+  // And into one process's model, unsharded, as tessera-generate loads it.
+  auto plain = nn::make_model(cfg, Device::meta());
+  plain->to_empty(Device::cpu());
+  plain->to(DType::F64);
+  fsdp::load_checkpoint(ckpt, *plain, nullptr);
+  for (const auto& [name, t] : plain->state_dict()) {
+    INFO(name);
+    CHECK(equal(t, at_save.at(name)));
+  }
 }

@@ -175,6 +175,8 @@ bad "parallelism.expert_parallel_degree 2 splits the experts of MoE layers, but 
   --parallelism.expert_parallel_degree 2
 bad "model.moe_experts applies to model.arch = llama" --model.moe_experts 4
 bad "model.moe_router" --preset moe-small --model.moe_router tanh
+bad "trains under FSDP, HSDP, tensor and expert parallelism so far; with parallelism.pipeline_parallel_degree 2" \
+  --preset moe-small --model.tie_embeddings false --parallelism.pipeline_parallel_degree 2
 bad "model.n_kv_head (16) must divide model.n_head (8)" --preset llama-small --model.n_kv_head 16
 bad "needs an even head size for rotary embeddings, but model.n_embd / model.n_head = 24 / 8 = 3" \
   --preset llama-small --model.n_embd 24

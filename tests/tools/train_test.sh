@@ -736,4 +736,74 @@ sed -i 's/"n_head": 2/"n_head": 3/' badhf/config.json
 expect_error "badhf/config.json's \"n_embd\" (64) must be divisible by" "$bin/tessera-ckpt" from-hf badhf badck
 [[ ! -e badck ]] || fail "from-hf wrote a checkpoint for a config it refused"
 echo "bpe: prepared, trained, sampled, generated and converted with a tokenizer.json"
+echo "== a mixture of experts: EP 2 and EP 2 x TP 2 against one rank, traced, resumed on one rank, exported as Mixtral and back"
+# moe-small made tiny; softmax router and the balance loss, so that the model is a Mixtral.
+moe=(--preset moe-small --model.n_layer 2 --model.n_embd 64 --model.moe_hidden 48 --model.moe_experts 4
+     --model.moe_router softmax --model.moe_balance aux_loss --training.batch_size 8 --training.seq_len 32
+     --training.steps 8 --training.data_dir "$work/data" --sample.max_new_tokens 0 --metrics.progress off
+     --metrics.log_interval 1)
+"${mpi[@]}" -np 1 "$bin/tessera-train" "${moe[@]}" --job.dump_folder moe1 > moe1.log
+"${mpi[@]}" -np 2 "$bin/tessera-train" "${moe[@]}" --job.dump_folder moe2 --parallelism.expert_parallel_degree 2 \
+  --profiling.trace_steps 6 --checkpoint.enable true --checkpoint.interval 4 > moe2.log
+"${mpi[@]}" -np 4 "$bin/tessera-train" "${moe[@]}" --job.dump_folder moetp --parallelism.expert_parallel_degree 2 \
+  --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true > moetp.log
+grep -q "FSDP over 2 x expert parallel 2 (2 experts a layer per rank)" moe2.log || fail "moe2's mesh: $(head -5 moe2.log)"
+grep -q "FSDP over 2 x expert parallel 2 (2 experts a layer per rank) x tensor parallel 2 (loss parallel) + sequence parallel" \
+  moetp.log || fail "moetp's mesh: $(head -5 moetp.log)"
+grep -q "experts max/mean" moe2.log || fail "moe2 did not log the experts' balance"
+losses moe1 > moe1.losses
+losses moe2 > moe2.losses
+losses moetp > moetp.losses
+close moe1.losses moe2.losses 1e-5 || fail "EP 2 drifted from one rank: $(paste moe1.losses moe2.losses)"
+close moe1.losses moetp.losses 1e-5 || fail "EP 2 x TP 2 + SP drifted from one rank: $(paste moe1.losses moetp.losses)"
+python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open("moe2/metrics.jsonl")]
+loads = [r["moe_tokens_per_expert"] for r in rows if "moe_tokens_per_expert" in r]
+# 2 ranks x 4 sequences x 32 tokens, 2 experts each, per layer and step: 512 pairs over 4 experts.
+assert loads and all(len(layer) == 4 and sum(layer) == 512 for step in loads for layer in step), loads[:2]
+assert all(r["moe_max_over_mean"] >= 1 for r in rows if "moe_max_over_mean" in r)
+events = json.load(open("moe2/traces/step-6.json"))["traceEvents"]
+lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+spans = {}
+for e in events:
+    if e.get("ph") == "X":
+        key = (e["pid"], lanes.get((e["pid"], e["tid"])), e["name"].split(" #")[0])
+        spans[key] = spans.get(key, 0) + 1
+for r in (0, 1):
+    # 5 all-to-alls per MoE layer: the counts, then the rows (dispatch, combine, and both backwards).
+    assert spans.get((r, "expert parallel all-to-all", "all_to_all"), 0) == 2, spans
+    assert spans.get((r, "expert parallel all-to-all", "all_to_all_single"), 0) == 8, spans
+    for phase in ("dispatch", "experts", "combine", "combine backward", "dispatch backward"):
+        assert spans.get((r, "expert parallel", phase), 0) == 2, (phase, spans)
+print("moe: tokens per expert in the metrics, dispatch and combine on the trace lanes")' || fail "the MoE run's metrics or trace"
+if command -v gnuplot >/dev/null; then
+  python3 "$src/tools/trace_png.py" moe2/traces/step-6.json moe2/step-6.png > tp.log || fail "trace_png: $(cat tp.log)"
+  grep -q "moe2/step-6.png: 2 rank(s)" tp.log || fail "trace_png drew: $(cat tp.log)"
+fi
+# The EP 2 checkpoint of step 4 resumed on one rank (the experts resharded): steps 5-8 as the EP 2 run's.
+cp -r moe2 moe1r
+rm -rf moe1r/metrics.jsonl moe1r/checkpoint/step-00000008
+"${mpi[@]}" -np 1 "$bin/tessera-train" "${moe[@]}" --job.dump_folder moe1r --checkpoint.enable true \
+  --checkpoint.resume true > moe1r.log
+grep -q "resumed from .*step-00000004" moe1r.log || fail "moe1r did not resume from step 4: $(head -5 moe1r.log)"
+losses moe1r > moe1r.losses
+tail -4 moe2.losses > moe2.tail
+close moe2.tail moe1r.losses 1e-5 || fail "an EP 2 checkpoint resumed on one rank drifted: $(paste moe2.tail moe1r.losses)"
+# Exported as Mixtral and imported again: the same tensors.
+"$bin/tessera-ckpt" to-hf moe2/checkpoint moehf > to-hf.log
+grep -q "MixtralForCausalLM" to-hf.log && grep -q '"model_type": "mixtral"' moehf/config.json || fail "to-hf: $(cat to-hf.log)"
+"$bin/tessera-ckpt" from-hf moehf moeck > /dev/null
+"$bin/tessera-ckpt" to-hf moeck moehf2 > /dev/null
+same_tensors moehf/model.safetensors moehf2/model.safetensors || fail "Mixtral to-hf / from-hf / to-hf changed a tensor"
+python3 -c '
+import json, struct, sys
+raw = open("moehf/model.safetensors", "rb").read()
+head = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+experts = [k for k in head if ".block_sparse_moe.experts." in k]
+assert len(experts) == 2 * 4 * 3 and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in head, sorted(head)[:8]
+assert head["model.layers.0.block_sparse_moe.gate.weight"]["shape"] == [4, 64]
+assert not any("expert_bias" in k for k in head)' || fail "the Mixtral export's tensors"
+echo "moe: EP 2 and EP 2 x TP 2 + SP = one rank, traced; resumed on one rank; Mixtral export round trip"
+
 echo "train_test: all passed"
