@@ -303,14 +303,25 @@ TS_HD TS_INLINE void draw_uniforms(uint64_t seed, uint64_t stream, uint64_t coun
   u1 = static_cast<double>((static_cast<uint64_t>(c[2] >> 5) << 26) | (c[3] >> 6)) * k53;
 }
 
+// Each product and sum rounded on its own, as the CPU build computes them:
+// nvcc would fuse a product and the sum after it into one FMA, rounded once,
+// and a GPU's f64 draws would differ from the CPU's in the last bit.
 TS_HD TS_INLINE double uniform_value(double u0, double low, double high) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(low, __dmul_rn(high - low, u0));
+#else
   return low + (high - low) * u0;
+#endif
 }
 
 // Box-Muller on (u0, u1); 1 - u0 is in (0, 1].
 TS_HD TS_INLINE double normal_value(double u0, double u1, double mean, double std) {
   double radius = ::sqrt(-2.0 * ::log(1.0 - u0));
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(mean, __dmul_rn(__dmul_rn(std, radius), ::cos(6.283185307179586 * u1)));
+#else
   return mean + std * radius * ::cos(6.283185307179586 * u1);
+#endif
 }
 
 }  // namespace tessera::math

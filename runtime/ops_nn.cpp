@@ -370,10 +370,13 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   if (intercepts({&grad, &indices}))  // without the table, no layout for its gradient
     return intercept_one({OpId::embedding_backward, "embedding_backward", {grad, indices}});
   int64_t d = grad.size(-1);
-  DType cd = compute_dtype(grad.device(), kEmbedding, grad.dtype());
-  Tensor gw = zeros({num_weights, d}, cd, grad.device());
+  // Summed in f32 (f64 for f64) even where a backend computes bf16 natively,
+  // as PyTorch does: a frequent token's row, added to in bf16 thousands of
+  // times, would stop growing (256 + 1 is 256 in bf16).
+  const DType acc = stats_dtype(compute_dtype(grad.device(), kEmbedding, grad.dtype()));
+  Tensor gw = zeros({num_weights, d}, acc, grad.device());
   {
-    Tensor rows = reshape(kernel_input(grad, kEmbedding), {leading_numel(grad.shape()), d});
+    Tensor rows = reshape(to(kernel_input(grad, kEmbedding), acc), {leading_numel(grad.shape()), d});
     Tensor ids = contiguous(indices);
     dispatch(grad.device()).embedding_backward(gw, rows, ids);
   }

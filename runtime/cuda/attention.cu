@@ -4,7 +4,11 @@
 // block per query row for dq and one per key row for dk and dv, recomputing
 // the probabilities from the saved log-sum-exp. Causal masks are top-left
 // aligned (row i sees keys 0..i), as on the CPU; GQA maps query head h to key
-// head h / (heads / kv_heads).
+// head h / (heads / kv_heads). Products, the softmax and the sums run in the
+// tensor's accumulation type: f32 for f32, bf16 and f16, f64 for f64 (the
+// CPU's, so an f64 model's attention agrees with it to f64 rounding).
+#include <type_traits>
+
 #include "runtime/cuda/device_util.cuh"
 
 namespace tessera::cuda {
@@ -18,39 +22,54 @@ __device__ __forceinline__ int64_t visible_keys(int64_t i, int64_t s, bool causa
   return causal ? (i + 1 < s ? i + 1 : s) : s;
 }
 
-__device__ __forceinline__ float dot_row(const float* a_shared, const void* b, DType dt, int64_t b0,
-                                         int64_t d) {
-  float acc = 0;
-  for (int64_t k = 0; k < d; ++k) acc += a_shared[k] * load<float>(b, dt, b0 + k);
+template <class A>
+__device__ __forceinline__ A dot_row(const A* a_shared, const void* b, DType dt, int64_t b0, int64_t d) {
+  A acc = 0;
+  for (int64_t k = 0; k < d; ++k) acc += a_shared[k] * load<A>(b, dt, b0 + k);
   return acc;
 }
 
+template <class A>
+__device__ __forceinline__ A log_of(A x) {
+  if constexpr (std::is_same_v<A, double>) return ::log(x);
+  else return ::logf(x);
+}
+
+// The dynamic shared memory as an array of A (one declaration for every A:
+// an extern __shared__ array of a template's type would be declared twice).
+template <class A>
+__device__ __forceinline__ A* shared_as() {
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  return reinterpret_cast<A*>(smem_bytes);
+}
+
+template <class A>
 __global__ void attention_forward_kernel(void* out, void* lse, const void* q, const void* k,
                                          const void* v, DType dt, DType lt, AttentionShape sh) {
-  extern __shared__ float smem[];
-  float* qi = smem;          // d
-  float* p = smem + sh.d;    // kChunk
-  __shared__ float red[kThreads / 32];
+  A* smem = shared_as<A>();
+  A* qi = smem;          // d
+  A* p = smem + sh.d;    // kChunk
+  __shared__ A red[kThreads / 32];
   const int64_t row = blockIdx.x;  // (b * heads + h) * t + i
   const int64_t i = row % sh.t, bh = row / sh.t, h = bh % sh.heads, b = bh / sh.heads;
   const int64_t hk = h / (sh.heads / sh.kv_heads);
   const int64_t kv0 = (b * sh.kv_heads + hk) * sh.s * sh.d;
-  const float scale = static_cast<float>(sh.scale);
-  for (int64_t x = threadIdx.x; x < sh.d; x += blockDim.x) qi[x] = load<float>(q, dt, row * sh.d + x);
+  const A scale = static_cast<A>(sh.scale);
+  for (int64_t x = threadIdx.x; x < sh.d; x += blockDim.x) qi[x] = load<A>(q, dt, row * sh.d + x);
   __syncthreads();
   const int64_t keys = visible_keys(i, sh.s, sh.causal);
-  float m = -INFINITY, l = 0, acc[kMaxPerThread] = {};
+  A m = -INFINITY, l = 0, acc[kMaxPerThread] = {};
   for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
     const int64_t n = keys - c0 < kChunk ? keys - c0 : kChunk;
-    float cmax = -INFINITY;
+    A cmax = -INFINITY;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
       p[j] = scale * dot_row(qi, k, dt, kv0 + (c0 + j) * sh.d, sh.d);
       cmax = p[j] > cmax ? p[j] : cmax;
     }
     cmax = block_max(cmax, red);
-    const float mnew = cmax > m ? cmax : m;
-    const float corr = m == -INFINITY ? 0.0f : math::fast_exp(m - mnew);
-    float csum = 0;
+    const A mnew = cmax > m ? cmax : m;
+    const A corr = m == -INFINITY ? A(0) : math::fast_exp(m - mnew);
+    A csum = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
       p[j] = math::fast_exp(p[j] - mnew);
       csum += p[j];
@@ -60,8 +79,8 @@ __global__ void attention_forward_kernel(void* out, void* lse, const void* q, co
     for (int e = 0; e < kMaxPerThread; ++e) {
       int64_t x = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
       if (x >= sh.d) break;
-      float a = acc[e] * corr;
-      for (int64_t j = 0; j < n; ++j) a += p[j] * load<float>(v, dt, kv0 + (c0 + j) * sh.d + x);
+      A a = acc[e] * corr;
+      for (int64_t j = 0; j < n; ++j) a += p[j] * load<A>(v, dt, kv0 + (c0 + j) * sh.d + x);
       acc[e] = a;
     }
     m = mnew;
@@ -70,91 +89,94 @@ __global__ void attention_forward_kernel(void* out, void* lse, const void* q, co
   for (int e = 0; e < kMaxPerThread; ++e) {
     int64_t x = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
     if (x >= sh.d) break;
-    store<float>(out, dt, row * sh.d + x, l > 0 ? acc[e] / l : 0.0f);
+    store<A>(out, dt, row * sh.d + x, l > 0 ? acc[e] / l : A(0));
   }
-  if (threadIdx.x == 0) store<float>(lse, lt, row, l > 0 ? m + ::logf(l) : -INFINITY);
+  if (threadIdx.x == 0) store<A>(lse, lt, row, l > 0 ? m + log_of(l) : A(-INFINITY));
 }
 
 // delta[row] = dot(dout[row], out[row]).
-__global__ void attention_delta_kernel(float* delta, const void* dout, const void* out, DType dt, int64_t d) {
-  __shared__ float red[kThreads / 32];
+template <class A>
+__global__ void attention_delta_kernel(A* delta, const void* dout, const void* out, DType dt, int64_t d) {
+  __shared__ A red[kThreads / 32];
   const int64_t row = blockIdx.x;
-  float acc = 0;
+  A acc = 0;
   for (int64_t x = threadIdx.x; x < d; x += blockDim.x)
-    acc += load<float>(dout, dt, row * d + x) * load<float>(out, dt, row * d + x);
+    acc += load<A>(dout, dt, row * d + x) * load<A>(out, dt, row * d + x);
   acc = block_sum(acc, red);
   if (threadIdx.x == 0) delta[row] = acc;
 }
 
 // dq for one query row.
+template <class A>
 __global__ void attention_dq_kernel(void* dq, const void* dout, const void* q, const void* k,
-                                    const void* v, const void* lse, const float* delta, DType dt,
+                                    const void* v, const void* lse, const A* delta, DType dt,
                                     DType lt, AttentionShape sh) {
-  extern __shared__ float smem[];
-  float* qi = smem;               // d
-  float* gi = smem + sh.d;        // d (dout row)
-  float* ds = smem + 2 * sh.d;    // kChunk
+  A* smem = shared_as<A>();
+  A* qi = smem;               // d
+  A* gi = smem + sh.d;        // d (dout row)
+  A* ds = smem + 2 * sh.d;    // kChunk
   const int64_t row = blockIdx.x;
   const int64_t i = row % sh.t, bh = row / sh.t, h = bh % sh.heads, b = bh / sh.heads;
   const int64_t hk = h / (sh.heads / sh.kv_heads);
   const int64_t kv0 = (b * sh.kv_heads + hk) * sh.s * sh.d;
-  const float scale = static_cast<float>(sh.scale), li = load<float>(lse, lt, row), di = delta[row];
+  const A scale = static_cast<A>(sh.scale), li = load<A>(lse, lt, row), di = delta[row];
   for (int64_t x = threadIdx.x; x < sh.d; x += blockDim.x) {
-    qi[x] = load<float>(q, dt, row * sh.d + x);
-    gi[x] = load<float>(dout, dt, row * sh.d + x);
+    qi[x] = load<A>(q, dt, row * sh.d + x);
+    gi[x] = load<A>(dout, dt, row * sh.d + x);
   }
   __syncthreads();
   const int64_t keys = visible_keys(i, sh.s, sh.causal);
-  float acc[kMaxPerThread] = {};
+  A acc[kMaxPerThread] = {};
   for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
     const int64_t n = keys - c0 < kChunk ? keys - c0 : kChunk;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
       int64_t r = kv0 + (c0 + j) * sh.d;
-      float pij = math::fast_exp(scale * dot_row(qi, k, dt, r, sh.d) - li);
+      A pij = math::fast_exp(scale * dot_row(qi, k, dt, r, sh.d) - li);
       ds[j] = pij * (dot_row(gi, v, dt, r, sh.d) - di);
     }
     __syncthreads();
     for (int e = 0; e < kMaxPerThread; ++e) {
       int64_t x = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
       if (x >= sh.d) break;
-      for (int64_t j = 0; j < n; ++j) acc[e] += ds[j] * load<float>(k, dt, kv0 + (c0 + j) * sh.d + x);
+      for (int64_t j = 0; j < n; ++j) acc[e] += ds[j] * load<A>(k, dt, kv0 + (c0 + j) * sh.d + x);
     }
     __syncthreads();
   }
   for (int e = 0; e < kMaxPerThread; ++e) {
     int64_t x = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
     if (x >= sh.d) break;
-    store<float>(dq, dt, row * sh.d + x, scale * acc[e]);
+    store<A>(dq, dt, row * sh.d + x, scale * acc[e]);
   }
 }
 
 // dk and dv for one key row, summed over the query heads that share it.
+template <class A>
 __global__ void attention_dkdv_kernel(void* dk, void* dv, const void* dout, const void* q,
                                       const void* k, const void* v, const void* lse,
-                                      const float* delta, DType dt, DType lt, AttentionShape sh) {
-  extern __shared__ float smem[];
-  float* kj = smem;               // d
-  float* vj = smem + sh.d;        // d
-  float* pc = smem + 2 * sh.d;    // kChunk: probabilities
-  float* dsc = pc + kChunk;       // kChunk: score gradients
+                                      const A* delta, DType dt, DType lt, AttentionShape sh) {
+  A* smem = shared_as<A>();
+  A* kj = smem;               // d
+  A* vj = smem + sh.d;        // d
+  A* pc = smem + 2 * sh.d;    // kChunk: probabilities
+  A* dsc = pc + kChunk;       // kChunk: score gradients
   const int64_t krow = blockIdx.x;  // (b * kv_heads + hk) * s + j
   const int64_t j = krow % sh.s, bk = krow / sh.s, hk = bk % sh.kv_heads, b = bk / sh.kv_heads;
   const int64_t group = sh.heads / sh.kv_heads;
-  const float scale = static_cast<float>(sh.scale);
+  const A scale = static_cast<A>(sh.scale);
   for (int64_t x = threadIdx.x; x < sh.d; x += blockDim.x) {
-    kj[x] = load<float>(k, dt, krow * sh.d + x);
-    vj[x] = load<float>(v, dt, krow * sh.d + x);
+    kj[x] = load<A>(k, dt, krow * sh.d + x);
+    vj[x] = load<A>(v, dt, krow * sh.d + x);
   }
   __syncthreads();
   const int64_t first = sh.causal ? j : 0;  // queries that see key j
-  float ak[kMaxPerThread] = {}, av[kMaxPerThread] = {};
+  A ak[kMaxPerThread] = {}, av[kMaxPerThread] = {};
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = hk * group + g, q0 = (b * sh.heads + h) * sh.t;
     for (int64_t c0 = first; c0 < sh.t; c0 += kChunk) {
       const int64_t n = sh.t - c0 < kChunk ? sh.t - c0 : kChunk;
       for (int64_t ii = threadIdx.x; ii < n; ii += blockDim.x) {
         int64_t row = q0 + c0 + ii;
-        float pij = math::fast_exp(scale * dot_row(kj, q, dt, row * sh.d, sh.d) - load<float>(lse, lt, row));
+        A pij = math::fast_exp(scale * dot_row(kj, q, dt, row * sh.d, sh.d) - load<A>(lse, lt, row));
         pc[ii] = pij;
         dsc[ii] = pij * (dot_row(vj, dout, dt, row * sh.d, sh.d) - delta[row]);
       }
@@ -164,8 +186,8 @@ __global__ void attention_dkdv_kernel(void* dk, void* dv, const void* dout, cons
         if (x >= sh.d) break;
         for (int64_t ii = 0; ii < n; ++ii) {
           int64_t row = q0 + c0 + ii;
-          av[e] += pc[ii] * load<float>(dout, dt, row * sh.d + x);
-          ak[e] += dsc[ii] * load<float>(q, dt, row * sh.d + x);
+          av[e] += pc[ii] * load<A>(dout, dt, row * sh.d + x);
+          ak[e] += dsc[ii] * load<A>(q, dt, row * sh.d + x);
         }
       }
       __syncthreads();
@@ -174,12 +196,13 @@ __global__ void attention_dkdv_kernel(void* dk, void* dv, const void* dout, cons
   for (int e = 0; e < kMaxPerThread; ++e) {
     int64_t x = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
     if (x >= sh.d) break;
-    store<float>(dk, dt, krow * sh.d + x, scale * ak[e]);
-    store<float>(dv, dt, krow * sh.d + x, av[e]);
+    store<A>(dk, dt, krow * sh.d + x, scale * ak[e]);
+    store<A>(dv, dt, krow * sh.d + x, av[e]);
   }
 }
 
-size_t shared_bytes(int64_t floats) { return static_cast<size_t>(floats) * sizeof(float); }
+template <class A>
+size_t shared_bytes(int64_t count) { return static_cast<size_t>(count) * sizeof(A); }
 
 }  // namespace
 
@@ -187,25 +210,36 @@ void launch_attention(void* out, void* lse, const void* q, const void* k, const 
                       DType dtype, DType lse_dtype, const AttentionShape& sh, cudaStream_t stream) {
   const int64_t rows = sh.batch * sh.heads * sh.t;
   if (rows == 0 || sh.d == 0) return;
-  attention_forward_kernel<<<static_cast<unsigned>(rows), kThreads, shared_bytes(sh.d + kChunk), stream>>>(
-      out, lse, q, k, v, dtype, lse_dtype, sh);
+  auto run = [&](auto a) {
+    using A = decltype(a);
+    attention_forward_kernel<A><<<static_cast<unsigned>(rows), kThreads, shared_bytes<A>(sh.d + kChunk), stream>>>(
+        out, lse, q, k, v, dtype, lse_dtype, sh);
+  };
+  if (dtype == DType::F64) run(double{});
+  else run(float{});
   check_launch("attention");
 }
 
 void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
                                const void* k, const void* v, const void* out, const void* lse,
                                DType dtype, DType lse_dtype, const AttentionShape& sh,
-                               float* scratch, cudaStream_t stream) {
+                               void* scratch, cudaStream_t stream) {
   const int64_t rows = sh.batch * sh.heads * sh.t, krows = sh.batch * sh.kv_heads * sh.s;
   if (sh.d == 0) return;
-  if (rows > 0) {
-    attention_delta_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(scratch, dout, out, dtype, sh.d);
-    attention_dq_kernel<<<static_cast<unsigned>(rows), kThreads, shared_bytes(2 * sh.d + kChunk), stream>>>(
-        dq, dout, q, k, v, lse, scratch, dtype, lse_dtype, sh);
-  }
-  if (krows > 0)
-    attention_dkdv_kernel<<<static_cast<unsigned>(krows), kThreads, shared_bytes(2 * sh.d + 2 * kChunk), stream>>>(
-        dk, dv, dout, q, k, v, lse, scratch, dtype, lse_dtype, sh);
+  auto run = [&](auto a) {
+    using A = decltype(a);
+    A* delta = static_cast<A*>(scratch);
+    if (rows > 0) {
+      attention_delta_kernel<A><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(delta, dout, out, dtype, sh.d);
+      attention_dq_kernel<A><<<static_cast<unsigned>(rows), kThreads, shared_bytes<A>(2 * sh.d + kChunk), stream>>>(
+          dq, dout, q, k, v, lse, delta, dtype, lse_dtype, sh);
+    }
+    if (krows > 0)
+      attention_dkdv_kernel<A><<<static_cast<unsigned>(krows), kThreads, shared_bytes<A>(2 * sh.d + 2 * kChunk),
+                                 stream>>>(dk, dv, dout, q, k, v, lse, delta, dtype, lse_dtype, sh);
+  };
+  if (dtype == DType::F64) run(double{});
+  else run(float{});
   check_launch("attention_backward");
 }
 

@@ -39,8 +39,15 @@ void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWSte
 
 // ---- reductions (reduce.cu) -----------------------------------------------------
 // x contiguous [outer, n, inner] -> out [outer, inner] (both `dtype`; Sum in f64).
+// Columns (inner > 1) of many rows reduce in two passes: chunks of
+// reduce_chunk_rows(...) rows each into `scratch` (f64, or i64 for integers;
+// reduce_scratch_elements(...) of them), then the chunks in a fixed order,
+// so that a bias gradient (768 columns of 8192 rows) fills the device and its
+// result does not depend on the launch. scratch may be null when
+// reduce_scratch_elements is 0.
 void launch_reduce(ReduceOp op, void* out, const void* x, DType dtype, int64_t outer, int64_t n,
-                   int64_t inner, cudaStream_t stream);
+                   int64_t inner, void* scratch, cudaStream_t stream);
+int64_t reduce_scratch_elements(int64_t outer, int64_t n, int64_t inner);
 // x contiguous [rows, n] -> values [rows] (dtype), indices [rows] (first maximum; NaN wins).
 void launch_argmax_rows(void* values, int64_t* indices, const void* x, DType dtype, int64_t rows,
                         int64_t n, cudaStream_t stream);
@@ -98,10 +105,12 @@ void launch_attention(void* out, void* lse, const void* q, const void* k, const 
 // The largest head_dim the kernels take.
 int max_attention_head_dim();
 // `scratch`: batch * heads * t floats (the rows' dot(dout, out)).
+// scratch: one element per query row (batch x heads x t) for its dot(dout,
+// out), in the accumulation type: f64 for f64, else f32.
 void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
                                const void* k, const void* v, const void* out, const void* lse,
                                DType dtype, DType lse_dtype, const AttentionShape& shape,
-                               float* scratch, cudaStream_t stream);
+                               void* scratch, cudaStream_t stream);
 
 // ---- random fills (random.cu): element i (row-major over sizes) draws counter
 // base + sum(index_i[j] * index_strides[j]) (linear: base + i) -------------------

@@ -1,6 +1,7 @@
 // Reductions on CUDA: sums accumulate in f64 (as on the CPU), max/min let NaN
 // win, argmax takes the first maximum, and the sum of squares over many
 // tensors goes through fixed per-block partials so its result is deterministic.
+#include <algorithm>
 #include <cfloat>
 
 #include "runtime/cuda/device_util.cuh"
@@ -43,7 +44,8 @@ __global__ void reduce_rows_kernel(ReduceOp op, void* out, const void* x, DType 
   }
 }
 
-// One thread per output of [outer, n, inner] (inner > 1): coalesced across inner.
+// One thread per output of [outer, n, inner] (inner > 1): coalesced across
+// inner; for few columns of many rows, the two kernels below instead.
 template <class A>
 __global__ void reduce_columns_kernel(ReduceOp op, void* out, const void* x, DType dt,
                                       int64_t outer, int64_t n, int64_t inner) {
@@ -53,6 +55,44 @@ __global__ void reduce_columns_kernel(ReduceOp op, void* out, const void* x, DTy
     for (int64_t k = 0; k < n; ++k) acc = combine(op, acc, load<A>(x, dt, (o * n + k) * inner + j));
     store<A>(out, dt, w, acc);
   }
+}
+
+// The first pass of a column reduction over many rows: thread w reduces
+// rows [c chunk, (c + 1) chunk) of column `col` of [outer, n, inner], c =
+// w / columns, into partials[c][col].
+template <class A>
+__global__ void reduce_column_chunks_kernel(ReduceOp op, A* partials, const void* x, DType dt, int64_t outer,
+                                            int64_t n, int64_t inner, int64_t chunk, int64_t chunks) {
+  const int64_t columns = outer * inner;
+  TS_CUDA_LOOP(w, chunks * columns) {
+    const int64_t c = w / columns, col = w % columns, o = col / inner, j = col % inner;
+    const int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    A acc = reduce_init<A>(op);
+    for (int64_t k = c * chunk; k < end; ++k) acc = combine(op, acc, load<A>(x, dt, (o * n + k) * inner + j));
+    partials[w] = acc;
+  }
+}
+
+// The second pass: each column's chunks, in chunk order.
+template <class A>
+__global__ void reduce_chunk_partials_kernel(ReduceOp op, void* out, DType dt, const A* partials, int64_t columns,
+                                             int64_t chunks) {
+  TS_CUDA_LOOP(col, columns) {
+    A acc = reduce_init<A>(op);
+    for (int64_t c = 0; c < chunks; ++c) acc = combine(op, acc, partials[c * columns + col]);
+    store<A>(out, dt, col, acc);
+  }
+}
+
+// Rows per chunk of a two-pass column reduction, and the chunks: enough
+// threads to fill a large GPU (about 2^17) when the columns alone do not,
+// at least 32 rows a chunk; 1 chunk (the one-pass kernel) otherwise.
+constexpr int64_t kMinChunkRows = 32, kTargetThreads = int64_t{1} << 17;
+int64_t chunk_rows(int64_t outer, int64_t n, int64_t inner) {
+  const int64_t columns = outer * inner;
+  if (inner <= 1 || columns >= kTargetThreads || n < 2 * kMinChunkRows) return n;
+  const int64_t chunks = std::min((kTargetThreads + columns - 1) / columns, n / kMinChunkRows);
+  return (n + chunks - 1) / chunks;
 }
 
 // Whether (v, i) comes before (cur, ci) as the row's maximum: NaN is the
@@ -116,13 +156,29 @@ __global__ void sum_doubles_kernel(double* out, const double* xs, int64_t n) {
 
 }  // namespace
 
+int64_t reduce_scratch_elements(int64_t outer, int64_t n, int64_t inner) {
+  const int64_t chunk = chunk_rows(outer, n, inner);
+  return chunk >= n ? 0 : (n + chunk - 1) / chunk * outer * inner;
+}
+
 void launch_reduce(ReduceOp op, void* out, const void* x, DType dtype, int64_t outer, int64_t n,
-                   int64_t inner, cudaStream_t stream) {
+                   int64_t inner, void* scratch, cudaStream_t stream) {
   if (outer == 0 || inner == 0) return;
+  const int64_t chunk = chunk_rows(outer, n, inner);
   auto run = [&](auto a) {
     using A = decltype(a);
-    if (inner == 1) reduce_rows_kernel<A><<<static_cast<unsigned>(outer), kThreads, 0, stream>>>(op, out, x, dtype, n);
-    else reduce_columns_kernel<A><<<grid_for(outer * inner), kThreads, 0, stream>>>(op, out, x, dtype, outer, n, inner);
+    if (inner == 1) {
+      reduce_rows_kernel<A><<<static_cast<unsigned>(outer), kThreads, 0, stream>>>(op, out, x, dtype, n);
+    } else if (chunk >= n) {
+      reduce_columns_kernel<A><<<grid_for(outer * inner), kThreads, 0, stream>>>(op, out, x, dtype, outer, n, inner);
+    } else {
+      const int64_t chunks = (n + chunk - 1) / chunk, columns = outer * inner;
+      auto* partials = static_cast<A*>(scratch);
+      reduce_column_chunks_kernel<A><<<grid_for(chunks * columns), kThreads, 0, stream>>>(op, partials, x, dtype,
+                                                                                          outer, n, inner, chunk, chunks);
+      reduce_chunk_partials_kernel<A><<<grid_for(columns), kThreads, 0, stream>>>(op, out, dtype, partials, columns,
+                                                                                  chunks);
+    }
   };
   if (is_integral(dtype)) run(int64_t{});
   else run(double{});

@@ -119,7 +119,10 @@ void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const s
 }
 
 void reduce(ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n, int64_t inner) {
-  launch_reduce(op, out.data_ptr(), x.data_ptr(), x.dtype(), outer, n, inner, stream());
+  const int64_t scratch = reduce_scratch_elements(outer, n, inner);
+  Tensor partials = scratch > 0 ? empty({scratch}, is_integral(x.dtype()) ? DType::I64 : DType::F64, here()) : Tensor();
+  launch_reduce(op, out.data_ptr(), x.data_ptr(), x.dtype(), outer, n, inner,
+                partials.defined() ? partials.data_ptr() : nullptr, stream());
 }
 
 void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
@@ -202,11 +205,11 @@ void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, 
 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
-  Tensor scratch = empty({q.size(0) * q.size(1) * q.size(2)}, DType::F32, here());
+  // Each query row's dot(dout, out), in the kernels' accumulation type.
+  Tensor scratch = empty({q.size(0) * q.size(1) * q.size(2)}, q.dtype() == DType::F64 ? DType::F64 : DType::F32, here());
   launch_attention_backward(g.dq.data_ptr(), g.dk.data_ptr(), g.dv.data_ptr(), dout.data_ptr(), q.data_ptr(),
                             k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q.dtype(), lse.dtype(),
-                            attention_shape(q, k, causal, scale), static_cast<float*>(scratch.data_ptr()),
-                            stream());
+                            attention_shape(q, k, causal, scale), scratch.data_ptr(), stream());
 }
 
 void rope(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {

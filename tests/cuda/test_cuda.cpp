@@ -178,6 +178,18 @@ TEST_CASE("cuda: matmul, softmax, norms, embedding, cross-entropy, RoPE and atte
   }
 }
 
+TEST_CASE("cuda: a bf16 embedding's gradient is summed in f32, as the CPU's", "[cuda]") {
+  // 4096 rows onto one token: summed in bf16 the row would stop at 256.
+  std::vector<int64_t> ids(4099, 5);
+  ids[7] = 0, ids[2000] = 2, ids[4098] = 0;
+  Tensor idx = from_vector(ids, {4099});
+  Tensor grad = ops::to(full({4099, 3}, 1.0), DType::BF16);
+  Tensor want = ops::embedding_backward(grad, idx, 6);
+  Tensor got = ops::embedding_backward(grad.to(kGpu), idx.to(kGpu), 6).to(Device::cpu());
+  CHECK(testing::equal(got, want));
+  CHECK(ops::to(got, DType::F64).to_vector<double>()[15] == 4096);
+}
+
 TEST_CASE("cuda: random fills equal the CPU's for the same seed and counters", "[cuda]") {
   for (DType dt : {DType::F32, DType::BF16, DType::F64}) {
     Tensor cpu = empty({129, 7}, dt), gpu = empty({129, 7}, dt, kGpu);

@@ -54,6 +54,21 @@ TEST_CASE("attention never materialises the score matrix", "[kernels][attention]
   CHECK(reference >= scores_bytes);
 }
 
+TEST_CASE("a bf16 embedding's gradient is summed in f32: a frequent token's row keeps growing", "[kernels]") {
+  // 4096 of 4099 tokens are token 5; each adds 1 (and 0.5) to its row. Summed
+  // in bf16 the row would stop at 256 (256 + 1 rounds back to 256).
+  std::vector<int64_t> ids(4099, 5);
+  ids[7] = 0, ids[2000] = 2, ids[4098] = 0;
+  Tensor idx = from_vector(ids, {4099});
+  Tensor grad = ops::to(full({4099, 3}, 1.0), DType::BF16);
+  Tensor gw = ops::embedding_backward(grad, idx, 6);
+  CHECK(gw.dtype() == DType::BF16);
+  const std::vector<double> got = ops::to(gw, DType::F64).to_vector<double>();
+  CHECK(got == std::vector<double>{2, 2, 2, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 4096, 4096, 4096});
+  Tensor half = ops::to(full({4099, 3}, 0.5), DType::BF16);
+  CHECK(ops::to(ops::embedding_backward(half, idx, 6), DType::F64).to_vector<double>()[15] == 2048);
+}
+
 TEST_CASE("softmax, log_softmax, layer_norm, rms_norm against compositions", "[kernels]") {
   for (int64_t n : {1, 3, 17, 257}) {
     INFO("n=" << n);
