@@ -44,7 +44,7 @@ void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& 
     void* p = taken.ptr;
     taken.stream = stream->id();
     taken.owner = stream;
-    taken.freed = nullptr;
+    if (taken.freed) spare_events_.push_back(std::move(taken.freed));  // the same stream: stream order suffices
     live_.emplace(p, std::move(taken));
     return p;
   }
@@ -95,9 +95,19 @@ void CachingAllocator::deallocate(void* ptr) {
       trace::memory_sample(device_.str(), static_cast<double>(stats_.allocated_bytes));
   }
   // Other streams may take the block once the work queued on its stream so far
-  // is done; on a synchronous stream that is now.
+  // is done; on a synchronous stream that is now. The event comes from the
+  // pool when it has one (recorded again: the previous use is over).
   if (auto owner = b.owner.lock(); owner && !owner->synchronous()) {
-    b.freed = make_event(device_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!spare_events_.empty()) {
+        b.freed = std::move(spare_events_.back());
+        spare_events_.pop_back();
+      } else {
+        stats_.num_events++;
+      }
+    }
+    if (!b.freed) b.freed = make_event(device_);
     b.freed->record(*owner);
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -126,6 +136,7 @@ void CachingAllocator::release_cached(bool wait) {
       b.freed->synchronize();
     }
     system_free(b.ptr);
+    if (b.freed) spare_events_.push_back(std::move(b.freed));
     stats_.reserved_bytes -= static_cast<int64_t>(b.size);
     stats_.num_system_frees++;
     it = cached_.erase(it);

@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "runtime/device.h"
 
@@ -41,6 +42,7 @@ struct MemoryStats {
   int64_t num_frees = 0;
   int64_t num_system_allocs = 0;  // malloc / cudaMalloc calls: flat after warm-up
   int64_t num_system_frees = 0;
+  int64_t num_events = 0;  // events made to mark frees on asynchronous streams: flat after warm-up (pooled)
 };
 
 class Allocator {
@@ -78,11 +80,14 @@ class CachingAllocator : public Allocator {
     size_t size = 0;       // rounded, as reserved
     size_t requested = 0;  // as asked for (allocated_bytes)
     uint64_t stream = 0;   // id of the stream it was allocated on
-    std::weak_ptr<Stream> owner;  // that stream (gone: its work is done)
+    std::weak_ptr<Stream> owner;  // that stream (gone: its work is done; a CUDA stream waits for it as it goes)
     std::shared_ptr<Event> freed;  // recorded on that stream at the free (null: synchronous stream)
   };
   void* take_cached(size_t size, const std::shared_ptr<Stream>& stream);  // with mu_ held
   void release_cached(bool wait);                   // with mu_ held
+  // The events of blocks taken back or released, for the next frees: an event
+  // per free would be created and destroyed thousands of times a step.
+  std::vector<std::shared_ptr<Event>> spare_events_;  // under mu_
 
   Device device_;
   mutable std::mutex mu_;

@@ -101,7 +101,11 @@ class CudaStream final : public Stream {
     TS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~CudaStream() override {
-    // Work still queued keeps running; the driver frees the stream after it.
+    // Its queued work finishes first: the caching allocator hands the blocks
+    // freed on a stream that is gone to any stream at once (runtime/allocator.h),
+    // which is only safe once no kernel of this one can still touch them.
+    use_device(index_);
+    cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
 

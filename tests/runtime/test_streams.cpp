@@ -212,6 +212,27 @@ TEST_CASE("caching allocator: reuse without the system, stats, empty_cache", "[m
                     Catch::Contains("out of memory on cpu") && Catch::Contains("reserved"));
 }
 
+TEST_CASE("frees on an asynchronous stream reuse the allocator's events", "[memory][stream][async]") {
+  // Each free on an asynchronous stream records an event (when may another
+  // stream take the block?); the allocator keeps them for the next frees
+  // instead of making and destroying one per free.
+  StreamPtr s = new_stream(kAsync);
+  StreamGuard g(*s);
+  auto cycle = [&](int i) {
+    Tensor x = empty({1024 + (i % 3) * 256}, DType::F32, kAsync);
+    ops::fill_(x, 1.0);
+  };
+  for (int i = 0; i < 3; ++i) cycle(i);  // a block of each size, cached with its event
+  const int64_t events = memory_stats(kAsync).num_events;
+  CHECK(events > 0);
+  for (int i = 0; i < 300; ++i) cycle(i);
+  CHECK(memory_stats(kAsync).num_events == events);
+  s->synchronize();
+  empty_cache(kAsync);  // the released blocks' events go back to the pool too
+  for (int i = 0; i < 3; ++i) cycle(i);
+  CHECK(memory_stats(kAsync).num_events == events);
+}
+
 TEST_CASE("a block freed on one stream is reused by that stream only", "[memory][stream][async]") {
   Delays delays(2000);
   StreamPtr s1 = new_stream(kAsync), s2 = new_stream(kAsync);
