@@ -529,8 +529,9 @@ std::string format_plan(const Plan& p, const TrainConfig& cfg) {
                      p.expert_parameters,
                      100.0 * static_cast<double>(p.expert_parameters) / static_cast<double>(p.parameters),
                      p.expert_parameters / m.moe_experts * m.moe_top_k, mib(static_cast<double>(p.expert_bytes)),
-                     ep > 1 ? fmt::format(" (expert parallel {}: {} experts a layer per rank, FSDP over the other {} "
-                                          "data rank(s))", ep, m.moe_experts / ep, p.replicate * p.shard / ep)
+                     ep > 1 ? fmt::format(" (expert parallel {}: {} experts a layer per rank, sharded over the {} "
+                                          "rank(s) of dp_shard_mod_ep{})", ep, m.moe_experts / ep, p.shard / ep,
+                                          p.replicate > 1 ? fmt::format(", replicated over {}", p.replicate) : "")
                             : ""));
     if (ep > 1) {
       const dist::CollectiveStats a2a = p.collectives.count("ep") ? p.collectives.at("ep") : dist::CollectiveStats{};
