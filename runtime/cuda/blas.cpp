@@ -1,12 +1,14 @@
 // GEMM on CUDA through cuBLASLt: f32 (TF32 only when asked), f64, and bf16/f16
 // with f32 accumulation. A plan (descriptors, layouts and the heuristic's
-// algorithm) is made once per shape and cached, so a training step creates none.
+// algorithm) is made once per shape and operand alignment (gemm_plan.h) and
+// cached, so a training step creates none. Each stream has its own workspace:
+// two streams never share scratch memory while both run.
 #include <atomic>
 #include <map>
 #include <mutex>
-#include <tuple>
 
 #include "runtime/cuda/common.h"
+#include "runtime/cuda/gemm_plan.h"
 #include "runtime/cuda_backend.h"
 
 namespace tessera::cuda {
@@ -23,8 +25,6 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-using Key = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
-
 cudaDataType_t data_type(DType dt) {
   switch (dt) {
     case DType::F32: return CUDA_R_32F;
@@ -37,8 +37,10 @@ cudaDataType_t data_type(DType dt) {
 
 // Column-major C'[M, N] = op(A')[M, K] op(B')[K, N]: the row-major product
 // with A and B swapped (C^T = op(B)^T op(A)^T).
-Plan make_plan(DType dt, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
-               int64_t ldb, int64_t ldc, bool tf32) {
+Plan make_plan(const GemmKey& key) {
+  const DType dt = key.dtype;
+  const bool ta = key.trans_a, tb = key.trans_b, tf32 = key.tf32;
+  const int64_t m = key.m, n = key.n, k = key.k, lda = key.lda, ldb = key.ldb, ldc = key.ldc;
   Plan p;
   cudaDataType_t type = data_type(dt);
   cublasComputeType_t compute = dt == DType::F64 ? CUBLAS_COMPUTE_64F
@@ -58,23 +60,34 @@ Plan make_plan(DType dt, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int6
   TS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = kWorkspace;
   TS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // A' is B and B' is A (the swap above); C and D are one buffer.
+  const uint32_t align_a = static_cast<uint32_t>(key.align_b), align_b = static_cast<uint32_t>(key.align_a),
+                 align_c = static_cast<uint32_t>(key.align_c);
+  TS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  TS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  TS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  TS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.desc, p.a, p.b, p.c, p.c, pref, 1,
                                                      &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   TS_CUBLAS_CHECK(st);
-  TS_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {} [{}x{}] x [{}x{}]", dtype_name(dt), m, k, k, n);
+  TS_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {} [{}x{}] x [{}x{}] with operands aligned to {}, {} and {} bytes",
+           dtype_name(dt), m, k, k, n, key.align_a, key.align_b, key.align_c);
   p.algo = result.algo;
   return p;
 }
 
-void* workspace() {
-  static void* ws = [] {
-    void* p = nullptr;
-    TS_CUDA_CHECK(cudaMalloc(&p, kWorkspace));
-    return p;
-  }();
+// The workspace of `stream` (made on its first GEMM, kept for the process:
+// a destroyed stream's handle may come back for a new stream, which then
+// inherits it, after ~CudaStream waited for the old stream's work).
+void* workspace(cudaStream_t stream) {
+  static std::mutex mu;
+  static auto* spaces = new std::map<cudaStream_t, void*>;
+  std::lock_guard<std::mutex> lk(mu);
+  void*& ws = (*spaces)[stream];
+  if (ws == nullptr) TS_CUDA_CHECK(cudaMalloc(&ws, kWorkspace));
   return ws;
 }
 
@@ -86,22 +99,21 @@ bool tf32_allowed() { return allow_tf32.load(); }
 void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
           const void* a, int64_t lda, const void* b, int64_t ldb, double beta, void* c, int64_t ldc) {
   static std::mutex mu;
-  static auto* plans = new std::map<Key, Plan>;
-  const bool tf32 = allow_tf32.load();
-  Key key{static_cast<int>(dtype), trans_a, trans_b, m, n, k, lda, ldb, ldc, tf32};
+  static auto* plans = new std::map<GemmKey, Plan>;
+  const GemmKey key = gemm_key(dtype, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, allow_tf32.load());
   const Plan* plan;
   {
     std::lock_guard<std::mutex> lk(mu);
     auto it = plans->find(key);
-    if (it == plans->end())
-      it = plans->emplace(key, make_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, tf32)).first;
+    if (it == plans->end()) it = plans->emplace(key, make_plan(key)).first;
     plan = &it->second;
   }
+  cudaStream_t stream = current_raw_stream();
   float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   const void* pa = dtype == DType::F64 ? static_cast<const void*>(&alpha) : &fa;
   const void* pb = dtype == DType::F64 ? static_cast<const void*>(&beta) : &fb;
   TS_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan->desc, pa, b, plan->a, a, plan->b, pb, c, plan->c, c,
-                                 plan->c, &plan->algo, workspace(), kWorkspace, current_raw_stream()));
+                                 plan->c, &plan->algo, workspace(stream), kWorkspace, stream));
 }
 
 }  // namespace tessera::cuda
