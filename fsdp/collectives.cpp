@@ -51,7 +51,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const 
       r.row += inputs.back().numel();
     }
     // The all-gather input is this rank's row of the output: gathered in place.
-    r.output = empty({r.world * r.row}, dtype, params.front()->sharded_data.device());
+    r.output = empty({r.world * r.row}, dtype, params.front()->compute_device);
     Tensor slot = ops::narrow(r.output, 0, rank * r.row, r.row);
     for (size_t i = 0; i < params.size(); ++i) {
       Tensor dst = ops::narrow(slot, 0, r.offsets[i], inputs[i].numel());
@@ -118,7 +118,7 @@ ReduceResult foreach_reduce(const std::vector<FSDPParam*>& params, const std::ve
                             const MeshInfo& m, DType reduce_dtype, const DivideOps& ops_in, bool all_reduce_grads,
                             Tensor* partial_output, const FSDPStreams& streams, std::optional<BufferState>& input_state) {
   trace::Scope span(trace_lane(), "reduce-scatter copy-in");
-  Device device = params.front()->sharded_data.device();
+  Device device = params.front()->compute_device;
   Stream& compute = current_stream(device);
   if (input_state) {  // the previous copy-in buffer: reusable once the reduce-scatter stream used it
     compute.wait_event(*input_state->event);
@@ -219,10 +219,21 @@ std::shared_ptr<Event> finish_reduce(ReduceResult& r, const FSDPStreams& streams
   if (int us = reduce_scatter_stall_us.load(std::memory_order_relaxed); us > 0 && !rs.synchronous())
     rs.enqueue("test stall", [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });
   StreamGuard on_reduce_scatter(rs);
+  std::vector<Tensor> locals;
+  bool to_host = false;
+  for (FSDPParam* p : r.params) {
+    Tensor local = ops::view(ops::narrow(r.output, 0, r.offsets[locals.size()], shape_numel(p->sharded_size)),
+                             p->sharded_size);
+    if (local.dtype() != p->orig_dtype) local = ops::to(local, p->orig_dtype);
+    if (p->offloaded()) local = ops::to(local, Device::cpu()), to_host = true;  // queued on this stream
+    locals.push_back(local);
+  }
+  // Offloaded gradients: the host owns them (and the optimizer steps on the
+  // host) only after the copies ran.
+  if (to_host) rs.synchronize();
   for (size_t i = 0; i < r.params.size(); ++i) {
     FSDPParam* p = r.params[i];
-    Tensor local = ops::view(ops::narrow(r.output, 0, r.offsets[i], shape_numel(p->sharded_size)), p->sharded_size);
-    if (local.dtype() != p->orig_dtype) local = ops::to(local, p->orig_dtype);
+    Tensor local = locals[i];
     const DTensorSpec& spec = dtensor_spec(p->sharded_param);
     Tensor grad = p->sharded_param.grad();
     if (grad.defined()) {

@@ -12,8 +12,8 @@ Tensor local_of(const Tensor& param) { return is_dtensor(param) ? dtensor_spec(p
 }  // namespace
 
 FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
-                     std::string fqn_in)
-    : fqn(std::move(fqn_in)), slots_(std::move(slots)), mesh_info_(mesh_info) {
+                     std::string fqn_in, bool offload)
+    : fqn(std::move(fqn_in)), offload_to_cpu(offload), slots_(std::move(slots)), mesh_info_(mesh_info) {
   const Tensor param = local_of(param_in);
   MeshPtr sharded_mesh = mesh_info.mesh;
   Placements outer;  // the tensor-parallel placement, outside FSDP's
@@ -62,13 +62,15 @@ FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const
   padded_sharded_size[static_cast<size_t>(shard_dim)] = (n + w - 1) / w;
   padded_numel = shape_numel(padded_sharded_size);
 
-  Device device = param.device();
+  compute_device = param.device();
+  const Device device = offloaded() ? Device::cpu() : compute_device;
   sharded_data = zeros({padded_numel}, orig_dtype, device);
   Tensor padded = ops::view(sharded_data, padded_sharded_size);
   Tensor local = ops::narrow(padded, shard_dim, 0, len);
   if (!device.is_meta()) {
     Tensor dst = local;
-    ops::copy_(dst, ops::narrow(param, shard_dim, start, len));
+    ops::copy_(dst, ops::narrow(param, shard_dim, start, len));  // device to host when offloaded
+    if (offloaded()) synchronize(compute_device);                // the host owns the shard from here
   }
   Placements placements = outer;
   if (mesh_info.hsdp()) placements.push_back(Replicate{});
@@ -77,7 +79,7 @@ FSDPParam::FSDPParam(const Tensor& param_in, std::vector<ParamSlot> slots, const
   sharded_param.set_requires_grad(requires_grad);
   // The full parameter is no longer needed: release its bytes, and leave a note
   // for whoever still holds it (an optimizer built before fully_shard).
-  if (!device.is_meta() && param.storage()) {
+  if (!compute_device.is_meta() && param.storage()) {
     param.storage()->release();
     param.storage()->release_note =
         fmt::format("parameter {} was sharded by fully_shard; use the module's parameters() after fully_shard "
@@ -94,19 +96,22 @@ void FSDPParam::init_dtype_attrs(const MixedPrecisionPolicy& mp) {
 
 Tensor FSDPParam::all_gather_input() const {
   if (state == ShardedState::ShardedPostForward) return post_forward_data;
-  return param_dtype == sharded_data.dtype() ? sharded_data : ops::to(sharded_data, param_dtype);
+  // Offloaded: to the device first (queued on the calling stream, the copy-in
+  // stream), then cast there.
+  Tensor data = offloaded() ? ops::to(sharded_data, compute_device) : sharded_data;
+  return param_dtype == data.dtype() ? data : ops::to(data, param_dtype);
 }
 
 void FSDPParam::alloc_unsharded() {
   if (!unsharded_buffer.defined() || unsharded_buffer.dtype() != param_dtype ||
-      unsharded_buffer.device() != sharded_data.device()) {
+      unsharded_buffer.device() != compute_device) {
     const int64_t w = mesh_info_.shard_size;
-    unsharded_buffer = empty({w * padded_numel}, param_dtype, sharded_data.device());
+    unsharded_buffer = empty({w * padded_numel}, param_dtype, compute_device);
     // Shard(0): the real rows come first and all padding last, so the full
     // parameter is simply the buffer's first numel elements.
     unsharded_local = shard_dim == 0
                           ? ops::view(ops::narrow(unsharded_buffer, 0, 0, shape_numel(orig_size)), orig_size)
-                          : empty(orig_size, param_dtype, sharded_data.device());
+                          : empty(orig_size, param_dtype, compute_device);
     unsharded_param = tp_mesh ? make_dtensor(unsharded_local, tp_mesh, tp_placements, tp_shape) : unsharded_local;
     if (requires_grad) unsharded_param.set_requires_grad(true);
     return;
@@ -167,13 +172,18 @@ void FSDPParam::reset_sharded_param() {
   if (!is_dtensor(current) || current.is_same(sharded_param)) return;
   const DTensorSpec& spec = dtensor_spec(current);
   Tensor local = spec.local;
-  // A new padded buffer in the registered tensor's dtype and device, holding its values.
-  sharded_data = zeros({padded_numel}, local.dtype(), local.device());
+  // A new padded buffer in the registered tensor's dtype and device (the host
+  // when offloaded: to_empty(device) names the compute device), holding its values.
+  const Device here = local.device();
+  // A host tensor loaded into an offloaded parameter keeps the device it computes on.
+  if (!(offloaded() && here.is_host_visible())) compute_device = here;
+  sharded_data = zeros({padded_numel}, local.dtype(), offloaded() ? Device::cpu() : compute_device);
   Tensor padded = ops::view(sharded_data, padded_sharded_size);
   Tensor view = ops::narrow(padded, shard_dim, 0, sharded_size[static_cast<size_t>(shard_dim)]);
   if (!local.is_meta()) {
     Tensor dst = view;
     ops::copy_(dst, local);
+    if (!local.device().is_host_visible() && dst.device().is_host_visible()) synchronize(local.device());
   }
   orig_dtype = local.dtype();
   sharded_param = make_dtensor(view, spec.mesh, spec.placements, spec.global_shape);

@@ -12,6 +12,13 @@
 //                     unsharded_buffer (Shard(0)), created once, so tensors autograd
 //                     saved during forward see the bytes gathered again in backward
 //
+// With CPUOffloadPolicy (offload_to_cpu) on a device the host cannot read
+// (CUDA, async_cpu), sharded_data, the sharded parameter and its gradient
+// live in host memory: the all-gather input is copied to compute_device on
+// the copy-in stream, the reduced gradient is copied back on the
+// reduce-scatter stream, and the optimizer steps on the host. On the CPU the
+// policy changes nothing (the shards already live there).
+//
 // Over tensor parallelism (a parameter that parallelize_module made a DTensor
 // on a 1-D tensor-parallel mesh) FSDP shards, gathers and reduces that
 // DTensor's local tensor: unsharded_local is the gathered local tensor, and
@@ -48,7 +55,7 @@ struct ParamSlot {
 class FSDPParam {
  public:
   FSDPParam(const Tensor& param, std::vector<ParamSlot> slots, const MeshInfo& mesh_info, Shard placement,
-            std::string fqn);
+            std::string fqn, bool offload_to_cpu = false);
 
   // Sizes.
   const std::string fqn;
@@ -61,6 +68,10 @@ class FSDPParam {
   bool requires_grad = false;
   DType param_dtype;   // after clamping: the dtype of the unsharded parameter
   DType reduce_dtype;  // after clamping: the dtype gradients are reduced in
+  bool offload_to_cpu = false;  // CPUOffloadPolicy
+  Device compute_device;        // where the parameter is gathered and computed with
+  // Where the sharded state lives: the host when offloaded, else compute_device.
+  bool offloaded() const { return offload_to_cpu && !compute_device.is_host_visible() && !compute_device.is_meta(); }
 
   void init_dtype_attrs(const MixedPrecisionPolicy& mp);
 

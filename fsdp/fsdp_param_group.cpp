@@ -88,12 +88,12 @@ void FSDPParamGroup::unshard(bool async_op) {
   comm_ctx->event("unshard", *this);
   trace::Scope span(trace_lane(), "unshard");
   FSDPStreams& streams = comm_ctx->streams;
-  streams.init(fsdp_params.front()->sharded_data.device());
+  streams.init(fsdp_params.front()->compute_device);
   // Outside forward (a user's unshard, or backward reading post-forward
   // shards made on the compute stream) the copy-in waits for compute; in
   // forward the root pre-forward made it wait once for the optimizer step.
   if (training_state != TrainingState::Forward) {
-    streams.all_gather_copy_in->wait_stream(current_stream(fsdp_params.front()->sharded_data.device()));
+    streams.all_gather_copy_in->wait_stream(current_stream(fsdp_params.front()->compute_device));
   }
   all_gather_ = foreach_all_gather(params_to_gather(), gather_mesh().shard_group, param_dtype(), streams,
                                    comm_ctx->all_gather_state);
@@ -216,7 +216,7 @@ void FSDPParamGroup::post_backward() {
   // At most one reduce-scatter in flight: the previous group's completes first
   // (its HSDP all-reduce may go on).
   drain_reductions(1);
-  comm_ctx->streams.init(fsdp_params.front()->sharded_data.device());
+  comm_ctx->streams.init(fsdp_params.front()->compute_device);
   comm_ctx->reductions.push_back(foreach_reduce(with_grad, grads, mesh_info, reduce_dtype(),
                                                 divide_ops(mesh_info, gradient_divide_factor),
                                                 requires_all_reduce, &partial_reduce_output_, comm_ctx->streams,
@@ -226,7 +226,7 @@ void FSDPParamGroup::post_backward() {
 void FSDPParamGroup::finalize_backward() {
   drain_reductions(0);
   // The optimizer (on the compute stream) reads the gradients the reduce-scatter stream wrote.
-  Stream& compute = current_stream(fsdp_params.front()->sharded_data.device());
+  Stream& compute = current_stream(fsdp_params.front()->compute_device);
   if (comm_ctx->post_reduce_event) {
     compute.wait_event(*comm_ctx->post_reduce_event);
     comm_ctx->post_reduce_event = nullptr;

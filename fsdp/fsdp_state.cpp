@@ -81,7 +81,7 @@ void FSDPState::pre_forward(TensorList& args) {
     // on the compute stream (PyTorch: the all-gather streams wait for it here).
     for (FSDPState* st : state_ctx->all_states) {
       if (!st->param_group) continue;
-      Device device = st->param_group->fsdp_params.front()->sharded_data.device();
+      Device device = st->param_group->fsdp_params.front()->compute_device;
       comm_ctx->streams.init(device);
       comm_ctx->streams.all_gather_copy_in->wait_stream(current_stream(device));
       break;

@@ -114,7 +114,8 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
                m.fqn, m.param.storage()->release_note);
     }
     std::optional<Shard> placement = options.shard_placement_fn ? options.shard_placement_fn(m.param) : std::nullopt;
-    params.push_back(std::make_unique<FSDPParam>(m.param, m.slots, info, placement.value_or(Shard{0}), m.fqn));
+    params.push_back(std::make_unique<FSDPParam>(m.param, m.slots, info, placement.value_or(Shard{0}), m.fqn,
+                                                 options.offload_policy && options.offload_policy->offloads_to_cpu()));
   }
 
   std::unique_ptr<FSDPParamGroup> group;

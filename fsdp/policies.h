@@ -27,9 +27,14 @@ struct OffloadPolicy {
   virtual bool offloads_to_cpu() const { return false; }
 };
 
-// Keep sharded state on the CPU and copy to the device for the all-gather.
-// In a CPU-only build every tensor already lives on the CPU, so this policy
-// is accepted and changes nothing (there is no device memory to save).
+// Keep the sharded parameters, their gradients and so the optimizer's states
+// in host memory (PyTorch's CPUOffloadPolicy): each all-gather copies this
+// rank's shard to the device first, each reduce-scatter's result is copied
+// back, and the optimizer steps on the host. The device then holds only the
+// unsharded parameters while they are in use, and activations. On the CPU
+// the shards already live in host memory, and the policy changes nothing.
+// pin_memory is accepted: copies between host and GPU always go through the
+// backend's page-locked staging buffers.
 struct CPUOffloadPolicy : OffloadPolicy {
   bool pin_memory = true;
   explicit CPUOffloadPolicy(bool pin = true) : pin_memory(pin) {}

@@ -348,19 +348,31 @@ Tensor clip_grad_norm_(const TensorList& params, double max_norm, const dist::Pr
   Tensor coef = ops::binary(ops::BinaryOp::Minimum,
                             ops::binary(ops::BinaryOp::Div, max_norm, ops::add(norm, 1e-6)), 1.0);
   autograd::NoGradGuard no_grad;
-  const bool host = norm.device().is_host_visible();
   // On the host the value is free to read, and a coefficient of 1 skips a pass
   // over the gradients; elsewhere reading it would sync, so every gradient is
   // scaled (by exactly 1 when under the limit: the same bits).
-  const double c = host ? coef.item() : 0.0;
-  if (host && c >= 1.0) return norm;
+  if (norm.device().is_host_visible() && coef.item() >= 1.0) return norm;
+  // One pass over all gradients per device (a few launches on CUDA, not one
+  // per tensor), the coefficient in f32 (f64 for f64 gradients), never
+  // rounded to a bf16 gradient's dtype, and read where it lies.
+  std::vector<std::pair<Device, std::vector<Tensor>>> by_device;
+  std::vector<std::pair<Tensor, Tensor>> strided;  // (gradient, its contiguous copy)
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
     Tensor local = optim::local_of(g);
-    if (host) ops::mul_(local, c);
-    else ops::mul_(local, ops::to(coef, local.dtype()));
+    if (local.numel() == 0) continue;
+    if (!local.is_contiguous()) {
+      strided.emplace_back(local, ops::contiguous(local));
+      local = strided.back().second;
+    }
+    auto d = std::find_if(by_device.begin(), by_device.end(), [&](const auto& e) { return e.first == local.device(); });
+    if (d == by_device.end()) d = by_device.insert(by_device.end(), {local.device(), {}});
+    d->second.push_back(local);
   }
+  for (auto& [device, grads] : by_device)
+    ops::scale_(grads, device == coef.device() ? coef : ops::to(coef, device));
+  for (auto& [g, copy] : strided) ops::copy_(g, copy);
   return norm;
 }
 

@@ -85,6 +85,10 @@
          (const std::vector<Tensor>& params, const std::vector<Tensor>& grads,                                  \
           const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,                          \
           const ops::AdamWStep& step))                                                                          \
+  /* every xs[i] (contiguous, float, any mix of dtypes) times coef, a 0-dim f64 tensor on the device, computed   \
+     in f32 (f64 for f64 tensors) and rounded once, as mul_ by a scalar: one pass over many tensors, the         \
+     coefficient never read by the host (clip_grad_norm_) */                                                    \
+  KERNEL(scale, Kernel, Elementwise, (const std::vector<Tensor>& xs, const Tensor& coef))                       \
   /* ---- softmax, attention, RoPE: rows of the last dim, contiguous ---- */                                    \
   KERNEL(softmax, Attention, Softmax, (const Tensor& out, const Tensor& x, bool log))                            \
   KERNEL(softmax_backward, Attention, Softmax, (const Tensor& gx, const Tensor& gy, const Tensor& y, bool log))  \

@@ -118,6 +118,11 @@ Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
 // Sum of squares over all elements of every tensor, in f64 (norms, gradient
 // clipping): a 0-dim f64 tensor on `device`, one kernel for the whole list.
 Tensor sum_squares(const std::vector<Tensor>& xs, Device device);
+// Every xs[i] *= coef in place: coef a 0-dim float tensor on the tensors'
+// device (read there, never by the host), the product in f32 (f64 for f64
+// tensors) rounded once, the bits of mul_(x, coef.item()). One pass over many
+// local, contiguous float tensors of any dtypes (clip_grad_norm_'s gradients).
+void scale_(const std::vector<Tensor>& xs, const Tensor& coef);
 double sum_squares(const Tensor& x);  // the same for one tensor, read on the host
 
 // ---- linear algebra (OpenBLAS on CPU) ----------------------------------------

@@ -383,6 +383,25 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   dispatch(params[0].device()).adamw(params, grads, exp_avgs, exp_avg_sqs, step);
 }
 
+void scale_(const std::vector<Tensor>& xs, const Tensor& coef) {
+  TS_CHECK(coef.defined() && coef.dim() == 0 && is_floating(coef.dtype()) && !coef.is_subclass(),
+           "scale_: the coefficient must be a 0-dim float tensor, got {} {}",
+           coef.defined() ? shape_str(coef.shape()) : "an undefined tensor",
+           coef.defined() ? dtype_name(coef.dtype()) : "");
+  std::vector<Tensor> live;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Tensor& x = xs[i];
+    TS_CHECK(x.defined() && !x.is_subclass() && x.is_contiguous() && is_floating(x.dtype()),
+             "scale_: tensor {} must be a local, contiguous float tensor, got {} {}", i,
+             x.defined() ? shape_str(x.shape()) : "an undefined tensor", x.defined() ? dtype_name(x.dtype()) : "");
+    TS_CHECK(x.device() == coef.device(), "scale_: tensor {} is on {} but the coefficient on {}", i,
+             x.device().str(), coef.device().str());
+    if (x.numel() > 0) live.push_back(x);
+  }
+  if (live.empty()) return;
+  dispatch(coef.device()).scale(live, coef.dtype() == DType::F64 ? coef : to(coef, DType::F64));
+}
+
 // ---- reductions ---------------------------------------------------------------
 
 namespace {

@@ -241,6 +241,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
               "replica groups (> 1: HSDP on a 2-D mesh)"),
       bool_key("parallelism.reshard_after_forward", c.parallelism.reshard_after_forward,
                "free gathered parameters after forward (false: keep them for backward)"),
+      bool_key("parallelism.cpu_offload", c.parallelism.cpu_offload,
+               "keep sharded parameters, gradients and optimizer states in host memory and step the optimizer "
+               "there (FSDP's CPUOffloadPolicy; no effect with job.device cpu)"),
       bool_key("parallelism.prefetch", c.parallelism.prefetch,
                "issue the next group's all-gather while this one computes (false: only when it runs, "
                "to see what prefetch buys)"),
@@ -557,6 +560,7 @@ train::ParallelismOptions parallelism_options(const TrainConfig& cfg) {
           .reshard_after_forward = p.reshard_after_forward,
           .reshard_after_forward_degree = p.reshard_after_forward_degree,
           .prefetch = p.prefetch,
+          .cpu_offload = p.cpu_offload,
           .param_dtype = dtype_of(cfg.mixed_precision.param_dtype),
           .reduce_dtype = dtype_of(cfg.mixed_precision.reduce_dtype),
           .pp = p.pipeline_parallel_degree,

@@ -110,6 +110,9 @@ struct TrainConfig {
     // ranks (PyTorch's reshard_after_forward=N, ZeRO++'s hpZ): backward's
     // all-gather stays within them. Divides the shard degree; overrides the above.
     int64_t reshard_after_forward_degree = 0;
+    // FSDP's CPUOffloadPolicy: sharded parameters, gradients and optimizer
+    // states in host memory, the optimizer on the host (no effect on the CPU)
+    bool cpu_offload = false;
     // > 1: Megatron tensor parallelism (tp/parallelize.h, Llama) over groups of
     // this many consecutive ranks, the mesh's innermost dim; the data-parallel
     // degrees share the rest. The ranks of one group train on the same rows.

@@ -142,7 +142,11 @@ std::string Trainer::layout() const {
               : "") +
          (tp_ > 1 ? fmt::format(" x tensor parallel {}{}{}", tp_, tools::loss_parallel(cfg_) ? " (loss parallel)" : "",
                                 tools::sequence_parallel(cfg_) ? " + sequence parallel" : "")
-                  : "");
+                  : "") +
+         (!p.cpu_offload ? ""
+          : cfg_.job.device == "cpu"
+              ? " (CPU offload: the shards already live in host memory)"
+              : ", shards and AdamW offloaded to the host");
 }
 
 void Trainer::report_setup() {

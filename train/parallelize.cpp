@@ -140,7 +140,8 @@ void parallelize(nn::LanguageModel& model, const MeshPtr& mesh, const Parallelis
               ? fsdp::ReshardAfterForward{static_cast<int>(o.reshard_after_forward_degree)}
           : o.reshard_after_forward ? fsdp::ReshardAfterForward{}
                                     : fsdp::ReshardAfterForward{false},
-      .mp_policy = {.param_dtype = o.param_dtype, .reduce_dtype = o.reduce_dtype}};
+      .mp_policy = {.param_dtype = o.param_dtype, .reduce_dtype = o.reduce_dtype},
+      .offload_policy = o.cpu_offload ? std::make_shared<fsdp::CPUOffloadPolicy>() : nullptr};
   for (auto& block : model.blocks) {
     if (experts_dp) {
       // The experts first, over the ranks that hold the same ones; every data

@@ -36,6 +36,7 @@ struct ParallelismOptions {
   bool reshard_after_forward = true;
   int64_t reshard_after_forward_degree = 0;
   bool prefetch = true;  // false: each group's all-gather only when the group runs
+  bool cpu_offload = false;  // fsdp::CPUOffloadPolicy on every group
   DType param_dtype = DType::F32;   // the gathered parameters' (and the computation's) dtype
   DType reduce_dtype = DType::F32;  // the gradients' reduce-scatter dtype
   // > 1: pipeline parallelism (pp/pipeline.h) over this many stages' ranks,

@@ -366,6 +366,23 @@ void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const s
   });
 }
 
+// Many tensors times one scalar read from `coef` (f64) where the kernel runs:
+// f32 (f64 for f64) products rounded once, binary_scalar's bits for Mul.
+void scale(const std::vector<Tensor>& xs, const Tensor& coef) {
+  const double c = *coef.data<double>();
+  for (const Tensor& x : xs) {
+    dispatch_floating(x.dtype(), "scale_", [&](auto tag) {
+      using T = decltype(tag);
+      using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+      const C v = static_cast<C>(c);
+      T* __restrict p = x.data<T>();
+      parallel_for(0, x.numel(), kAdamWChunk, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) p[i] = store<T>(static_cast<C>(load(p[i])) * v);
+      });
+    });
+  }
+}
+
 // Llama's gate, fused: one pass and one output instead of silu's and mul's.
 // silu(gate) is rounded to the storage dtype before the product, as the two
 // ops round it, so the result is theirs bit for bit in every dtype; so is the

@@ -32,6 +32,11 @@ void check_launch(const char* kernel) {
                             cudaGetErrorString(err)));
 }
 
+void check_queued(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw Error(fmt::format("CUDA: {} failed: {} ({})", what, cudaGetErrorName(err), cudaGetErrorString(err)));
+}
+
 namespace {
 
 std::mutex device_mu;

@@ -103,5 +103,7 @@ void with_float(DType dt, F&& f) {
 
 // Checks a launch (configuration errors surface here; faults at the next sync).
 void check_launch(const char* kernel);
+// Throws naming `what` when a library call that queues kernels (CUB's sort) failed.
+void check_queued(cudaError_t err, const char* what);
 
 }  // namespace tessera::cuda

@@ -104,6 +104,22 @@ __global__ void adamw_kernel(AdamWBatch batch, math::AdamWConstants<C> k) {
   }
 }
 
+constexpr int kScalePerLaunch = 64;
+struct ScaleBatch {
+  ScaleTensor t[kScalePerLaunch];
+};
+
+__global__ void scale_kernel(ScaleBatch batch, const double* coef) {
+  const ScaleTensor& t = batch.t[blockIdx.y];
+  const double c = *coef;
+  if (t.dtype == DType::F64) {
+    TS_CUDA_LOOP(i, t.n) store<double>(t.p, t.dtype, i, __dmul_rn(load<double>(t.p, t.dtype, i), c));
+  } else {
+    const float v = static_cast<float>(c);
+    TS_CUDA_LOOP(i, t.n) store<float>(t.p, t.dtype, i, __fmul_rn(load<float>(t.p, t.dtype, i), v));
+  }
+}
+
 }  // namespace
 
 void launch_copy(const Iter<2>& it, cudaStream_t stream) {
@@ -234,6 +250,27 @@ void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWSte
     }
     flush();
   }
+}
+
+void launch_scale(const ScaleTensor* tensors, int64_t count, const double* coef, cudaStream_t stream) {
+  ScaleBatch batch{};
+  int used = 0;
+  int64_t longest = 0;
+  auto flush = [&] {
+    if (used == 0) return;
+    dim3 grid(std::min(grid_for(longest), 4096u), static_cast<unsigned>(used));
+    scale_kernel<<<grid, kThreads, 0, stream>>>(batch, coef);
+    check_launch("scale_");
+    used = 0;
+    longest = 0;
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    if (tensors[i].n == 0) continue;
+    batch.t[used++] = tensors[i];
+    longest = std::max(longest, tensors[i].n);
+    if (used == kScalePerLaunch) flush();
+  }
+  flush();
 }
 
 }  // namespace tessera::cuda

@@ -36,6 +36,14 @@ struct AdamWTensor {
 };
 void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWStep& step,
                   cudaStream_t stream);
+// Every tensor times *coef (read on the device), in f32 (f64 for f64) and
+// rounded once; a fixed number of tensors per launch, as AdamW.
+struct ScaleTensor {
+  void* p;
+  int64_t n;
+  DType dtype;
+};
+void launch_scale(const ScaleTensor* tensors, int64_t count, const double* coef, cudaStream_t stream);
 
 // ---- reductions (reduce.cu) -----------------------------------------------------
 // x contiguous [outer, n, inner] -> out [outer, inner] (both `dtype`; Sum in f64).
@@ -51,11 +59,16 @@ int64_t reduce_scratch_elements(int64_t outer, int64_t n, int64_t inner);
 // x contiguous [rows, n] -> values [rows] (dtype), indices [rows] (first maximum; NaN wins).
 void launch_argmax_rows(void* values, int64_t* indices, const void* x, DType dtype, int64_t rows,
                         int64_t n, cudaStream_t stream);
-// Adds the squares of x's n elements, in f64, into `partials` (kSumSquaresBlocks
-// slots, one per block: a fixed order, so the result is deterministic).
+// Adds the squares of every tensor's elements, in f64, into `partials`
+// (kSumSquaresBlocks slots, one per block: a fixed order, so the result is
+// deterministic); up to 64 tensors per launch.
 constexpr int kSumSquaresBlocks = 64;
-void launch_sum_squares_partials(double* partials, const void* x, DType dtype, int64_t n,
-                                 cudaStream_t stream);
+struct SquaresTensor {
+  const void* p;
+  int64_t n;
+  DType dtype;
+};
+void launch_sum_squares_partials(double* partials, const SquaresTensor* xs, int64_t count, cudaStream_t stream);
 // out[0] = the sum of n doubles, in index order within a fixed tree.
 void launch_sum_doubles(double* out, const double* xs, int64_t n, cudaStream_t stream);
 
@@ -77,10 +90,14 @@ void launch_layer_norm_backward(void* dx, void* dw, void* db, const void* dy, co
 void launch_embedding(void* out, const void* weight, DType dtype, const void* indices,
                       DType index_dtype, int64_t count, int64_t num, int64_t d, DeviceError* err,
                       cudaStream_t stream);
-// gw += rows of grad at indices; deterministic (columns in parallel, rows in order).
+// gw += rows of grad at indices: sorted by row (stable), then one block per
+// distinct row adding its positions in order (the CPU's order, so the same
+// bits); parallel over rows and columns. `scratch` holds
+// embedding_backward_scratch_bytes(count) bytes.
+size_t embedding_backward_scratch_bytes(int64_t count);
 void launch_embedding_backward(void* gw, const void* grad, DType dtype, const void* indices,
                                DType index_dtype, int64_t count, int64_t num, int64_t d,
-                               DeviceError* err, cudaStream_t stream);
+                               DeviceError* err, void* scratch, cudaStream_t stream);
 // targets i64; losses and lse in `stats`-compatible dtype of the logits' compute.
 void launch_cross_entropy(void* losses, void* lse, const void* logits, DType dtype, DType lse_dtype,
                           const int64_t* target, int64_t rows, int64_t c, int64_t ignore_index,

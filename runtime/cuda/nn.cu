@@ -1,6 +1,8 @@
 // The fused neural-network kernels on CUDA: softmax, layer/RMS norm, embedding,
 // cross-entropy and RoPE. One block per row; the same formulas (and f64 row
 // accumulators where the CPU uses them) as runtime/cpu/nn.cpp.
+#include <cub/device/device_radix_sort.cuh>
+
 #include "runtime/cuda/device_util.cuh"
 
 namespace tessera::cuda {
@@ -160,22 +162,45 @@ __global__ void embedding_kernel(void* out, const void* weight, DType dt, const 
     store<double>(out, dt, i * d + j, load<double>(weight, dt, row * d + j));
 }
 
-// One thread per column; the rows in index order, as the CPU adds them.
+// The embedding's gradient in three steps, parallel over tokens and columns
+// and deterministic: (1) each position's row as a sort key (an invalid index
+// is recorded and keyed `num`, after every row), (2) a stable radix sort of
+// (row, position) pairs, so the positions of one row stay in order, (3) one
+// block per distinct row adding its positions' gradients in that order, the
+// CPU's order, into the row.
+__global__ void embedding_keys_kernel(int64_t* keys, int64_t* positions, const void* idx, DType it,
+                                      int64_t count, int64_t num, DeviceError* err) {
+  TS_CUDA_LOOP(i, count) {
+    int64_t row = load_index(idx, it, i);
+    if (row < 0 || row >= num) {
+      record_index_error(err, KernelId::EmbeddingBackward, row, num);
+      row = num;
+    }
+    keys[i] = row;
+    positions[i] = i;
+  }
+}
+
 template <class C>
-__global__ void embedding_backward_kernel(void* gw, const void* grad, DType dt, const void* idx,
-                                          DType it, int64_t count, int64_t num, int64_t d,
-                                          DeviceError* err) {
-  TS_CUDA_LOOP(j, d) {
-    for (int64_t i = 0; i < count; ++i) {
-      int64_t row = load_index(idx, it, i);
-      if (row < 0 || row >= num) {
-        if (j == 0) record_index_error(err, KernelId::EmbeddingBackward, row, num);
-        continue;
-      }
-      C v = load<C>(gw, dt, row * d + j) + load<C>(grad, dt, i * d + j);
-      store<C>(gw, dt, row * d + j, v);
+__global__ void embedding_segments_kernel(void* gw, const void* grad, DType dt, const int64_t* keys,
+                                          const int64_t* positions, int64_t count, int64_t num, int64_t d) {
+  for (int64_t s = blockIdx.x; s < count; s += gridDim.x) {
+    const int64_t row = keys[s];
+    if (row >= num || (s > 0 && keys[s - 1] == row)) continue;  // not the first of its row's run
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+      C acc = load<C>(gw, dt, row * d + j);
+      for (int64_t p = s; p < count && keys[p] == row; ++p) acc = acc + load<C>(grad, dt, positions[p] * d + j);
+      store<C>(gw, dt, row * d + j, acc);
     }
   }
+}
+
+// The radix sort's own scratch for `count` pairs.
+size_t embedding_sort_bytes(int64_t count) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                  static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), count);
+  return bytes;
 }
 
 template <class C>
@@ -297,13 +322,35 @@ void launch_embedding(void* out, const void* weight, DType dtype, const void* in
   check_launch("embedding");
 }
 
+size_t embedding_backward_scratch_bytes(int64_t count) {
+  return 4 * static_cast<size_t>(count) * sizeof(int64_t) + embedding_sort_bytes(count) + 256;
+}
+
 void launch_embedding_backward(void* gw, const void* grad, DType dtype, const void* indices,
                                DType index_dtype, int64_t count, int64_t num, int64_t d,
-                               DeviceError* err, cudaStream_t stream) {
+                               DeviceError* err, void* scratch, cudaStream_t stream) {
   if (count == 0 || d == 0) return;
+  auto* keys = static_cast<int64_t*>(scratch);
+  int64_t* positions = keys + count;
+  int64_t* sorted_keys = positions + count;
+  int64_t* sorted_positions = sorted_keys + count;
+  char* sort_scratch = reinterpret_cast<char*>(sorted_positions + count);
+  sort_scratch += (256 - reinterpret_cast<uintptr_t>(sort_scratch) % 256) % 256;
+  size_t sort_bytes = embedding_sort_bytes(count);
+  embedding_keys_kernel<<<grid_for(count), kThreads, 0, stream>>>(keys, positions, indices, index_dtype, count,
+                                                                  num, err);
+  check_launch("embedding_backward");
+  // Only the bits that can be set: rows 0..num (num marks an invalid index).
+  int bits = 1;
+  while (bits < 63 && (int64_t{1} << bits) <= num) ++bits;
+  cudaError_t sorted = cub::DeviceRadixSort::SortPairs(sort_scratch, sort_bytes, keys, sorted_keys, positions,
+                                                       sorted_positions, count, 0, bits, stream);
+  check_queued(sorted, "embedding_backward's radix sort");
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(count, 65535));
+  const unsigned threads = d >= 256 ? 256 : (d >= 128 ? 128 : 64);
   with_float(dtype, [&](auto c) {
-    embedding_backward_kernel<decltype(c)><<<grid_for(d, 128), 128, 0, stream>>>(
-        gw, grad, dtype, indices, index_dtype, count, num, d, err);
+    embedding_segments_kernel<decltype(c)><<<blocks, threads, 0, stream>>>(gw, grad, dtype, sorted_keys,
+                                                                              sorted_positions, count, num, d);
   });
   check_launch("embedding_backward");
 }

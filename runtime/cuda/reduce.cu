@@ -134,15 +134,28 @@ __global__ void argmax_kernel(void* values, int64_t* indices, const void* x, DTy
   }
 }
 
-__global__ void sum_squares_kernel(double* partials, const void* x, DType dt, int64_t n) {
+// Up to kSquaresPerLaunch tensors per launch: each block walks them in order
+// and adds its share of each to its slot, the sums of one tensor per launch
+// before (the same bits), in one launch instead of one per tensor.
+constexpr int kSquaresPerLaunch = 64;
+struct SquaresBatch {
+  SquaresTensor t[kSquaresPerLaunch];
+  int count;
+};
+
+__global__ void sum_squares_kernel(double* partials, SquaresBatch batch) {
   __shared__ double shared[kThreads / 32];
-  double acc = 0;
-  TS_CUDA_LOOP(i, n) {
-    double v = load<double>(x, dt, i);
-    acc += v * v;
+  double slot = partials[blockIdx.x];
+  for (int k = 0; k < batch.count; ++k) {
+    const SquaresTensor& x = batch.t[k];
+    double acc = 0;
+    TS_CUDA_LOOP(i, x.n) {
+      double v = load<double>(x.p, x.dtype, i);
+      acc = __dadd_rn(acc, __dmul_rn(v, v));
+    }
+    slot += block_sum(acc, shared);
   }
-  double total = block_sum(acc, shared);
-  if (threadIdx.x == 0) partials[blockIdx.x] += total;
+  if (threadIdx.x == 0) partials[blockIdx.x] = slot;
 }
 
 __global__ void sum_doubles_kernel(double* out, const double* xs, int64_t n) {
@@ -193,11 +206,20 @@ void launch_argmax_rows(void* values, int64_t* indices, const void* x, DType dty
   check_launch("argmax");
 }
 
-void launch_sum_squares_partials(double* partials, const void* x, DType dtype, int64_t n,
-                                 cudaStream_t stream) {
-  if (n == 0) return;
-  sum_squares_kernel<<<kSumSquaresBlocks, kThreads, 0, stream>>>(partials, x, dtype, n);
-  check_launch("sum_squares");
+void launch_sum_squares_partials(double* partials, const SquaresTensor* xs, int64_t count, cudaStream_t stream) {
+  SquaresBatch batch{};
+  auto flush = [&] {
+    if (batch.count == 0) return;
+    sum_squares_kernel<<<kSumSquaresBlocks, kThreads, 0, stream>>>(partials, batch);
+    check_launch("sum_squares");
+    batch.count = 0;
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    if (xs[i].n == 0) continue;
+    batch.t[batch.count++] = xs[i];
+    if (batch.count == kSquaresPerLaunch) flush();
+  }
+  flush();
 }
 
 void launch_sum_doubles(double* out, const double* xs, int64_t n, cudaStream_t stream) {

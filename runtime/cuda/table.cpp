@@ -109,6 +109,13 @@ void pointwise(PointwiseOp op, const Tensor& x, const Tensor& a, const Tensor& b
 
 void clamp(const Tensor& x, double lo, double hi) { launch_clamp(make_iter<1>(x.shape(), {&x}), lo, hi, stream()); }
 
+void scale(const std::vector<Tensor>& xs, const Tensor& coef) {
+  std::vector<ScaleTensor> tensors;
+  for (const Tensor& x : xs) tensors.push_back({x.data_ptr(), x.numel(), x.dtype()});
+  launch_scale(tensors.data(), static_cast<int64_t>(tensors.size()), static_cast<const double*>(coef.data_ptr()),
+               stream());
+}
+
 void adamw(const std::vector<Tensor>& ps, const std::vector<Tensor>& gs, const std::vector<Tensor>& ms,
            const std::vector<Tensor>& vs, const ops::AdamWStep& step) {
   std::vector<AdamWTensor> tensors;
@@ -136,7 +143,9 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
 void sum_squares(const Tensor& out, const std::vector<Tensor>& xs) {
   Tensor partials = zeros({kSumSquaresBlocks}, DType::F64, here());
   auto* p = static_cast<double*>(partials.data_ptr());
-  for (const Tensor& x : xs) launch_sum_squares_partials(p, x.data_ptr(), x.dtype(), x.numel(), stream());
+  std::vector<SquaresTensor> batch;
+  for (const Tensor& x : xs) batch.push_back({x.data_ptr(), x.numel(), x.dtype()});
+  launch_sum_squares_partials(p, batch.data(), static_cast<int64_t>(batch.size()), stream());
   launch_sum_doubles(static_cast<double*>(out.data_ptr()), p, kSumSquaresBlocks, stream());
 }
 
@@ -172,8 +181,10 @@ void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
 }
 
 void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indices) {
-  launch_embedding_backward(gw.data_ptr(), grad.data_ptr(), gw.dtype(), indices.data_ptr(), indices.dtype(),
-                            indices.numel(), gw.size(0), gw.size(1), device_error_slot(), stream());
+  const int64_t count = indices.numel();
+  Tensor scratch = empty({static_cast<int64_t>(embedding_backward_scratch_bytes(count))}, DType::Bool, here());
+  launch_embedding_backward(gw.data_ptr(), grad.data_ptr(), gw.dtype(), indices.data_ptr(), indices.dtype(), count,
+                            gw.size(0), gw.size(1), device_error_slot(), scratch.data_ptr(), stream());
 }
 
 void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& target,
@@ -272,6 +283,7 @@ constexpr KernelTable make_table() {
   t.sum_squares = sum_squares;
   t.gemm = gemm;
   t.adamw = adamw;
+  t.scale = scale;
   t.softmax = softmax;
   t.softmax_backward = softmax_backward;
   t.layer_norm = layer_norm;

@@ -32,6 +32,7 @@ struct Run {
   bool checkpoint = false;  // activation checkpointing
   std::optional<DType> param_dtype;
   bool hsdp = false;
+  bool offload = false;  // CPUOffloadPolicy: shards, gradients and the optimizer on the host
   std::string name;
 };
 
@@ -56,7 +57,8 @@ std::shared_ptr<nn::GPT> build(const std::string& device, const Run& r) {
   cfg.activation_checkpoint = r.checkpoint;
   auto model = nn::GPT::on_meta(cfg);
   fsdp::FullyShardOptions opt{.mesh = mesh, .reshard_after_forward = r.raf,
-                              .mp_policy = {.param_dtype = r.param_dtype, .reduce_dtype = DType::F32}};
+                              .mp_policy = {.param_dtype = r.param_dtype, .reduce_dtype = DType::F32},
+                              .offload_policy = r.offload ? std::make_shared<fsdp::CPUOffloadPolicy>() : nullptr};
   for (auto& b : model->blocks) fsdp::fully_shard(*b, opt);
   fsdp::fully_shard(*model, opt);
   model->to_empty(mesh->device());
@@ -114,6 +116,9 @@ std::vector<Run> runs() {
       {.raf = true, .accumulate = true, .name = "gradient accumulation without sync"},
       {.raf = true, .checkpoint = true, .name = "activation checkpointing"},
       {.raf = true, .param_dtype = DType::BF16, .name = "bf16 parameters, f32 reduction"},
+      {.raf = true, .offload = true, .name = "CPU offload"},
+      {.raf = true, .accumulate = true, .param_dtype = DType::BF16, .offload = true,
+       .name = "CPU offload, bf16 parameters, accumulation"},
   };
   if (world() % 2 == 0 && world() > 2) out.push_back({.raf = 2, .name = "reshard to 2 ranks after forward"});
   if (world() == 4) {
@@ -132,7 +137,7 @@ TEST_CASE("FSDP on the async device equals the synchronous CPU bit for bit", "[f
     auto cpu_model = build("cpu", r);
     auto expect = train(*cpu_model, Device::cpu(), r);
     auto async_model = build("async_cpu", r);
-    CHECK(local_tensor(async_model->parameters().front()).device() == Device::async_cpu());
+    CHECK(local_tensor(async_model->parameters().front()).device() == (r.offload ? Device::cpu() : Device::async_cpu()));
     auto got = train(*async_model, Device::async_cpu(), r);
     CHECK(mismatches(got, expect) == 0);
   }
@@ -267,4 +272,35 @@ TEST_CASE("an FSDP training step on the async device makes no host sync", "[fsdp
     CHECK(norm.item() > 0.0);
     CHECK(host_sync_count() == before + 2);
   }
+}
+
+TEST_CASE("CPU offload on the async device: shards, gradients and optimizer states in host memory", "[fsdp][stream][offload]") {
+  Delays delays(50);
+  Run r{.raf = true, .offload = true, .name = "CPU offload"};
+  auto model = build("async_cpu", r);
+  for (auto& p : model->parameters()) CHECK(local_tensor(p).device() == Device::cpu());
+  optim::AdamW opt(model->parameters(), {.lr = 1e-2});
+  Tensor x = local_rows(randint({kGlobalBatch, 9}, 0, config().vocab_size, 3)).to(Device::async_cpu());
+  Tensor y = local_rows(randint({kGlobalBatch, 9}, 0, config().vocab_size, 4)).to(Device::async_cpu());
+  synchronize(Device::async_cpu());
+  const int64_t before = memory_stats(Device::async_cpu()).allocated_bytes;
+  autograd::backward(nn::cross_entropy((*model)(x), y));
+  int64_t with_grad = 0;
+  for (auto& p : model->parameters()) {
+    REQUIRE(p.grad().defined());
+    CHECK(local_tensor(p.grad()).device() == Device::cpu());
+    ++with_grad;
+  }
+  CHECK(with_grad > 0);
+  opt.step();
+  for (size_t j = 0; j < model->parameters().size(); ++j) {
+    CHECK(local_tensor(opt.state(0, j).exp_avg).device() == Device::cpu());
+  }
+  opt.zero_grad();
+  synchronize(Device::async_cpu());
+  // Between steps the device holds none of the model: the shards live on the host.
+  CHECK(memory_stats(Device::async_cpu()).allocated_bytes <= before);
+  // Without the policy the same model keeps its shards on the device.
+  auto plain = build("async_cpu", Run{.raf = true, .name = "plain"});
+  CHECK(local_tensor(plain->parameters().front()).device() == Device::async_cpu());
 }

@@ -298,3 +298,90 @@ TEST_CASE("adamw_ refuses lists that do not line up, a step of 0 and unfusable t
                                                       .weight_decay = 0, .step = 1}),
                     Catch::Contains("parameter 0 ([5] f32 on cpu)"));
 }
+
+namespace {
+int scale_calls = 0;
+KernelTable scale_counting;
+void counting_scale(const std::vector<Tensor>& xs, const Tensor& coef) {
+  ++scale_calls;
+  cpu::table().scale(xs, coef);
+}
+
+// Bit-for-bit equality of two float tensors of one dtype.
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  auto va = ops::to(a, DType::F64).to_vector<double>(), vb = ops::to(b, DType::F64).to_vector<double>();
+  for (size_t i = 0; i < va.size(); ++i)
+    if (va[i] != vb[i]) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("scale_: many tensors of mixed dtypes in one kernel call, mul_'s bits, the coefficient unrounded", "[optim]") {
+  scale_counting = cpu::table();
+  scale_counting.scale = counting_scale;
+  const std::vector<std::pair<Shape, DType>> specs = {{{1}, DType::BF16}, {{17}, DType::F32},  {{33, 65}, DType::F64},
+                                                      {{16385}, DType::BF16}, {{3, 5, 7}, DType::F16}, {{0}, DType::F32}};
+  for (double c : {0.99, 0.123456789, 1.0 / 3.0, 2.5e-4}) {
+    INFO("coefficient " << c);
+    TensorList xs, refs;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      xs.push_back(ops::to(ops::mul(randn(specs[i].first, 40 + i, DType::F64), 3.0), specs[i].second));
+      refs.push_back(ops::clone(xs.back()));
+    }
+    scale_calls = 0;
+    const KernelTable* saved = replace_kernels_for_testing(DeviceType::CPU, &scale_counting);
+    ops::scale_(xs, full({}, c, DType::F64));
+    replace_kernels_for_testing(DeviceType::CPU, saved);
+    CHECK(scale_calls == 1);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      INFO("tensor " << i << " " << dtype_name(xs[i].dtype()));
+      ops::mul_(refs[i], c);
+      CHECK(same_bits(xs[i], refs[i]));
+    }
+  }
+  // The old CUDA path multiplied a bf16 gradient by the coefficient rounded
+  // to bf16 (0.99 -> 0.990234375): scale_ does not.
+  Tensor g = ops::to(randn({4097}, 7, DType::F64), DType::BF16);
+  Tensor by_scale = ops::clone(g), by_rounded = ops::clone(g);
+  ops::scale_({by_scale}, full({}, 0.99, DType::F64));
+  ops::mul_(by_rounded, ops::to(full({}, 0.99, DType::F64), DType::BF16));
+  CHECK_FALSE(same_bits(by_scale, by_rounded));
+  // Refusals name what was expected.
+  CHECK_THROWS_WITH(ops::scale_({g}, full({2}, 0.5, DType::F64)), Catch::Contains("0-dim float tensor"));
+  CHECK_THROWS_WITH(ops::scale_({randint({4}, 0, 9, 1)}, full({}, 0.5, DType::F64)),
+                    Catch::Contains("contiguous float tensor"));
+  CHECK_THROWS_WITH(ops::scale_({ops::transpose(randn({3, 4}, 1), 0, 1)}, full({}, 0.5, DType::F64)),
+                    Catch::Contains("tensor 0 must be a local, contiguous"));
+  CHECK_THROWS_WITH(ops::scale_({ops::to(g, Device::async_cpu())}, full({}, 0.5, DType::F64)),
+                    Catch::Contains("is on async_cpu but the coefficient on cpu"));
+}
+
+TEST_CASE("clip_grad_norm_ on a device the host cannot read: the host's bits, bf16 gradients scaled in f32", "[optim][async]") {
+  // async_cpu stands for CUDA here: the coefficient stays on the device and
+  // every gradient is scaled in one pass; the result must be the CPU's.
+  const std::vector<std::pair<Shape, DType>> specs = {{{31, 7}, DType::BF16}, {{129}, DType::BF16},
+                                                      {{5, 3, 2}, DType::F32}, {{1}, DType::BF16}};
+  auto make = [&](Device device) {
+    TensorList ps;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      Tensor p = ops::to(zeros(specs[i].first, specs[i].second), device);
+      p.set_requires_grad(true);
+      p.set_grad(ops::to(ops::to(ops::mul(randn(specs[i].first, 60 + i, DType::F64), 2.0), specs[i].second), device));
+      ps.push_back(p);
+    }
+    return ps;
+  };
+  for (double max_norm : {0.7, 1e6}) {  // clipped, and under the limit (then scaled by exactly 1 on the device)
+    INFO("max_norm " << max_norm);
+    TensorList host = make(Device::cpu()), dev = make(Device::async_cpu());
+    double n_host = nn::clip_grad_norm_(host, max_norm).item();
+    double n_dev = ops::to(nn::clip_grad_norm_(dev, max_norm), Device::cpu()).item();
+    CHECK(n_host == n_dev);
+    for (size_t i = 0; i < host.size(); ++i) {
+      INFO("gradient " << i);
+      CHECK(same_bits(host[i].grad(), ops::to(dev[i].grad(), Device::cpu())));
+    }
+    if (max_norm < 1) CHECK(nn::grad_norm(host).item() == Approx(max_norm).epsilon(1e-2));
+  }
+}

@@ -404,6 +404,10 @@ assert len(logged) >= 4, logged
 syncs = [r["host_syncs_between_logs_max_rank"] for r in logged]
 assert all(s == 0 for s in syncs), syncs
 print("async_cpu: %d log lines, host syncs between log steps: %s" % (len(logged), syncs))'
+echo "== parallelism.cpu_offload on async_cpu: shards, gradients and AdamW on the host, the same losses"
+TESSERA_ASYNC_DELAYS=20 train 2 --job.dump_folder o2 --job.device async_cpu --parallelism.cpu_offload true > o2.log
+losses o2 > o2.losses
+cmp w2.losses o2.losses || fail "CPU offload on async_cpu should give the CPU's losses bit for bit"
 expect_error "has no choice 'cuda7'" "$bin/tessera-train" "${tiny[@]}" --job.device cuda7
 if ! command -v nvidia-smi > /dev/null; then  # no GPU here: cuda is refused, naming why
   expect_error "device type 'cuda', but" "$bin/tessera-train" "${tiny[@]}" --job.device cuda
