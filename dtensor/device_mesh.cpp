@@ -213,8 +213,8 @@ MeshPtr init_device_mesh(const std::string& device_type, const Shape& shape,
   TS_CHECK(device_type == "cpu" || device_type == "async_cpu" || device_type == "cuda",
            "init_device_mesh: unknown device type '{}' (cpu, cuda, async_cpu)", device_type);
   if (device_type == "cuda")
-    TS_CHECK(cuda::is_available(), "init_device_mesh: device type 'cuda', but {}",
-             cuda::built() ? "no CUDA device is visible" : "this build has no CUDA backend (docs/gpu.md)");
+    TS_CHECK(cuda::is_available(), "init_device_mesh: device type 'cuda', but {} (docs/gpu.md)",
+             cuda::unavailable_reason());
   TS_CHECK(!shape.empty(), "init_device_mesh: the mesh needs at least one dim");
   for (int64_t s : shape) TS_CHECK(s > 0, "init_device_mesh: mesh shape {} has a non-positive dim", shape_str(shape));
   TS_CHECK(shape_numel(shape) == dist::world_size(),

@@ -21,6 +21,12 @@ namespace tessera::cuda {
 bool built();                 // this build has the CUDA backend
 bool is_available();          // built, and a GPU is visible
 int device_count();           // 0 without CUDA or GPUs
+// Why no GPU can be used ("" when one can): no CUDA in the build, no driver,
+// a driver older than the build's toolkit, or no device visible.
+std::string unavailable_reason();
+// True when the reason is an installation to fix (a driver too old for the
+// toolkit, a failing driver) rather than a machine without GPUs.
+bool install_is_broken();
 std::string device_name(int index);
 // Bytes free on GPU `index` now (cudaMemGetInfo): what a run may still allocate there.
 double free_memory(int index);

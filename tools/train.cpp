@@ -216,6 +216,8 @@ double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group) {
 void Trainer::build_model() {
   const std::string device_type =
       cfg_.job.device != "auto" ? cfg_.job.device : (cuda::is_available() ? "cuda" : "cpu");
+  if (cfg_.job.device == "auto" && device_type == "cpu" && cuda::install_is_broken())
+    say(fmt::format("warning: job.device auto runs on the CPU: {}", cuda::unavailable_reason()));
   tools::mesh_dims(cfg_, world_);  // the degrees against the ranks, the errors naming the keys
   mesh_ = train::make_mesh(tools::parallelism_options(cfg_), device_type);  // tensor-parallel groups: consecutive ranks
   device_ = mesh_->device();

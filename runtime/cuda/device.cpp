@@ -11,6 +11,7 @@
 
 #include "runtime/allocator.h"
 #include "runtime/cuda/common.h"
+#include "runtime/cuda/diagnose.h"
 #include "runtime/cuda/pinned.h"
 #include "runtime/cuda_backend.h"
 
@@ -57,6 +58,41 @@ int device_count() {
 
 bool is_available() { return device_count() > 0; }
 
+namespace {
+CountResult count_result(int& count, std::string& error) {
+  count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  error = err == cudaSuccess ? "" : fmt::format("{} ({})", cudaGetErrorName(err), cudaGetErrorString(err));
+  switch (err) {
+    case cudaSuccess: return CountResult::Ok;
+    case cudaErrorInsufficientDriver: {
+      int driver = 0;
+      cudaDriverGetVersion(&driver);
+      return driver == 0 ? CountResult::NoDriver : CountResult::InsufficientDriver;
+    }
+    case cudaErrorNoDevice: return CountResult::NoDevice;
+    default: return CountResult::Other;
+  }
+}
+}  // namespace
+
+std::string unavailable_reason() {
+  int count = 0, driver = 0, runtime = 0;
+  std::string error;
+  CountResult r = count_result(count, error);
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  cudaGetLastError();
+  return cuda::unavailable_reason(r, count, driver, runtime, std::getenv("CUDA_VISIBLE_DEVICES"), error);
+}
+
+bool install_is_broken() {
+  int count = 0;
+  std::string error;
+  return is_broken_install(count_result(count, error));
+}
+
 std::string device_name(int index) {
   cudaDeviceProp prop{};
   TS_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
@@ -82,8 +118,7 @@ void use_device(int index) {
     std::lock_guard<std::mutex> lk(device_mu);
     if (the_device < 0) {
       int n = device_count();
-      TS_CHECK(n > 0, "cuda:{}: no CUDA device is visible (CUDA_VISIBLE_DEVICES='{}')", index,
-               std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "");
+      TS_CHECK(n > 0, "cuda:{}: {}", index, unavailable_reason());
       TS_CHECK(index >= 0 && index < n, "cuda:{}: this machine has {} CUDA device(s)", index, n);
       the_device = index;
     }

@@ -19,10 +19,17 @@ using namespace tessera;
 
 namespace {
 
-// Runs before Catch2's main: no device, no tests.
+// Runs before Catch2's main: no device, no tests (SKIP, 77). A GPU machine
+// whose driver is older than the build's toolkit fails instead (exit 1): it
+// is an installation to fix, not a machine without GPUs.
 const int skip_without_gpu = [] {
   if (!cuda::is_available()) {
-    std::printf("SKIP: %s\n", cuda::built() ? "no CUDA device is visible" : "this build has no CUDA backend");
+    const std::string why = cuda::unavailable_reason();
+    if (cuda::install_is_broken()) {
+      std::printf("FAIL: %s\n", why.c_str());
+      std::exit(1);
+    }
+    std::printf("SKIP: %s\n", why.c_str());
     std::exit(77);
   }
   return 0;

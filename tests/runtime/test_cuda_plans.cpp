@@ -1,8 +1,10 @@
-// The host-side logic of the CUDA backend's GEMM plans (runtime/cuda/gemm_plan.h),
-// on the CPU: the alignment a pointer promises, and plan keys that tell apart
-// what a cuBLASLt algorithm depends on.
+// The host-side logic of the CUDA backend, on the CPU: the alignment a
+// pointer promises and GEMM plan keys that tell apart what a cuBLASLt
+// algorithm depends on (runtime/cuda/gemm_plan.h); why no GPU can be used
+// (runtime/cuda/diagnose.h).
 #include <random>
 
+#include "runtime/cuda/diagnose.h"
 #include "runtime/cuda/gemm_plan.h"
 #include "tests/helpers.h"
 
@@ -53,4 +55,22 @@ TEST_CASE("gemm plan keys: the slices of a batched product get the plan their al
   CHECK(gemm_key(DType::BF16, false, false, m, n, k, a, k + 1, b, n, c, n, false) != first);
   CHECK(gemm_key(DType::BF16, true, false, m, n, k, a, m, b, n, c, n, false) != first);
   CHECK(gemm_key(DType::F16, false, false, m, n, k, a, k, b, n, c, n, false) != first);
+}
+
+TEST_CASE("why no GPU can be used: a driver too old for the toolkit is named, not called no device", "[cuda]") {
+  using R = CountResult;
+  CHECK(unavailable_reason(R::Ok, 1, 13000, 13000, nullptr).empty());
+  CHECK(unavailable_reason(R::Ok, 0, 13000, 13000, "") == "no CUDA device is visible (CUDA_VISIBLE_DEVICES='')");
+  CHECK(unavailable_reason(R::NoDevice, 0, 13000, 13000, nullptr) == "no CUDA device is visible");
+  CHECK_THAT(unavailable_reason(R::NoDriver, 0, 0, 13000, nullptr), Catch::Contains("no NVIDIA driver"));
+  const std::string old = unavailable_reason(R::InsufficientDriver, 0, 12040, 13000, nullptr);
+  CHECK_THAT(old, Catch::Contains("supports CUDA 12.4 but this build needs CUDA 13.0") &&
+                      Catch::Contains("install a newer driver"));
+  CHECK_THAT(unavailable_reason(R::Other, 0, 13000, 13000, nullptr, "cudaErrorUnknown (unknown error)"),
+             Catch::Contains("cudaErrorUnknown"));
+  CHECK(cuda_version_str(12080) == "12.8");
+  CHECK(is_broken_install(R::InsufficientDriver));
+  CHECK(is_broken_install(R::Other));
+  CHECK_FALSE(is_broken_install(R::NoDriver));
+  CHECK_FALSE(is_broken_install(R::NoDevice));
 }
