@@ -14,7 +14,7 @@ RANKS ?= 4
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root)
 MESON_FLAGS ?= --buildtype=release
 
-.PHONY: train train-build test deps build install bench clean tsan asan fuzz
+.PHONY: train train-build test deps build install bench clean tsan asan fuzz cudnn-frontend
 
 # Installs the Debian packages that are not installed yet (nothing when all are).
 deps:
@@ -94,3 +94,19 @@ install: build
 
 clean:
 	rm -rf $(BUILD)
+
+# cuDNN's frontend headers (header-only, MIT), for attention on cuDNN's fused
+# kernels: taken from PyPI's nvidia-cudnn-frontend wheel into
+# third_party/cudnn-frontend/ (not in git); the next build compiles
+# runtime/cuda/cudnn_attention.cpp against them (docs/gpu.md). Needs the network.
+cudnn-frontend:
+	rm -rf third_party/.wheel && mkdir -p third_party/.wheel
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+	  --platform manylinux_2_28_x86_64 nvidia-cudnn-frontend -d third_party/.wheel
+	python3 -c 'import glob, shutil, zipfile; \
+	  shutil.rmtree("third_party/cudnn-frontend", ignore_errors=True); \
+	  z = zipfile.ZipFile(glob.glob("third_party/.wheel/*.whl")[0]); \
+	  [z.extract(n, "third_party/cudnn-frontend") for n in z.namelist() if n.startswith("include/")]'
+	rm -rf third_party/.wheel
+	@echo "third_party/cudnn-frontend/include: $$(ls third_party/cudnn-frontend/include | wc -l) entries;" \
+	  "reconfigure: meson setup --reconfigure $(BUILD)"

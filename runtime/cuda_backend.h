@@ -21,6 +21,10 @@ namespace tessera::cuda {
 bool built();                 // this build has the CUDA backend
 bool is_available();          // built, and a GPU is visible
 int device_count();           // 0 without CUDA or GPUs
+// Attention on cuDNN's fused kernels: built in (the cuDNN frontend's headers
+// were found), and how many forward and backward calls ran there so far.
+bool cudnn_attention_built();
+int64_t cudnn_attention_calls();
 // Why no GPU can be used ("" when one can): no CUDA in the build, no driver,
 // a driver older than the build's toolkit, or no device visible.
 std::string unavailable_reason();

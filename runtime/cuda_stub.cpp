@@ -19,6 +19,8 @@ bool is_available() { return false; }
 int device_count() { return 0; }
 std::string unavailable_reason() { return "this build of Tessera has no CUDA backend"; }
 bool install_is_broken() { return false; }
+bool cudnn_attention_built() { return false; }
+int64_t cudnn_attention_calls() { return 0; }
 std::string device_name(int index) { no_cuda(index); }
 double free_memory(int index) { no_cuda(index); }
 Stream& default_stream(int index) { no_cuda(index); }

@@ -1,12 +1,24 @@
 // Tessera's own attention kernels on CUDA: the reference and fallback for the
-// fused library path. Forward: one block per query row, keys in chunks with an
-// online softmax (as flash attention, without tiling queries). Backward: one
-// block per query row for dq and one per key row for dk and dv, recomputing
-// the probabilities from the saved log-sum-exp. Causal masks are top-left
-// aligned (row i sees keys 0..i), as on the CPU; GQA maps query head h to key
-// head h / (heads / kv_heads). Products, the softmax and the sums run in the
-// tensor's accumulation type: f32 for f32, bf16 and f16, f64 for f64 (the
-// CPU's, so an f64 model's attention agrees with it to f64 rounding).
+// fused library path.
+//
+// Forward, tiled (attention_tile_kernel, head_dim <= 256): one block per tile
+// of kTileRows query rows of one (batch, head); the tile's queries stay in
+// shared memory while key tiles of the same size stream through it (each
+// loaded once per query tile, not once per query row), V reusing K's buffer.
+// Each row keeps the online softmax's running maximum and sum (flash
+// attention's rescale: when a tile raises the maximum, the sum and the output
+// so far are multiplied by exp(old - new)); the kTileRows x kTileRows
+// probabilities go through shared memory into the output accumulators, which
+// stay in registers. Causal key tiles wholly after the tile's last query are
+// skipped. Wider heads take the row kernel (attention_forward_kernel: one
+// block per query row, keys in chunks, the same online softmax).
+//
+// Backward: one block per query row for dq and one per key row for dk and dv,
+// recomputing the probabilities from the saved log-sum-exp. Causal masks are
+// top-left aligned (row i sees keys 0..i), as on the CPU; GQA maps query head
+// h to key head h / (heads / kv_heads). Products, the softmax and the sums run
+// in the tensor's accumulation type: f32 for f32, bf16 and f16, f64 for f64
+// (the CPU's, so an f64 model's attention agrees with it to f64 rounding).
 #include <type_traits>
 
 #include "runtime/cuda/device_util.cuh"
@@ -201,6 +213,120 @@ __global__ void attention_dkdv_kernel(void* dk, void* dv, const void* dout, cons
   }
 }
 
+// ---- the tiled forward -----------------------------------------------------------
+constexpr int kTiledMaxHeadDim = 256;
+
+// Rows (and keys) per tile: 32 while a tile of f32 heads of up to 128 fits the
+// default 48 KiB of shared memory, else 16.
+template <class A>
+__host__ __device__ constexpr int tile_rows(int64_t d) {
+  return sizeof(A) == 4 && d <= 128 ? 32 : 16;
+}
+// f32 heads up to 256 and f64 heads up to 128 fit 48 KiB; wider ones take the row kernel.
+template <class A>
+bool tiled(int64_t d) { return d <= (sizeof(A) == 4 ? kTiledMaxHeadDim : 128); }
+template <class A>
+size_t tile_shared_bytes(int64_t d) {
+  const int64_t br = tile_rows<A>(d);
+  return static_cast<size_t>(2 * br * d + br * br) * sizeof(A);
+}
+
+// Sum / max over the `width` consecutive lanes that share a row (width divides 32).
+template <class A>
+__device__ __forceinline__ A group_max(A v, int width) {
+  for (int o = width / 2; o > 0; o /= 2) {
+    A other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = other > v || other != other ? other : v;
+  }
+  return v;
+}
+template <class A>
+__device__ __forceinline__ A group_sum(A v, int width) {
+  for (int o = width / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <class A, int BR>
+__global__ void attention_tile_kernel(void* out, void* lse, const void* q, const void* k, const void* v, DType dt,
+                                      DType lt, AttentionShape sh) {
+  constexpr int kPerRow = kThreads / BR;   // threads sharing a row: 8 (BR 32) or 16 (BR 16)
+  constexpr int kCols = BR / kPerRow;      // scores per thread per key tile: 4 or 1
+  constexpr int kAcc = (BR == 32 ? 128 : kTiledMaxHeadDim) / kPerRow;  // output elements per thread: 16
+  A* smem = shared_as<A>();
+  A* qt = smem;                // BR x d: the tile's queries
+  A* kv = qt + BR * sh.d;      // BR x d: a key tile, then its value tile
+  A* pt = kv + BR * sh.d;      // BR x BR: probabilities
+  const int64_t tiles = (sh.t + BR - 1) / BR;
+  const int64_t tile = blockIdx.x % tiles, bh = blockIdx.x / tiles;
+  const int64_t h = bh % sh.heads, b = bh / sh.heads;
+  const int64_t hk = h / (sh.heads / sh.kv_heads);
+  const int64_t q0 = tile * BR, row0 = bh * sh.t;  // first query of the tile; first row of this head
+  const int64_t kv0 = (b * sh.kv_heads + hk) * sh.s * sh.d;
+  const int r = threadIdx.x / kPerRow, lane = threadIdx.x % kPerRow;
+  const int64_t i = q0 + r;  // this thread's query
+  const A scale = static_cast<A>(sh.scale);
+  for (int64_t e = threadIdx.x; e < BR * sh.d; e += blockDim.x) {
+    const int64_t rr = e / sh.d, x = e % sh.d;
+    qt[e] = q0 + rr < sh.t ? load<A>(q, dt, (row0 + q0 + rr) * sh.d + x) : A(0);
+  }
+  // Keys the tile's last query sees.
+  const int64_t last = q0 + BR - 1 < sh.t - 1 ? q0 + BR - 1 : sh.t - 1;
+  const int64_t keys = sh.causal ? (last + 1 < sh.s ? last + 1 : sh.s) : sh.s;
+  A m = -INFINITY, l = 0, acc[kAcc] = {};
+  for (int64_t c0 = 0; c0 < keys; c0 += BR) {
+    __syncthreads();  // qt written (first tile); kv and pt read by the previous tile
+    for (int64_t e = threadIdx.x; e < BR * sh.d; e += blockDim.x) {
+      const int64_t c = e / sh.d, x = e % sh.d;
+      kv[e] = c0 + c < sh.s ? load<A>(k, dt, kv0 + (c0 + c) * sh.d + x) : A(0);
+    }
+    __syncthreads();
+    A sc[kCols];
+    A tmax = -INFINITY;
+    for (int j = 0; j < kCols; ++j) {
+      const int c = lane + j * kPerRow;
+      const int64_t key = c0 + c;
+      const bool seen = i < sh.t && key < sh.s && (!sh.causal || key <= i);
+      A acc_s = 0;
+      if (seen)
+        for (int64_t x = 0; x < sh.d; ++x) acc_s += qt[r * sh.d + x] * kv[c * sh.d + x];
+      sc[j] = seen ? scale * acc_s : A(-INFINITY);
+      tmax = sc[j] > tmax ? sc[j] : tmax;
+    }
+    tmax = group_max(tmax, kPerRow);
+    const A mnew = tmax > m ? tmax : m;
+    const A corr = m == -INFINITY ? A(0) : math::fast_exp(m - mnew);
+    A tsum = 0;
+    for (int j = 0; j < kCols; ++j) {
+      const A pj = sc[j] == -INFINITY ? A(0) : math::fast_exp(sc[j] - mnew);
+      pt[r * BR + lane + j * kPerRow] = pj;
+      tsum += pj;
+    }
+    tsum = group_sum(tsum, kPerRow);
+    l = l * corr + tsum;
+    m = mnew;
+    __syncthreads();  // every score read kv (keys) and wrote pt
+    for (int64_t e = threadIdx.x; e < BR * sh.d; e += blockDim.x) {
+      const int64_t c = e / sh.d, x = e % sh.d;
+      kv[e] = c0 + c < sh.s ? load<A>(v, dt, kv0 + (c0 + c) * sh.d + x) : A(0);
+    }
+    __syncthreads();
+    for (int e = 0; e < kAcc; ++e) {
+      const int64_t x = lane + static_cast<int64_t>(e) * kPerRow;
+      if (x >= sh.d) break;
+      A a = acc[e] * corr;
+      for (int c = 0; c < BR; ++c) a += pt[r * BR + c] * kv[c * sh.d + x];
+      acc[e] = a;
+    }
+  }
+  if (i >= sh.t) return;
+  for (int e = 0; e < kAcc; ++e) {
+    const int64_t x = lane + static_cast<int64_t>(e) * kPerRow;
+    if (x >= sh.d) break;
+    store<A>(out, dt, (row0 + i) * sh.d + x, l > 0 ? acc[e] / l : A(0));
+  }
+  if (lane == 0) store<A>(lse, lt, row0 + i, l > 0 ? m + log_of(l) : A(-INFINITY));
+}
+
 template <class A>
 size_t shared_bytes(int64_t count) { return static_cast<size_t>(count) * sizeof(A); }
 
@@ -212,6 +338,17 @@ void launch_attention(void* out, void* lse, const void* q, const void* k, const 
   if (rows == 0 || sh.d == 0) return;
   auto run = [&](auto a) {
     using A = decltype(a);
+    if (tiled<A>(sh.d)) {
+      const int br = tile_rows<A>(sh.d);
+      const auto blocks = static_cast<unsigned>(sh.batch * sh.heads * ((sh.t + br - 1) / br));
+      if (br == 32)
+        attention_tile_kernel<A, 32><<<blocks, kThreads, tile_shared_bytes<A>(sh.d), stream>>>(
+            out, lse, q, k, v, dtype, lse_dtype, sh);
+      else
+        attention_tile_kernel<A, 16><<<blocks, kThreads, tile_shared_bytes<A>(sh.d), stream>>>(
+            out, lse, q, k, v, dtype, lse_dtype, sh);
+      return;
+    }
     attention_forward_kernel<A><<<static_cast<unsigned>(rows), kThreads, shared_bytes<A>(sh.d + kChunk), stream>>>(
         out, lse, q, k, v, dtype, lse_dtype, sh);
   };

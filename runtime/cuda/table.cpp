@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "runtime/cuda/common.h"
+#include "runtime/cuda/cudnn_attention.h"
 #include "runtime/cuda/launch.h"
 #include "runtime/cuda/make_iter.h"
 #include "runtime/cuda/pinned.h"
@@ -210,12 +211,20 @@ AttentionShape attention_shape(const Tensor& q, const Tensor& k, bool causal, do
 
 void attention(const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                double scale) {
+  const AttentionShape shape = attention_shape(q, k, causal, scale);
+  if (cudnn_attention(r.out.data_ptr(), r.lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), q.dtype(),
+                      r.lse.dtype(), shape))
+    return;
   launch_attention(r.out.data_ptr(), r.lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), q.dtype(),
                    r.lse.dtype(), attention_shape(q, k, causal, scale), stream());
 }
 
 void attention_backward(const ops::AttentionGrads& g, const Tensor& dout, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, bool causal, double scale) {
+  if (cudnn_attention_backward(g.dq.data_ptr(), g.dk.data_ptr(), g.dv.data_ptr(), dout.data_ptr(), q.data_ptr(),
+                               k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q.dtype(), lse.dtype(),
+                               attention_shape(q, k, causal, scale)))
+    return;
   // Each query row's dot(dout, out), in the kernels' accumulation type.
   Tensor scratch = empty({q.size(0) * q.size(1) * q.size(2)}, q.dtype() == DType::F64 ? DType::F64 : DType::F32, here());
   launch_attention_backward(g.dq.data_ptr(), g.dk.data_ptr(), g.dv.data_ptr(), dout.data_ptr(), q.data_ptr(),

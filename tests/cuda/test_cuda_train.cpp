@@ -20,6 +20,7 @@
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "runtime/allocator.h"
+#include "runtime/cuda_backend.h"
 #include "runtime/random.h"
 #include "runtime/stream.h"
 #include "tests/cuda/cuda_helpers.h"
@@ -351,4 +352,34 @@ TEST_CASE("cuda: after warm-up an FSDP + AdamW + clipping step reaches no cudaMa
   synchronize(kGpu);
   CHECK(memory_stats(kGpu).num_system_allocs == mallocs);
   CHECK(memory_stats(kGpu).num_events <= events + 8);  // the event pool does not grow per step
+}
+
+TEST_CASE("cuda: attention on cuDNN (where the build has it) against the CPU, and the fallback", "[cuda][attention]") {
+  if (!cuda::cudnn_attention_built()) {
+    WARN("this build has no cuDNN frontend (make cudnn-frontend): the own kernels only");
+    return;
+  }
+  for (DType dt : {DType::BF16, DType::F16}) {
+    for (bool causal : {true, false}) {
+      INFO(dtype_name(dt) << (causal ? " causal" : ""));
+      Tensor q = rand_on({2, 8, 300, 64}, 31, dt, Device::cpu()), k = rand_on({2, 2, 300, 64}, 32, dt, Device::cpu());
+      Tensor v = rand_on({2, 2, 300, 64}, 33, dt, Device::cpu()), dout = rand_on({2, 8, 300, 64}, 34, dt, Device::cpu());
+      const int64_t before = cuda::cudnn_attention_calls();
+      auto r = ops::attention(q, k, v, causal, 0.125);
+      auto gr = ops::attention(q.to(kGpu), k.to(kGpu), v.to(kGpu), causal, 0.125);
+      CHECK_MATCHES_CPU(gr.out, r.out, dt);
+      CHECK(rel_error(gr.lse, r.lse) <= 1e-3);
+      auto g = ops::attention_backward(dout, q, k, v, r.out, r.lse, causal, 0.125);
+      auto gg = ops::attention_backward(dout.to(kGpu), q.to(kGpu), k.to(kGpu), v.to(kGpu), gr.out, gr.lse, causal, 0.125);
+      CHECK_MATCHES_CPU(gg.dq, g.dq, dt);
+      CHECK_MATCHES_CPU(gg.dk, g.dk, dt);
+      CHECK_MATCHES_CPU(gg.dv, g.dv, dt);
+      CHECK(cuda::cudnn_attention_calls() == before + 2);  // forward and backward on cuDNN
+    }
+  }
+  // f32 is not cuDNN's: the own kernels run it.
+  const int64_t before = cuda::cudnn_attention_calls();
+  Tensor q = rand_on({1, 2, 40, 64}, 35, DType::F32, kGpu);
+  ops::attention(q, q, q, true, 0.125).out.to(Device::cpu());
+  CHECK(cuda::cudnn_attention_calls() == before);
 }
