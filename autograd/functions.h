@@ -102,6 +102,17 @@ Tensor embedding(const Tensor& weight, const Tensor& indices);
 // Mean cross-entropy of logits [N, C] against i64 targets [N]; ignored targets
 // do not count (a batch with every target ignored gives 0, not NaN).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100);
+// cross_entropy(linear(x, weight), target) without the [tokens, vocabulary]
+// logits ever held whole (Liger's fused linear cross-entropy): the rows of x
+// [..., C] go through in chunks of `chunk_rows` (<= 0: all at once), each
+// chunk's logits [chunk, V] made, its loss summed, and (when x or weight
+// needs a gradient) its gradient through the softmax and both products taken
+// at once into dx and dweight, so the backward only scales them by the
+// loss's gradient. The same FLOPs as the unchunked pair. Plain tensors only
+// (nn::LanguageModel keeps the unchunked path for DTensors). bf16/f16
+// weights' gradients are summed over the chunks in f32, rounded once.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target, int64_t chunk_rows,
+                            int64_t ignore_index = -100);
 // Inverted dropout with the thread's default generator (identity when !training or p == 0).
 Tensor dropout(const Tensor& x, double p, bool training);
 // Attention over q [B, H, T, D], k/v [B, Hkv, S, D]; scale defaults to 1/sqrt(D).

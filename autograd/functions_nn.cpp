@@ -181,6 +181,71 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
   return r.loss;
 }
 
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target, int64_t chunk_rows,
+                            int64_t ignore_index) {
+  TS_PROFILE("linear_cross_entropy");
+  TS_CHECK(x.defined() && weight.defined() && target.defined() && !x.is_subclass() && !weight.is_subclass() &&
+               !target.is_subclass(),
+           "linear_cross_entropy: expected plain (local) tensors");
+  TS_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
+           "linear_cross_entropy: x {} and weight {} do not chain (expected x [..., C], weight [V, C])",
+           shape_str(x.shape()), shape_str(weight.shape()));
+  TS_CHECK(x.dtype() == weight.dtype() && x.device() == weight.device(),
+           "linear_cross_entropy: x is {} on {} but weight {} on {}", dtype_name(x.dtype()), x.device().str(),
+           dtype_name(weight.dtype()), weight.device().str());
+  const int64_t c = x.size(-1), n = leading_numel(x.shape()), v = weight.size(0);
+  TS_CHECK(target.numel() == n, "linear_cross_entropy: {} targets for {} rows of x {}", target.numel(), n,
+           shape_str(x.shape()));
+  const int64_t chunk = chunk_rows <= 0 || chunk_rows > n ? std::max<int64_t>(n, 1) : chunk_rows;
+  Tensor h = ops::contiguous(ops::reshape(x, {n, c}));
+  Tensor t = ops::contiguous(ops::to(ops::reshape(target, {n}), DType::I64));
+  const bool grads = should_record({x, weight});
+  const bool gx = grads && x.requires_grad(), gw = grads && weight.requires_grad();
+  // Counted before any chunk: each chunk's gradient divides by the batch's count.
+  Tensor count = ops::sum(ops::binary(ops::BinaryOp::Ne, t, static_cast<double>(ignore_index)), {}, false, DType::F64);
+  Tensor one = full({}, 1.0, x.dtype(), x.device());
+  Tensor total = zeros({}, DType::F64, x.device());
+  Tensor dx = gx ? empty({n, c}, x.dtype(), x.device()) : Tensor();
+  const bool wide_dw = is_floating(weight.dtype()) && dtype_size(weight.dtype()) < 4;  // bf16/f16: summed in f32
+  // bf16/f16: an f32 sum of the chunks (zeroed); otherwise the first chunk's product writes it.
+  Tensor dw = !gw                   ? Tensor()
+              : wide_dw              ? zeros({v, c}, DType::F32, weight.device())
+              : n == 0               ? zeros({v, c}, weight.dtype(), weight.device())
+                                     : empty({v, c}, weight.dtype(), weight.device());
+  {
+    autograd::NoGradGuard no_grad;
+    for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+      const int64_t rows = std::min(chunk, n - r0);
+      Tensor hc = ops::narrow(h, 0, r0, rows), tc = ops::narrow(t, 0, r0, rows);
+      Tensor logits = ops::linear(hc, weight);
+      ops::CrossEntropyResult ce = ops::cross_entropy(logits, tc, ignore_index);
+      // The chunk's summed loss: its mean times its count, in f64.
+      total = ops::add(total, ops::mul(ops::to(ce.loss, DType::F64), ce.count));
+      if (!grads) continue;
+      Tensor g = ops::cross_entropy_backward(one, logits, tc, ce.lse, ignore_index, count);
+      logits = Tensor();  // the chunk's logits go before its gradient's products
+      if (gx) {
+        Tensor dxc = ops::narrow(dx, 0, r0, rows);
+        ops::gemm_into(dxc, g, weight);
+      }
+      if (gw) {
+        if (wide_dw) ops::add_(dw, ops::to(ops::matmul(ops::transpose(g, 0, 1), hc), DType::F32));
+        else ops::gemm_into(dw, ops::transpose(g, 0, 1), hc, 1.0, /*accumulate=*/r0 > 0);
+      }
+    }
+  }
+  Tensor loss = ops::to(ops::div(total, ops::binary(ops::BinaryOp::Maximum, count, 1.0)), x.dtype());
+  if (grads) {
+    if (wide_dw) dw = ops::to(dw, weight.dtype());
+    const Shape x_shape = x.shape();
+    record("linear_cross_entropy", {x, weight}, {loss}, [dx, dw, x_shape](const TensorList& g) {
+      return TensorList{dx.defined() ? ops::reshape(ops::mul(dx, g[0]), x_shape) : Tensor(),
+                        dw.defined() ? ops::mul(dw, g[0]) : Tensor()};
+    });
+  }
+  return loss;
+}
+
 Tensor dropout(const Tensor& x, double p, bool training) {
   TS_PROFILE("dropout");
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: probability must be in [0, 1), got {}", p);

@@ -1,5 +1,7 @@
 #include "nn/models.h"
 
+#include <algorithm>
+
 #include "dtensor/dtensor.h"
 
 namespace tessera::nn {
@@ -123,7 +125,7 @@ Tensor GPT::embed(const Tensor& idx) {
 
 Tensor GPT::head(const Tensor& x) {
   TS_CHECK(lm_head != nullptr, "GPT::head: this model part has no output layer (an earlier pipeline stage's)");
-  return (*lm_head)((*ln_f)(x));
+  return output((*ln_f)(x), lm_head);
 }
 
 Llama::Llama(const TransformerConfig& config_in, Device device) : LanguageModel(with_arch(config_in, "llama")) {
@@ -161,7 +163,41 @@ Tensor Llama::embed(const Tensor& idx) {
 
 Tensor Llama::head(const Tensor& x) {
   TS_CHECK(lm_head != nullptr, "Llama::head: this model part has no output layer (an earlier pipeline stage's)");
-  return (*lm_head)((*norm)(x));
+  return output((*norm)(x), lm_head);
+}
+
+int64_t LanguageModel::chunk_rows_for(int64_t n) const {
+  if (loss_chunk_rows_ > 0) return std::min(loss_chunk_rows_, std::max<int64_t>(n, 1));
+  constexpr int64_t kChunkBytes = int64_t{256} << 20;
+  const int64_t row_bytes = std::max<int64_t>(config.vocab_size, 1) * 4;  // f32 logits (the widest but f64)
+  return std::clamp<int64_t>(kChunkBytes / row_bytes, 1, std::max<int64_t>(n, 1));
+}
+
+Tensor LanguageModel::output(const Tensor& normed, const std::shared_ptr<Linear>& lm_head) {
+  if (!loss_targets_.defined()) return (*lm_head)(normed);
+  Tensor targets = loss_targets_;
+  // A tensor-parallel output layer (loss parallelism): the unchunked path.
+  if (is_dtensor(normed) || is_dtensor(lm_head->weight) || lm_head->bias.defined())
+    return nn::cross_entropy((*lm_head)(normed), targets);
+  return linear_cross_entropy(normed, lm_head->weight, targets, chunk_rows_for(leading_numel(normed.shape())));
+}
+
+Tensor LanguageModel::loss(const Tensor& idx, const Tensor& targets) {
+  // By default chunks only where the logits would exceed one chunk's
+  // budget: one chunk of everything saves nothing and costs a little.
+  const int64_t n = idx.numel();
+  if (loss_chunk_rows_ < 0 || (loss_chunk_rows_ == 0 && chunk_rows_for(n) >= n))
+    return nn::cross_entropy((*this)(idx), targets);
+  // forward() returns the loss while the targets are set; cleared on any exit.
+  struct Clear {
+    Tensor& t;
+    ~Clear() { t = Tensor(); }
+  } clear{loss_targets_};
+  loss_targets_ = targets;
+  Tensor out = (*this)(idx);
+  TS_CHECK(out.dim() == 0 || out.numel() == 1,
+           "LanguageModel::loss: this model part has no output layer (an earlier pipeline stage's)");
+  return out;
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {

@@ -35,9 +35,30 @@ class LanguageModel : public Module {
   void set_sequence_shard(std::shared_ptr<SequenceShard> shard);
   const std::shared_ptr<SequenceShard>& sequence_shard() const { return sequence_shard_; }
 
+  // The mean cross-entropy of the model on idx -> targets, through the
+  // module's call (its hooks, FSDP's among them, run). With the chunked loss
+  // on (the default) the output layer and the loss run in chunks of rows
+  // (linear_cross_entropy): the [tokens, vocabulary] logits are never whole.
+  // A tensor-parallel output layer (DTensor weight: loss parallelism) takes
+  // the unchunked path.
+  Tensor loss(const Tensor& idx, const Tensor& targets);
+  // Rows per chunk of the output layer and loss: > 0 that many, 0 (default)
+  // as many as keep one chunk's logits within 256 MiB, and chunks only where
+  // the logits are larger than that (one chunk would save nothing), < 0 off
+  // (the logits whole, then cross_entropy).
+  void set_loss_chunk_rows(int64_t rows) { loss_chunk_rows_ = rows; }
+  int64_t loss_chunk_rows() const { return loss_chunk_rows_; }
+  // The rows per chunk for n rows (what 0 means for this vocabulary and dtype).
+  int64_t chunk_rows_for(int64_t n) const;
+
  protected:
   void check_tokens(const Tensor& idx) const;
+  // The output layer on the last block's output: logits, or while loss()
+  // runs, the loss against its targets.
+  Tensor output(const Tensor& normed, const std::shared_ptr<Linear>& lm_head);
   std::shared_ptr<SequenceShard> sequence_shard_;
+  int64_t loss_chunk_rows_ = 0;
+  Tensor loss_targets_;  // set while loss() runs
 };
 
 class GPT : public LanguageModel {

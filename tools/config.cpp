@@ -198,6 +198,10 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       int_key("training.seq_len", c.training.seq_len, "sequence length (the model's block size)"),
       int_key("training.steps", c.training.steps, "optimizer steps"),
       int_key("training.grad_accum", c.training.grad_accum, "micro-batches per step"),
+      int_key("training.loss_chunk_rows", c.training.loss_chunk_rows,
+              "rows per chunk of the output layer and loss, which then never hold the [tokens, vocabulary] "
+              "logits whole (0 = as many as keep a chunk's logits within 256 MiB, where the logits are larger; "
+              "-1 = off)"),
       float_key("training.max_norm", c.training.max_norm, "gradient clipping norm (0 = off)"),
       string_key("training.dataset", c.training.dataset, "data source",
                  {"fortunes", "text", "shards"}),
@@ -735,7 +739,9 @@ void set_model(TrainConfig& c, const nn::TransformerConfig& m) {
 }
 
 std::shared_ptr<nn::LanguageModel> make_model(const TrainConfig& c, Device device) {
-  return nn::make_model(transformer_config(c), device);
+  auto model = nn::make_model(transformer_config(c), device);
+  model->set_loss_chunk_rows(c.training.loss_chunk_rows);
+  return model;
 }
 
 std::string model_to_json(TrainConfig& cfg) {

@@ -71,6 +71,10 @@ struct TrainConfig {
     int64_t steps = 600;
     int64_t grad_accum = 1;            // micro-batches per step
     double max_norm = 1.0;             // gradient clipping (0: off)
+    // The output layer and loss in chunks of rows (nn::LanguageModel::loss):
+    // 0 as many rows as keep one chunk's logits within 256 MiB, where the
+    // logits are larger than that; -1 off (the [tokens, vocabulary] logits whole)
+    int64_t loss_chunk_rows = 0;
     std::string dataset = "fortunes";  // fortunes | text | shards
     std::string text = "";             // dataset = text: a text file to train on
     std::string train_shard = "";      // dataset = shards: llm.c token shards

@@ -56,6 +56,7 @@ void validate(const TrainConfig& c) {
   at_least("training.seq_len", t.seq_len, 1);
   at_least("training.steps", t.steps, 1);
   at_least("training.grad_accum", t.grad_accum, 1);
+  at_least("training.loss_chunk_rows", t.loss_chunk_rows, -1);
   TS_CHECK(t.batch_size % t.grad_accum == 0,
            "training.batch_size ({}) must be a multiple of training.grad_accum ({})", t.batch_size,
            t.grad_accum);

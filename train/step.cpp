@@ -9,11 +9,11 @@ namespace tessera::train {
 
 Tensor loss(nn::LanguageModel& model, const Tensor& x, const Tensor& y) {
   const auto& slices = model.sequence_shard();
-  if (!slices) return nn::cross_entropy(model(x), y);
+  if (!slices) return model.loss(x, y);
   // Context parallelism: this rank's slice of the sequences, its loss
   // weighed so that the mean over the slices is the sequences' mean.
   auto [xs, ys] = slices->shard_batch(x, y);
-  return slices->weigh_loss(nn::cross_entropy(model(xs), ys));
+  return slices->weigh_loss(model.loss(xs, ys));
 }
 
 Tensor forward_backward(nn::LanguageModel& model, int64_t grad_accum, const BatchFn& batch) {
