@@ -7,14 +7,37 @@
 
 namespace tessera::autograd {
 
-TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs) {
+namespace {
+thread_local SavedOutputs* current_saved = nullptr;
+
+// Makes `saved` the current segment's kept outputs for a scope (nested segments restore the outer).
+struct SavedScope {
+  SavedOutputs* previous;
+  explicit SavedScope(SavedOutputs* saved) : previous(current_saved) { current_saved = saved; }
+  ~SavedScope() { current_saved = previous; }
+};
+}  // namespace
+
+SavedOutputs* saved_outputs() { return current_saved; }
+
+TensorList SavedOutputs::take(const char* op) {
+  TS_CHECK(next_ < saved_.size(),
+           "checkpoint: the recomputation ran more products than the first run kept ({} kept; the {} after them): "
+           "a checkpointed segment must run the same ops both times", saved_.size(), op);
+  return saved_[next_++];
+}
+
+TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs, CheckpointPolicy policy) {
   if (!is_grad_enabled()) return fn(inputs);
   Generator& gen = default_generator();
   uint64_t seed = gen.seed();
   int64_t offset = gen.offset();
   TensorList outputs;
+  // Selective (per-op): the products' outputs of this run, taken back by the recomputation.
+  auto saved = policy.save_matmuls ? std::make_shared<SavedOutputs>() : nullptr;
   {
     NoGradGuard no_grad;
+    SavedScope keep(saved.get());
     outputs = fn(inputs);
   }
   TensorList float_outputs;
@@ -26,7 +49,7 @@ TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs) {
   }
   // Recorded even when no input requires grad: parameters inside fn may.
   record("checkpoint", inputs, float_outputs,
-         [fn, inputs, seed, offset](const TensorList& grad_outputs) -> TensorList {
+         [fn, inputs, seed, offset, saved](const TensorList& grad_outputs) -> TensorList {
            Tape nested;
            TapeScope scope(nested);
            EnableGradGuard enable;
@@ -41,7 +64,12 @@ TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs) {
            int64_t saved_offset = g.offset();
            g.manual_seed(seed);
            g.set_offset(offset);
-           TensorList recomputed = fn(detached);
+           if (saved) saved->start_replay();
+           TensorList recomputed;
+           {
+             SavedScope replay(saved.get());
+             recomputed = fn(detached);
+           }
            g.manual_seed(saved_seed);
            g.set_offset(saved_offset);
            TensorList roots, root_grads;

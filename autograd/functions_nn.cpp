@@ -38,7 +38,10 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   TS_PROFILE("linear");
-  Tensor y = ops::linear(x, weight, bias);
+  // Selective checkpointing: a kept product is taken back, not recomputed.
+  autograd::SavedOutputs* saved = autograd::saved_outputs();
+  Tensor y = saved && saved->replaying() ? saved->take("linear")[0] : ops::linear(x, weight, bias);
+  if (saved && !saved->replaying()) saved->stash({y});
   if (should_record({x, weight, bias})) {
     bool gx = x.requires_grad(), gw = weight.requires_grad();
     bool gb = bias.defined() && bias.requires_grad();
@@ -263,7 +266,15 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   TS_CHECK(q.dim() == 4, "scaled_dot_product_attention: q must be [B, H, T, D], got {}",
            shape_str(q.shape()));
   double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-  ops::AttentionResult r = ops::attention(q, k, v, causal, scale);
+  autograd::SavedOutputs* saved = autograd::saved_outputs();
+  ops::AttentionResult r;
+  if (saved && saved->replaying()) {  // selective checkpointing: the kept output and log-sum-exp
+    TensorList kept = saved->take("attention");
+    r.out = kept[0], r.lse = kept[1];
+  } else {
+    r = ops::attention(q, k, v, causal, scale);
+    if (saved) saved->stash({r.out, r.lse});
+  }
   if (should_record({q, k, v})) {
     Tensor out = autograd::detach(r.out), lse = r.lse;
     record("attention", {q, k, v}, {r.out}, [q, k, v, out, lse, causal, scale](const TensorList& g) {

@@ -170,7 +170,34 @@ void register_post_accumulate_grad_hook(const Tensor& x, std::function<void(cons
 // ---- activation checkpointing ----------------------------------------------------------
 // Runs fn(inputs) without saving its activations; during backward re-runs it on
 // a nested tape (same RNG state) and back-propagates through the recomputation.
+//
+// With save_matmuls (selective checkpointing's per-op policy, TorchTitan's
+// "op" option) the matrix products' and attention's outputs of the first run
+// are kept, and the recomputation takes them back instead of computing them
+// again: only the pointwise ops and the norms run twice. The kept outputs are
+// the ones a recomputation would give, so the gradients are the same bits.
+struct CheckpointPolicy {
+  bool save_matmuls = false;
+};
 using SegmentFn = std::function<TensorList(const TensorList&)>;
-TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs);
+TensorList checkpoint(const SegmentFn& fn, const TensorList& inputs, CheckpointPolicy policy = {});
+
+// The kept outputs of the segment running now (null outside a save_matmuls
+// segment): linear and attention stash theirs in its first run and take them
+// back, in the same order, in its recomputation.
+class SavedOutputs {
+ public:
+  bool replaying() const { return replay_; }
+  void stash(TensorList outputs) { saved_.push_back(std::move(outputs)); }
+  TensorList take(const char* op);
+  void start_replay() { replay_ = true, next_ = 0; }
+  size_t size() const { return saved_.size(); }
+
+ private:
+  std::vector<TensorList> saved_;
+  size_t next_ = 0;
+  bool replay_ = false;
+};
+SavedOutputs* saved_outputs();
 
 }  // namespace tessera::autograd

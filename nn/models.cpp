@@ -75,6 +75,7 @@ GPT::GPT(const TransformerConfig& config_in, Device device) : LanguageModel(with
   h = transformer->register_module("h", std::make_shared<ModuleList>());
   for (int64_t i = 0; i < cfg.n_layer; ++i) {
     auto block = std::make_shared<GPTBlock>(cfg, build);
+    block->checkpoint = cfg.checkpoints_layer(i);
     h->push_back(block);
     blocks.push_back(block);
   }

@@ -67,6 +67,8 @@ void TransformerConfig::validate(const FieldNames& names) const {
              "{} with {} > 0: a recomputed MoE layer would route twice and lose its balance loss's gradient; "
              "not supported yet", f("activation_checkpoint"), f("moe_experts"));
   }
+  TS_CHECK(ac_layer_frequency >= 1, "{} must be >= 1 (1: every block), got {}", f("ac_layer_frequency"),
+           ac_layer_frequency);
   parameter_count(names);
 }
 
@@ -113,10 +115,11 @@ int64_t TransformerConfig::parameter_count(const FieldNames& names) const {
   return (embeddings + L * block + norm + head).value;
 }
 
-Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {
+Tensor maybe_checkpoint(bool on, bool save_matmuls, const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {
   if (!on || !autograd::is_grad_enabled()) return f(x);
   // The segment runs again in backward: capture f by value.
-  return autograd::checkpoint([f](const TensorList& in) { return TensorList{f(in[0])}; }, {x})[0];
+  return autograd::checkpoint([f](const TensorList& in) { return TensorList{f(in[0])}; }, {x},
+                              {.save_matmuls = save_matmuls})[0];
 }
 
 // Residual projections get the GPT-2 scaled init std 0.02 / sqrt(2 * n_layer).
@@ -264,7 +267,8 @@ Tensor LlamaAttention::forward(const Tensor& x) {
   return (*o_proj)(merge_heads(y));
 }
 
-GPTBlock::GPTBlock(const TransformerConfig& cfg, Device device) : checkpoint(cfg.activation_checkpoint) {
+GPTBlock::GPTBlock(const TransformerConfig& cfg, Device device)
+    : checkpoint(cfg.activation_checkpoint), save_matmuls(cfg.ac_save_matmuls) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(cfg.n_embd, cfg.norm_eps, cfg.bias, device));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(cfg, device));
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(cfg.n_embd, cfg.norm_eps, cfg.bias, device));
@@ -277,11 +281,11 @@ Tensor GPTBlock::body(const Tensor& x) {
 }
 
 Tensor GPTBlock::forward(const Tensor& x) {
-  return maybe_checkpoint(checkpoint, x, [this](const Tensor& in) { return body(in); });
+  return maybe_checkpoint(checkpoint, save_matmuls, x, [this](const Tensor& in) { return body(in); });
 }
 
 LlamaBlock::LlamaBlock(const TransformerConfig& cfg, Device device, int64_t layer)
-    : checkpoint(cfg.activation_checkpoint) {
+    : checkpoint(cfg.checkpoints_layer(layer)), save_matmuls(cfg.ac_save_matmuls) {
   input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(cfg.n_embd, cfg.norm_eps, device));
   self_attn = register_module("self_attn", std::make_shared<LlamaAttention>(cfg, device));
   post_attention_layernorm =
@@ -297,7 +301,7 @@ Tensor LlamaBlock::body(const Tensor& x) {
 }
 
 Tensor LlamaBlock::forward(const Tensor& x) {
-  return maybe_checkpoint(checkpoint, x, [this](const Tensor& in) { return body(in); });
+  return maybe_checkpoint(checkpoint, save_matmuls, x, [this](const Tensor& in) { return body(in); });
 }
 
 }  // namespace tessera::nn

@@ -27,6 +27,17 @@ struct TransformerConfig {
   bool rope = false;  // GPT-2: rotary q/k instead of learned positions (no transformer.wpe); Llama always
   bool gelu_tanh = false;  // GPT-2's MLP: GELU's tanh approximation (GPT-2, Hugging Face) instead of exact (nanoGPT)
   bool activation_checkpoint = false;  // recompute each block in backward
+  // Selective activation checkpointing (TorchTitan's two options), with
+  // activation_checkpoint on: only every k-th block (blocks 0, k, 2k, ...;
+  // 1: every block) is checkpointed; and/or in a checkpointed block the
+  // matrix products' and attention's outputs are kept, only the pointwise
+  // ops and norms recomputed (autograd::CheckpointPolicy::save_matmuls).
+  int64_t ac_layer_frequency = 1;
+  bool ac_save_matmuls = false;
+  // Whether block `layer` is checkpointed.
+  bool checkpoints_layer(int64_t layer) const {
+    return activation_checkpoint && layer % std::max<int64_t>(ac_layer_frequency, 1) == 0;
+  }
 
   // Mixture of experts (Llama; nn/moe.h). 0 experts: every MLP is dense.
   int64_t moe_experts = 0;
@@ -179,7 +190,8 @@ class GPTBlock : public Module {
   GPTBlock(const TransformerConfig& cfg, Device device);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Block"; }
-  bool checkpoint;
+  bool checkpoint;            // recompute this block in backward (TransformerConfig::checkpoints_layer)
+  bool save_matmuls = false;  // and keep its products' outputs (selective, per op)
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
   std::shared_ptr<GeluMLP> mlp;
@@ -197,7 +209,8 @@ class LlamaBlock : public Module {
   LlamaBlock(const TransformerConfig& cfg, Device device, int64_t layer = 0);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "LlamaDecoderLayer"; }
-  bool checkpoint;
+  bool checkpoint;            // recompute this block in backward (TransformerConfig::checkpoints_layer)
+  bool save_matmuls = false;  // and keep its products' outputs (selective, per op)
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<LlamaAttention> self_attn;
   std::shared_ptr<SwiGLUMLP> mlp;  // null in an MoE layer
@@ -208,6 +221,6 @@ class LlamaBlock : public Module {
 };
 
 // Runs f(x) under activation checkpointing when `on` (and grad mode is on).
-Tensor maybe_checkpoint(bool on, const Tensor& x, const std::function<Tensor(const Tensor&)>& f);
+Tensor maybe_checkpoint(bool on, bool save_matmuls, const Tensor& x, const std::function<Tensor(const Tensor&)>& f);
 
 }  // namespace tessera::nn

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <cctype>
@@ -293,7 +294,11 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       string_key("mixed_precision.reduce_dtype", c.mixed_precision.reduce_dtype,
                  "dtype gradients are reduced in", {"float32", "bfloat16"}),
       string_key("activation_checkpoint.mode", c.activation_checkpoint.mode,
-                 "recompute blocks in backward", {"none", "full"}),
+                 "recompute blocks in backward: every block whole (full), or as selective_ac_option says",
+                 {"none", "full", "selective"}),
+      string_key("activation_checkpoint.selective_ac_option", c.activation_checkpoint.selective_ac_option,
+                 "with mode selective: op (keep the matrix products' and attention's outputs, recompute the "
+                 "pointwise ops and norms) or an integer k (checkpoint every k-th block whole)"),
       bool_key("checkpoint.enable", c.checkpoint.enable, "save distributed checkpoints"),
       string_key("checkpoint.folder", c.checkpoint.folder,
                  "checkpoint folder (inside job.dump_folder)"),
@@ -682,7 +687,12 @@ nn::TransformerConfig transformer_config(const TrainConfig& c) {
   m.rope_theta = c.model.rope_theta;
   m.gelu_tanh = c.model.gelu == "tanh";
   m.norm_eps = c.model.norm_eps;
-  m.activation_checkpoint = c.activation_checkpoint.mode == "full";
+  const auto& ac = c.activation_checkpoint;
+  m.activation_checkpoint = ac.mode == "full" || ac.mode == "selective";
+  if (ac.mode == "selective") {
+    if (ac.selective_ac_option == "op") m.ac_save_matmuls = true;
+    else m.ac_layer_frequency = std::max<int64_t>(1, std::atoll(ac.selective_ac_option.c_str()));
+  }
   m.moe_experts = c.model.moe_experts;
   m.moe_top_k = c.model.moe_top_k;
   m.moe_shared_experts = c.model.moe_shared_experts;

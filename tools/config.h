@@ -158,7 +158,11 @@ struct TrainConfig {
     std::string reduce_dtype = "float32";  // float32 | bfloat16: gradient reduce-scatter dtype
   } mixed_precision;
   struct ActivationCheckpoint {
-    std::string mode = "none";  // none | full
+    std::string mode = "none";  // none | full | selective
+    // mode selective (TorchTitan's option): "op" keeps every block's matrix
+    // products' and attention's outputs and recomputes the rest; an integer
+    // k checkpoints every k-th block whole (blocks 0, k, 2k, ...)
+    std::string selective_ac_option = "op";
   } activation_checkpoint;
   struct Checkpoint {
     bool enable = false;

@@ -4,6 +4,7 @@
 // configuration implies at a world size, and its parameter count, every
 // product checked for overflow (tools/config.h).
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "cp/context_parallel.h"
@@ -57,6 +58,12 @@ void validate(const TrainConfig& c) {
   at_least("training.steps", t.steps, 1);
   at_least("training.grad_accum", t.grad_accum, 1);
   at_least("training.loss_chunk_rows", t.loss_chunk_rows, -1);
+  {
+    const std::string& o = c.activation_checkpoint.selective_ac_option;
+    const bool digits = !o.empty() && o.size() < 10 && std::all_of(o.begin(), o.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    TS_CHECK(o == "op" || (digits && std::atoll(o.c_str()) >= 1),
+             "activation_checkpoint.selective_ac_option: expected op or a block frequency >= 1, got '{}'", o);
+  }
   TS_CHECK(t.batch_size % t.grad_accum == 0,
            "training.batch_size ({}) must be a multiple of training.grad_accum ({})", t.batch_size,
            t.grad_accum);

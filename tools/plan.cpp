@@ -396,7 +396,14 @@ Plan plan_once(const TrainConfig& cfg, int world_size, int rank, bool log_step) 
                            4.0 * static_cast<double>(cfg.model.n_layer * cfg.model.n_embd * T.seq_len);
   plan.flops_forward = per_token * tokens;
   plan.flops_backward = 2 * plan.flops_forward;
-  plan.flops_recompute = cfg.activation_checkpoint.mode == "full" ? plan.flops_forward : 0;
+  // Recomputed: every block (full), every k-th (selective k), or only the
+  // pointwise ops and norms, no product (selective op: no FLOPs counted).
+  const nn::TransformerConfig model = transformer_config(cfg);
+  int64_t recomputed = 0;
+  for (int64_t l = 0; l < model.n_layer; ++l) recomputed += model.checkpoints_layer(l) && !model.ac_save_matmuls;
+  plan.flops_recompute = model.n_layer > 0 ? plan.flops_forward * static_cast<double>(recomputed) /
+                                                 static_cast<double>(model.n_layer)
+                                           : 0;
   return plan;
 }
 

@@ -30,6 +30,8 @@ struct Run {
   bool explicit_prefetch = false;
   bool accumulate = false;  // two micro-batches, the first without gradient sync
   bool checkpoint = false;  // activation checkpointing
+  int64_t ac_every = 1;     // selective: every k-th block
+  bool ac_ops = false;      // selective: keep the products' outputs
   std::optional<DType> param_dtype;
   bool hsdp = false;
   bool offload = false;  // CPUOffloadPolicy: shards, gradients and the optimizer on the host
@@ -55,6 +57,8 @@ std::shared_ptr<nn::GPT> build(const std::string& device, const Run& r) {
   MeshPtr mesh = mesh_for(device, r.hsdp);
   auto cfg = config();
   cfg.activation_checkpoint = r.checkpoint;
+  cfg.ac_layer_frequency = r.ac_every;
+  cfg.ac_save_matmuls = r.ac_ops;
   auto model = nn::GPT::on_meta(cfg);
   fsdp::FullyShardOptions opt{.mesh = mesh, .reshard_after_forward = r.raf,
                               .mp_policy = {.param_dtype = r.param_dtype, .reduce_dtype = DType::F32},
@@ -303,4 +307,17 @@ TEST_CASE("CPU offload on the async device: shards, gradients and optimizer stat
   // Without the policy the same model keeps its shards on the device.
   auto plain = build("async_cpu", Run{.raf = true, .name = "plain"});
   CHECK(local_tensor(plain->parameters().front()).device() == Device::async_cpu());
+}
+
+TEST_CASE("selective activation checkpointing under FSDP: the shards of no checkpointing, bit for bit", "[fsdp][checkpoint][selective]") {
+  const Run none{.raf = true, .name = "none"};
+  auto expect = train(*build("cpu", none), Device::cpu(), none);
+  for (const Run& r : {Run{.raf = true, .checkpoint = true, .name = "full"},
+                       Run{.raf = true, .checkpoint = true, .ac_ops = true, .name = "selective op"},
+                       Run{.raf = true, .checkpoint = true, .ac_every = 2, .name = "selective every 2"},
+                       Run{.raf = false, .checkpoint = true, .ac_every = 2, .ac_ops = true,
+                           .name = "selective every 2 with op, no reshard"}}) {
+    INFO(r.name << " at " << world() << " ranks");
+    CHECK(mismatches(train(*build("cpu", r), Device::cpu(), r), expect) == 0);
+  }
 }
