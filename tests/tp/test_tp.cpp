@@ -564,6 +564,14 @@ TEST_CASE("activation checkpointing recomputes tensor-parallel blocks, all-reduc
   CHECK(stats(mesh).all_reduce == (w > 1 ? 6 * c.n_layer + 1 : 0));
   CHECK(tloss.item() == Approx(rloss.item()).epsilon(1e-12));
   check_parity(*model, ref, 1e-10, true);
+
+  // Selective, per op: the products' outputs (DTensors) kept, the rest recomputed.
+  c.ac_save_matmuls = true;
+  auto selective = tp_llama(c, mesh, 5);
+  Tensor sloss = nn::cross_entropy((*selective)(x), y);
+  autograd::backward(sloss);
+  CHECK(sloss.item() == Approx(rloss.item()).epsilon(1e-12));
+  check_parity(*selective, ref, 1e-10, true);
 }
 
 TEST_CASE("a column-wise layer may hand on its DTensor: elementwise ops follow its placements, both ways",
