@@ -420,7 +420,11 @@ class NcclGroup final : public dist::ProcessGroup {
     comm_->queue(what, [&](ncclComm_t comm) { return call(comm, raw_stream(stream)); });
     stats_.bytes += static_cast<int64_t>(keep[0].numel() * dtype_size(keep[0].dtype()));
     std::shared_ptr<Event> done = stream.record_event();
-    comm_->watchdog().watch(what, [done] { return done->query(); }, dist::timeout());
+    // Polled from the watchdog's thread: on this group's GPU there too.
+    comm_->watchdog().watch(what, [done, index = device_.index] {
+      use_device(index);
+      return done->query();
+    }, dist::timeout());
     return std::make_shared<NcclWork>(std::move(done), std::move(keep), comm_, what);
   }
 
