@@ -6,12 +6,17 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
+#include <tuple>
 
 #include "dtensor/dtensor.h"
 #include "fsdp/checkpoint_format.h"
@@ -156,27 +161,67 @@ std::pair<std::vector<HeldTensor>, std::set<std::pair<std::string, Shape>>> assi
   return {all, mine};
 }
 
-// Writes this rank's pieces (`mine`: tensor name and box offset) into
-// tmp_dir/file_name (fsynced) and returns their descriptions.
-json write_own_chunks(const fs::path& tmp_dir, const std::string& file_name, int rank,
-                      const nn::StateDict& tensors, const std::set<std::pair<std::string, Shape>>& mine) {
-  json chunks = json::array();
-  DataFile file((tmp_dir / file_name).string(), rank);
+}  // namespace
+
+// One piece of one tensor this rank writes: its box's offset in the global
+// tensor and its bytes, contiguous on the host.
+struct SavePiece {
+  std::string name;
+  Shape offset;
+  Tensor data;
+};
+
+namespace {
+
+// This rank's pieces (`mine`: tensor name and box offset), in the order the
+// tensors and their boxes come. With `staging` (an asynchronous save) each is
+// copied into a host buffer of its own, reused by the next save of the same
+// layout, so that training may change the tensors while a thread writes them.
+std::vector<SavePiece> pieces_of(const nn::StateDict& tensors, const std::set<std::pair<std::string, Shape>>& mine,
+                                 std::map<std::pair<std::string, Shape>, Tensor>* staging) {
+  std::vector<SavePiece> pieces;
+  std::vector<Device> devices;
   for (const auto& [name, t] : tensors) {
     for (const LocalBox& box : local_boxes(t)) {  // one, or one per block of a blocked shard
       if (mine.count({name, box.offset}) == 0) continue;
-      Tensor c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
-      uint64_t bytes = c.nbytes();
-      uint64_t at = file.size();
-      if (bytes) file.write(c.host_data_ptr(), bytes);
-      chunks.push_back({{"tensor", name},
-                        {"file", file_name},
-                        {"offset", at},
-                        {"bytes", bytes},
-                        {"offsets", shape_json(box.offset)},
-                        {"shape", shape_json(c.shape())},
-                        {"crc32c", bytes ? crc32c(c.host_data_ptr(), bytes) : 0u}});
+      Tensor c;
+      if (staging) {
+        Tensor& buf = (*staging)[{name, box.offset}];
+        if (!buf.defined() || buf.shape() != box.local.shape() || buf.dtype() != box.local.dtype())
+          buf = empty(box.local.shape(), box.local.dtype(), Device::cpu());
+        Tensor dst = buf;
+        ops::copy_(dst, box.local);  // queued where the tensor lives; synchronized below
+        if (std::find(devices.begin(), devices.end(), box.local.device()) == devices.end())
+          devices.push_back(box.local.device());
+        c = buf;
+      } else {
+        c = ops::contiguous(box.local.to(Device::cpu()));  // the bytes, on the host
+      }
+      pieces.push_back({name, box.offset, c});
     }
+  }
+  for (Device d : devices)
+    if (!d.is_host_visible()) synchronize(d);
+  return pieces;
+}
+
+// Writes the pieces into tmp_dir/file_name (fsynced) and returns their descriptions.
+json write_pieces(const fs::path& tmp_dir, const std::string& file_name, int rank,
+                  const std::vector<SavePiece>& pieces) {
+  json chunks = json::array();
+  DataFile file((tmp_dir / file_name).string(), rank);
+  for (const SavePiece& piece : pieces) {
+    const Tensor& c = piece.data;
+    uint64_t bytes = c.nbytes();
+    uint64_t at = file.size();
+    if (bytes) file.write(c.host_data_ptr(), bytes);
+    chunks.push_back({{"tensor", piece.name},
+                      {"file", file_name},
+                      {"offset", at},
+                      {"bytes", bytes},
+                      {"offsets", shape_json(piece.offset)},
+                      {"shape", shape_json(c.shape())},
+                      {"crc32c", bytes ? crc32c(c.host_data_ptr(), bytes) : 0u}});
   }
   file.finish();
   return chunks;
@@ -256,42 +301,62 @@ std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module&
   return save_checkpoint(folder, step, tensors_of(model, opt, false), extra_json, keep);
 }
 
-std::string save_checkpoint(const std::string& folder_in, int64_t step,
-                            const nn::StateDict& tensors, const std::string& extra_json, int keep) {
-  autograd::NoGradGuard no_grad;
+// A save in three phases: begin (collective: the folder prepared, who
+// writes what), write (this rank's data file alone: the part an asynchronous
+// save runs on a thread), finish (collective: the chunk lists exchanged,
+// rank 0 commits, an error anywhere fails every rank).
+struct SavePlan {
+  fs::path folder, tmp_dir, final_dir;
+  int64_t step = 0;
+  std::string extra_json;
+  int keep = 0;
+  std::vector<HeldTensor> all;
+  std::set<std::pair<std::string, Shape>> mine;
+  json rng;  // this rank's generator at the save
+};
+
+namespace {
+
+SavePlan begin_save(const std::string& folder_in, int64_t step, const nn::StateDict& tensors,
+                    const std::string& extra_json, int keep) {
   auto world = dist::world();
   int rank = dist::rank();
-  fs::path folder(folder_in);
-  fs::path final_dir = folder / step_dir_name(step);
-  fs::path tmp_dir = folder / (step_dir_name(step) + ".tmp");
+  SavePlan plan;
+  plan.folder = fs::path(folder_in);
+  plan.final_dir = plan.folder / step_dir_name(step);
+  plan.tmp_dir = plan.folder / (step_dir_name(step) + ".tmp");
+  plan.step = step, plan.extra_json = extra_json, plan.keep = keep;
   TS_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got {}", step);
   TS_CHECK(json::accept(extra_json) && json::parse(extra_json).is_object(),
            "save_checkpoint: extra state must be a JSON object, got '{}'", extra_json);
 
-  // 1. Rank 0 clears leftovers of interrupted saves and creates step-N.tmp/.
+  // 1. Rank 0 clears leftovers of interrupted saves and creates step-N.tmp/;
+  // its error (if any) travels with its description below, whose exchange
+  // also keeps every rank from writing before the directory exists.
   std::string error;
   if (rank == 0) {
     try {
-      fs::create_directories(folder);
+      fs::create_directories(plan.folder);
       // Leftovers of saves that never committed: step-N.tmp/ and latest.tmp.
-      for (const auto& e : fs::directory_iterator(folder)) {
+      for (const auto& e : fs::directory_iterator(plan.folder)) {
         std::string name = e.path().filename().string();
         if (name == "latest.tmp" || (name.rfind("step-", 0) == 0 && name.ends_with(".tmp")))
           fs::remove_all(e.path());
       }
-      fs::create_directories(tmp_dir);
+      fs::create_directories(plan.tmp_dir);
     } catch (const std::exception& e) {
-      error = fmt::format("cannot prepare '{}': {}", tmp_dir.string(), e.what());
+      error = fmt::format("cannot prepare '{}': {}", plan.tmp_dir.string(), e.what());
     }
   }
-  dist::throw_if_any_failed(world, error, "save_checkpoint");
 
   // 2. What each rank holds, to every rank: the lowest rank holding a piece writes it.
   json held = json::array();
-  try {
-    held = describe(tensors);
-  } catch (const std::exception& e) {
-    error = e.what();
+  if (error.empty()) {
+    try {
+      held = describe(tensors);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
   std::vector<json> per_rank;
   for (const auto& text : dist::all_gather_strings(world, json{{"tensors", held}, {"error", error}}.dump()))
@@ -300,22 +365,47 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
     std::string e = per_rank[r]["error"].get<std::string>();
     TS_CHECK(e.empty(), "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
   }
-  const auto [all, mine] = assign_owners(per_rank, rank);
-
-  // 3. Every rank writes its own file in parallel.
-  json chunks = json::array();
-  try {
-    chunks = write_own_chunks(tmp_dir, fmt::format("rank-{:05d}.bin", rank), rank, tensors, mine);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-
-  // 4. Chunk lists, RNG states and errors to every rank; any error fails all.
+  std::tie(plan.all, plan.mine) = assign_owners(per_rank, rank);
   Generator& gen = default_generator();
-  json written = {{"chunks", chunks},
-                  {"rng", {{"seed", gen.seed()}, {"offset", gen.offset()}}},
-                  {"error", error}};
-  per_rank.clear();
+  plan.rng = {{"seed", gen.seed()}, {"offset", gen.offset()}};
+  return plan;
+}
+
+// Test hooks of the data file's writing (tests/fsdp/test_checkpoint.cpp): a
+// slow disk and a full one. Read when the save starts, on the caller's
+// thread: the environment is not the writer thread's to read.
+struct WriteHooks {
+  int64_t delay_ms = 0;
+  bool disk_full = false;
+};
+WriteHooks write_hooks() {
+  WriteHooks h;
+  if (const char* ms = std::getenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS")) h.delay_ms = std::atoll(ms);
+  const char* fail_at = std::getenv("TESSERA_CHECKPOINT_FAIL_AT");
+  h.disk_full = fail_at != nullptr && std::string(fail_at) == "data";
+  return h;
+}
+
+// 3. This rank's file: its chunk list, or the error that stopped it.
+std::pair<json, std::string> write_save(const SavePlan& plan, const std::vector<SavePiece>& pieces,
+                                        const WriteHooks& hooks) {
+  try {
+    if (hooks.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hooks.delay_ms));
+    TS_CHECK(!hooks.disk_full,
+             "checkpoint: writing '{}' failed: No space left on device (TESSERA_CHECKPOINT_FAIL_AT)",
+             (plan.tmp_dir / fmt::format("rank-{:05d}.bin", dist::rank())).string());
+    return {write_pieces(plan.tmp_dir, fmt::format("rank-{:05d}.bin", dist::rank()), dist::rank(), pieces), ""};
+  } catch (const std::exception& e) {
+    return {json::array(), e.what()};
+  }
+}
+
+// 4-5. Chunk lists, RNG states and errors to every rank (any error fails
+// all, and nothing is committed), then rank 0 writes the metadata and commits.
+std::string finish_save(const SavePlan& plan, const json& chunks, const std::string& write_error) {
+  auto world = dist::world();
+  json written = {{"chunks", chunks}, {"rng", plan.rng}, {"error", write_error}};
+  std::vector<json> per_rank;
   for (const auto& text : dist::all_gather_strings(world, written.dump()))
     per_rank.push_back(json::parse(text));
   for (size_t r = 0; r < per_rank.size(); ++r) {
@@ -323,18 +413,89 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
     TS_CHECK(e.empty(),
              "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
   }
-
-  // 5. Rank 0 writes the metadata and commits.
-  if (rank == 0) {
+  std::string error;
+  if (dist::rank() == 0) {
     try {
-      commit(folder, tmp_dir, final_dir, step, world->size(), all, per_rank, extra_json, keep);
+      commit(plan.folder, plan.tmp_dir, plan.final_dir, plan.step, world->size(), plan.all, per_rank,
+             plan.extra_json, plan.keep);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
   dist::throw_if_any_failed(world, error, "save_checkpoint");
-  return final_dir.string();
+  return plan.final_dir.string();
 }
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& folder_in, int64_t step,
+                            const nn::StateDict& tensors, const std::string& extra_json, int keep) {
+  autograd::NoGradGuard no_grad;
+  SavePlan plan = begin_save(folder_in, step, tensors, extra_json, keep);
+  auto [chunks, error] = write_save(plan, pieces_of(tensors, plan.mine, nullptr), write_hooks());
+  return finish_save(plan, chunks, error);
+}
+
+// ---- asynchronous saves ----------------------------------------------------------
+
+struct AsyncCheckpointer::Pending {
+  SavePlan plan;
+  std::vector<SavePiece> pieces;
+  std::thread writer;
+  std::atomic<bool> done{false};
+  json chunks;
+  std::string error;
+  std::chrono::steady_clock::time_point started;
+};
+
+AsyncCheckpointer::AsyncCheckpointer() = default;
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  // Never leaves a writer running; the save is not committed (a collective
+  // has no place in a destructor): its .tmp directory is what a crash leaves.
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();
+}
+
+double AsyncCheckpointer::save(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* opt,
+                               const std::string& extra_json, int keep) {
+  autograd::NoGradGuard no_grad;
+  wait();
+  const auto t0 = std::chrono::steady_clock::now();
+  nn::StateDict tensors = tensors_of(model, opt, false);
+  auto p = std::make_unique<Pending>();
+  p->plan = begin_save(folder, step, tensors, extra_json, keep);
+  p->pieces = pieces_of(tensors, p->plan.mine, &staging_);
+  p->started = std::chrono::steady_clock::now();
+  Pending* raw = p.get();
+  p->writer = std::thread([raw, hooks = write_hooks()] {
+    std::tie(raw->chunks, raw->error) = write_save(raw->plan, raw->pieces, hooks);
+    raw->done.store(true, std::memory_order_release);
+  });
+  pending_ = std::move(p);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string AsyncCheckpointer::complete() {
+  Pending& p = *pending_;
+  p.writer.join();
+  last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.started).count();
+  std::unique_ptr<Pending> finished = std::move(pending_);
+  return finish_save(finished->plan, finished->chunks, finished->error);
+}
+
+std::string AsyncCheckpointer::poll() {
+  if (!pending_) return "";
+  // Committed only when every rank's writer is done (one small all-reduce).
+  Tensor done = full({1}, pending_->done.load(std::memory_order_acquire) ? 1.0 : 0.0, DType::F64);
+  dist::world()->all_reduce(done, {dist::ReduceOp::Min})->wait();
+  return done.item() == 1.0 ? complete() : "";
+}
+
+std::string AsyncCheckpointer::wait() { return pending_ ? complete() : ""; }
+
+bool AsyncCheckpointer::pending() const { return pending_ != nullptr; }
+
+int64_t AsyncCheckpointer::pending_step() const { return pending_ ? pending_->plan.step : -1; }
 
 std::string latest_checkpoint(const std::string& folder) {
   auto complete = complete_checkpoints(folder);

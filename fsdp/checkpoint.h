@@ -25,8 +25,11 @@
 // the tensor.
 #pragma once
 
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/module.h"
@@ -70,6 +73,48 @@ std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module&
 // converts files with it).
 std::string save_checkpoint(const std::string& folder, int64_t step, const nn::StateDict& tensors,
                             const std::string& extra_json = "{}", int keep = 0);
+// Asynchronous saves (TorchTitan's checkpoint.async_mode "async"): save()
+// takes part in the collective planning of a save, copies this rank's pieces
+// into host staging buffers (kept and reused by the next save of the same
+// layout), starts a thread that writes them, and returns: training goes on
+// while the file is written. The files, checksums and crash-safety are
+// save_checkpoint's to the byte: the checkpoint is committed (metadata.json,
+// the atomic rename, `latest`) only once every rank's writer is done, by
+// poll() (collective: every rank calls it, say every step, while pending())
+// or wait() (the next save and the end of the run call it). A writer that
+// fails (a full disk) makes that poll() or wait() throw on every rank, and
+// nothing is marked complete; a process killed mid-write leaves the
+// previous checkpoint the latest.
+struct SavePiece;
+struct SavePlan;
+class AsyncCheckpointer {
+ public:
+  AsyncCheckpointer();
+  ~AsyncCheckpointer();  // joins a running writer; an uncommitted save stays a .tmp directory
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+  // Collective. Waits for the previous save first; returns the seconds the
+  // caller was held (planning and staging: the training loop's stall).
+  double save(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* optimizer,
+              const std::string& extra_json = "{}", int keep = 0);
+  // Collective: commits the pending save if every rank's writer is done;
+  // returns its directory, or "" (none pending, or still writing).
+  std::string poll();
+  // Collective: blocks until the pending save is written and committed;
+  // returns its directory ("" when none was pending).
+  std::string wait();
+  bool pending() const;
+  int64_t pending_step() const;                            // -1 when none
+  double last_write_seconds() const { return last_write_seconds_; }  // the last committed save's writing
+
+ private:
+  struct Pending;
+  std::string complete();
+  std::unique_ptr<Pending> pending_;
+  std::map<std::pair<std::string, Shape>, Tensor> staging_;  // host buffers, by (tensor, box offset)
+  double last_write_seconds_ = 0;
+};
+
 // The newest complete checkpoint directory in folder ("" if there is none).
 std::string latest_checkpoint(const std::string& folder);
 // Every complete checkpoint in folder as (step, directory), by step.

@@ -37,10 +37,15 @@ DataFile::DataFile(const std::string& path, int rank) : path_(path) {
     ::close(fd_);
     throw;
   }
-  // Test hook: a rank that kills itself mid-save (see tests/fsdp/checkpoint_test.sh).
+  // Test hook: a rank that kills itself mid-save (see tests/fsdp/checkpoint_test.sh);
+  // with TESSERA_CHECKPOINT_KILL_FILE=n only in the n-th data file this
+  // process writes (a later save's, after earlier ones completed).
+  static std::atomic<int> files_opened{0};
+  const int this_file = ++files_opened;
+  const char* kill_file = std::getenv("TESSERA_CHECKPOINT_KILL_FILE");
   if (const char* kr = std::getenv("TESSERA_CHECKPOINT_KILL_RANK"); kr && std::atoi(kr) == rank)
     if (const char* after = std::getenv("TESSERA_CHECKPOINT_KILL_AFTER"))
-      kill_after_ = std::atoll(after);
+      if (kill_file == nullptr || std::atoi(kill_file) == this_file) kill_after_ = std::atoll(after);
 }
 
 DataFile::~DataFile() {

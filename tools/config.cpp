@@ -300,6 +300,11 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  "with mode selective: op (keep the matrix products' and attention's outputs, recompute the "
                  "pointwise ops and norms) or an integer k (checkpoint every k-th block whole)"),
       bool_key("checkpoint.enable", c.checkpoint.enable, "save distributed checkpoints"),
+      string_key("checkpoint.async_mode", c.checkpoint.async_mode,
+                 "off: the ranks wait while a checkpoint is written; async: they stage their shards in host "
+                 "memory and train on while a thread writes them (the same files; committed once all are "
+                 "written, and before the next save and the end of the run)",
+                 {"off", "async"}),
       string_key("checkpoint.folder", c.checkpoint.folder,
                  "checkpoint folder (inside job.dump_folder)"),
       int_key("checkpoint.interval", c.checkpoint.interval,

@@ -166,6 +166,10 @@ struct TrainConfig {
   } activation_checkpoint;
   struct Checkpoint {
     bool enable = false;
+    // off: every rank waits while the checkpoint is written; async: the ranks
+    // stage their shards in host memory and train on while a thread writes
+    // them (fsdp::AsyncCheckpointer), the same files
+    std::string async_mode = "off";
     std::string folder = "checkpoint";  // inside job.dump_folder unless absolute
     int64_t interval = 200;             // steps between checkpoints (and one at the end)
     int64_t keep = 2;                   // newest complete checkpoints kept (0: all)

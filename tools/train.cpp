@@ -421,10 +421,12 @@ void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start)
     outside_window([&] { sample(fmt::format("step {}", step + 1)); });
   bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
   if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_)) outside_window([&] { save(step + 1); });
+  else poll_checkpoint();  // an asynchronous save commits once every rank has written it
 }
 
 int Trainer::stop_early(int64_t step) {
   read_losses();
+  wait_checkpoint();
   progress_->finish();
   say(fmt::format("interrupted (SIGINT/SIGTERM) after step {}: {}", step + 1,
                   cfg_.checkpoint.enable ? "checkpoint saved; continue with --checkpoint.resume true"
@@ -463,6 +465,7 @@ int Trainer::run() {
     run_step(step, start, run_start);
     if (stop_requested_) return stop_early(step);
   }
+  wait_checkpoint();  // the run's last save complete before the run is
   finish(seconds_since(run_start), start);
   say("status: completed (exit 0)");
   if (rank_ == 0)

@@ -135,10 +135,43 @@ json Trainer::extra_state(int64_t step) {
 
 void Trainer::save(int64_t step) {
   auto t0 = Clock::now();
-  std::string dir =
-      fsdp::save_checkpoint(out_path(cfg_, cfg_.checkpoint.folder), step, *model_, adamw_,
-                            extra_state(step).dump(), static_cast<int>(cfg_.checkpoint.keep));
-  say(fmt::format("checkpoint: step {} -> {} ({:.2f} s)", step, dir, seconds_since(t0)));
+  const std::string folder = out_path(cfg_, cfg_.checkpoint.folder);
+  if (cfg_.checkpoint.async_mode == "async") {
+    if (!async_ckpt_) async_ckpt_ = std::make_unique<fsdp::AsyncCheckpointer>();
+    const int64_t previous = async_ckpt_->pending_step();
+    if (previous >= 0) {  // the previous save must be complete first
+      std::string dir = async_ckpt_->wait();
+      say(fmt::format("checkpoint: step {} -> {} (written in the background; the next save waited for it)",
+                      previous, dir));
+    }
+    const double stall = async_ckpt_->save(folder, step, *model_, adamw_, extra_state(step).dump(),
+                                           static_cast<int>(cfg_.checkpoint.keep));
+    say(fmt::format("checkpoint: step {} staged in {:.3f} s; writing in the background", step, stall));
+    if (rank_ == 0) jsonl_->write(json{{"step", step}, {"checkpoint_stall_s", stall}}.dump());
+    return;
+  }
+  std::string dir = fsdp::save_checkpoint(folder, step, *model_, adamw_, extra_state(step).dump(),
+                                          static_cast<int>(cfg_.checkpoint.keep));
+  const double took = seconds_since(t0);
+  say(fmt::format("checkpoint: step {} -> {} ({:.2f} s)", step, dir, took));
+  if (rank_ == 0) jsonl_->write(json{{"step", step}, {"checkpoint_stall_s", took}}.dump());
+}
+
+void Trainer::poll_checkpoint() {
+  if (!async_ckpt_ || !async_ckpt_->pending()) return;
+  const int64_t step = async_ckpt_->pending_step();
+  std::string dir = async_ckpt_->poll();
+  if (!dir.empty())
+    say(fmt::format("checkpoint: step {} -> {} (written in the background in {:.2f} s)", step, dir,
+                    async_ckpt_->last_write_seconds()));
+}
+
+void Trainer::wait_checkpoint() {
+  if (!async_ckpt_ || !async_ckpt_->pending()) return;
+  const int64_t step = async_ckpt_->pending_step();
+  std::string dir = async_ckpt_->wait();
+  say(fmt::format("checkpoint: step {} -> {} (written in the background in {:.2f} s)", step, dir,
+                  async_ckpt_->last_write_seconds()));
 }
 
 // Resuming continues the saved run: keys that break its data order or batch

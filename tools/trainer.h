@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
+#include "fsdp/checkpoint.h"
 #include "io/data.h"
 #include "io/tokenizer.h"
 #include "nn/models.h"
@@ -98,6 +99,10 @@ class Trainer {
   int64_t parameters_ = 0;                    // the whole model's, as nanoGPT counts (no position table)
   std::unique_ptr<optim::Optimizer> opt_;
   optim::AdamW* adamw_ = nullptr;
+  std::unique_ptr<fsdp::AsyncCheckpointer> async_ckpt_;  // checkpoint.async_mode async
+  // The asynchronous save's commit, once every rank's writer is done (collective; every step).
+  void poll_checkpoint();
+  void wait_checkpoint();  // the end of the run: the pending save committed
   optim::LRSchedule schedule_;
   std::unique_ptr<io::Loader> train_, val_;
   std::optional<io::BpeTokenizer> tokenizer_;  // training.tokenizer, if set

@@ -6,6 +6,8 @@
 // size, exact resume and a killed save: checkpoint_test.sh.)
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint.h"
@@ -582,4 +584,100 @@ TEST_CASE("safetensors export and import of a sharded model", "[checkpoint][safe
       fsdp::load_safetensors(*fresh, lp),
       Contains("missing keys [transformer.wpe.weight, transformer.h.0.ln_1.weight,") &&
           Contains("(19 more)") && Contains("unexpected keys [model.embed_tokens.weight"));
+}
+
+namespace {
+// Every file under dir (relative name -> bytes).
+std::map<std::string, std::string> files_of(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[fs::relative(e.path(), dir).string()] =
+        std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("an asynchronous save writes save_checkpoint's files byte for byte while training goes on", "[checkpoint][async]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 7);
+  optim::AdamW opt(model->parameters(), {.lr = 1e-2, .weight_decay = 0.1});
+  train_steps(*model, opt, 2);
+  const std::string extra = R"({"note": "same step, two ways"})";
+  fsdp::save_checkpoint((dir.path / "sync").string(), 2, *model, &opt, extra, 0);
+  auto before = model->state_dict();
+  std::vector<Tensor> kept;
+  for (auto& [name, t] : before) kept.push_back(ops::clone(local_tensor(t)));
+
+  // A slow disk: the writer sleeps first, and the model trains meanwhile.
+  ::setenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS", "300", 1);
+  fsdp::AsyncCheckpointer async;
+  const double stall = async.save((dir.path / "async").string(), 2, *model, &opt, extra, 0);
+  CHECK(stall < 0.3);  // staging, not writing
+  CHECK(async.pending());
+  CHECK(async.pending_step() == 2);
+  CHECK(async.poll().empty());  // nobody has written yet
+  train_steps(*model, opt, 1);  // the tensors change under the writer: it writes the staged copies
+  const std::string written = async.wait();
+  ::unsetenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS");
+  CHECK_FALSE(async.pending());
+  CHECK(fs::path(written).filename() == "step-00000002");
+  barrier();
+  auto sync_files = files_of(dir.path / "sync"), async_files = files_of(dir.path / "async");
+  CHECK(sync_files.size() == async_files.size());
+  for (const auto& [name, bytes] : sync_files) {
+    INFO(name);
+    REQUIRE(async_files.count(name) == 1);
+    CHECK(async_files[name] == bytes);
+  }
+  // It loads as the model was at step 2.
+  auto fresh = sharded_gpt(c, 0);
+  fsdp::load_checkpoint(written, *fresh, nullptr);
+  auto loaded = fresh->state_dict();
+  for (size_t i = 0; i < loaded.size(); ++i) CHECK(equal(local_tensor(loaded[i].second), kept[i]));
+
+  // poll() commits on its own once every writer is done.
+  ::setenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS", "100", 1);
+  async.save((dir.path / "async").string(), 3, *model, &opt, "{}", 0);
+  ::unsetenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS");
+  std::string committed;
+  int polls = 0;
+  while (committed.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    committed = async.poll();
+    ++polls;
+    REQUIRE(polls < 1000);
+  }
+  CHECK(polls >= 2);
+  CHECK(fs::path(committed).filename() == "step-00000003");
+  CHECK(fs::path(fsdp::latest_checkpoint((dir.path / "async").string())).filename() == "step-00000003");
+  CHECK(async.wait().empty());  // nothing pending any more
+}
+
+TEST_CASE("an asynchronous save that fails in the background is reported on every rank, nothing committed", "[checkpoint][async]") {
+  SharedDir dir;
+  auto c = small_gpt();
+  auto model = sharded_gpt(c, 8);
+  fsdp::AsyncCheckpointer async;
+  async.save(dir.path.string(), 1, *model, nullptr, "{}", 0);
+  CHECK(fs::path(async.wait()).filename() == "step-00000001");
+  // A full disk on one rank (the last): the others wrote theirs, and still nothing is complete.
+  if (dist::rank() == world() - 1) ::setenv("TESSERA_CHECKPOINT_FAIL_AT", "data", 1);
+  async.save(dir.path.string(), 2, *model, nullptr, "{}", 0);
+  ::unsetenv("TESSERA_CHECKPOINT_FAIL_AT");
+  REQUIRE_THROWS_WITH(async.wait(), Contains("save_checkpoint failed on rank " + std::to_string(world() - 1)) &&
+                                        Contains("No space left on device") &&
+                                        Contains("the previous checkpoint is untouched"));
+  CHECK_FALSE(async.pending());
+  barrier();
+  CHECK(fs::path(fsdp::latest_checkpoint(dir.path.string())).filename() == "step-00000001");
+  CHECK_FALSE(fs::exists(dir.path / "step-00000002"));
+  // The next save clears the leftovers and commits.
+  async.save(dir.path.string(), 3, *model, nullptr, "{}", 0);
+  CHECK(fs::path(async.wait()).filename() == "step-00000003");
+  barrier();
+  CHECK_FALSE(fs::exists(dir.path / "step-00000002.tmp"));
 }
