@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "../helpers.h"
+#include "nn/transformer.h"
 #include "runtime/ops.h"
 
 namespace tessera::cuda_testing {
@@ -50,6 +51,17 @@ inline Tensor rand_on(Shape shape, uint64_t seed, DType dt, Device d) {
 }
 
 inline const DType kFloats[] = {DType::F32, DType::BF16, DType::F16, DType::F64};
+
+// Two blocks, 4 heads of 12, a vocabulary of 97: odd sizes, quick.
+inline nn::TransformerConfig tiny_config() {
+  nn::TransformerConfig cfg;
+  cfg.vocab_size = 97;
+  cfg.block_size = 32;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 48;
+  return cfg;
+}
 
 
 }  // namespace tessera::cuda_testing

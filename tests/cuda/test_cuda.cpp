@@ -179,17 +179,6 @@ TEST_CASE("cuda: an out-of-range index is raised at the next sync, naming the ke
 }
 
 namespace {
-// Two blocks, 4 heads of 12, a vocabulary of 97: odd sizes, quick.
-nn::TransformerConfig tiny_config() {
-  nn::TransformerConfig cfg;
-  cfg.vocab_size = 97;
-  cfg.block_size = 32;
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 48;
-  return cfg;
-}
-
 // Loss and every gradient of one forward/backward of `model` on `device`.
 template <class Model>
 std::vector<Tensor> model_step(const nn::TransformerConfig& cfg, Device device) {

@@ -40,16 +40,6 @@ bool same_bits(const Tensor& gpu, const Tensor& cpu) {
   return true;
 }
 
-nn::TransformerConfig small_config() {
-  nn::TransformerConfig cfg;
-  cfg.vocab_size = 97;
-  cfg.block_size = 32;
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 48;
-  return cfg;
-}
-
 }  // namespace
 
 TEST_CASE("cuda: attention where the online softmax rescales, head sizes 64 and 128, T != S", "[cuda][attention]") {
@@ -226,7 +216,7 @@ TEST_CASE("cuda: many tensors scaled and squared in one pass, the CPU's bits", "
 }
 
 TEST_CASE("cuda: fused AdamW with clipping, three steps of a GPT, against the CPU", "[cuda][optim][model]") {
-  auto cfg = small_config();
+  auto cfg = tiny_config();
   auto run = [&](Device device) {
     auto model = std::make_shared<nn::GPT>(cfg, device);
     optim::AdamW opt(model->parameters(), {.lr = 3e-3, .weight_decay = 0.1});
@@ -256,7 +246,7 @@ TEST_CASE("cuda: a bf16 GPT-2 follows the f32 one within bf16's bounds", "[cuda]
   // Bound: the loss within 2% and every gradient within 6% of its largest
   // element (bf16 keeps 8 bits; 2 layers of matmuls and norms in bf16 with
   // f32 accumulation).
-  auto cfg = small_config();
+  auto cfg = tiny_config();
   auto step = [&](DType dt) {
     auto model = std::make_shared<nn::GPT>(cfg, kGpu);
     model->to(dt);
@@ -284,7 +274,7 @@ struct Sharded {
   std::unique_ptr<optim::AdamW> opt;
 };
 Sharded sharded_gpt(const std::string& device) {
-  auto cfg = small_config();
+  auto cfg = tiny_config();
   MeshPtr mesh = init_device_mesh(device, {1}, {"dp"});
   Sharded s;
   s.model = nn::GPT::on_meta(cfg);
@@ -296,7 +286,7 @@ Sharded sharded_gpt(const std::string& device) {
   return s;
 }
 void train_steps(Sharded& s, Device device, int steps, int first = 0) {
-  auto cfg = small_config();
+  auto cfg = tiny_config();
   for (int step = first; step < first + steps; ++step) {
     Tensor x = randint({4, 9}, 0, cfg.vocab_size, 50 + step, device);
     Tensor y = randint({4, 9}, 0, cfg.vocab_size, 60 + step, device);
