@@ -226,51 +226,53 @@ void launch_clamp(const Iter<1>& it, double lo, double hi, cudaStream_t stream) 
   check_launch("clamp");
 }
 
-void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWStep& step,
-                  cudaStream_t stream) {
-  // f64 tensors compute in f64, the others in f32: one launch per kind and batch.
-  for (bool f64 : {false, true}) {
-    AdamWBatch batch{};
-    int used = 0;
-    int64_t longest = 0;
-    auto flush = [&] {
-      if (used == 0) return;
-      dim3 grid(std::min(grid_for(longest), 4096u), static_cast<unsigned>(used));
-      if (f64) adamw_kernel<double><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<double>(step));
-      else adamw_kernel<float><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<float>(step));
-      check_launch("adamw");
-      used = 0;
-      longest = 0;
-    };
-    for (int64_t i = 0; i < count; ++i) {
-      if ((tensors[i].dtype == DType::F64) != f64 || tensors[i].n == 0) continue;
-      batch.t[used++] = tensors[i];
-      longest = std::max(longest, tensors[i].n);
-      if (used == kAdamWPerLaunch) flush();
-    }
-    flush();
-  }
-}
+namespace {
 
-void launch_scale(const ScaleTensor* tensors, int64_t count, const double* coef, cudaStream_t stream) {
-  ScaleBatch batch{};
+// Hands the tensors `take` accepts (and that have elements) to `launch` in
+// batches of up to N (Batch::t), with the grid the longest of a batch needs:
+// a fixed number of tensors per launch, passed by value.
+template <class Batch, int N, class T, class Take, class Launch>
+void in_batches(const T* tensors, int64_t count, Take&& take, Launch&& launch) {
+  Batch batch{};
   int used = 0;
   int64_t longest = 0;
   auto flush = [&] {
     if (used == 0) return;
-    dim3 grid(std::min(grid_for(longest), 4096u), static_cast<unsigned>(used));
-    scale_kernel<<<grid, kThreads, 0, stream>>>(batch, coef);
-    check_launch("scale_");
+    launch(batch, dim3(std::min(grid_for(longest), 4096u), static_cast<unsigned>(used)));
     used = 0;
     longest = 0;
   };
   for (int64_t i = 0; i < count; ++i) {
-    if (tensors[i].n == 0) continue;
+    if (tensors[i].n == 0 || !take(tensors[i])) continue;
     batch.t[used++] = tensors[i];
     longest = std::max(longest, tensors[i].n);
-    if (used == kScalePerLaunch) flush();
+    if (used == N) flush();
   }
   flush();
+}
+
+}  // namespace
+
+void launch_adamw(const AdamWTensor* tensors, int64_t count, const ops::AdamWStep& step,
+                  cudaStream_t stream) {
+  // f64 tensors compute in f64, the others in f32: one launch per kind and batch.
+  for (bool f64 : {false, true})
+    in_batches<AdamWBatch, kAdamWPerLaunch>(
+        tensors, count, [f64](const AdamWTensor& t) { return (t.dtype == DType::F64) == f64; },
+        [&](const AdamWBatch& batch, dim3 grid) {
+          if (f64) adamw_kernel<double><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<double>(step));
+          else adamw_kernel<float><<<grid, kThreads, 0, stream>>>(batch, math::adamw_constants<float>(step));
+          check_launch("adamw");
+        });
+}
+
+void launch_scale(const ScaleTensor* tensors, int64_t count, const double* coef, cudaStream_t stream) {
+  in_batches<ScaleBatch, kScalePerLaunch>(
+      tensors, count, [](const ScaleTensor&) { return true; },
+      [&](const ScaleBatch& batch, dim3 grid) {
+        scale_kernel<<<grid, kThreads, 0, stream>>>(batch, coef);
+        check_launch("scale_");
+      });
 }
 
 }  // namespace tessera::cuda
