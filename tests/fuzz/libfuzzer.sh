@@ -35,7 +35,7 @@ if ! "$cxx" -fsanitize=fuzzer "$out/probe.cpp" -o "$out/probe" 2> "$out/probe.lo
 fi
 
 # The build: only when a source is newer than the program.
-sources=(tests/fuzz/libfuzzer.cpp nn/safetensors.cpp fsdp/checkpoint_format.cpp io/data.cpp tools/config.cpp tools/presets.cpp tools/config_check.cpp
+sources=(tests/fuzz/libfuzzer.cpp nn/safetensors.cpp fsdp/checkpoint_format.cpp io/data.cpp tools/config.cpp tools/config_options.cpp tools/presets.cpp tools/config_check.cpp
          io/tokenizer.cpp io/hf.cpp tools/hardware.cpp runtime/json_scan.cpp)
 bin=$out/fuzz_readers_libfuzzer
 stale=0
