@@ -157,6 +157,9 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
       bool_key("job.bind_cores", c.job.bind_cores,
                "keep each rank's threads to cores of its own when the node's ranks fit its cores and "
                "the launcher did not bind them (false: leave placement to the OS)"),
+      int_key("job.max_restarts", c.job.max_restarts,
+              "restarts from the newest complete checkpoint after a rank fails, under tessera-run "
+              "(0 = none; tessera-train alone makes none)"),
       string_key("model.arch", c.model.arch, "model family", {"gpt2", "llama"}),
       int_key("model.n_layer", c.model.n_layer, "transformer blocks"),
       int_key("model.n_head", c.model.n_head, "attention heads"),

@@ -34,6 +34,9 @@ struct TrainConfig {
     // Keep each rank's threads to cores of its own when the node's ranks fit
     // them (tools::rank_cpus); false leaves placement to the OS.
     bool bind_cores = true;
+    // Restarts tessera-run makes after a failure, each from the newest
+    // complete checkpoint (tools/restart.h); tessera-train alone ignores it.
+    int64_t max_restarts = 0;
     // The last --preset's run suffix (not a config key): a run of another
     // preset keeps its own folder (an empty job.name ends with it).
     std::string preset_suffix = "";

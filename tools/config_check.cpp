@@ -206,6 +206,7 @@ void validate(const TrainConfig& c) {
   not_empty("checkpoint.folder", c.checkpoint.folder);
   at_least("checkpoint.interval", c.checkpoint.interval, 1);
   at_least("checkpoint.keep", c.checkpoint.keep, 0, " (0 = keep all)");
+  at_least("job.max_restarts", c.job.max_restarts, 0, " (0 = none)");
   at_least("checkpoint.load_step", c.checkpoint.load_step, 0, " (0 = the latest)");
   TS_CHECK(c.checkpoint.load_step == 0 || c.checkpoint.resume,
            "checkpoint.load_step {} applies to a resume: add --checkpoint.resume true (or, for a new run from a "

@@ -152,21 +152,36 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> load_data(const tools::T
                           c.training.data_dir, name, tokenizer);
 }
 
-// Test hook: TESSERA_TEST_KILL="rank:step" kills that rank (SIGKILL) when it
-// reaches that step, to check that the other ranks end with an error. Read
-// once; the training loop only calls the hook when the variable is set.
-std::function<void(int64_t)> kill_hook() {
-  const char* spec = std::getenv("TESSERA_TEST_KILL");
-  int rank = -1;
-  long long at = -1;
-  if (spec == nullptr || std::sscanf(spec, "%d:%lld", &rank, &at) != 2 || rank != dist::rank()) return {};
-  return [rank, at](int64_t step) {
-    if (step != at) return;
-    std::fprintf(stderr, "rank %d: killing itself at step %lld (TESSERA_TEST_KILL)\n", rank, at);
-    std::fflush(stderr);
-    ::raise(SIGKILL);
-  };
+// Test hooks: TESSERA_TEST_KILL="rank:step" kills that rank (SIGKILL) when
+// it reaches that step, to check that the other ranks end with an error;
+// TESSERA_TEST_HANG="rank:step" stops it there for good instead (the others'
+// collectives time out). "rank:step:launch" acts only in that launch of
+// tessera-run (TESSERA_RESTART_COUNT, 0 the first), so that a restarted job
+// runs on. Read once; the training loop only calls the hook when one is set.
+std::function<void(int64_t)> fault_hook() {
+  const char* count = std::getenv("TESSERA_RESTART_COUNT");
+  for (const char* name : {"TESSERA_TEST_KILL", "TESSERA_TEST_HANG"}) {
+    const char* spec = std::getenv(name);
+    int rank = -1, launch = -1;
+    long long at = -1;
+    const int fields = spec == nullptr ? 0 : std::sscanf(spec, "%d:%lld:%d", &rank, &at, &launch);
+    if (fields < 2 || rank != dist::rank()) continue;
+    if (fields == 3 && launch != (count == nullptr ? 0 : std::atoi(count))) continue;
+    const bool kill = std::strcmp(name, "TESSERA_TEST_KILL") == 0;
+    return [rank, at, kill, name](int64_t step) {
+      if (step != at) return;
+      std::fprintf(stderr, "rank %d: %s at step %lld (%s)\n", rank, kill ? "killing itself" : "hanging", at, name);
+      std::fflush(stderr);
+      if (kill) ::raise(SIGKILL);
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    };
+  }
+  return {};
 }
+
+// The steps this process has completed, for the status a failing rank writes
+// (-1 before training starts).
+std::atomic<int64_t> g_steps_done{-1};
 
 // SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption notice) ask for a
 // clean stop once training runs: the ranks agree at the end of the step, save
@@ -456,13 +471,22 @@ int Trainer::run() {
   report_setup();
   trace_steps_ = tools::trace_steps(cfg_);
   int64_t start = restore_or_start();
+  g_steps_done = start;
+  if (cfg_.job.max_restarts > 0 && std::getenv("TESSERA_RESTART_COUNT") == nullptr)
+    say(fmt::format("job.max_restarts {}: restarts are tessera-run's (tessera-run --np N -- <these options>); "
+                    "launched without it, this run makes none",
+                    cfg_.job.max_restarts));
   auto run_start = Clock::now();
   window_start_ = run_start;
   window_wait_start_ = dist::total_wait_seconds();
-  std::function<void(int64_t)> test_hook = kill_hook();  // unset outside tests
+  std::function<void(int64_t)> test_hook = fault_hook();  // unset outside tests
   for (int64_t step = start; step < T_.steps; ++step) {
     if (test_hook) test_hook(step);
     run_step(step, start, run_start);
+    g_steps_done = step + 1;
+    // The status says how far the run got, for tessera-run to name the step
+    // a failure cost (a rename, microseconds).
+    if (rank_ == 0) write_status(cfg_, {{"status", "running"}, {"step", step + 1}, {"steps", T_.steps}});
     if (stop_requested_) return stop_early(step);
   }
   wait_checkpoint();  // the run's last save complete before the run is
@@ -697,10 +721,9 @@ int main(int argc, char** argv) {
     }
     std::string msg = fmt::format("error: {}", e.what());
     // Any rank that fails says so in the status file (rank 0 may be the one aborted).
-    write_status(cfg, {{"status", "failed"},
-                       {"exit_code", 1},
-                       {"rank", dist::rank()},
-                       {"error", e.what()}});
+    json failed = {{"status", "failed"}, {"exit_code", 1}, {"rank", dist::rank()}, {"error", e.what()}};
+    if (g_steps_done >= 0) failed["step"] = g_steps_done.load();
+    write_status(cfg, failed);
     if (dist::world_size() > 1) dist::abort("tessera-train: " + msg, 1);  // ends every rank
     std::fprintf(stderr, "tessera-train: %s\n", msg.c_str());
     return 1;

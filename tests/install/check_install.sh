@@ -85,7 +85,7 @@ echo "install: pkg-config (shared, static), CMake (shared, static) programs buil
 # The installed programs run from the prefix without LD_LIBRARY_PATH (their
 # run path is $ORIGIN/../<libdir>), even from a copy of it elsewhere.
 [ "$sanitize" = none ] || { echo "install: the installed programs are not run under $sanitize"; exit 0; }
-for prog in tessera-train tessera-plan tessera-generate tessera-ckpt tessera-data; do
+for prog in tessera-train tessera-plan tessera-generate tessera-ckpt tessera-data tessera-run; do
   env -u LD_LIBRARY_PATH ldd "$root$prefix/bin/$prog" | grep -q "libtessera.so.0 => $root$prefix/bin/\.\./" ||
     fail "the installed $prog does not load the installed libtessera.so.0: $(env -u LD_LIBRARY_PATH ldd "$root$prefix/bin/$prog" | grep tessera)"
 done
