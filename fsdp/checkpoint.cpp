@@ -1,6 +1,7 @@
 #include "fsdp/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -8,12 +9,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -108,24 +111,38 @@ struct HeldTensor {
   DType dtype = DType::F32;
   Shape shape;
   std::vector<std::pair<Shape, Shape>> boxes;  // (offset, shape) in the global tensor
+  bool operator==(const HeldTensor&) const = default;
 };
 
-json describe(const nn::StateDict& tensors) {
-  json out = json::array();
+std::vector<HeldTensor> held_of(const nn::StateDict& tensors) {
+  std::vector<HeldTensor> out;
+  out.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
     if (is_dtensor(t))
       for (const Placement& p : dtensor_spec(t).placements)
         TS_CHECK(!is_partial(p), "save_checkpoint: '{}' is a Partial DTensor; reduce it first", name);
+    HeldTensor h{name, placements_of(t), t.dtype(), t.shape(), {}};
+    for (const LocalBox& box : local_boxes(t)) h.boxes.emplace_back(box.offset, box.shape);
+    out.push_back(std::move(h));
+  }
+  return out;
+}
+
+json describe(const std::vector<HeldTensor>& held) {
+  json out = json::array();
+  for (const HeldTensor& h : held) {
     json boxes = json::array();
-    for (const LocalBox& box : local_boxes(t)) boxes.push_back({shape_json(box.offset), shape_json(box.shape)});
-    out.push_back({{"name", name},
-                   {"dtype", dtype_name(t.dtype())},
-                   {"shape", shape_json(t.shape())},
-                   {"placements", placements_of(t)},
+    for (const auto& [offset, shape] : h.boxes) boxes.push_back({shape_json(offset), shape_json(shape)});
+    out.push_back({{"name", h.name},
+                   {"dtype", dtype_name(h.dtype)},
+                   {"shape", shape_json(h.shape)},
+                   {"placements", h.placements},
                    {"boxes", boxes}});
   }
   return out;
 }
+
+json describe(const nn::StateDict& tensors) { return describe(held_of(tensors)); }
 
 // Which rank writes each piece of each tensor: the lowest that holds it. So a
 // replicated piece (HSDP's replicas, FSDP's shards on every tensor-parallel
@@ -317,39 +334,57 @@ struct SavePlan {
 
 namespace {
 
-SavePlan begin_save(const std::string& folder_in, int64_t step, const nn::StateDict& tensors,
-                    const std::string& extra_json, int keep) {
-  auto world = dist::world();
-  int rank = dist::rank();
+// 1. Rank 0 clears leftovers of interrupted saves and creates step-N.tmp/;
+// its error (if any) travels with its description in step 2, whose exchange
+// also keeps every rank from writing before the directory exists.
+std::string prepare_folder(const SavePlan& plan) {
+  if (dist::rank() != 0) return "";
+  try {
+    fs::create_directories(plan.folder);
+    // Leftovers of saves that never committed: step-N.tmp/ and latest.tmp.
+    for (const auto& e : fs::directory_iterator(plan.folder)) {
+      std::string name = e.path().filename().string();
+      if (name == "latest.tmp" || (name.rfind("step-", 0) == 0 && name.ends_with(".tmp")))
+        fs::remove_all(e.path());
+    }
+    fs::create_directories(plan.tmp_dir);
+  } catch (const std::exception& e) {
+    return fmt::format("cannot prepare '{}': {}", plan.tmp_dir.string(), e.what());
+  }
+  return "";
+}
+
+// 2. What each rank holds (`held`, describe()'s), to every rank of `group`:
+// the lowest rank holding a piece writes it. Any rank's error fails every rank.
+void plan_owners(SavePlan& plan, const dist::ProcessGroupPtr& group, const json& held, const std::string& error) {
+  std::vector<json> per_rank;
+  for (const auto& text : dist::all_gather_strings(group, json{{"tensors", held}, {"error", error}}.dump()))
+    per_rank.push_back(json::parse(text));
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    std::string e = per_rank[r]["error"].get<std::string>();
+    TS_CHECK(e.empty(), "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
+  }
+  std::tie(plan.all, plan.mine) = assign_owners(per_rank, dist::rank());
+}
+
+SavePlan new_plan(const std::string& folder, int64_t step, const std::string& extra_json, int keep) {
   SavePlan plan;
-  plan.folder = fs::path(folder_in);
+  plan.folder = fs::path(folder);
   plan.final_dir = plan.folder / step_dir_name(step);
   plan.tmp_dir = plan.folder / (step_dir_name(step) + ".tmp");
   plan.step = step, plan.extra_json = extra_json, plan.keep = keep;
   TS_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got {}", step);
   TS_CHECK(json::accept(extra_json) && json::parse(extra_json).is_object(),
            "save_checkpoint: extra state must be a JSON object, got '{}'", extra_json);
+  Generator& gen = default_generator();
+  plan.rng = {{"seed", gen.seed()}, {"offset", gen.offset()}};
+  return plan;
+}
 
-  // 1. Rank 0 clears leftovers of interrupted saves and creates step-N.tmp/;
-  // its error (if any) travels with its description below, whose exchange
-  // also keeps every rank from writing before the directory exists.
-  std::string error;
-  if (rank == 0) {
-    try {
-      fs::create_directories(plan.folder);
-      // Leftovers of saves that never committed: step-N.tmp/ and latest.tmp.
-      for (const auto& e : fs::directory_iterator(plan.folder)) {
-        std::string name = e.path().filename().string();
-        if (name == "latest.tmp" || (name.rfind("step-", 0) == 0 && name.ends_with(".tmp")))
-          fs::remove_all(e.path());
-      }
-      fs::create_directories(plan.tmp_dir);
-    } catch (const std::exception& e) {
-      error = fmt::format("cannot prepare '{}': {}", plan.tmp_dir.string(), e.what());
-    }
-  }
-
-  // 2. What each rank holds, to every rank: the lowest rank holding a piece writes it.
+SavePlan begin_save(const std::string& folder, int64_t step, const nn::StateDict& tensors,
+                    const std::string& extra_json, int keep) {
+  SavePlan plan = new_plan(folder, step, extra_json, keep);
+  std::string error = prepare_folder(plan);
   json held = json::array();
   if (error.empty()) {
     try {
@@ -358,16 +393,7 @@ SavePlan begin_save(const std::string& folder_in, int64_t step, const nn::StateD
       error = e.what();
     }
   }
-  std::vector<json> per_rank;
-  for (const auto& text : dist::all_gather_strings(world, json{{"tensors", held}, {"error", error}}.dump()))
-    per_rank.push_back(json::parse(text));
-  for (size_t r = 0; r < per_rank.size(); ++r) {
-    std::string e = per_rank[r]["error"].get<std::string>();
-    TS_CHECK(e.empty(), "save_checkpoint failed on rank {}: {} (the previous checkpoint is untouched)", r, e);
-  }
-  std::tie(plan.all, plan.mine) = assign_owners(per_rank, rank);
-  Generator& gen = default_generator();
-  plan.rng = {{"seed", gen.seed()}, {"offset", gen.offset()}};
+  plan_owners(plan, dist::world(), held, error);
   return plan;
 }
 
@@ -402,8 +428,8 @@ std::pair<json, std::string> write_save(const SavePlan& plan, const std::vector<
 
 // 4-5. Chunk lists, RNG states and errors to every rank (any error fails
 // all, and nothing is committed), then rank 0 writes the metadata and commits.
-std::string finish_save(const SavePlan& plan, const json& chunks, const std::string& write_error) {
-  auto world = dist::world();
+std::string finish_save(const SavePlan& plan, const json& chunks, const std::string& write_error,
+                        const dist::ProcessGroupPtr& world) {
   json written = {{"chunks", chunks}, {"rng", plan.rng}, {"error", write_error}};
   std::vector<json> per_rank;
   for (const auto& text : dist::all_gather_strings(world, written.dump()))
@@ -433,27 +459,147 @@ std::string save_checkpoint(const std::string& folder_in, int64_t step,
   autograd::NoGradGuard no_grad;
   SavePlan plan = begin_save(folder_in, step, tensors, extra_json, keep);
   auto [chunks, error] = write_save(plan, pieces_of(tensors, plan.mine, nullptr), write_hooks());
-  return finish_save(plan, chunks, error);
+  return finish_save(plan, chunks, error, dist::world());
 }
 
 // ---- asynchronous saves ----------------------------------------------------------
 
 struct AsyncCheckpointer::Pending {
   SavePlan plan;
-  std::vector<SavePiece> pieces;
-  std::thread writer;
-  std::atomic<bool> done{false};
-  json chunks;
-  std::string error;
+  std::vector<HeldTensor> held;   // this rank's tensors at the save (the plan's input)
+  std::vector<SavePiece> staged;  // the copies (the planned pieces, or all this rank holds)
+  WriteHooks hooks;               // read on the caller's thread
   std::chrono::steady_clock::time_point started;
+  // The outcome, the same on every rank; set once, under mu.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::string dir, error;
+  double seconds = 0;
 };
+
+// One thread for all saves, started by prepare() and lowered below the
+// training's threads (Linux sets priorities per thread): a thread started
+// per save, at full priority, took the core from the training loop it was
+// meant to spare where ranks share cores.
+struct AsyncCheckpointer::Layout {
+  dist::ProcessGroupPtr group;  // the thread's collectives: never the training's groups
+  std::vector<HeldTensor> held;  // this rank's tensors when the last plan was made
+  std::set<std::pair<std::string, Shape>> mine;  // the pieces that plan has this rank write
+  std::mutex mu;
+  std::condition_variable cv;
+  std::shared_ptr<Pending> next;  // handed to the thread
+  bool stop = false;
+  std::thread thread;
+};
+
+namespace {
+
+// Every piece this rank holds, as (tensor, box offset).
+std::set<std::pair<std::string, Shape>> held_pieces(const nn::StateDict& tensors) {
+  std::set<std::pair<std::string, Shape>> out;
+  for (const auto& [name, t] : tensors)
+    for (const LocalBox& box : local_boxes(t)) out.insert({name, box.offset});
+  return out;
+}
+
+// The thread's part of one save: steps 1-5 of save_checkpoint, on the
+// checkpoint group. Every step that can fail on one rank shares its error
+// with all of them, so every rank's thread ends with the same outcome.
+void write_in_background(AsyncCheckpointer::Pending& p, const dist::ProcessGroupPtr& group) {
+  std::string dir, error;
+  try {
+    SavePlan& plan = p.plan;
+    plan_owners(plan, group, describe(p.held), prepare_folder(plan));
+    std::vector<SavePiece> mine;
+    for (const SavePiece& piece : p.staged)
+      if (plan.mine.count({piece.name, piece.offset})) mine.push_back(piece);
+    std::pair<json, std::string> written{json::array(), ""};
+    if (mine.size() == plan.mine.size())
+      written = write_save(plan, mine, p.hooks);
+    else  // cannot happen while this rank's layout is the last plan's (compared at the save)
+      written.second = fmt::format("this rank staged {} of the {} pieces the plan has it write", mine.size(),
+                                   plan.mine.size());
+    dir = finish_save(plan, written.first, written.second, group);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.dir = dir, p.error = error;
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.started).count();
+  p.done = true;
+  p.cv.notify_all();
+}
+
+void writer_loop(std::shared_ptr<AsyncCheckpointer::Layout> layout);
+
+}  // namespace
 
 AsyncCheckpointer::AsyncCheckpointer() = default;
 
 AsyncCheckpointer::~AsyncCheckpointer() {
-  // Never leaves a writer running; the save is not committed (a collective
-  // has no place in a destructor): its .tmp directory is what a crash leaves.
-  if (pending_ && pending_->writer.joinable()) pending_->writer.join();
+  if (!layout_) return;
+  {
+    std::lock_guard<std::mutex> lock(layout_->mu);
+    layout_->stop = true;
+  }
+  layout_->cv.notify_all();
+  bool busy = false;
+  if (pending_) {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    busy = !pending_->done;
+  }
+  // A save still in flight (this rank is failing, and its peers may never
+  // answer) is left to end on its own, or with the process: the thread holds
+  // what it uses.
+  if (busy) layout_->thread.detach();
+  else layout_->thread.join();
+}
+
+namespace {
+
+void writer_loop(std::shared_ptr<AsyncCheckpointer::Layout> layout) {
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
+  dist::BackgroundWaits background;  // not the training loop's waiting
+  for (;;) {
+    std::shared_ptr<AsyncCheckpointer::Pending> job;
+    {
+      std::unique_lock<std::mutex> lock(layout->mu);
+      layout->cv.wait(lock, [&] { return layout->next != nullptr || layout->stop; });
+      if (!layout->next) return;  // stopped, nothing left to write
+      job = std::move(layout->next);
+    }
+    write_in_background(*job, layout->group);
+  }
+}
+
+}  // namespace
+
+int64_t AsyncCheckpointer::prepare(nn::Module& model, optim::AdamW* opt) {
+  autograd::NoGradGuard no_grad;
+  if (!layout_) {
+    auto layout = std::make_shared<Layout>();
+    auto world = dist::world();
+    layout->group = world->size() > 1 ? world->split(0, world->rank(), "checkpoint") : world;
+    nn::StateDict tensors = tensors_of(model, opt, /*create_optimizer_state=*/true);
+    layout->held = held_of(tensors);
+    SavePlan plan;
+    plan_owners(plan, layout->group, describe(layout->held), "");
+    layout->mine = std::move(plan.mine);
+    for (const auto& [name, t] : tensors)
+      for (const LocalBox& box : local_boxes(t))
+        if (layout->mine.count({name, box.offset})) {
+          Tensor buf = empty(box.local.shape(), box.local.dtype(), Device::cpu());
+          // Touched now: the first save's copies would otherwise fault in every page.
+          if (buf.nbytes() > 0) std::memset(buf.host_data_ptr(), 0, buf.nbytes());
+          staging_[{name, box.offset}] = buf;
+        }
+    layout->thread = std::thread(writer_loop, layout);
+    layout_ = std::move(layout);
+  }
+  int64_t bytes = 0;
+  for (const auto& [key, buf] : staging_) bytes += static_cast<int64_t>(buf.nbytes());
+  return bytes;
 }
 
 double AsyncCheckpointer::save(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* opt,
@@ -461,34 +607,47 @@ double AsyncCheckpointer::save(const std::string& folder, int64_t step, nn::Modu
   autograd::NoGradGuard no_grad;
   wait();
   const auto t0 = std::chrono::steady_clock::now();
+  prepare(model, opt);
   nn::StateDict tensors = tensors_of(model, opt, false);
-  auto p = std::make_unique<Pending>();
-  p->plan = begin_save(folder, step, tensors, extra_json, keep);
-  p->pieces = pieces_of(tensors, p->plan.mine, &staging_);
+  auto p = std::make_shared<Pending>();
+  p->plan = new_plan(folder, step, extra_json, keep);
+  p->held = held_of(tensors);
+  // The pieces the last plan had this rank write, if its tensors are laid out
+  // as then; otherwise all it holds (the thread's plan picks from them).
+  const bool same = p->held == layout_->held;
+  p->staged = pieces_of(tensors, same ? layout_->mine : held_pieces(tensors), &staging_);
+  p->hooks = write_hooks();
   p->started = std::chrono::steady_clock::now();
-  Pending* raw = p.get();
-  p->writer = std::thread([raw, hooks = write_hooks()] {
-    std::tie(raw->chunks, raw->error) = write_save(raw->plan, raw->pieces, hooks);
-    raw->done.store(true, std::memory_order_release);
-  });
+  {
+    std::lock_guard<std::mutex> lock(layout_->mu);
+    layout_->next = p;
+  }
+  layout_->cv.notify_one();
   pending_ = std::move(p);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::string AsyncCheckpointer::complete() {
-  Pending& p = *pending_;
-  p.writer.join();
-  last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.started).count();
-  std::unique_ptr<Pending> finished = std::move(pending_);
-  return finish_save(finished->plan, finished->chunks, finished->error);
+  std::shared_ptr<Pending> finished = std::move(pending_);
+  {
+    std::unique_lock<std::mutex> lock(finished->mu);
+    finished->cv.wait(lock, [&] { return finished->done; });
+  }
+  last_write_seconds_ = finished->seconds;
+  TS_CHECK(finished->error.empty(), "{}", finished->error);
+  // The plan this save made is the next one's guess.
+  layout_->held = std::move(finished->held);
+  layout_->mine = finished->plan.mine;
+  return finished->dir;
 }
 
 std::string AsyncCheckpointer::poll() {
   if (!pending_) return "";
-  // Committed only when every rank's writer is done (one small all-reduce).
-  Tensor done = full({1}, pending_->done.load(std::memory_order_acquire) ? 1.0 : 0.0, DType::F64);
-  dist::world()->all_reduce(done, {dist::ReduceOp::Min})->wait();
-  return done.item() == 1.0 ? complete() : "";
+  {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    if (!pending_->done) return "";
+  }
+  return complete();
 }
 
 std::string AsyncCheckpointer::wait() { return pending_ ? complete() : ""; }

@@ -74,43 +74,60 @@ std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module&
 std::string save_checkpoint(const std::string& folder, int64_t step, const nn::StateDict& tensors,
                             const std::string& extra_json = "{}", int keep = 0);
 // Asynchronous saves (TorchTitan's checkpoint.async_mode "async"): save()
-// takes part in the collective planning of a save, copies this rank's pieces
-// into host staging buffers (kept and reused by the next save of the same
-// layout), starts a thread that writes them, and returns: training goes on
-// while the file is written. The files, checksums and crash-safety are
-// save_checkpoint's to the byte: the checkpoint is committed (metadata.json,
-// the atomic rename, `latest`) only once every rank's writer is done, by
-// poll() (collective: every rank calls it, say every step, while pending())
-// or wait() (the next save and the end of the run call it). A writer that
-// fails (a full disk) makes that poll() or wait() throw on every rank, and
-// nothing is marked complete; a process killed mid-write leaves the
-// previous checkpoint the latest.
+// copies this rank's pieces into host staging buffers (kept and reused by the
+// next save), starts a thread, and returns: training goes on while the
+// thread does the rest of save_checkpoint's work, collectives included, on
+// a process group of its own ("checkpoint"): the plan (who writes what), the
+// data file, the chunk lists, and rank 0's commit (metadata.json, the atomic
+// rename, `latest`) once every rank's file is written. The files, checksums
+// and crash-safety are save_checkpoint's to the byte. The training loop
+// takes part in no collective of a save after the first (prepare(): the
+// group, the plan, the buffers): which pieces a rank stages comes from the
+// plan of the previous save of the same layout, and the thread checks it
+// against the new one (a rank whose tensors changed stages all it holds).
+// A failure anywhere (a full disk on one rank) is shared by the threads and
+// thrown by poll() or wait() on every rank, and nothing is marked complete;
+// a process killed mid-write leaves the previous checkpoint the latest.
 struct SavePiece;
 struct SavePlan;
 class AsyncCheckpointer {
  public:
   AsyncCheckpointer();
-  ~AsyncCheckpointer();  // joins a running writer; an uncommitted save stays a .tmp directory
+  // Joins a finished writer. One still running (this rank is failing, and
+  // its peers may never answer) is left to end on its own, or with the process.
+  ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
-  // Collective. Waits for the previous save first; returns the seconds the
-  // caller was held (planning and staging: the training loop's stall).
+  // Collective, once (the first save() calls it if nobody did): the
+  // checkpoint group, the plan of who writes what, and the staging buffers,
+  // so that no save pays for them inside the training loop. Returns the
+  // bytes of this rank's staging buffers.
+  int64_t prepare(nn::Module& model, optim::AdamW* optimizer);
+  // Every rank calls it, in the same order; it communicates with no rank
+  // (after prepare). Waits for the previous save first; returns the seconds
+  // the caller was held (staging: the training loop's stall).
   double save(const std::string& folder, int64_t step, nn::Module& model, optim::AdamW* optimizer,
               const std::string& extra_json = "{}", int keep = 0);
-  // Collective: commits the pending save if every rank's writer is done;
-  // returns its directory, or "" (none pending, or still writing).
+  // This rank's view, no collective: the pending save's directory once it is
+  // committed (every rank's thread knows then), else "" (none pending, or
+  // still writing). Throws the save's failure, as every rank does.
   std::string poll();
-  // Collective: blocks until the pending save is written and committed;
+  // Blocks until the pending save is committed (or failed: throws) and
   // returns its directory ("" when none was pending).
   std::string wait();
   bool pending() const;
   int64_t pending_step() const;                            // -1 when none
   double last_write_seconds() const { return last_write_seconds_; }  // the last committed save's writing
 
- private:
+  // Internal (fsdp/checkpoint.cpp): a save in flight, shared with the
+  // thread; the group, the last plan and the thread.
   struct Pending;
+  struct Layout;
+
+ private:
   std::string complete();
-  std::unique_ptr<Pending> pending_;
+  std::shared_ptr<Pending> pending_;  // shared with its thread
+  std::shared_ptr<Layout> layout_;    // the checkpoint group and the last plan
   std::map<std::pair<std::string, Shape>, Tensor> staging_;  // host buffers, by (tensor, box offset)
   double last_write_seconds_ = 0;
 };

@@ -181,6 +181,19 @@ void progress();
 // Seconds this process has spent blocked in Work::wait() since it started:
 // the communication that overlap did not hide (exposed). Always counted.
 double total_wait_seconds();
+// While one lives, the calling thread's waits are background work (an
+// asynchronous checkpoint's writer): neither counted in total_wait_seconds()
+// nor traced on the wait lane, both of which are the training loop's.
+class BackgroundWaits {
+ public:
+  BackgroundWaits();
+  ~BackgroundWaits();
+  BackgroundWaits(const BackgroundWaits&) = delete;
+  BackgroundWaits& operator=(const BackgroundWaits&) = delete;
+
+ private:
+  bool saved_;
+};
 
 // Started by a launcher (mpirun/mpiexec of OpenMPI or MPICH, srun)?
 bool launched();

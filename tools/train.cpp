@@ -472,6 +472,7 @@ int Trainer::run() {
   trace_steps_ = tools::trace_steps(cfg_);
   int64_t start = restore_or_start();
   g_steps_done = start;
+  if (cfg_.checkpoint.enable && cfg_.checkpoint.async_mode == "async") prepare_async_checkpoints();
   if (cfg_.job.max_restarts > 0 && std::getenv("TESSERA_RESTART_COUNT") == nullptr)
     say(fmt::format("job.max_restarts {}: restarts are tessera-run's (tessera-run --np N -- <these options>); "
                     "launched without it, this run makes none",

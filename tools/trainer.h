@@ -102,6 +102,7 @@ class Trainer {
   std::unique_ptr<fsdp::AsyncCheckpointer> async_ckpt_;  // checkpoint.async_mode async
   // The asynchronous save's commit, once every rank's writer is done (collective; every step).
   void poll_checkpoint();
+  void prepare_async_checkpoints();
   void wait_checkpoint();  // the end of the run: the pending save committed
   optim::LRSchedule schedule_;
   std::unique_ptr<io::Loader> train_, val_;

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdio>
 #include <future>
+#include <optional>
 
 #include "runtime/check.h"
 #include "runtime/trace.h"
@@ -105,6 +106,7 @@ std::string Collective::describe() const {
 }
 
 std::atomic<int64_t> g_wait_ns{0};
+thread_local bool t_background_waits = false;  // dist::BackgroundWaits
 
 void Collective::release_buffers() {
   if (!released.exchange(true, std::memory_order_acq_rel)) keep_alive.clear();
@@ -112,12 +114,14 @@ void Collective::release_buffers() {
 
 void Collective::wait() {
   if (!done.load(std::memory_order_acquire)) {
-    trace::Scope waiting(trace::Lane::Wait, "wait");
+    std::optional<trace::Scope> waiting;
+    if (!t_background_waits) waiting.emplace(trace::Lane::Wait, "wait");
     auto start = Clock::now();
     auto deadline = start + timeout();
     bool completed = Engine::get().wait_for(*this, deadline);
-    g_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
-                        std::memory_order_relaxed);
+    if (!t_background_waits)
+      g_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+                          std::memory_order_relaxed);
     if (!completed) {
       group->broken_reason = fmt::format("{} timed out", describe());
       group->broken = true;
@@ -473,4 +477,7 @@ bool Engine::test(const std::shared_ptr<Collective>& op) {
 
 namespace tessera::dist {
 double total_wait_seconds() { return static_cast<double>(detail::g_wait_ns.load()) * 1e-9; }
+
+BackgroundWaits::BackgroundWaits() : saved_(detail::t_background_waits) { detail::t_background_waits = true; }
+BackgroundWaits::~BackgroundWaits() { detail::t_background_waits = saved_; }
 }  // namespace tessera::dist

@@ -615,11 +615,16 @@ TEST_CASE("an asynchronous save writes save_checkpoint's files byte for byte whi
   // A slow disk: the writer sleeps first, and the model trains meanwhile.
   ::setenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS", "300", 1);
   fsdp::AsyncCheckpointer async;
+  CHECK(async.prepare(*model, &opt) > 0);  // once: the group, the plan, the staging buffers
+  // The save and its polls take part in no collective of the world's: the
+  // thread plans, exchanges and commits on a group of its own.
+  const int64_t world_collectives = dist::world()->stats().total();
   const double stall = async.save((dir.path / "async").string(), 2, *model, &opt, extra, 0);
   CHECK(stall < 0.3);  // staging, not writing
   CHECK(async.pending());
   CHECK(async.pending_step() == 2);
   CHECK(async.poll().empty());  // nobody has written yet
+  CHECK(dist::world()->stats().total() == world_collectives);
   train_steps(*model, opt, 1);  // the tensors change under the writer: it writes the staged copies
   const std::string written = async.wait();
   ::unsetenv("TESSERA_CHECKPOINT_WRITE_DELAY_MS");
