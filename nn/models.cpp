@@ -177,10 +177,64 @@ int64_t LanguageModel::chunk_rows_for(int64_t n) const {
 Tensor LanguageModel::output(const Tensor& normed, const std::shared_ptr<Linear>& lm_head) {
   if (!loss_targets_.defined()) return (*lm_head)(normed);
   Tensor targets = loss_targets_;
-  // A tensor-parallel output layer (loss parallelism): the unchunked path.
   if (is_dtensor(normed) || is_dtensor(lm_head->weight) || lm_head->bias.defined())
-    return nn::cross_entropy((*lm_head)(normed), targets);
+    return output_loss_in_chunks(normed, lm_head, targets);
   return linear_cross_entropy(normed, lm_head->weight, targets, chunk_rows_for(leading_numel(normed.shape())));
+}
+
+// A tensor-parallel output layer (loss parallelism: its weight split over the
+// vocabulary, and with sequence parallelism its input over the positions):
+// the layer and the vocabulary-parallel loss run on chunks of the hidden
+// states, each under activation checkpointing, so that one chunk's logits
+// (this rank's columns of them) exist at a time, in the forward and again
+// in the backward's recomputation. Chunks are slices of positions (of whole
+// sequences where the positions are split); each chunk's mean is weighed by
+// its share of the counted targets, which gives the whole batch's mean.
+Tensor LanguageModel::output_loss_in_chunks(const Tensor& normed, const std::shared_ptr<Linear>& lm_head,
+                                           const Tensor& targets) {
+  auto whole = [&] { return nn::cross_entropy((*lm_head)(normed), targets); };
+  const Shape& s = normed.shape();
+  if (normed.dim() != 3 || is_dtensor(targets) || targets.shape() != Shape{s[0], s[1]}) return whole();
+  // A dim a DTensor splits (or holds pending sums of) cannot be sliced locally.
+  auto split = [&](int64_t d) {
+    if (!is_dtensor(normed)) return false;
+    for (const Placement& p : dtensor_spec(normed).placements)
+      if (is_partial(p) || (is_shard(p) && shard_dim(p) == d)) return true;
+    return false;
+  };
+  const int64_t chunk = chunk_rows_for(s[0] * s[1]);
+  int64_t dim = -1, len = 0;
+  if (!split(1)) dim = 1, len = std::max<int64_t>(1, chunk / s[0]);
+  else if (!split(0)) dim = 0, len = std::max<int64_t>(1, chunk / s[1]);
+  if (dim < 0 || len >= s[static_cast<size_t>(dim)]) return whole();
+
+  auto slice = [&](int64_t at, int64_t n) {
+    if (!is_dtensor(normed)) return narrow(normed, dim, at, n);
+    const DTensorSpec& spec = dtensor_spec(normed);
+    Shape global = s;
+    global[static_cast<size_t>(dim)] = n;
+    return from_local(narrow(to_local(normed), dim, at, n), spec.mesh, spec.placements, global);
+  };
+  auto counted = [](const Tensor& t) {
+    return ops::sum(ops::binary(ops::BinaryOp::Ne, t, -100.0), {}, false, DType::F64);
+  };
+  const Tensor total = ops::binary(ops::BinaryOp::Maximum, counted(targets), 1.0);
+  Tensor loss;
+  DType dtype = normed.dtype();  // the loss's, as the whole layer's would be
+  for (int64_t at = 0; at < s[static_cast<size_t>(dim)]; at += len) {
+    const int64_t n = std::min(len, s[static_cast<size_t>(dim)] - at);
+    Tensor t = ops::contiguous(ops::narrow(targets, dim, at, n));
+    auto segment = [lm_head, t](const TensorList& in) -> TensorList {
+      return {nn::cross_entropy((*lm_head)(in[0]), t)};
+    };
+    Tensor part = autograd::checkpoint(segment, {slice(at, n)})[0];
+    dtype = part.dtype();
+    const DType acc = part.dtype() == DType::F64 ? DType::F64 : DType::F32;
+    Tensor share = ops::to(ops::div(counted(t), total), acc);  // a constant: no gradient
+    Tensor weighed = mul(tessera::to(part, acc), share);
+    loss = loss.defined() ? add(loss, weighed) : weighed;
+  }
+  return loss.dtype() == dtype ? loss : tessera::to(loss, dtype);
 }
 
 Tensor LanguageModel::loss(const Tensor& idx, const Tensor& targets) {

@@ -39,8 +39,9 @@ class LanguageModel : public Module {
   // module's call (its hooks, FSDP's among them, run). With the chunked loss
   // on (the default) the output layer and the loss run in chunks of rows
   // (linear_cross_entropy): the [tokens, vocabulary] logits are never whole.
-  // A tensor-parallel output layer (DTensor weight: loss parallelism) takes
-  // the unchunked path.
+  // A tensor-parallel output layer (DTensor weight: loss parallelism) runs
+  // on chunks of positions under activation checkpointing instead, so that
+  // one chunk's logits shard exists at a time there too.
   Tensor loss(const Tensor& idx, const Tensor& targets);
   // Rows per chunk of the output layer and loss: > 0 that many, 0 (default)
   // as many as keep one chunk's logits within 256 MiB, and chunks only where
@@ -56,6 +57,7 @@ class LanguageModel : public Module {
   // The output layer on the last block's output: logits, or while loss()
   // runs, the loss against its targets.
   Tensor output(const Tensor& normed, const std::shared_ptr<Linear>& lm_head);
+  Tensor output_loss_in_chunks(const Tensor& normed, const std::shared_ptr<Linear>& lm_head, const Tensor& targets);
   std::shared_ptr<SequenceShard> sequence_shard_;
   int64_t loss_chunk_rows_ = 0;
   Tensor loss_targets_;  // set while loss() runs
