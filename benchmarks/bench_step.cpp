@@ -1,18 +1,28 @@
 // Training-step throughput and peak memory of the GPT benchmark model
 // (4 layers, d=256, 4 heads, seq 128, batch 8, vocab 256, AdamW; or another
 // depth and width, one head per 64 channels; or the Llama of the same sizes),
-// with a per-op time breakdown of one step.
+// with a per-op time breakdown of one step and the step against its GEMM
+// floor: the FLOPs of the step's matrix products (the Linear layers' and the
+// output layer's, forward and backward: every call of the kernel table's
+// gemm) at the peak this CPU measures in the same run (runtime/cpu/peak.h:
+// the f32 FMA loop, or for bf16 the unit its products run on), a time no
+// implementation of the step can beat. Attention's block products are
+// counted with attention, a non-GEMM kernel here.
 //   bench_step [steps] [layers] [width] [f32|bf16] [gpt2|llama]   (bf16:
 //   parameters, activations and AdamW state all in bf16, to profile the 16-bit kernels)
 #include <sys/resource.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "runtime/allocator.h"
+#include "runtime/cpu/peak.h"
 #include "runtime/parallel.h"
 #include "runtime/profiler.h"
 
@@ -76,6 +86,32 @@ int main(int argc, char** argv) {
   std::printf("GEMM %.1f ms (%.1f%% of the step, %lld products), everything else %.1f ms (%.1f%%)\n",
               gemm.total_ms, 100.0 * gemm.total_ms / ms, static_cast<long long>(gemm.calls),
               ms - gemm.total_ms, 100.0 * (ms - gemm.total_ms) / ms);
+  // The floor: the products' FLOPs at the peak measured now, on these threads.
+  const cpu::Peak peak = cpu::measure_dtype_peak(dtype == "bf16" ? DType::BF16 : DType::F32, num_threads());
+  const double floor_ms = peak.flops > 0 ? gemm.flops / peak.flops * 1e3 : 0;
+  std::printf("floor: %.2f GFLOP of products a step at the measured peak of %.1f GFLOP/s (%s, %d thread%s) = "
+              "%.1f ms\n",
+              gemm.flops / 1e9, peak.flops / 1e9, peak.unit, num_threads(), num_threads() == 1 ? "" : "s", floor_ms);
+  std::printf("step %.1f ms (the mean above) = %.2f x the floor; the products ran at %.1f GFLOP/s (%.2f of the "
+              "peak) in the profiled step\n",
+              per, floor_ms > 0 ? per / floor_ms : 0.0, gemm.total_ms > 0 ? gemm.flops / gemm.total_ms / 1e6 : 0.0,
+              gemm.total_ms > 0 && peak.flops > 0 ? gemm.flops / (gemm.total_ms * 1e-3) / peak.flops : 0.0);
+  // The biggest work besides the products: every op but the layers whose
+  // time is their products, and those layers' own remainder (bias sums, views).
+  std::vector<std::pair<double, std::string>> others;
+  double linear_ms = 0;
+  for (const auto& e : profiler::summary()) {
+    if (e.name == "linear" || e.name == "linear.backward" || e.name == "matmul" || e.name == "matmul.backward")
+      linear_ms += e.total_ms;
+    else
+      others.push_back({e.total_ms, e.name});
+  }
+  others.push_back({std::max(0.0, linear_ms - gemm.total_ms), "(linear and matmul outside their products)"});
+  std::sort(others.rbegin(), others.rend());
+  std::printf("biggest non-GEMM work:");
+  for (size_t i = 0; i < std::min<size_t>(5, others.size()); ++i)
+    std::printf("%s %s %.1f ms", i ? "," : "", others[i].second.c_str(), others[i].first);
+  std::printf("\n");
   getrusage(RUSAGE_SELF, &usage);
   std::printf(
       "%lldx%lld threads %d  step %.1f ms  tokens/s %.0f  peak tensors %.1f MiB (params %.1f MiB)  "

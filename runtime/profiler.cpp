@@ -40,10 +40,11 @@ void reset() {
   detail::kernel_table().clear();
 }
 
-void record_kernel(const char* kind, double ms) {
+void record_kernel(const char* kind, double ms, double flops) {
   Entry& e = detail::kernel_table()[kind];
   e.total_ms += ms;
   e.calls += 1;
+  e.flops += flops;
 }
 
 Entry kernel_time(const char* kind) {

@@ -16,6 +16,7 @@ struct Entry {
   std::string name;
   double total_ms = 0;
   int64_t calls = 0;
+  double flops = 0;  // kernels that say (record_kernel): their arithmetic, e.g. 2 m n k a product
 };
 
 void enable(bool on);
@@ -29,7 +30,7 @@ std::string format_summary(double total_ms = 0);
 // Kernel time by kind, whichever op ran the kernel (e.g. "gemm": every matrix
 // product the CPU backend ran, from linear, matmul or their backward), for
 // splitting a step into GEMM and everything else. Calling thread; reset clears it.
-void record_kernel(const char* kind, double ms);
+void record_kernel(const char* kind, double ms, double flops = 0);
 Entry kernel_time(const char* kind);
 
 namespace detail {

@@ -364,8 +364,9 @@ void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     TS_CHECK(false, "gemm: expected f32, bf16 or f64, got {}", dtype_name(dtype));
   }
   if (timed)
-    profiler::record_kernel(
-        "gemm", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    profiler::record_kernel("gemm",
+                            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+                            2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
 }
 
 }  // namespace tessera::cpu

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/profiler.h"
 #include "helpers.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
@@ -318,4 +319,20 @@ TEST_CASE("this CPU's measured peaks", "[gemm][peak]") {
   else if (cpu::bf16_gemm_native()) CHECK(bf16 == "AVX512-BF16");
   else CHECK(bf16 == fma.unit);
   CHECK(std::string(cpu::measure_dtype_peak(DType::F32, 1).unit) == fma.unit);
+}
+
+TEST_CASE("the profiler counts each product's time and FLOPs (bench_step's GEMM floor)", "[gemm][profiler]") {
+  // 2 m n k each: a [13, 5] x [5, 7] product, and its transposed-operand twin.
+  Tensor a = randn({13, 5}, 3), b = randn({5, 7}, 4);
+  profiler::reset();
+  profiler::enable(true);
+  Tensor c = ops::matmul(a, b);
+  Tensor d = ops::matmul(ops::transpose(b, 0, 1), ops::transpose(a, 0, 1));
+  profiler::enable(false);
+  const profiler::Entry e = profiler::kernel_time("gemm");
+  CHECK(e.calls == 2);
+  CHECK(e.flops == 2.0 * (2 * 13 * 7 * 5));
+  CHECK(e.total_ms >= 0);
+  profiler::reset();
+  CHECK(profiler::kernel_time("gemm").flops == 0);
 }
