@@ -14,7 +14,10 @@
 // bf16 (where oneDNN has bf16 kernels for this CPU): the same products on bf16
 // operands through ops::matmul (f32 accumulation, bf16 result), against two
 // measured bf16 peaks: AVX512-BF16's dot product (vdpbf16ps) on both FMA
-// pipes, and AMX's tile multiply (tdpbf16ps) where the CPU has AMX.
+// pipes, and AMX's tile multiply (tdpbf16ps) where the CPU has AMX. Where
+// Tessera's own AMX kernel can run (runtime/cpu/amx.h), the same products on
+// it and on oneDNN's bf16 kernels, each forced, are timed beside the
+// automatic choice ("by": which of the two it made).
 #include <cblas.h>
 
 #include <algorithm>
@@ -88,8 +91,10 @@ int main(int argc, char** argv) {
                 dp_peak, dp_peak / num_threads(), amx_peak, amx_peak / num_threads());
   else
     std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on f32 copies): not measured\n");
-  std::printf("%-8s %2s %5s %5s %5s %12s %8s %8s %8s %9s %8s %9s %7s %7s\n", "product", "op", "m", "n", "k",
-              "tessera GF/s", "of peak", "oneDNN", "of peak", "OpenBLAS", "of peak", "bf16", "of dp", "of AMX");
+  const bool amx_kernel = bf16 && cpu::bf16_gemm_amx() && cpu::has_peak_unit(cpu::PeakUnit::Amx);
+  std::printf("%-8s %2s %5s %5s %5s %12s %8s %8s %8s %9s %8s %9s %7s %7s %6s %8s %7s %11s %7s\n", "product", "op",
+              "m", "n", "k", "tessera GF/s", "of peak", "oneDNN", "of peak", "OpenBLAS", "of peak", "bf16", "of dp",
+              "of AMX", "by", "own AMX", "of AMX", "bf16 oneDNN", "of AMX");
   double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9;
   for (const Shape3& s : shapes) {
     Tensor a = operand(s.m, s.k, s.ta, 1), b = operand(s.k, s.n, s.tb, 2);
@@ -104,7 +109,7 @@ int main(int argc, char** argv) {
     double flops =
         2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
     int reps = std::max<int>(3, static_cast<int>(1e10 / flops));
-    std::vector<double> ours, onednn, direct, low;
+    std::vector<double> ours, onednn, direct, low, low_own, low_onednn;
     for (int round = 0; round < 5; ++round) {
       auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r) Tensor out = ops::matmul(a, b);
@@ -125,16 +130,30 @@ int main(int argc, char** argv) {
         for (int r = 0; r < 2 * reps; ++r) Tensor out = ops::matmul(a16, b16);
         low.push_back(flops * 2 * reps / seconds_since(t0) / 1e9);
       }
+      if (amx_kernel) {
+        for (cpu::Bf16Path path : {cpu::Bf16Path::Amx, cpu::Bf16Path::OneDnn}) {
+          cpu::Bf16Path saved = cpu::set_bf16_path(path);
+          t0 = std::chrono::steady_clock::now();
+          for (int r = 0; r < 2 * reps; ++r) Tensor out = ops::matmul(a16, b16);
+          (path == cpu::Bf16Path::Amx ? low_own : low_onednn).push_back(flops * 2 * reps / seconds_since(t0) / 1e9);
+          cpu::set_bf16_path(saved);
+        }
+      }
     }
-    double mo = median(ours), mn = median(onednn), md = median(direct), ml = bf16 ? median(low) : 0;
+    double mo = median(ours), mn = median(onednn), md = median(direct), ml = bf16 ? median(low) : 0,
+           mla = amx_kernel ? median(low_own) : 0, mlo = amx_kernel ? median(low_onednn) : 0;
+    const char* by = !bf16 ? "-" : cpu::bf16_on_amx(s.m, s.n, s.k) ? "own" : "oneDNN";
     worst = std::min(worst, mo / f32_peak);
     if (bf16) worst_bf16 = std::min(worst_bf16, ml / dp_peak);
     ratio_sum += mo / md;
-    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f\n", s.what,
+    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f %6s %8.1f %7.2f "
+                "%11.1f %7.2f\n",
+                s.what,
                 s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m),
                 static_cast<long long>(s.n), static_cast<long long>(s.k), mo, mo / f32_peak, mn,
                 mn / f32_peak, md, md / f32_peak, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
-                amx_peak > 0 ? ml / amx_peak : 0.0);
+                amx_peak > 0 ? ml / amx_peak : 0.0, by, mla, amx_peak > 0 ? mla / amx_peak : 0.0, mlo,
+                amx_peak > 0 ? mlo / amx_peak : 0.0);
   }
   std::printf(
       "lowest fraction of peak through Tessera: %.2f f32; Tessera / OpenBLAS direct, mean: %.3f\n",

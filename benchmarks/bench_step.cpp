@@ -8,8 +8,10 @@
 // the f32 FMA loop, or for bf16 the unit its products run on), a time no
 // implementation of the step can beat. Attention's block products are
 // counted with attention, a non-GEMM kernel here.
-//   bench_step [steps] [layers] [width] [f32|bf16] [gpt2|llama]   (bf16:
-//   parameters, activations and AdamW state all in bf16, to profile the 16-bit kernels)
+//   bench_step [steps] [layers] [width] [f32|bf16] [gpt2|llama] [auto|onednn|amx]
+//   (bf16: parameters, activations and AdamW state all in bf16, to profile
+//   the 16-bit kernels; the last: which kernel runs the bf16 products,
+//   cpu::set_bf16_path, to compare Tessera's AMX kernel with oneDNN's)
 #include <sys/resource.h>
 
 #include <chrono>
@@ -22,6 +24,7 @@
 #include "nn/models.h"
 #include "nn/optim.h"
 #include "runtime/allocator.h"
+#include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/parallel.h"
 #include "runtime/profiler.h"
@@ -38,12 +41,21 @@ int main(int argc, char** argv) {
   cfg.n_head = cfg.n_embd / 64;
   std::string dtype = argc > 4 ? argv[4] : "f32";
   cfg.arch = argc > 5 ? argv[5] : "gpt2";
+  std::string bf16_path = argc > 6 ? argv[6] : "auto";
   if (steps < 1 || cfg.n_layer < 1 || cfg.n_embd < 64 || cfg.n_embd % 64 != 0 ||
-      (dtype != "f32" && dtype != "bf16") || (cfg.arch != "gpt2" && cfg.arch != "llama")) {
-    std::fprintf(
-        stderr,
-        "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16] [gpt2|llama]\n");
+      (dtype != "f32" && dtype != "bf16") || (cfg.arch != "gpt2" && cfg.arch != "llama") ||
+      (bf16_path != "auto" && bf16_path != "onednn" && bf16_path != "amx")) {
+    std::fprintf(stderr,
+                 "usage: bench_step [steps >= 1] [layers >= 1] [width, a multiple of 64] [f32|bf16] [gpt2|llama] "
+                 "[auto|onednn|amx]\n");
     return 2;
+  }
+  if (bf16_path != "auto") {
+    if (bf16_path == "amx" && !cpu::amx_kernel_here()) {
+      std::fprintf(stderr, "bench_step: Tessera's AMX kernel needs AMX tiles with oneDNN's bf16 kernels; not here\n");
+      return 2;
+    }
+    cpu::set_bf16_path(bf16_path == "amx" ? cpu::Bf16Path::Amx : cpu::Bf16Path::OneDnn);
   }
   cfg.tie_embeddings = true;
   cfg.bias = cfg.arch == "gpt2";

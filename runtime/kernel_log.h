@@ -84,12 +84,15 @@ extern const KernelTable kTable;
 void set_native_dtypes(bool native);
 bool native_dtypes();
 
-// The dtype bf16 matrix products compute in on the meta device when it plans
-// for a CPU: as this CPU runs them (bf16 where oneDNN has bf16 kernels for it,
+// How bf16 matrix products run on the meta device when it plans for a CPU:
+// as this CPU runs them (bf16 where oneDNN has bf16 kernels for it,
 // AVX512-BF16 or AMX; f32 copies elsewhere: cpu::bf16_gemm_native()), or as
 // another CPU would, so that a plan made on one machine can show another's
-// (docs/cpu.md). Not thread-safe; set before planning.
-enum class Bf16Products { ThisCpu, Native, F32Copies };
+// (docs/cpu.md): Native as oneDNN's AVX512-BF16 kernels, Amx as a CPU with
+// AMX tiles (Tessera's AMX kernel, whose packed operands add to the peak,
+// on the products wider than a tile: cpu::amx_kernel_takes), F32Copies as a
+// CPU with neither. Not thread-safe; set before planning.
+enum class Bf16Products { ThisCpu, Native, Amx, F32Copies };
 void set_bf16_products(Bf16Products products);
 Bf16Products bf16_products();
 }  // namespace tessera::meta_kernels

@@ -77,14 +77,18 @@ std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576
 std::string bf16_products_assumed() {
   if (meta_kernels::native_dtypes()) return "bf16 (planned as a GPU)";
   switch (meta_kernels::bf16_products()) {
-    case meta_kernels::Bf16Products::Native: return "bf16 (as a CPU with bf16 GEMM kernels: --bf16-products native)";
+    case meta_kernels::Bf16Products::Native:
+      return "bf16 (as a CPU with oneDNN's AVX512-BF16 kernels: --bf16-products native)";
+    case meta_kernels::Bf16Products::Amx: return "bf16 (as a CPU with AMX tiles: --bf16-products amx)";
     case meta_kernels::Bf16Products::F32Copies: return "f32 copies (as a CPU without them: --bf16-products f32)";
     case meta_kernels::Bf16Products::ThisCpu: break;
   }
   const char* cap = std::getenv("TESSERA_CPU_ISA");
   const bool capped = cap != nullptr && *cap != '\0';
   if (cpu::bf16_gemm_native())
-    return fmt::format("bf16 (this CPU's oneDNN {} kernels)", cpu::bf16_gemm_amx() ? "AMX" : "AVX512-BF16");
+    return cpu::amx_kernel_here() ? "bf16 (this CPU's AMX tiles: Tessera's kernel and oneDNN's)"
+           : cpu::bf16_gemm_amx() ? "bf16 (this CPU's oneDNN AMX kernels)"
+                                  : "bf16 (this CPU's oneDNN AVX512-BF16 kernels)";
   if (capped) return fmt::format("f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA={})", cap);
   return "f32 copies (this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM)";
 }

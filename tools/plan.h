@@ -44,8 +44,9 @@ struct Plan {
   int64_t parameters = 0;            // in the model (tied weights once)
   int64_t micro_batch = 0;           // sequences per rank per micro-batch
   // The dtype bf16 matrix products were planned in, and why: "bf16 (this
-  // CPU's AMX kernels)", "f32 copies (...)", ... (meta_kernels::Bf16Products).
-  // Two CPUs plan a bf16 run's peak differently by the f32 copies.
+  // CPU's AMX tiles: ...)", "f32 copies (...)", ... (meta_kernels::Bf16Products).
+  // Two CPUs plan a bf16 run's peak differently by the f32 copies, and AMX's
+  // by its packed operands.
   std::string bf16_products;
   // Bytes the allocator holds in tensors (memory_stats' allocated_bytes).
   int64_t sharded_parameters = 0;  // this rank's shards, padded, after the first forward

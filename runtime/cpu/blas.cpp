@@ -11,11 +11,14 @@
 // dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
 //
 // bf16 x bf16 with f32 accumulation is oneDNN's matmul primitive, on CPUs where
-// oneDNN has bf16 kernels (AVX512-BF16; AMX tiles where the CPU has them:
-// measured 500-800 GFLOP/s on one core against 150 for f32). oneDNN 2.6 has no
-// bf16 sgemm-style call, and a primitive costs 0.1-5 ms to create, so each
-// piece's primitive is made once per shape and cached. Elsewhere bf16 products
-// run on f32 copies (bf16_gemm_native() is false; the ops layer converts).
+// oneDNN has bf16 kernels (AVX512-BF16; AMX tiles where the CPU has them).
+// oneDNN 2.6 has no bf16 sgemm-style call, and a primitive costs 0.1-5 ms to
+// create, so each piece's primitive is made once per shape and cached. Its
+// AMX kernel (brgemm) runs only on dense destinations, so on tiles of a wider
+// C it falls back to an older kernel; there Tessera's own AMX kernel
+// (runtime/cpu/amx.h) runs instead, 1.1-1.7x faster (bf16_on_amx). Elsewhere
+// bf16 products run on f32 copies (bf16_gemm_native() is false; the ops
+// layer converts).
 //
 // Threads never change a result. oneDNN's own threading splits the k
 // dimension when it likes, so its results change with the number of threads
@@ -43,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/cpu/amx.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/isa.h"
@@ -65,6 +69,7 @@ void check_leading_dims(const char* name, bool trans_a, bool trans_b, int64_t m,
 }
 
 std::atomic<SgemmPath> forced_path{SgemmPath::Auto};
+std::atomic<Bf16Path> forced_bf16_path{Bf16Path::Auto};
 
 // Both libraries size their teams by omp_get_max_threads(), and oneDNN plans
 // a primitive for that many threads when it makes one, inside a parallel
@@ -194,10 +199,17 @@ void bf16_piece(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
   }
 }
 
-// How a product is cut: tiles of mb x nb over C, and `chunks` pieces of k.
+// How a product is cut: tiles of mb x nb over C, and `chunks` pieces of kc along k.
 struct Grid {
-  int64_t mb, nb, chunks;
+  int64_t mb, nb, chunks, kc;
 };
+
+// The steps a grid's cuts fall on: the libraries take any k and tiles on
+// multiples of 16; the AMX kernel cuts on its panels and k blocks.
+struct Granule {
+  int64_t tile, k;
+};
+constexpr Granule kLibraryGranule{16, 1}, kAmxGranule{amx::kPanel, amx::kBlock};
 
 constexpr double kSerialFlops = 4e6;  // below: one piece
 // Tiles of C at most kTile x kTile (big enough that re-packing an operand per
@@ -213,27 +225,34 @@ int64_t round_up(int64_t a, int64_t b) {
   return ceil_div(a, b) * b;
 }
 
-// Equal parts of `size`, each at most `most` (and a multiple of 16).
-int64_t balanced_part(int64_t size, int64_t most) {
-  return std::min(size, round_up(ceil_div(size, ceil_div(size, most)), 16));
+// Equal parts of `size`, each at most `most` (and a multiple of `unit`).
+int64_t balanced_part(int64_t size, int64_t most, int64_t unit) {
+  return std::min(size, round_up(ceil_div(size, ceil_div(size, most)), unit));
 }
 
 // Depends on the shape alone, never on the thread count.
-Grid grid_for(int64_t m, int64_t n, int64_t k, double flops) {
-  if (flops < kSerialFlops) return {m, n, 1};
-  int64_t mb = balanced_part(m, kTile), nb = balanced_part(n, kTile);
+Grid grid_for(int64_t m, int64_t n, int64_t k, Granule granule) {
+  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if (flops < kSerialFlops) return {m, n, 1, k};
+  int64_t mb = balanced_part(m, kTile, granule.tile), nb = balanced_part(n, kTile, granule.tile);
   int64_t tiles = ceil_div(m, mb) * ceil_div(n, nb), chunks = 1;
   if (tiles < kFewTiles && k >= 2 * kMinChunk)
     chunks = std::min(ceil_div(kChunkedPieces, tiles), k / kMinChunk);
-  return {mb, nb, chunks};
+  int64_t kc = round_up(ceil_div(k, chunks), granule.k);
+  return {mb, nb, ceil_div(k, kc), kc};
 }
 
-// C = alpha op(A) op(B) + beta C in pieces of the shape's grid, each through
-// `piece` on one thread. Split k: chunk p's partial product goes to f32
-// parts[p], then C = sum over p in order (+ beta C), rounded once.
+// Where a piece's result goes, and the piece: rows x cols of C from row i0,
+// column j0, over k0 .. k0 + depth, with `beta` for what `out` holds.
+using PieceFn = void(int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float beta,
+                     PieceOut out);
+
+// C = alpha op(A) op(B) + beta C in the pieces of grid g, each through
+// `piece` on one thread (which applies alpha). Split k: chunk p's partial
+// product goes to f32 parts[p], then C = sum over p in order (+ beta C),
+// rounded once.
 template <class T, class Piece>
-void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
-                  int64_t lda, const T* b, int64_t ldb, float beta, T* c, int64_t ldc, Piece piece) {
+void gemm_on_grid(int64_t m, int64_t n, int64_t k, Grid g, float beta, T* c, int64_t ldc, Piece piece) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // C = beta * C, which oneDNN skips (it returns early on k == 0)
     for (int64_t i = 0; i < m; ++i)
@@ -241,33 +260,24 @@ void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
         c[i * ldc + j] = store<T>(beta == 0.f ? 0.f : beta * load(c[i * ldc + j]));
     return;
   }
-  // Where op(X)'s block (row r0, col c0) starts in X's storage.
-  auto at = [](const T* x, int64_t ld, bool trans, int64_t r0, int64_t c0) {
-    return trans ? x + c0 * ld + r0 : x + r0 * ld + c0;
-  };
-  double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  Grid g = grid_for(m, n, k, flops);
   int64_t tiles_m = ceil_div(m, g.mb), tiles_n = ceil_div(n, g.nb), tiles = tiles_m * tiles_n;
   if (g.chunks == 1) {
     parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         int64_t i0 = (t / tiles_n) * g.mb, j0 = (t % tiles_n) * g.nb;
-        piece(trans_a, trans_b, std::min(g.mb, m - i0), std::min(g.nb, n - j0), k, alpha,
-              at(a, lda, trans_a, i0, 0), lda, at(b, ldb, trans_b, 0, j0), ldb, beta,
+        piece(i0, j0, std::min(g.mb, m - i0), std::min(g.nb, n - j0), 0, k, beta,
               PieceOut{c + i0 * ldc + j0, ldc, std::is_same_v<T, float>});
       }
     });
     return;
   }
-  int64_t kc = ceil_div(k, g.chunks);
   Tensor parts = empty({g.chunks, m, n}, DType::F32);
   float* pp = parts.data<float>();
   parallel_for(0, tiles * g.chunks, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       int64_t p = w / tiles, t = w % tiles;
-      int64_t i0 = (t / tiles_n) * g.mb, j0 = (t % tiles_n) * g.nb, k0 = p * kc;
-      piece(trans_a, trans_b, std::min(g.mb, m - i0), std::min(g.nb, n - j0), std::min(kc, k - k0),
-            alpha, at(a, lda, trans_a, i0, k0), lda, at(b, ldb, trans_b, k0, j0), ldb, 0.f,
+      int64_t i0 = (t / tiles_n) * g.mb, j0 = (t % tiles_n) * g.nb, k0 = p * g.kc;
+      piece(i0, j0, std::min(g.mb, m - i0), std::min(g.nb, n - j0), k0, std::min(g.kc, k - k0), 0.f,
             PieceOut{pp + (p * m + i0) * n + j0, n, true});
     }
   });
@@ -283,16 +293,75 @@ void gemm_on_grid(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
   });
 }
 
+// The same through a library's `piece` function, on blocks of the operands in place.
+template <class T, class LibraryPiece>
+void gemm_in_library(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
+                     int64_t lda, const T* b, int64_t ldb, float beta, T* c, int64_t ldc, LibraryPiece piece) {
+  // Where op(X)'s block (row r0, col c0) starts in X's storage.
+  auto at = [](const T* x, int64_t ld, bool trans, int64_t r0, int64_t c0) {
+    return trans ? x + c0 * ld + r0 : x + r0 * ld + c0;
+  };
+  gemm_on_grid(m, n, k, grid_for(m, n, k, kLibraryGranule), beta, c, ldc,
+               [&](int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float piece_beta,
+                   PieceOut out) {
+                 piece(trans_a, trans_b, rows, cols, depth, alpha, at(a, lda, trans_a, i0, k0), lda,
+                       at(b, ldb, trans_b, k0, j0), ldb, piece_beta, out);
+               });
+}
+
+// The packed operands' elements, A's panels then B's. (Reading A's tiles in
+// place, unpacked, measured 0.70-0.87 of the packed rate on this kernel:
+// power-of-two strides conflict in L1.)
+int64_t amx_packed_elements(int64_t m, int64_t n, int64_t k) {
+  return amx::packed_a_elements(m, k) + amx::packed_b_elements(k, n);
+}
+
+// bf16 through the AMX kernel (amx.h): both operands packed once, in
+// parallel over their panels, then the pieces multiply panels.
+void gemm_on_amx(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
+                 int64_t lda, const BFloat16* b, int64_t ldb, float beta, BFloat16* c, int64_t ldc) {
+  using amx::kBlock;
+  using amx::kPanel;
+  const int64_t pm = amx::panels(m), pn = amx::panels(n), panel = amx::blocks(k) * amx::kBlockElements;
+  Tensor packed;
+  BFloat16 *pa = nullptr, *pb = nullptr;
+  if (m > 0 && n > 0 && k > 0) {
+    packed = empty({amx_packed_elements(m, n, k)}, DType::BF16);
+    pa = packed.data<BFloat16>();
+    pb = pa + pm * panel;
+    parallel_for(0, pm + pn, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        if (p < pm) amx::pack_a(trans_a, m, k, a, lda, p, p + 1, pa + p * panel);
+        else amx::pack_b(trans_b, k, n, b, ldb, p - pm, p - pm + 1, pb + (p - pm) * panel);
+      }
+    });
+  }
+  gemm_on_grid(m, n, k, grid_for(m, n, k, kAmxGranule), beta, c, ldc,
+               [&](int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float piece_beta,
+                   PieceOut out) {
+                 amx::multiply(m, n, k, pa, pb, i0 / kPanel, ceil_div(i0 + rows, kPanel), j0 / kPanel,
+                               ceil_div(j0 + cols, kPanel), k0 / kBlock, ceil_div(k0 + depth, kBlock), alpha,
+                               piece_beta, {out.c, out.ldc, out.f32});
+               });
+}
+
 }  // namespace
 
-int64_t gemm_scratch_elements(int64_t m, int64_t n, int64_t k) {
-  if (m == 0 || n == 0 || k == 0) return 0;
-  Grid g = grid_for(m, n, k, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
-  return g.chunks > 1 ? g.chunks * m * n : 0;
+GemmScratch gemm_scratch(DType dtype, int64_t m, int64_t n, int64_t k, bool on_amx) {
+  if (m == 0 || n == 0 || k == 0) return {};
+  on_amx = on_amx && dtype == DType::BF16;
+  Grid g = grid_for(m, n, k, on_amx ? kAmxGranule : kLibraryGranule);
+  return {g.chunks > 1 ? g.chunks * m * n : 0, on_amx ? amx_packed_elements(m, n, k) : 0};
 }
 
 SgemmPath set_sgemm_path(SgemmPath path) {
   return forced_path.exchange(path);
+}
+
+Bf16Path set_bf16_path(Bf16Path path) {
+  TS_CHECK(path != Bf16Path::Amx || amx::usable(),
+           "set_bf16_path: the AMX kernel needs AMX-BF16 tiles, which this CPU lacks or Linux did not grant");
+  return forced_bf16_path.exchange(path);
 }
 
 bool bf16_gemm_native() {
@@ -313,6 +382,24 @@ bool bf16_gemm_amx() {
   return amx;
 }
 
+bool amx_kernel_takes(int64_t m, int64_t n, int64_t k) {
+  // Where each of the library grid's tiles spans C's whole width, its
+  // destination is dense and oneDNN runs its own AMX kernel (brgemm), which
+  // measured 1.08-1.49x this one there (n = 256, benchmarks/README.md); on
+  // narrower tiles it falls back to an older kernel that this one beats.
+  return grid_for(m, n, k, kLibraryGranule).nb < n;
+}
+
+bool amx_kernel_here() {
+  return bf16_gemm_amx() && amx::usable();
+}
+
+bool bf16_on_amx(int64_t m, int64_t n, int64_t k) {
+  Bf16Path path = forced_bf16_path.load(std::memory_order_relaxed);
+  if (path != Bf16Path::Auto) return path == Bf16Path::Amx;
+  return amx_kernel_here() && amx_kernel_takes(m, n, k);
+}
+
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   check_leading_dims("sgemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
@@ -322,8 +409,8 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   bool avx512 = active_isa() == Isa::Avx512;
   SgemmPath path = forced_path.load(std::memory_order_relaxed);
   bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
-  gemm_on_grid(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-               onednn ? onednn_piece : openblas_piece);
+  gemm_in_library(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                  onednn ? onednn_piece : openblas_piece);
 }
 
 void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
@@ -331,7 +418,10 @@ void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
   check_leading_dims("bf16gemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
   TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX); "
            "bf16 products run on f32 copies here (cpu::bf16_gemm_native() is false)");
-  gemm_on_grid(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_piece);
+  if (bf16_on_amx(m, n, k))
+    gemm_on_amx(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else
+    gemm_in_library(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_piece);
 }
 
 void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,

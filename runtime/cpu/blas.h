@@ -26,10 +26,29 @@ void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
 bool bf16_gemm_native();
 // Whether those kernels are oneDNN's AMX tile kernels (else AVX512-BF16's dot products).
 bool bf16_gemm_amx();
-// The f32 elements sgemm or bf16gemm takes from the allocator for a product
-// of this shape (partial products when it cuts k into chunks; 0 when it does
-// not): a planned step (runtime/kernel_log.h) counts them as a run does.
-int64_t gemm_scratch_elements(int64_t m, int64_t n, int64_t k);
+// Which kernel runs bf16 products: Auto is Tessera's own AMX kernel
+// (runtime/cpu/amx.h) where oneDNN's kernels would use AMX, Linux grants the
+// tiles and the product is wider than one of the grid's tiles of C (where
+// it is not, oneDNN's own AMX kernel runs and measured faster), else
+// oneDNN's; the others force one, for tests and benchmarks (Amx throws where
+// the tiles cannot run). The choice depends on the shape and the CPU alone.
+enum class Bf16Path { Auto, OneDnn, Amx };
+Bf16Path set_bf16_path(Bf16Path path);  // returns the previous one
+// Whether bf16gemm runs a product of this shape on the AMX kernel now.
+bool bf16_on_amx(int64_t m, int64_t n, int64_t k);
+// Whether Auto gives a product of this shape the AMX kernel on a CPU where
+// it can run (C wider than a tile of the grid); and whether it can run here.
+bool amx_kernel_takes(int64_t m, int64_t n, int64_t k);
+bool amx_kernel_here();
+// What sgemm or bf16gemm takes from the allocator for a product of this
+// shape, held together for the product's length: f32 partial products when it
+// cuts k into chunks, and bf16 packed operands when it runs on the AMX kernel
+// (`on_amx`: bf16_on_amx here, or as a planned CPU would; 0 when none). A
+// planned step (runtime/kernel_log.h) counts them as a run does.
+struct GemmScratch {
+  int64_t f32_parts = 0, bf16_packed = 0;
+};
+GemmScratch gemm_scratch(DType dtype, int64_t m, int64_t n, int64_t k, bool on_amx);
 void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
            const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
            int64_t ldc);

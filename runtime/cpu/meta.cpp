@@ -171,13 +171,28 @@ struct Logged<Entry, Op> {
 
 bool native_dtypes = false;  // meta_kernels::set_native_dtypes
 
+// Whether a bf16 product of this shape runs Tessera's AMX kernel on the CPU planned for.
+bool on_amx_kernel(int64_t m, int64_t n, int64_t k) {
+  switch (meta_kernels::bf16_products()) {
+    case meta_kernels::Bf16Products::ThisCpu: return cpu::bf16_on_amx(m, n, k);
+    case meta_kernels::Bf16Products::Amx: return cpu::amx_kernel_takes(m, n, k);
+    case meta_kernels::Bf16Products::Native:
+    case meta_kernels::Bf16Products::F32Copies: break;
+  }
+  return false;
+}
+
 void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const void*, int64_t lda,
           const void*, int64_t ldb, double beta, void*, int64_t ldc) {
-  // The CPU's split-k partial products come from the allocator: a planned
-  // step holds them for the product's length, as a run does.
-  if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16))
-    if (int64_t scratch = cpu::gemm_scratch_elements(m, n, k); scratch > 0)
-      (void)empty({scratch}, DType::F32, Device::meta());
+  // The CPU's split-k partial products and AMX's packed operands come from
+  // the allocator: a planned step holds them for the product's length, as a run does.
+  if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16)) {
+    cpu::GemmScratch scratch =
+        cpu::gemm_scratch(dtype, m, n, k, dtype == DType::BF16 && on_amx_kernel(m, n, k));
+    Tensor packed, parts;
+    if (scratch.bf16_packed > 0) packed = empty({scratch.bf16_packed}, DType::BF16, Device::meta());
+    if (scratch.f32_parts > 0) parts = empty({scratch.f32_parts}, DType::F32, Device::meta());
+  }
   if (active == nullptr) return;
   LoggingTime timed;
   const double es = static_cast<double>(dtype_size(dtype));
@@ -274,7 +289,7 @@ Bf16Products bf16_products_ = Bf16Products::ThisCpu;  // set_bf16_products
 DType compute_dtype(KernelFamily family, DType dtype) {
   if (kl::native_dtypes) return dtype;
   if (family == KernelFamily::Matmul && dtype == DType::BF16 && bf16_products_ != Bf16Products::ThisCpu)
-    return bf16_products_ == Bf16Products::Native ? DType::BF16 : DType::F32;
+    return bf16_products_ == Bf16Products::F32Copies ? DType::F32 : DType::BF16;
   return cpu::compute_dtype(family, dtype);
 }
 }  // namespace

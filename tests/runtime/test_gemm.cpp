@@ -12,6 +12,7 @@
 
 #include "runtime/profiler.h"
 #include "helpers.h"
+#include "runtime/cpu/amx.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/cpu/dispatch.h"
@@ -156,6 +157,26 @@ void for_each_path(F&& body) {
   }
 }
 
+// body() on each bf16 kernel: the automatic choice, oneDNN's forced, and
+// Tessera's AMX kernel forced where it can run.
+template <class F>
+void for_each_bf16_path(F&& body) {
+  for (auto [path, name] : {std::pair{cpu::Bf16Path::Auto, "auto"}, std::pair{cpu::Bf16Path::OneDnn, "oneDNN"},
+                            std::pair{cpu::Bf16Path::Amx, "AMX kernel"}}) {
+    if (path == cpu::Bf16Path::Amx && !cpu::amx::usable()) {
+      CHECK_THROWS_WITH(cpu::set_bf16_path(path), Catch::Contains("the AMX kernel needs AMX-BF16 tiles"));
+      WARN("no AMX tiles on this CPU: Tessera's AMX kernel was not run");
+      continue;
+    }
+    INFO("bf16 path " << name);
+    struct Restore {
+      cpu::Bf16Path saved;
+      ~Restore() { cpu::set_bf16_path(saved); }
+    } restore{cpu::set_bf16_path(path)};
+    body();
+  }
+}
+
 // The same bits at 1, 2 and 3 threads (oneDNN's own threading changes them
 // with the thread count), and the right product.
 template <class T>
@@ -263,18 +284,47 @@ TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the sa
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::BF16);
   CHECK_THROWS_WITH(cpu::bf16gemm(false, false, 4, 4, 4, 1.f, a.data(), 3, b.data(), 4, 0.f, c.data(), 4),
                     Catch::Contains("bf16gemm: expected leading dimensions lda >= 4"));
-  std::mt19937 gen(20261201);
-  for (const Case& cs : random_cases(gen, 80)) run_case<BFloat16>(cs, gen);
-  run_every_transpose<BFloat16>(gen);
-  run_case<BFloat16>({true, false, 64, 48, 3000, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
-  run_case<BFloat16>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
-  run_case<BFloat16>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
+  for_each_bf16_path([] {
+    std::mt19937 gen(20261201);
+    for (const Case& cs : random_cases(gen, 80)) run_case<BFloat16>(cs, gen);
+    run_every_transpose<BFloat16>(gen);
+    run_case<BFloat16>({true, false, 64, 48, 3000, 0, 1, 2, 1.0, 0.0}, gen, /*nan_c=*/true);
+    run_case<BFloat16>({true, false, 5, 9, 0, 0, 0, 1, 1.0, 0.5}, gen);
+    run_case<BFloat16>({false, false, 5, 9, 0, 0, 0, 0, 1.0, 0.0}, gen, /*nan_c=*/true);
+    // The AMX kernel's edges: panels of 32 rows and columns, blocks of 32
+    // along k, chunks of 8 blocks, tiles of C and chunks of k across pieces.
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        run_case<BFloat16>({ta, tb, 97, 545, 291, 1, 0, 3, 1.0, 0.0}, gen);
+        run_case<BFloat16>({ta, tb, 288, 320, 512, 0, 2, 0, -0.5, 1.0}, gen);
+        run_case<BFloat16>({ta, tb, 33, 31, 1025, 3, 0, 1, 1.0, 0.3}, gen);
+      }
+    check_same_bits_at_any_thread_count<BFloat16>({{true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
+                                                   {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
+                                                   {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
+                                                   {false, false, 300, 600, 777, 1, 1, 1, 1.0, 0.0}},
+                                                  gen);
+    check_from_parallel_loop<BFloat16>(gen, 24);
+  });
+}
 
-  check_same_bits_at_any_thread_count<BFloat16>({{true, false, 32, 32, 8192, 0, 0, 0, 1.0, 0.0},
-                                                 {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5},
-                                                 {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0}},
-                                                gen);
-  check_from_parallel_loop<BFloat16>(gen, 24);
+TEST_CASE("bf16 products choose their kernel by the shape and the CPU alone", "[gemm][bf16]") {
+  // Auto: Tessera's AMX kernel where oneDNN would use AMX and C is wider than
+  // a tile of the grid (256 columns); oneDNN (its own AMX kernel, on dense
+  // destinations) on full-width tiles; oneDNN wherever there are no tiles.
+  const bool own = cpu::bf16_gemm_amx() && cpu::amx::usable();
+  CHECK(cpu::bf16_on_amx(1024, 1024, 256) == own);
+  CHECK(cpu::bf16_on_amx(2048, 3072, 768) == own);
+  CHECK_FALSE(cpu::bf16_on_amx(1024, 256, 1024));
+  CHECK_FALSE(cpu::bf16_on_amx(3, 5, 7));
+  cpu::Bf16Path saved = cpu::set_bf16_path(cpu::Bf16Path::OneDnn);
+  CHECK_FALSE(cpu::bf16_on_amx(1024, 1024, 256));
+  if (cpu::amx::usable()) {
+    cpu::set_bf16_path(cpu::Bf16Path::Amx);
+    CHECK(cpu::bf16_on_amx(1024, 256, 1024));
+    CHECK(cpu::bf16_on_amx(3, 5, 7));
+  }
+  cpu::set_bf16_path(saved);
 }
 
 TEST_CASE("bf16 matmul and linear compute natively where oneDNN can: the f32 result rounded once, within the "
