@@ -4,7 +4,7 @@
 //
 // Why not oneDNN's: oneDNN 2.6 (Debian 12) runs its AMX kernel (brgemm) only
 // on dense destinations, so the tiles of a wider C, which keep results
-// thread-count-independent, fell to its older kernel (0.14-0.25 of AMX's
+// thread-count-independent, fell to its older kernel (0.14-0.24 of AMX's
 // measured peak; this one 1.24-1.72x that, benchmarks/README.md). Where a
 // tile spans C's whole width brgemm runs, and measured faster than this.
 //
