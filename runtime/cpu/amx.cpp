@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "runtime/check.h"
@@ -264,7 +265,11 @@ void full_a_block(bool trans, const BFloat16* src, int64_t lda, BFloat16* block)
 
 void full_b_block(bool trans, const BFloat16* src, int64_t ldb, BFloat16* block) {
 #if defined(__x86_64__)
-  avx512::full_b_block(trans, src, ldb, block);
+  // The gathers' offsets (up to 15 ldb elements) are 32-bit.
+  if (trans && ldb > std::numeric_limits<int32_t>::max() / 16)
+    pack_b_block(trans, kBlock, kPanel, src, ldb, block);
+  else
+    avx512::full_b_block(trans, src, ldb, block);
 #else
   pack_b_block(trans, kBlock, kPanel, src, ldb, block);
 #endif
