@@ -242,13 +242,10 @@ Grid grid_for(int64_t m, int64_t n, int64_t k, Granule granule) {
   return {mb, nb, ceil_div(k, kc), kc};
 }
 
-// Where a piece's result goes, and the piece: rows x cols of C from row i0,
-// column j0, over k0 .. k0 + depth, with `beta` for what `out` holds.
-using PieceFn = void(int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float beta,
-                     PieceOut out);
-
 // C = alpha op(A) op(B) + beta C in the pieces of grid g, each through
-// `piece` on one thread (which applies alpha). Split k: chunk p's partial
+// `piece(i0, j0, rows, cols, k0, depth, beta, out)` on one thread: rows x
+// cols of C from row i0, column j0, over k0 .. k0 + depth, alpha applied,
+// `beta` for what `out` holds. Split k: chunk p's partial
 // product goes to f32 parts[p], then C = sum over p in order (+ beta C),
 // rounded once.
 template <class T, class Piece>

@@ -141,6 +141,14 @@ void run_every_transpose(std::mt19937& gen) {
     }
 }
 
+// Forces a GEMM path (set_sgemm_path, set_bf16_path) for its lifetime.
+template <class Path, Path (*Set)(Path)>
+struct ForcedPath {
+  explicit ForcedPath(Path path) : saved(Set(path)) {}
+  ~ForcedPath() { Set(saved); }
+  Path saved;
+};
+
 // Runs body once per f32 library path (every path runs on any x86-64 CPU;
 // Auto is what this CPU gets by default).
 template <class F>
@@ -149,10 +157,7 @@ void for_each_path(F&& body) {
        {std::pair{cpu::SgemmPath::Auto, "auto"}, std::pair{cpu::SgemmPath::OneDnn, "oneDNN"},
         std::pair{cpu::SgemmPath::OpenBlas, "OpenBLAS"}}) {
     INFO("sgemm path " << name);
-    struct Restore {
-      cpu::SgemmPath saved;
-      ~Restore() { cpu::set_sgemm_path(saved); }
-    } restore{cpu::set_sgemm_path(path)};
+    ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(path);
     body();
   }
 }
@@ -169,10 +174,7 @@ void for_each_bf16_path(F&& body) {
       continue;
     }
     INFO("bf16 path " << name);
-    struct Restore {
-      cpu::Bf16Path saved;
-      ~Restore() { cpu::set_bf16_path(saved); }
-    } restore{cpu::set_bf16_path(path)};
+    ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(path);
     body();
   }
 }
@@ -317,14 +319,15 @@ TEST_CASE("bf16 products choose their kernel by the shape and the CPU alone", "[
   CHECK(cpu::bf16_on_amx(2048, 3072, 768) == own);
   CHECK_FALSE(cpu::bf16_on_amx(1024, 256, 1024));
   CHECK_FALSE(cpu::bf16_on_amx(3, 5, 7));
-  cpu::Bf16Path saved = cpu::set_bf16_path(cpu::Bf16Path::OneDnn);
-  CHECK_FALSE(cpu::bf16_on_amx(1024, 1024, 256));
+  {
+    ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(cpu::Bf16Path::OneDnn);
+    CHECK_FALSE(cpu::bf16_on_amx(1024, 1024, 256));
+  }
   if (cpu::amx::usable()) {
-    cpu::set_bf16_path(cpu::Bf16Path::Amx);
+    ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(cpu::Bf16Path::Amx);
     CHECK(cpu::bf16_on_amx(1024, 256, 1024));
     CHECK(cpu::bf16_on_amx(3, 5, 7));
   }
-  cpu::set_bf16_path(saved);
 }
 
 TEST_CASE("bf16 matmul and linear compute natively where oneDNN can: the f32 result rounded once, within the "
