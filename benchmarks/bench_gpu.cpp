@@ -3,9 +3,12 @@
 // MFU (6N FLOPs per token plus attention's 12 L T d, against the device's
 // peak bf16 rate, TESSERA_PEAK_TFLOPS to override). benchmarks/torch_gpu.py is
 // the same model in PyTorch eager; tools/gpu-check.sh runs both side by side.
-// Without a GPU it says so and exits 77.
+// Without a GPU it says so and exits 77. With `profile` as the third argument
+// it then runs one more step under the per-op profiler, the GPU synchronized
+// after each top-level op (so each op's time is its kernels', launches
+// included), and prints the table.
 //
-//   build/benchmarks/bench_gpu [steps] [batch]
+//   build/benchmarks/bench_gpu [steps] [batch] [profile]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +17,7 @@
 #include "nn/optim.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_backend.h"
+#include "runtime/profiler.h"
 #include "runtime/stream.h"
 
 using namespace tessera;
@@ -62,4 +66,17 @@ int main(int argc, char** argv) {
               cuda::device_name(0).c_str(), static_cast<long long>(batch), static_cast<long long>(seq),
               sec * 1e3, tokens, 100.0 * tokens * flops_per_token / peak, peak / 1e12, loss.item(),
               memory_stats(gpu).peak_allocated_bytes / 1073741824.0);
+  const std::string refusal = cuda::cudnn_attention_refusal();
+  std::printf("attention: %lld calls on cuDNN%s%s\n", static_cast<long long>(cuda::cudnn_attention_calls()),
+              refusal.empty() ? "" : "; cuDNN refused: ", refusal.c_str());
+  if (argc > 3 && std::string(argv[3]) == "profile") {
+    profiler::set_scope_barrier([] { synchronize(Device::cuda(0)); });
+    profiler::enable(true);
+    const auto p0 = std::chrono::steady_clock::now();
+    step();
+    synchronize(gpu);
+    profiler::enable(false);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p0).count();
+    std::printf("one step, synchronized after each op: %.1f ms\n%s", ms, profiler::format_summary(ms).c_str());
+  }
 }

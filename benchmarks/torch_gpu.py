@@ -23,7 +23,17 @@ def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     dev = torch.device("cuda")
-    model = GPT(V, T, L, H, C).to(dev).to(torch.bfloat16)
+    model = GPT(V, T, L, H, C)
+    # GPT-2's initialisation, as Tessera's nn::GPT (PyTorch's defaults give
+    # the tied N(0, 1) embedding logits in the hundreds): normal(0, 0.02),
+    # the residual projections 0.02 / sqrt(2 L), zero biases.
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / (2 * L) ** 0.5 if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+            torch.nn.init.normal_(p, 0.0, std)
+    model = model.to(dev).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, V, (batch, T), device=dev)
     y = torch.randint(0, V, (batch, T), device=dev)

@@ -97,9 +97,10 @@ nn::Module& fully_shard(nn::Module& module, const FullyShardOptions& options) {
   TS_CHECK(module.extension == nullptr, "fully_shard: {} already carries another extension", module.type_name());
   MeshPtr mesh = options.mesh ? options.mesh : default_mesh();
   // meta: a planned run (tools/plan.h), over simulated process groups only.
-  TS_CHECK(mesh->device_type() == "cpu" || mesh->device_type() == "async_cpu" ||
+  // cuda: init_device_mesh has checked that this build and machine have it.
+  TS_CHECK(mesh->device_type() == "cpu" || mesh->device_type() == "async_cpu" || mesh->device_type() == "cuda" ||
                (mesh->device_type() == "meta" && mesh->get_group(0)->simulated()),
-           "fully_shard: mesh device type '{}' is not available in this build (cpu, async_cpu; meta over "
+           "fully_shard: mesh device type '{}' is not one FSDP runs on (cpu, async_cpu, cuda; meta over "
            "simulated process groups)",
            mesh->device_type());
   MeshInfo info = mesh_info_for(mesh);

@@ -25,6 +25,9 @@ int device_count();           // 0 without CUDA or GPUs
 // were found), and how many forward and backward calls ran there so far.
 bool cudnn_attention_built();
 int64_t cudnn_attention_calls();
+// Why cuDNN last refused an attention shape (the stage and cuDNN's message),
+// "" while it has taken every one.
+std::string cudnn_attention_refusal();
 // Why no GPU can be used ("" when one can): no CUDA in the build, no driver,
 // a driver older than the build's toolkit, or no device visible.
 std::string unavailable_reason();

@@ -21,6 +21,7 @@ std::string unavailable_reason() { return "this build of Tessera has no CUDA bac
 bool install_is_broken() { return false; }
 bool cudnn_attention_built() { return false; }
 int64_t cudnn_attention_calls() { return 0; }
+std::string cudnn_attention_refusal() { return "this build has no CUDA backend"; }
 std::string device_name(int index) { no_cuda(index); }
 double free_memory(int index) { no_cuda(index); }
 Stream& default_stream(int index) { no_cuda(index); }

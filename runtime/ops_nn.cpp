@@ -369,6 +369,12 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
   if (intercepts({&grad, &indices}))  // without the table, no layout for its gradient
     return intercept_one({OpId::embedding_backward, "embedding_backward", {grad, indices}});
+  TS_CHECK(grad.dim() >= 1 && indices.numel() == leading_numel(grad.shape()),
+           "embedding_backward: the gradient {} has {} rows, but there are {} indices {}", shape_str(grad.shape()),
+           grad.dim() >= 1 ? leading_numel(grad.shape()) : 0, indices.numel(), shape_str(indices.shape()));
+  TS_CHECK(num_weights >= 0, "embedding_backward: a table of {} rows", num_weights);
+  TS_CHECK(grad.device() == indices.device(), "embedding_backward: gradient on {} but indices on {}",
+           grad.device().str(), indices.device().str());
   int64_t d = grad.size(-1);
   // Summed in f32 (f64 for f64) even where a backend computes bf16 natively,
   // as PyTorch does: a frequent token's row, added to in bf16 thousands of
@@ -430,6 +436,17 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                           {.ignore_index = ignore_index}, [ignore_index](const TensorList& l) {
                             return TensorList{cross_entropy_backward(l[0], l[1], l[2], l[3], ignore_index, l[4])};
                           }});
+  check_float(logits, "cross_entropy_backward", "logits");
+  TS_CHECK(logits.dim() == 2, "cross_entropy_backward: logits must be [N, C], got {}", shape_str(logits.shape()));
+  const int64_t n = logits.size(0);
+  TS_CHECK((target.dtype() == DType::I64 || target.dtype() == DType::I32) && target.dim() == 1 &&
+               target.size(0) == n,
+           "cross_entropy_backward: targets must be i64 or i32 [{}] for logits {}, got {} {}", n,
+           shape_str(logits.shape()), dtype_name(target.dtype()), shape_str(target.shape()));
+  TS_CHECK(lse.numel() == n && grad_loss.numel() == 1 && count.numel() == 1,
+           "cross_entropy_backward: expected lse of {} rows and a scalar gradient and count, got lse {}, "
+           "gradient {}, count {}",
+           n, shape_str(lse.shape()), shape_str(grad_loss.shape()), shape_str(count.shape()));
   DType cd = compute_dtype(logits.device(), kCrossEntropy, logits.dtype());
   Tensor g = empty(logits.shape(), cd, logits.device());
   {

@@ -9,6 +9,7 @@ namespace tessera::profiler {
 
 namespace detail {
 std::atomic<bool> g_enabled{false};
+void (*g_barrier)() = nullptr;
 
 namespace {
 std::map<std::string, Entry>& table() {
@@ -34,6 +35,7 @@ int& depth() {
 }  // namespace detail
 
 void enable(bool on) { detail::g_enabled.store(on); }
+void set_scope_barrier(void (*barrier)()) { detail::g_barrier = barrier; }
 bool enabled() { return detail::g_enabled.load(); }
 void reset() {
   detail::table().clear();

@@ -33,8 +33,15 @@ std::string format_summary(double total_ms = 0);
 void record_kernel(const char* kind, double ms, double flops = 0);
 Entry kernel_time(const char* kind);
 
+// A function every top-level scope calls before it reads its clock (nullptr:
+// none). On a device that queues work, such as a GPU, a scope's time is then
+// its kernels' time and not only their launch: bench_gpu's profile sets it to
+// the device's synchronize. It slows the run; for profiles, not for timings.
+void set_scope_barrier(void (*barrier)());
+
 namespace detail {
 extern std::atomic<bool> g_enabled;
+extern void (*g_barrier)();
 void record(const char* name, double ms);
 int& depth();
 }  // namespace detail
@@ -57,6 +64,7 @@ class Scope {
     if (!counted_) return;
     detail::depth()--;
     if (!active_) return;
+    if (detail::g_barrier != nullptr) detail::g_barrier();
     if (detail::g_enabled.load(std::memory_order_relaxed))
       detail::record(name_, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
                                 .count());

@@ -198,16 +198,21 @@ void with_indices(const Tensor& indices, F&& f) {
   if (indices.dtype() == DType::I32) return f(indices.data<int32_t>());
   TS_CHECK(false, "embedding: indices must be i32 or i64, got {}", dtype_name(indices.dtype()));
 }
+
+// Every index a row of a table of `rows`: checked before any row is read or written.
+template <class I>
+void check_rows(const char* op, const I* idx, int64_t count, int64_t rows) {
+  for (int64_t i = 0; i < count; ++i)
+    TS_CHECK(idx[i] >= 0 && idx[i] < rows, "{}: index {} at position {} is out of range for a table of {} rows", op,
+             static_cast<int64_t>(idx[i]), i, rows);
+}
 }  // namespace
 
 void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
   int64_t v = weight.size(0), d = weight.size(1), count = indices.numel();
   size_t row_bytes = static_cast<size_t>(d) * dtype_size(weight.dtype());
   with_indices(indices, [&](auto* idx) {
-    for (int64_t i = 0; i < count; ++i)
-      TS_CHECK(idx[i] >= 0 && idx[i] < v,
-               "embedding: index {} at position {} is out of range for a table of {} rows",
-               static_cast<int64_t>(idx[i]), i, v);
+    check_rows("embedding", idx, count, v);
     if (row_bytes == 0) return;  // a shard with no columns (more ranks than the table's width)
     const char* pw = static_cast<const char*>(weight.data_ptr());
     char* po = static_cast<char*>(out.data_ptr());
@@ -225,6 +230,7 @@ void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indi
     T* pw = gw.data<T>();
     const T* pg = grad.data<T>();
     with_indices(indices, [&](auto* idx) {
+      check_rows("embedding_backward", idx, count, gw.size(0));
       // Threads own disjoint column ranges, so rows hit twice never race.
       parallel_for(0, d, 64, [&](int64_t c0, int64_t c1) {
         for (int64_t i = 0; i < count; ++i) {
@@ -237,13 +243,20 @@ void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indi
   });
 }
 
+namespace {
+// Every target a class (or ignore_index): checked before any row is read or written.
+void check_targets(const char* op, const int64_t* pt, int64_t rows, int64_t c, int64_t ignore_index) {
+  for (int64_t r = 0; r < rows; ++r)
+    TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
+             "{}: target {} at position {} is out of range for {} classes", op, pt[r], r, c);
+}
+}  // namespace
+
 void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits,
                    const Tensor& target, int64_t ignore_index) {
   int64_t rows = logits.size(0), c = logits.size(1);
   const int64_t* pt = target.data<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
-             "cross_entropy: target {} at position {} is out of range for {} classes", pt[r], r, c);
+  check_targets("cross_entropy", pt, rows, c, ignore_index);
   dispatch_floating(logits.dtype(), "cross_entropy", [&](auto tag) {
     using S = decltype(tag);
     using T = Compute<S>;
@@ -268,6 +281,7 @@ void cross_entropy_backward(const Tensor& glogits, const Tensor& scale_tensor, c
   int64_t rows = logits.size(0), c = logits.size(1);
   const double scale = scale_tensor.data<double>()[0];
   const int64_t* pt = target.data<int64_t>();
+  check_targets("cross_entropy_backward", pt, rows, c, ignore_index);
   dispatch_floating(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
     using S = decltype(tag);
     using T = Compute<S>;

@@ -33,7 +33,10 @@
 
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
+
+#include <fmt/format.h>
 
 #include "runtime/cuda/common.h"
 #include "runtime/ops.h"
@@ -70,20 +73,41 @@ struct Entry {
   int64_t workspace = 0;
 };
 
+// Why cuDNN last refused a shape ("" while it has taken every one):
+// cudnn_attention_refusal(), for the suite and the benchmarks to print.
+std::mutex refusal_mu;
+std::string refusal;
+void refused(std::string why) {
+  std::lock_guard<std::mutex> lk(refusal_mu);
+  refusal = std::move(why);
+}
+
 // One cuDNN handle per thread (set_stream each call points it at the
 // current stream); null where cuDNN cannot be loaded or started.
 cudnnHandle_t handle() {
-  static const bool loaded = [] {
-    for (const char* name : {"libcudnn.so.9", "libcudnn.so"})
-      if ((fe::cudnn_dlhandle = dlopen(name, RTLD_NOW | RTLD_GLOBAL)) != nullptr) return true;
-    return false;
+  static const std::string load_error = [] {
+    std::string err;
+    for (const char* name : {"libcudnn.so.9", "libcudnn.so"}) {
+      if ((fe::cudnn_dlhandle = dlopen(name, RTLD_NOW | RTLD_GLOBAL)) != nullptr) return std::string();
+      const char* e = dlerror();
+      err += std::string(err.empty() ? "" : "; ") + (e ? e : name);
+    }
+    return "libcudnn could not be loaded (" + err + ")";
   }();
-  if (!loaded) return nullptr;
+  if (!load_error.empty()) {
+    refused(load_error);
+    return nullptr;
+  }
   thread_local cudnnHandle_t h = [] {
     cudnnHandle_t made = nullptr;
     try {
-      if (fe::detail::create_handle(&made) != CUDNN_STATUS_SUCCESS) made = nullptr;
-    } catch (const std::exception&) {  // libcudnn not found
+      const cudnnStatus_t st = fe::detail::create_handle(&made);
+      if (st != CUDNN_STATUS_SUCCESS) {
+        refused(std::string("cudnnCreate failed: ") + fe::detail::get_error_string(st));
+        made = nullptr;
+      }
+    } catch (const std::exception& e) {
+      refused(std::string("cudnnCreate failed: ") + e.what());
       made = nullptr;
     }
     return made;
@@ -100,6 +124,9 @@ std::shared_ptr<fe::graph::Tensor_attributes> tensor(fe::graph::Graph& g, const 
 
 // Builds (or refuses, with a null graph) the forward or backward graph of one shape.
 Entry build(bool backward, DType dt, const AttentionShape& sh) {
+  // The library first: the frontend asks it for its version while the graph is made.
+  cudnnHandle_t h = handle();
+  if (h == nullptr) return {};
   const fe::DataType_t io = dt == DType::BF16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
@@ -130,13 +157,21 @@ Entry build(bool backward, DType dt, const AttentionShape& sh) {
         .set_stride({sh.kv_heads * sh.s * sh.d, sh.s * sh.d, sh.d, 1});
   }
   Entry e;
-  cudnnHandle_t h = handle();
-  if (h == nullptr || !g->validate().is_good() || !g->build_operation_graph(h).is_good() ||
-      !g->create_execution_plans({fe::HeurMode_t::A}).is_good() || !g->check_support(h).is_good() ||
-      !g->build_plans(h).is_good())
-    return e;  // refused: the own kernels run this shape
+  // Each stage in turn; the first that fails names why the own kernels run this shape.
+  const char* where = (backward ? "backward" : "forward");
+  auto good = [&](const char* stage, fe::error_object st) {
+    if (!st.is_good())
+      refused(fmt::format("{} {} [B {}, H {}/{}, T {}, S {}, D {}{}]: {}: {}", dtype_name(dt), where, sh.batch,
+                          sh.heads, sh.kv_heads, sh.t, sh.s, sh.d, sh.causal ? ", causal" : "", stage,
+                          st.get_message()));
+    return st.is_good();
+  };
   int64_t ws = 0;
-  if (!g->get_workspace_size(ws).is_good()) return e;
+  if (!good("validate", g->validate()) || !good("build_operation_graph", g->build_operation_graph(h)) ||
+      !good("create_execution_plans", g->create_execution_plans({fe::HeurMode_t::A})) ||
+      !good("check_support", g->check_support(h)) || !good("build_plans", g->build_plans(h)) ||
+      !good("get_workspace_size", g->get_workspace_size(ws)))
+    return e;
   e.graph = std::move(g);
   e.workspace = ws;
   return e;
@@ -152,7 +187,8 @@ const Entry& entry(bool backward, DType dt, const AttentionShape& sh) {
     Entry e;
     try {
       e = build(backward, dt, sh);
-    } catch (const std::exception&) {  // the frontend throws where the backend is missing: refused
+    } catch (const std::exception& ex) {  // the frontend throws where the backend is missing: refused
+      refused(std::string("cuDNN frontend: ") + ex.what());
       e = Entry{};
     }
     it = cache->emplace(key, std::move(e)).first;
@@ -202,6 +238,10 @@ bool cudnn_attention_backward(void* dq, void* dk, void* dv, const void* dout, co
 
 bool cudnn_attention_built() { return true; }
 int64_t cudnn_attention_calls() { return calls.load(); }
+std::string cudnn_attention_refusal() {
+  std::lock_guard<std::mutex> lk(refusal_mu);
+  return refusal;
+}
 
 }  // namespace tessera::cuda
 
@@ -218,6 +258,7 @@ bool cudnn_attention_backward(void*, void*, void*, const void*, const void*, con
 }
 bool cudnn_attention_built() { return false; }
 int64_t cudnn_attention_calls() { return 0; }
+std::string cudnn_attention_refusal() { return "this build has no cuDNN frontend (make cudnn-frontend)"; }
 
 }  // namespace tessera::cuda
 

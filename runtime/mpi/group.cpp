@@ -31,10 +31,12 @@ class DoneWork final : public Work {
   bool is_completed() override { return true; }
 };
 
-void check_tensor(const Tensor& t, const char* op, const char* what, bool simulated = false) {
+// `alone`: a group of one, which moves no bytes over MPI (its collectives
+// are the devices' own copies, or nothing), so a tensor on any device will do.
+void check_tensor(const Tensor& t, const char* op, const char* what, bool simulated = false, bool alone = false) {
   TS_CHECK(t.defined(), "{}: {} is undefined", op, what);
   TS_CHECK(!t.is_subclass(), "{}: {} is a {}; pass a plain tensor (its local piece)", op, what, t.str());
-  TS_CHECK(t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU || (simulated && t.is_meta()),
+  TS_CHECK(alone || t.device().is_cpu() || t.device().type == DeviceType::AsyncCPU || (simulated && t.is_meta()),
            "{}: {} is on {}; MPI process groups move host-memory tensors (cpu, async_cpu)", op, what,
            t.device().str());
   TS_CHECK(t.is_contiguous(), "{}: {} must be contiguous (shape {}, strides {})", op, what,
@@ -264,8 +266,8 @@ WorkPtr MpiGroup::submit(std::shared_ptr<Collective> c) {
 
 WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& input) {
   const char* op = "all_gather_into_tensor";
-  check_tensor(output, op, "output", simulated());
-  check_tensor(input, op, "input", simulated());
+  check_tensor(output, op, "output", simulated(), size() == 1);
+  check_tensor(input, op, "input", simulated(), size() == 1);
   TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
            dtype_name(output.dtype()));
   int64_t n = input.numel();
@@ -304,8 +306,8 @@ WorkPtr MpiGroup::all_gather_into_tensor(const Tensor& output, const Tensor& inp
 
 WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOptions o) {
   const char* op = "reduce_scatter_tensor";
-  check_tensor(output, op, "output", simulated());
-  check_tensor(input, op, "input", simulated());
+  check_tensor(output, op, "output", simulated(), size() == 1);
+  check_tensor(input, op, "input", simulated(), size() == 1);
   TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
            dtype_name(output.dtype()));
   check_reduce_dtype(input.dtype(), o, op);
@@ -373,7 +375,7 @@ WorkPtr MpiGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& inpu
 
 WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
   const char* op = "all_reduce";
-  check_tensor(tensor, op, "tensor", simulated());
+  check_tensor(tensor, op, "tensor", simulated(), size() == 1);
   check_reduce_dtype(tensor.dtype(), o, op);
   count(kAllReduce);
   bool upcast = needs_upcast(tensor.dtype());
@@ -410,7 +412,7 @@ WorkPtr MpiGroup::all_reduce(const Tensor& tensor, ReduceOptions o) {
 
 WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
   const char* op = "broadcast";
-  check_tensor(tensor, op, "tensor", simulated());
+  check_tensor(tensor, op, "tensor", simulated(), size() == 1);
   TS_CHECK(src >= 0 && src < size(), "{}: source rank {} is not in a group of {}", op, src, size());
   count(kBroadcast);
   if (size() == 1) return std::make_shared<DoneWork>();
@@ -429,8 +431,8 @@ WorkPtr MpiGroup::broadcast(const Tensor& tensor, int src) {
 
 WorkPtr MpiGroup::all_to_all(const Tensor& output, const Tensor& input) {
   const char* op = "all_to_all";
-  check_tensor(output, op, "output", simulated());
-  check_tensor(input, op, "input", simulated());
+  check_tensor(output, op, "output", simulated(), size() == 1);
+  check_tensor(input, op, "input", simulated(), size() == 1);
   TS_CHECK(input.dtype() == output.dtype() && input.numel() == output.numel(),
            "{}: input ({}, {} elements) and output ({}, {} elements) must match", op, dtype_name(input.dtype()),
            input.numel(), dtype_name(output.dtype()), output.numel());
@@ -467,8 +469,8 @@ WorkPtr MpiGroup::all_to_all_single(const Tensor& output, const Tensor& input,
                                     const std::vector<int64_t>& output_splits,
                                     const std::vector<int64_t>& input_splits) {
   const char* op = "all_to_all_single";
-  check_tensor(output, op, "output", simulated());
-  check_tensor(input, op, "input", simulated());
+  check_tensor(output, op, "output", simulated(), size() == 1);
+  check_tensor(input, op, "input", simulated(), size() == 1);
   TS_CHECK(input.dtype() == output.dtype(), "{}: input is {} but output is {}", op, dtype_name(input.dtype()),
            dtype_name(output.dtype()));
   TS_CHECK(input.dim() >= 1 && output.dim() >= 1, "{}: input {} and output {} need a dim 0 to split", op,

@@ -186,6 +186,30 @@ TEST_CASE("bad input gives clear exceptions", "[nn][errors]") {
   CHECK_THROWS_WITH(emb(from_vector<int64_t>({1, 10}, {2})),
                     Catch::Contains("index 10 at position 1 is out of range for a table of 10 rows"));
   CHECK_THROWS_WITH(emb(randn({2}, 1)), Catch::Contains("indices must be i32 or i64, got f32"));
+  // The backward kernel checks too (it wrote outside the table before), for
+  // i64 and i32 indices, negative ones and a count that does not match.
+  for (DType it : {DType::I64, DType::I32}) {
+    INFO(dtype_name(it));
+    CHECK_THROWS_WITH(ops::embedding_backward(randn({3, 4}, 2), ops::to(from_vector<int64_t>({1, 600, 2}, {3}), it), 501),
+                      Catch::Contains("embedding_backward: index 600 at position 1 is out of range for a table of 501 rows"));
+    CHECK_THROWS_WITH(ops::embedding_backward(randn({3, 4}, 2), ops::to(from_vector<int64_t>({0, 1, -1}, {3}), it), 5),
+                      Catch::Contains("index -1 at position 2 is out of range for a table of 5 rows"));
+  }
+  CHECK_THROWS_WITH(ops::embedding_backward(randn({3, 4}, 2), from_vector<int64_t>({0, 1}, {2}), 5),
+                    Catch::Contains("the gradient [3, 4] has 3 rows, but there are 2 indices [2]"));
+  // cross_entropy's backward, called directly with other targets than the forward's.
+  {
+    Tensor logits = randn({3, 5}, 3);
+    auto ce = ops::cross_entropy(logits, from_vector<int64_t>({0, 4, 2}, {3}));
+    Tensor one = full({}, 1.0);
+    CHECK_THROWS_WITH(ops::cross_entropy_backward(one, logits, from_vector<int64_t>({0, 5, 2}, {3}), ce.lse, -100, ce.count),
+                      Catch::Contains("cross_entropy_backward: target 5 at position 1 is out of range for 5 classes"));
+    CHECK_THROWS_WITH(ops::cross_entropy_backward(one, logits, from_vector<int64_t>({0, 1}, {2}), ce.lse, -100, ce.count),
+                      Catch::Contains("targets must be i64 or i32 [3] for logits [3, 5], got i64 [2]"));
+    CHECK_THROWS_WITH(ops::cross_entropy_backward(one, logits, from_vector<int64_t>({0, 1, 2}, {3}), randn({2}, 4), -100, ce.count),
+                      Catch::Contains("expected lse of 3 rows"));
+    CHECK_NOTHROW(ops::cross_entropy_backward(one, logits, from_vector<int64_t>({0, -100, 2}, {3}), ce.lse, -100, ce.count));
+  }
   nn::GPT gpt(tiny());
   CHECK_THROWS_WITH(gpt(zeros({1, 10}, DType::I64)),
                     Catch::Contains("sequence length 10 exceeds the model's block_size 9"));

@@ -22,7 +22,7 @@ if OUT="$work/out" "$src/tools/gpu-check.sh" --dry-run b > dry1.log 2>&1; then
 fi
 grep -q "tools/tessera-train needs libtomlplusplus" dry1.log || fail "--dry-run did not name toml++: $(cat dry1.log)"
 grep -q "tests/test_cuda needs libfmt" dry1.log || fail "--dry-run did not name fmt: $(cat dry1.log)"
-for step in "b/tests/test_cuda$" "compute-sanitizer --tool memcheck .*b/tests/test_cuda" \
+for step in "b/tests/test_cuda --durations yes$" "compute-sanitizer --tool memcheck .*b/tests/test_cuda" \
             "compute-sanitizer --tool racecheck .*b/tests/test_cuda" "tessera-train --job.device cuda" \
             "bench_gpu 10 8" "torch_gpu.py 10 8"; do
   grep -q "^would run: .*$step" dry1.log || fail "--dry-run does not show the step '$step': $(cat dry1.log)"
