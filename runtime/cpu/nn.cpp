@@ -206,6 +206,13 @@ void check_rows(const char* op, const I* idx, int64_t count, int64_t rows) {
     TS_CHECK(idx[i] >= 0 && idx[i] < rows, "{}: index {} at position {} is out of range for a table of {} rows", op,
              static_cast<int64_t>(idx[i]), i, rows);
 }
+
+// Every target a class (or ignore_index): checked before any row is read or written.
+void check_targets(const char* op, const int64_t* pt, int64_t rows, int64_t c, int64_t ignore_index) {
+  for (int64_t r = 0; r < rows; ++r)
+    TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
+             "{}: target {} at position {} is out of range for {} classes", op, pt[r], r, c);
+}
 }  // namespace
 
 void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
@@ -242,15 +249,6 @@ void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indi
     });
   });
 }
-
-namespace {
-// Every target a class (or ignore_index): checked before any row is read or written.
-void check_targets(const char* op, const int64_t* pt, int64_t rows, int64_t c, int64_t ignore_index) {
-  for (int64_t r = 0; r < rows; ++r)
-    TS_CHECK(pt[r] == ignore_index || (pt[r] >= 0 && pt[r] < c),
-             "{}: target {} at position {} is out of range for {} classes", op, pt[r], r, c);
-}
-}  // namespace
 
 void cross_entropy(const Tensor& losses, const Tensor& lse, const Tensor& logits,
                    const Tensor& target, int64_t ignore_index) {
