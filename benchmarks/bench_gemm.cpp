@@ -1,5 +1,5 @@
 // GEMM GFLOP/s per shape, for each path, against this CPU's measured peak.
-//   bench_gemm [--square n ...]
+//   bench_gemm [--square n ... | --products NN|NT|TN|TT m n k ...]
 // Paths, interleaved in one run so machine noise hits them alike (medians of 5
 // rounds): Tessera (ops::matmul on the operand views a training step uses:
 // allocation and dispatch included; the library runtime/cpu/blas.cpp picks
@@ -72,6 +72,19 @@ int main(int argc, char** argv) {
       shapes.push_back({"dY^T X", true, false, 4 * d, d, rows});
     }
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--products") == 0) {  // --products NN|NT|TN M N K [...]
+      shapes.clear();
+      for (++i; i + 3 < argc + 0 && i + 3 <= argc - 1; i += 4) {
+        std::string op = argv[i];
+        if (op.size() != 2 || (op[0] != 'N' && op[0] != 'T') || (op[1] != 'N' && op[1] != 'T')) {
+          std::fprintf(stderr, "bench_gemm: expected NN, NT, TN or TT before m n k, got '%s'\n", argv[i]);
+          return 2;
+        }
+        shapes.push_back({"product", op[0] == 'T', op[1] == 'T', std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
+                          std::atoll(argv[i + 3])});
+      }
+      break;
+    }
     if (std::strcmp(argv[i], "--square") == 0) {
       shapes.clear();
       for (++i; i < argc; ++i) {
@@ -92,10 +105,15 @@ int main(int argc, char** argv) {
   else
     std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on f32 copies): not measured\n");
   const bool amx_kernel = bf16 && cpu::bf16_gemm_amx() && cpu::has_peak_unit(cpu::PeakUnit::Amx);
-  std::printf("%-8s %2s %5s %5s %5s %12s %8s %8s %8s %9s %8s %9s %7s %7s %6s %8s %7s %11s %7s\n", "product", "op",
-              "m", "n", "k", "tessera GF/s", "of peak", "oneDNN", "of peak", "OpenBLAS", "of peak", "bf16", "of dp",
-              "of AMX", "by", "own AMX", "of AMX", "bf16 oneDNN", "of AMX");
-  double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9;
+  const bool own_kernel = cpu::sgemm_own_kernel_here();  // the f32 kernel of runtime/cpu/sgemm_kernel.h
+  std::printf("f32 kernels timed: Tessera's choice (auto, by: which), each forced (oneDNN, OpenBLAS and, %s, "
+              "the own kernel: its pieces on the shape's grid), and OpenBLAS called directly on the whole product\n",
+              own_kernel ? "here" : "not here (baseline copy)");
+  std::printf("%-8s %2s %5s %5s %5s %12s %8s %7s %8s %8s %8s %8s %9s %8s %9s %7s %7s %6s %8s %7s %11s %7s\n",
+              "product", "op", "m", "n", "k", "tessera GF/s", "of peak", "by", "oneDNN", "OpenBLAS", "own",
+              "of peak", "OB direct", "of peak", "bf16", "of dp", "of AMX", "by", "own AMX", "of AMX", "bf16 oneDNN",
+              "of AMX");
+  double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9, worst_choice = 1e9;
   for (const Shape3& s : shapes) {
     Tensor a = operand(s.m, s.k, s.ta, 1), b = operand(s.k, s.n, s.tb, 2);
     Tensor a16 = operand(s.m, s.k, s.ta, 1), b16 = operand(s.k, s.n, s.tb, 2);
@@ -109,16 +127,20 @@ int main(int argc, char** argv) {
     double flops =
         2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
     int reps = std::max<int>(3, static_cast<int>(1e10 / flops));
-    std::vector<double> ours, onednn, direct, low, low_own, low_onednn;
+    std::vector<double> ours, onednn, openblas, own, direct, low, low_own, low_onednn;
     for (int round = 0; round < 5; ++round) {
       auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r) Tensor out = ops::matmul(a, b);
       ours.push_back(flops * reps / seconds_since(t0) / 1e9);
-      cpu::SgemmPath saved = cpu::set_sgemm_path(cpu::SgemmPath::OneDnn);
-      t0 = std::chrono::steady_clock::now();
-      for (int r = 0; r < reps; ++r) Tensor out = ops::matmul(a, b);
-      onednn.push_back(flops * reps / seconds_since(t0) / 1e9);
-      cpu::set_sgemm_path(saved);
+      for (cpu::SgemmPath path : {cpu::SgemmPath::OneDnn, cpu::SgemmPath::OpenBlas, cpu::SgemmPath::Own}) {
+        if (path == cpu::SgemmPath::Own && !own_kernel) continue;
+        cpu::SgemmPath saved = cpu::set_sgemm_path(path);
+        t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < reps; ++r) Tensor out = ops::matmul(a, b);
+        (path == cpu::SgemmPath::OneDnn ? onednn : path == cpu::SgemmPath::OpenBlas ? openblas : own)
+            .push_back(flops * reps / seconds_since(t0) / 1e9);
+        cpu::set_sgemm_path(saved);
+      }
       t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r)
         cblas_sgemm(CblasRowMajor, s.ta ? CblasTrans : CblasNoTrans,
@@ -140,23 +162,27 @@ int main(int argc, char** argv) {
         }
       }
     }
-    double mo = median(ours), mn = median(onednn), md = median(direct), ml = bf16 ? median(low) : 0,
+    double mo = median(ours), mn = median(onednn), mb = median(openblas), mw = own_kernel ? median(own) : 0,
+           md = median(direct), ml = bf16 ? median(low) : 0,
            mla = amx_kernel ? median(low_own) : 0, mlo = amx_kernel ? median(low_onednn) : 0;
     const char* by = !bf16 ? "-" : cpu::bf16_on_amx(s.m, s.n, s.k) ? "own" : "oneDNN";
+    const char* f32_by = cpu::sgemm_on_own_kernel(s.ta, s.tb, s.m, s.n, s.k) ? "own" : "library";
     worst = std::min(worst, mo / f32_peak);
     if (bf16) worst_bf16 = std::min(worst_bf16, ml / dp_peak);
     ratio_sum += mo / md;
-    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f %6s %8.1f %7.2f "
-                "%11.1f %7.2f\n",
-                s.what,
-                s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m),
-                static_cast<long long>(s.n), static_cast<long long>(s.k), mo, mo / f32_peak, mn,
-                mn / f32_peak, md, md / f32_peak, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
+    worst_choice = std::min(worst_choice, mo / std::max({mn, mb, mw, md}));
+    std::printf("%-8s %c%c %5lld %5lld %5lld %12.1f %8.2f %7s %8.1f %8.1f %8.1f %8.2f %9.1f %8.2f %9.1f %7.2f %7.2f "
+                "%6s %8.1f %7.2f %11.1f %7.2f\n",
+                s.what, s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m), static_cast<long long>(s.n),
+                static_cast<long long>(s.k), mo, mo / f32_peak, f32_by, mn, mb, mw,
+                std::max({mn, mb, mw}) / f32_peak, md, md / f32_peak, ml, dp_peak > 0 ? ml / dp_peak : 0.0,
                 amx_peak > 0 ? ml / amx_peak : 0.0, by, mla, amx_peak > 0 ? mla / amx_peak : 0.0, mlo,
                 amx_peak > 0 ? mlo / amx_peak : 0.0);
   }
   std::printf(
       "lowest fraction of peak through Tessera: %.2f f32; Tessera / OpenBLAS direct, mean: %.3f\n",
       worst, ratio_sum / static_cast<double>(shapes.size()));
+  std::printf("Tessera's choice against the fastest f32 candidate (each forced, or OpenBLAS direct), lowest: %.2f\n",
+              worst_choice);
   if (bf16) std::printf("lowest fraction of the AVX512-BF16 peak, bf16 through Tessera: %.2f\n", worst_bf16);
 }

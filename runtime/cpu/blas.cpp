@@ -6,8 +6,10 @@
 //   as attention's 64 x 64 (measured 80 vs 57 GFLOP/s): benchmarks/bench_gemm.
 // - OpenBLAS's sgemm, otherwise.
 // So: where the kernels' avx512 copy runs (runtime/cpu/isa.h, which
-// TESSERA_CPU_ISA caps), oneDNN for everything; otherwise oneDNN for products
-// below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
+// TESSERA_CPU_ISA caps), oneDNN for everything but the weight gradients,
+// which run on Tessera's own kernel (runtime/cpu/sgemm_kernel.h: operands
+// packed once per product, 1.07-1.37x oneDNN's pieces there); otherwise
+// oneDNN for products below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
 // dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
 //
 // bf16 x bf16 with f32 accumulation is oneDNN's matmul primitive, on CPUs where
@@ -50,6 +52,7 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/isa.h"
+#include "runtime/cpu/sgemm_kernel.h"
 #include "runtime/kernels.h"
 #include "runtime/parallel_for.h"
 #include "runtime/profiler.h"
@@ -205,11 +208,12 @@ struct Grid {
 };
 
 // The steps a grid's cuts fall on: the libraries take any k and tiles on
-// multiples of 16; the AMX kernel cuts on its panels and k blocks.
+// multiples of 16; the AMX kernel cuts on its panels and k blocks, the own
+// f32 kernel on its panels (MR rows, NR columns).
 struct Granule {
-  int64_t tile, k;
+  int64_t rows, cols, k;
 };
-constexpr Granule kLibraryGranule{16, 1}, kAmxGranule{amx::kPanel, amx::kBlock};
+constexpr Granule kLibraryGranule{16, 16, 1}, kAmxGranule{amx::kPanel, amx::kPanel, amx::kBlock};
 
 constexpr double kSerialFlops = 4e6;  // below: one piece
 // Tiles of C at most kTile x kTile (big enough that re-packing an operand per
@@ -234,7 +238,7 @@ int64_t balanced_part(int64_t size, int64_t most, int64_t unit) {
 Grid grid_for(int64_t m, int64_t n, int64_t k, Granule granule) {
   double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   if (flops < kSerialFlops) return {m, n, 1, k};
-  int64_t mb = balanced_part(m, kTile, granule.tile), nb = balanced_part(n, kTile, granule.tile);
+  int64_t mb = balanced_part(m, kTile, granule.rows), nb = balanced_part(n, kTile, granule.cols);
   int64_t tiles = ceil_div(m, mb) * ceil_div(n, nb), chunks = 1;
   if (tiles < kFewTiles && k >= 2 * kMinChunk)
     chunks = std::min(ceil_div(kChunkedPieces, tiles), k / kMinChunk);
@@ -342,16 +346,132 @@ void gemm_on_amx(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, fl
                });
 }
 
+// ---- f32: Tessera's own kernel (sgemm_kernel.h) ---------------------------------
+
+// The active instruction-set copy's kernel, or null where it has none (baseline).
+struct OwnKernel {
+  int64_t mr, nr, kc;
+  void (*pack_a)(bool, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+  void (*pack_b)(bool, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+  void (*multiply)(int64_t, int64_t, int64_t, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, float, float*, int64_t, float*);
+  int64_t (*partials)(int64_t, int64_t, int64_t);
+};
+
+const OwnKernel* own_kernel() {
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+  static const OwnKernel avx2_kernel{avx2::sgemm_mr(), avx2::sgemm_nr(), avx2::sgemm_kc(), avx2::sgemm_pack_a, avx2::sgemm_pack_b,
+                                     avx2::sgemm_multiply, avx2::sgemm_partials};
+  static const OwnKernel avx512_kernel{avx512::sgemm_mr(), avx512::sgemm_nr(), avx512::sgemm_kc(), avx512::sgemm_pack_a,
+                                       avx512::sgemm_pack_b, avx512::sgemm_multiply, avx512::sgemm_partials};
+  switch (active_isa()) {
+    case Isa::Avx512: return &avx512_kernel;
+    case Isa::Avx2: return &avx2_kernel;
+    case Isa::Baseline: break;
+  }
+#endif
+  return nullptr;
+}
+
+// What the own kernel takes from the allocator for a product: both packed
+// operands, and a block of partial sums for each thread that can have a tile.
+struct OwnScratch {
+  Grid grid;
+  int64_t packed_a, packed_b, partials_per_thread, threads;
+  int64_t elements() const { return packed_a + packed_b + partials_per_thread * threads; }
+};
+
+// The own kernel's grid: tiles of C as the libraries' (at most kTile x
+// kTile), made smaller until there are kChunkedPieces of them where the
+// panels allow; never chunks of k, so each result stays one chain over k.
+Grid own_grid(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k) {
+  int64_t mb = balanced_part(m, kTile, kernel.mr), nb = balanced_part(n, kTile, kernel.nr);
+  while (ceil_div(m, mb) * ceil_div(n, nb) < kChunkedPieces) {
+    if (mb > kernel.mr && (mb >= nb || nb <= kernel.nr)) mb = round_up(ceil_div(mb, 2), kernel.mr);
+    else if (nb > kernel.nr) nb = round_up(ceil_div(nb, 2), kernel.nr);
+    else break;
+  }
+  return {mb, nb, 1, k};
+}
+
+OwnScratch own_scratch(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k) {
+  OwnScratch s{own_grid(kernel, m, n, k), 0, 0, 0, 0};
+  s.packed_a = ceil_div(m, kernel.mr) * kernel.mr * k;
+  s.packed_b = ceil_div(n, kernel.nr) * kernel.nr * k;
+  s.partials_per_thread = kernel.partials(s.grid.mb, s.grid.nb, s.grid.kc);
+  const int64_t pieces = ceil_div(m, s.grid.mb) * ceil_div(n, s.grid.nb) * s.grid.chunks;
+  s.threads = std::max<int64_t>(1, std::min<int64_t>(num_threads(), pieces));
+  return s;
+}
+
+// f32 through the own kernel: both operands packed once, in parallel over
+// runs of steps of k, then the grid's pieces multiply panels.
+constexpr int64_t kPackSteps = 32;
+void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0 || k == 0) {  // nothing to pack: the grid scales C
+    gemm_on_grid(m, n, k, Grid{m, n, 1, k}, beta, c, ldc, [](auto...) {});
+    return;
+  }
+  const OwnScratch s = own_scratch(kernel, m, n, k);
+  Tensor scratch = empty({s.elements()}, DType::F32);
+  float* pa = scratch.data<float>();
+  float* pb = pa + s.packed_a;
+  float* partials = pb + s.packed_b;
+  // Runs of kPackSteps steps of k of each operand, A's then B's.
+  const int64_t runs = ceil_div(k, kPackSteps);
+  parallel_for(0, 2 * runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t s0 = r % runs * kPackSteps, s1 = std::min(k, s0 + kPackSteps);
+      if (r < runs) kernel.pack_a(trans_a, m, k, a, lda, s0, s1, pa);
+      else kernel.pack_b(trans_b, k, n, b, ldb, s0, s1, pb);
+    }
+  });
+  gemm_on_grid(m, n, k, s.grid, beta, c, ldc,
+               [&](int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float piece_beta,
+                   PieceOut out) {
+                 float* mine = partials + detail::omp_thread_num() % s.threads * s.partials_per_thread;
+                 kernel.multiply(m, n, k, pa, pb, i0, rows, j0, cols, k0, depth, alpha, piece_beta,
+                                 static_cast<float*>(out.c), out.ldc, mine);
+               });
+}
+
+// Whether an f32 product runs on the own kernel now. Auto, measured with
+// benchmarks/bench_gemm (benchmarks/README.md, "f32 on the own kernel"): on
+// the AVX-512 Xeon the large weight gradients (TN: dY^T X, C of at least
+// kOwnMinSide on each side and kOwnMinResults in all) ran 1.0-1.34x
+// oneDNN's pieces on it at 1 and 2 threads; smaller ones 0.80-1.04x, the
+// other two products 0.82-0.98x: so large TN alone.
+// On AVX2 the libraries keep every product until the kernel is measured on
+// an AVX2-only CPU (on the Xeon's AVX2 copy against OpenBLAS's Haswell
+// kernel it was 0.87-1.1x, by shape). Tiny products keep the libraries.
+constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
+bool f32_on_own(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  SgemmPath path = forced_path.load(std::memory_order_relaxed);
+  if (own_kernel() == nullptr) return false;
+  if (path != SgemmPath::Auto) return path == SgemmPath::Own;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  return active_isa() == Isa::Avx512 && trans_a && !trans_b && std::min(m, n) >= kOwnMinSide &&
+         m * n >= kOwnMinResults && flops >= kSerialFlops;
+}
+
 }  // namespace
 
-GemmScratch gemm_scratch(DType dtype, int64_t m, int64_t n, int64_t k, bool on_amx) {
+GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, bool on_amx) {
   if (m == 0 || n == 0 || k == 0) return {};
   on_amx = on_amx && dtype == DType::BF16;
+  if (dtype == DType::F32 && f32_on_own(trans_a, trans_b, m, n, k)) {
+    const OwnScratch s = own_scratch(*own_kernel(), m, n, k);
+    return {s.grid.chunks > 1 ? s.grid.chunks * m * n : 0, 0, s.elements()};
+  }
   Grid g = grid_for(m, n, k, on_amx ? kAmxGranule : kLibraryGranule);
-  return {g.chunks > 1 ? g.chunks * m * n : 0, on_amx ? amx_packed_elements(m, n, k) : 0};
+  return {g.chunks > 1 ? g.chunks * m * n : 0, on_amx ? amx_packed_elements(m, n, k) : 0, 0};
 }
 
 SgemmPath set_sgemm_path(SgemmPath path) {
+  TS_CHECK(path != SgemmPath::Own || own_kernel() != nullptr,
+           "set_sgemm_path: the own f32 kernel needs the kernels' AVX2 or AVX-512 copy, and {} runs here",
+           isa_name(active_isa()));
   return forced_path.exchange(path);
 }
 
@@ -359,6 +479,14 @@ Bf16Path set_bf16_path(Bf16Path path) {
   TS_CHECK(path != Bf16Path::Amx || amx::usable(),
            "set_bf16_path: the AMX kernel needs AMX-BF16 tiles, which this CPU lacks or Linux did not grant");
   return forced_bf16_path.exchange(path);
+}
+
+bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  return f32_on_own(trans_a, trans_b, m, n, k);
+}
+
+bool sgemm_own_kernel_here() {
+  return own_kernel() != nullptr;
 }
 
 bool bf16_gemm_native() {
@@ -405,6 +533,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   bool avx512 = active_isa() == Isa::Avx512;
   SgemmPath path = forced_path.load(std::memory_order_relaxed);
+  if (f32_on_own(trans_a, trans_b, m, n, k)) return gemm_on_own(*own_kernel(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
   gemm_in_library(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
                   onednn ? onednn_piece : openblas_piece);

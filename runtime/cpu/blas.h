@@ -11,10 +11,17 @@
 
 namespace tessera::cpu {
 
-// Which library runs f32 products (blas.cpp says why): Auto is the measured
-// choice for this CPU; the others force one, for tests and benchmarks.
-enum class SgemmPath { Auto, OneDnn, OpenBlas };
+// Which kernel runs f32 products (blas.cpp says why): Auto is the measured
+// choice for this CPU and the product's class (Tessera's own kernel,
+// runtime/cpu/sgemm_kernel.h, for weight gradients with AVX-512; else a
+// library); the others force one, for tests and benchmarks (Own throws where
+// the active copy has no kernel: baseline).
+enum class SgemmPath { Auto, OneDnn, OpenBlas, Own };
 SgemmPath set_sgemm_path(SgemmPath path);  // returns the previous one
+// Whether sgemm runs a product of this shape on the own kernel now, and
+// whether the kernel can run here (the active copy is AVX2 or AVX-512).
+bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k);
+bool sgemm_own_kernel_here();
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
@@ -42,13 +49,14 @@ bool amx_kernel_takes(int64_t m, int64_t n, int64_t k);
 bool amx_kernel_here();
 // What sgemm or bf16gemm takes from the allocator for a product of this
 // shape, held together for the product's length: f32 partial products when it
-// cuts k into chunks, and bf16 packed operands when it runs on the AMX kernel
-// (`on_amx`: bf16_on_amx here, or as a planned CPU would; 0 when none). A
-// planned step (runtime/kernel_log.h) counts them as a run does.
+// cuts k into chunks, bf16 packed operands when it runs on the AMX kernel
+// (`on_amx`: bf16_on_amx here, or as a planned CPU would), and f32 packed
+// operands with their waiting sums when sgemm runs on the own kernel here
+// (0 when none). A planned step (runtime/kernel_log.h) counts them as a run does.
 struct GemmScratch {
-  int64_t f32_parts = 0, bf16_packed = 0;
+  int64_t f32_parts = 0, bf16_packed = 0, f32_packed = 0;
 };
-GemmScratch gemm_scratch(DType dtype, int64_t m, int64_t n, int64_t k, bool on_amx);
+GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, bool on_amx);
 void dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
            const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
            int64_t ldc);

@@ -188,9 +188,10 @@ void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double
   // the allocator: a planned step holds them for the product's length, as a run does.
   if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16)) {
     cpu::GemmScratch scratch =
-        cpu::gemm_scratch(dtype, m, n, k, dtype == DType::BF16 && on_amx_kernel(m, n, k));
+        cpu::gemm_scratch(dtype, ta, tb, m, n, k, dtype == DType::BF16 && on_amx_kernel(m, n, k));
     Tensor packed, parts;
     if (scratch.bf16_packed > 0) packed = empty({scratch.bf16_packed}, DType::BF16, Device::meta());
+    if (scratch.f32_packed > 0) packed = empty({scratch.f32_packed}, DType::F32, Device::meta());
     if (scratch.f32_parts > 0) parts = empty({scratch.f32_parts}, DType::F32, Device::meta());
   }
   if (active == nullptr) return;

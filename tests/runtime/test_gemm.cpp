@@ -16,6 +16,7 @@
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
 #include "runtime/cpu/dispatch.h"
+#include "runtime/cpu/isa.h"
 #include "runtime/parallel_for.h"
 
 using namespace tessera;
@@ -149,13 +150,19 @@ struct ForcedPath {
   Path saved;
 };
 
-// Runs body once per f32 library path (every path runs on any x86-64 CPU;
-// Auto is what this CPU gets by default).
+// Runs body once per f32 path (each library runs on any x86-64 CPU, the own
+// kernel where the kernels' AVX2 or AVX-512 copy runs; Auto is what this CPU
+// gets by default).
 template <class F>
 void for_each_path(F&& body) {
   for (auto [path, name] :
        {std::pair{cpu::SgemmPath::Auto, "auto"}, std::pair{cpu::SgemmPath::OneDnn, "oneDNN"},
-        std::pair{cpu::SgemmPath::OpenBlas, "OpenBLAS"}}) {
+        std::pair{cpu::SgemmPath::OpenBlas, "OpenBLAS"}, std::pair{cpu::SgemmPath::Own, "own kernel"}}) {
+    if (path == cpu::SgemmPath::Own && !cpu::sgemm_own_kernel_here()) {
+      CHECK_THROWS_WITH(cpu::set_sgemm_path(path), Catch::Contains("the own f32 kernel needs"));
+      WARN("the kernels' baseline copy runs here: the own f32 kernel was not run");
+      continue;
+    }
     INFO("sgemm path " << name);
     ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(path);
     body();
@@ -271,6 +278,74 @@ TEST_CASE("CPU sgemm gives the same bits at 1, 2 and 3 threads", "[gemm][determi
       {true, true, 129, 257, 2049, 0, 0, 0, 0.5, 0.0},
   };
   for_each_path([&] { check_same_bits_at_any_thread_count<float>(cases, gen); });
+}
+
+// The own f32 kernel's promise (runtime/cpu/sgemm_kernel.h): a result is one
+// chain of fused multiply-adds over k in order, so it depends on its row of A
+// and column of B alone: any block of C computed as a product of its own
+// gives the same bits as inside the whole product, and the AVX2 and AVX-512
+// copies give the same bits.
+TEST_CASE("the own f32 kernel: a result's bits depend on its row and column alone, in either copy",
+          "[gemm][determinism]") {
+  if (!cpu::sgemm_own_kernel_here()) {
+    WARN("the kernels' baseline copy runs here: the own f32 kernel was not run");
+    return;
+  }
+  ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::Own);
+  std::mt19937 gen(29);
+  // Tiles of C, edges in both dimensions, several blocks of k (none cut into chunks: 4+ tiles).
+  for (Case cs : {Case{false, true, 301, 287, 700, 0, 0, 0, 1.0, 0.0}, Case{true, false, 533, 271, 517, 3, 1, 0, 1.0, 0.0},
+                  Case{false, false, 290, 555, 259, 0, 0, 0, 1.0, 0.0}, Case{true, true, 513, 300, 300, 0, 2, 0, 1.0, 0.0}}) {
+    INFO("ta " << cs.ta << " tb " << cs.tb << " m " << cs.m << " n " << cs.n << " k " << cs.k);
+    Operands<float> o = make_operands<float>(cs, gen);
+    std::vector<float> whole = o.c;
+    gemm(cs, o, whole);
+    check_product(cs, o, whole);
+    // Rows [r0, r0 + rows) and columns [c0, c0 + cols), as a product of their own (a block
+    // not on the whole product's tiles or panels).
+    const int64_t r0 = 37, rows = cs.m - 60, c0 = 19, cols = cs.n - 40;
+    const float* a0 = cs.ta ? o.a.data() + r0 : o.a.data() + r0 * o.lda;
+    const float* b0 = cs.tb ? o.b.data() + c0 * o.ldb : o.b.data() + c0;
+    std::vector<float> block(static_cast<size_t>(rows * cols));
+    cpu::sgemm(cs.ta, cs.tb, rows, cols, cs.k, 1.f, a0, o.lda, b0, o.ldb, 0.f, block.data(), cols);
+    int differ = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) differ += block[i * cols + j] != whole[(r0 + i) * o.ldc + c0 + j];
+    CHECK(differ == 0);
+    if (cpu::isa_supported(cpu::Isa::Avx2) && cpu::isa_supported(cpu::Isa::Avx512)) {
+      const cpu::Isa saved = cpu::set_isa(cpu::active_isa() == cpu::Isa::Avx512 ? cpu::Isa::Avx2 : cpu::Isa::Avx512);
+      std::vector<float> other = o.c;
+      gemm(cs, o, other);
+      cpu::set_isa(saved);
+      CHECK(std::memcmp(other.data(), whole.data(), whole.size() * sizeof(float)) == 0);
+    } else {
+      WARN("one of AVX2 and AVX-512 is missing here: the copies were not compared");
+    }
+  }
+}
+
+TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[gemm]") {
+  // Auto: the own kernel for the large weight gradients (TN, C at least 512
+  // on a side and 2^20 results) with AVX-512 (benchmarks/README.md); the
+  // libraries elsewhere.
+  const bool avx512_own = cpu::sgemm_own_kernel_here() && cpu::active_isa() == cpu::Isa::Avx512;
+  CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024) == avx512_own);
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 3072, 768));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 768, 3072));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 1024, 256, 2048));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 512, 512, 2048));
+  CHECK(cpu::sgemm_on_own_kernel(true, false, 2048, 512, 1024) == avx512_own);
+  if (cpu::sgemm_own_kernel_here()) {
+    ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::Own);
+    CHECK(cpu::sgemm_on_own_kernel(false, false, 3, 5, 7));
+    // What the own kernel takes from the allocator: both packed operands and the waiting sums.
+    cpu::GemmScratch s = cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false);
+    CHECK(s.f32_packed >= 1000 * 700 + 700 * 600);
+  }
+  ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::OneDnn);
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024));
+  CHECK(cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false).f32_packed == 0);
 }
 
 TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the same bits at any thread count",

@@ -1,0 +1,270 @@
+// The f32 kernel of sgemm_kernel.h: packing, the MR x NR micro-kernel and the
+// tile loop. Compiled in each instruction-set copy (meson.build); the
+// baseline copy has none (x86-64 without FMA would round every product), so
+// there the libraries run.
+#include "runtime/cpu/sgemm_kernel.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/check.h"
+#include "runtime/cpu/kernels_cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace tessera::cpu::TS_CPU_ISA {
+
+namespace {
+
+// One vector of f32 and the operations the kernel uses, per instruction set.
+// Edges of C (columns past n) go through masked loads and stores, so every
+// result takes the same vector instructions.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMr = 14;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+// The first `lanes` elements (0 < lanes <= kLanes).
+inline Vec vload_part(const float* p, int64_t lanes) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lanes) - 1u), p);
+}
+inline void vstore_part(float* p, Vec v, int64_t lanes) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << lanes) - 1u), v);
+}
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMr = 6;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline __m256i lane_mask(int64_t lanes) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), index);
+}
+inline Vec vload_part(const float* p, int64_t lanes) { return _mm256_maskload_ps(p, lane_mask(lanes)); }
+inline void vstore_part(float* p, Vec v, int64_t lanes) { _mm256_maskstore_ps(p, lane_mask(lanes), v); }
+#endif
+
+constexpr int64_t kNr = 2 * kLanes;  // two vectors of columns
+// k per block: a B micro-panel (kKc x kNr) stays in L1 while the tile's A
+// panels stream through it from L2.
+constexpr int64_t kKc = 256;
+
+// Software prefetch (measured in bench_gemm's shapes: +10-15% on the
+// product): the A stream kPrefetchA floats ahead into L1, and the tile's next
+// B panel into L2 a slice per A panel while the current one is in use.
+constexpr int64_t kPrefetchA = 768;
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// out[kk * width + l] = line l's step kk (line l at first + l * across, its
+// steps adjacent) for `lines` lines and `steps` steps: 8 x 8 blocks through
+// AVX registers, 4 x 4 ones through SSE, the rest one at a time.
+inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
+  __m128 r0 = _mm_loadu_ps(in), r1 = _mm_loadu_ps(in + ld_in), r2 = _mm_loadu_ps(in + 2 * ld_in),
+         r3 = _mm_loadu_ps(in + 3 * ld_in);
+  _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+  _mm_storeu_ps(out, r0);
+  _mm_storeu_ps(out + ld_out, r1);
+  _mm_storeu_ps(out + 2 * ld_out, r2);
+  _mm_storeu_ps(out + 3 * ld_out, r3);
+}
+
+void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t across, int64_t width, float* out) {
+  int64_t l = 0;
+  for (; l + 8 <= lines; l += 8) {
+    int64_t kk = 0;
+    for (; kk + 8 <= steps; kk += 8) transpose8(first + l * across + kk, across, out + kk * width + l, width);
+    for (; kk < steps; ++kk)
+      for (int64_t i = 0; i < 8; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
+  }
+  for (; l + 4 <= lines; l += 4) {
+    int64_t kk = 0;
+    for (; kk + 4 <= steps; kk += 4) transpose4(first + l * across + kk, across, out + kk * width + l, width);
+    for (; kk < steps; ++kk)
+      for (int64_t i = 0; i < 4; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
+  }
+  for (; l < lines; ++l)
+    for (int64_t kk = 0; kk < steps; ++kk) out[kk * width + l] = first[l * across + kk];
+}
+
+// Steps [s0, s1) of k of every panel of `width` lines (rows of op(A), or
+// columns of op(B)), zeros past `lines`. Line l at step kk is
+// x[l * across + kk * along], and one of the strides is 1. Block b (steps
+// b * kKc on, kc of them) of panel p starts at packed + b * kKc * panels * width
+// + p * kc * width, so that a tile's panels of one block are one run of
+// memory; within it, step kk's `width` values are adjacent. A few steps of
+// all panels at a time read the operand in short runs along both strides,
+// where one panel at a time would read a line per step (a page per step for
+// a transposed operand: measured 3x slower).
+template <int64_t width>
+void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t across, int64_t s0, int64_t s1,
+                float* packed) {
+  const int64_t panels = ceil_div(lines, width);
+  for (int64_t s = s0; s < s1;) {
+    const int64_t kb = s / kKc * kKc, kc = std::min(kKc, k - kb), end = std::min(s1, kb + kc);
+    float* block = packed + kb * panels * width;
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t valid = std::min(width, lines - p * width);
+      const float* first = x + p * width * across + s * along;
+      float* out = block + p * kc * width + (s - kb) * width;
+      if (across == 1) {  // each step: `valid` adjacent floats, a vector (or part of one) at a time
+        for (int64_t kk = 0; kk < end - s; ++kk) {
+          const float* from = first + kk * along;
+          float* to = out + kk * width;
+          for (int64_t h = 0; h < width; h += kLanes) {
+            const int64_t have = std::clamp<int64_t>(valid - h, 0, kLanes), room = std::min(kLanes, width - h);
+            const Vec v = have == kLanes ? vload(from + h) : have > 0 ? vload_part(from + h, have) : vzero();
+            if (room == kLanes) vstore(to + h, v);
+            else vstore_part(to + h, v, room);
+          }
+        }
+      } else {  // each line: adjacent along k
+        gather_lines(end - s, valid, first, across, width, out);
+        for (int64_t kk = 0; kk < end - s; ++kk) std::fill(out + kk * width + valid, out + (kk + 1) * width, 0.0f);
+      }
+    }
+    s = end;
+  }
+}
+
+// The kMr x kNr sums of a micro-tile over `depth` steps of k of an A
+// micro-panel and a B micro-panel (both packed, at the block's first step),
+// added to `start`'s (zeros where it is null), into `sums`; both kMr x kNr,
+// rows kNr apart. The sums live in registers throughout (a fixed count of
+// each, so the compiler keeps them there).
+__attribute__((noinline)) void micro_kernel(int64_t depth, const float* pa, const float* pb, const float* start,
+                                            float* sums) {
+  Vec acc[kMr][2];
+  if (start == nullptr) {
+#pragma GCC unroll 32
+    for (int64_t i = 0; i < 2 * kMr; ++i) acc[i / 2][i % 2] = vzero();
+  } else {
+#pragma GCC unroll 32
+    for (int64_t i = 0; i < 2 * kMr; ++i) acc[i / 2][i % 2] = vload(start + (i / 2) * kNr + (i % 2) * kLanes);
+  }
+  for (int64_t kk = 0; kk < depth; ++kk, pa += kMr, pb += kNr) {
+    const Vec b0 = vload(pb), b1 = vload(pb + kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + kPrefetchA), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < kMr; ++r) {
+      const Vec a = vbroadcast(pa + r);
+      acc[r][0] = vfma(a, b0, acc[r][0]);
+      acc[r][1] = vfma(a, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int64_t i = 0; i < 2 * kMr; ++i) vstore(sums + (i / 2) * kNr + (i % 2) * kLanes, acc[i / 2][i % 2]);
+}
+
+// alpha * sums (+ beta * C) into C's rows x cols (at most kMr x kNr) at c.
+void store_results(const float* sums, int64_t rows, int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+  const Vec va = vset(alpha), vb = vset(beta);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = c + r * ldc;
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t lanes = std::min(kLanes, cols - h * kLanes);
+      if (lanes <= 0) break;
+      const Vec sum = vload(sums + r * kNr + h * kLanes);
+      Vec v = alpha == 1.0f ? sum : vmul(va, sum);
+      if (lanes == kLanes) {
+        if (beta != 0.0f) v = vfma(vb, vload(row + h * kLanes), v);
+        vstore(row + h * kLanes, v);
+      } else {
+        if (beta != 0.0f) v = vfma(vb, vload_part(row + h * kLanes, lanes), v);
+        vstore_part(row + h * kLanes, v, lanes);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t sgemm_mr() { return kMr; }
+int64_t sgemm_nr() { return kNr; }
+
+void sgemm_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, int64_t s0, int64_t s1,
+                  float* packed) {
+  // op(A)'s rows: adjacent in memory when A is stored transposed.
+  pack_steps<kMr>(k, m, a, trans ? lda : 1, trans ? 1 : lda, s0, s1, packed);
+}
+
+void sgemm_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, int64_t s0, int64_t s1,
+                  float* packed) {
+  // op(B)'s columns: adjacent in memory unless B is stored transposed.
+  pack_steps<kNr>(k, n, b, trans ? 1 : ldb, trans ? ldb : 1, s0, s1, packed);
+}
+
+int64_t sgemm_kc() { return kKc; }
+
+int64_t sgemm_partials(int64_t rows, int64_t cols, int64_t depth) {
+  return depth > kKc ? ceil_div(rows, kMr) * kMr * ceil_div(cols, kNr) * kNr : 0;
+}
+
+void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b, int64_t i0,
+                    int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, float beta,
+                    float* c, int64_t ldc, float* partials) {
+  TS_CHECK(i0 % kMr == 0 && j0 % kNr == 0 && k0 % kKc == 0,
+           "sgemm_multiply: a tile starts on a panel and a block of k (row {}, column {}, step {})", i0, j0, k0);
+  const int64_t panels_a = ceil_div(rows, kMr), panels_b = ceil_div(cols, kNr);
+  const int64_t all_a = ceil_div(m, kMr), all_b = ceil_div(n, kNr);
+  for (int64_t kb = k0; kb < k0 + depth; kb += kKc) {
+    const int64_t kc = std::min(kKc, k - kb);  // the packed block's depth
+    const bool first = kb == k0, last = kb + kKc >= k0 + depth;
+    // The tile's panels of this block, one run each for A and B.
+    const float* a = packed_a + kb * all_a * kMr + (i0 / kMr) * kc * kMr;
+    const float* b = packed_b + kb * all_b * kNr + (j0 / kNr) * kc * kNr;
+    for (int64_t q = 0; q < panels_b; ++q) {
+      const float* pb = b + q * kc * kNr;
+      for (int64_t p = 0; p < panels_a; ++p) {
+        const float* pa = a + p * kc * kMr;
+        if (q + 1 < panels_b) {  // the next B panel, a slice per A panel
+          const char* next = reinterpret_cast<const char*>(pb + kc * kNr);
+          const int64_t bytes = kc * kNr * static_cast<int64_t>(sizeof(float)), slice = ceil_div(bytes, panels_a);
+          for (int64_t o = p * slice; o < std::min(bytes, (p + 1) * slice); o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+        }
+        // Between blocks the kMr x kNr sums wait in `partials`, a micro-tile at a time.
+        float* waiting = first && last ? nullptr : partials + (q * panels_a + p) * kMr * kNr;
+        alignas(64) float sums[kMr * kNr];
+        micro_kernel(kc, pa, pb, first ? nullptr : waiting, last ? sums : waiting);
+        if (last)
+          store_results(sums, std::min(kMr, rows - p * kMr), std::min(kNr, cols - q * kNr), alpha, beta,
+                        c + p * kMr * ldc + q * kNr, ldc);
+      }
+    }
+  }
+}
+
+}  // namespace tessera::cpu::TS_CPU_ISA
+
+#endif  // __AVX2__ && __FMA__
