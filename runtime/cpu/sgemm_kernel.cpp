@@ -70,7 +70,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // out[kk * width + l] = line l's step kk (line l at first + l * across, its
 // steps adjacent) for `lines` lines and `steps` steps: 8 x 8 blocks through
-// AVX registers, 4 x 4 ones through SSE, the rest one at a time.
+// AVX registers (4 x 4 through SSE for fewer than 8 lines), steps past the
+// last whole block one at a time.
 inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
   __m256 r[8], t[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
@@ -101,21 +102,20 @@ inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_ou
 }
 
 void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t across, int64_t width, float* out) {
-  int64_t l = 0;
-  for (; l + 8 <= lines; l += 8) {
+  // Groups of 8 (or 4) lines; where `lines` is not a multiple of the group,
+  // the last group overlaps the one before it (those lines are written twice,
+  // with the same values), so every line goes through the registers.
+  const int64_t group = lines >= 8 ? 8 : lines >= 4 ? 4 : 1;
+  for (int64_t g = 0; g < lines; g += group) {
+    const int64_t l = std::min(g, lines - group);
     int64_t kk = 0;
-    for (; kk + 8 <= steps; kk += 8) transpose8(first + l * across + kk, across, out + kk * width + l, width);
+    if (group == 8)
+      for (; kk + 8 <= steps; kk += 8) transpose8(first + l * across + kk, across, out + kk * width + l, width);
+    if (group == 4)
+      for (; kk + 4 <= steps; kk += 4) transpose4(first + l * across + kk, across, out + kk * width + l, width);
     for (; kk < steps; ++kk)
-      for (int64_t i = 0; i < 8; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
+      for (int64_t i = 0; i < group; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
   }
-  for (; l + 4 <= lines; l += 4) {
-    int64_t kk = 0;
-    for (; kk + 4 <= steps; kk += 4) transpose4(first + l * across + kk, across, out + kk * width + l, width);
-    for (; kk < steps; ++kk)
-      for (int64_t i = 0; i < 4; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
-  }
-  for (; l < lines; ++l)
-    for (int64_t kk = 0; kk < steps; ++kk) out[kk * width + l] = first[l * across + kk];
 }
 
 // Steps [s0, s1) of k of every panel of `width` lines (rows of op(A), or
