@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--products") == 0) {  // --products NN|NT|TN M N K [...]
       shapes.clear();
-      for (++i; i + 3 < argc + 0 && i + 3 <= argc - 1; i += 4) {
+      for (++i; i + 3 < argc; i += 4) {
         std::string op = argv[i];
         if (op.size() != 2 || (op[0] != 'N' && op[0] != 'T') || (op[1] != 'N' && op[1] != 'T')) {
           std::fprintf(stderr, "bench_gemm: expected NN, NT, TN or TT before m n k, got '%s'\n", argv[i]);

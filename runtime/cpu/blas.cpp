@@ -6,9 +6,9 @@
 //   as attention's 64 x 64 (measured 80 vs 57 GFLOP/s): benchmarks/bench_gemm.
 // - OpenBLAS's sgemm, otherwise.
 // So: where the kernels' avx512 copy runs (runtime/cpu/isa.h, which
-// TESSERA_CPU_ISA caps), oneDNN for everything but the weight gradients,
-// which run on Tessera's own kernel (runtime/cpu/sgemm_kernel.h: operands
-// packed once per product, 1.07-1.37x oneDNN's pieces there); otherwise
+// TESSERA_CPU_ISA caps), oneDNN for everything but the large weight
+// gradients, which run on Tessera's own kernel (runtime/cpu/sgemm_kernel.h:
+// operands packed once per product, 1.25-1.40x oneDNN's pieces there); otherwise
 // oneDNN for products below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
 // dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
 //
@@ -377,7 +377,7 @@ const OwnKernel* own_kernel() {
 // operands, and a block of partial sums for each thread that can have a tile.
 struct OwnScratch {
   Grid grid;
-  int64_t packed_a, packed_b, partials_per_thread, threads;
+  int64_t packed_a, packed_b, partials_per_thread, threads;  // the grid never cuts k (own_grid)
   int64_t elements() const { return packed_a + packed_b + partials_per_thread * threads; }
 };
 
@@ -399,7 +399,7 @@ OwnScratch own_scratch(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k)
   s.packed_a = ceil_div(m, kernel.mr) * kernel.mr * k;
   s.packed_b = ceil_div(n, kernel.nr) * kernel.nr * k;
   s.partials_per_thread = kernel.partials(s.grid.mb, s.grid.nb, s.grid.kc);
-  const int64_t pieces = ceil_div(m, s.grid.mb) * ceil_div(n, s.grid.nb) * s.grid.chunks;
+  const int64_t pieces = ceil_div(m, s.grid.mb) * ceil_div(n, s.grid.nb);
   s.threads = std::max<int64_t>(1, std::min<int64_t>(num_threads(), pieces));
   return s;
 }
@@ -446,7 +446,9 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
 // an AVX2-only CPU (on the Xeon's AVX2 copy against OpenBLAS's Haswell
 // kernel it was 0.87-1.1x, by shape). Tiny products keep the libraries.
 constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
-bool f32_on_own(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+}  // namespace
+
+bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   SgemmPath path = forced_path.load(std::memory_order_relaxed);
   if (own_kernel() == nullptr) return false;
   if (path != SgemmPath::Auto) return path == SgemmPath::Own;
@@ -455,14 +457,11 @@ bool f32_on_own(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
          m * n >= kOwnMinResults && flops >= kSerialFlops;
 }
 
-}  // namespace
-
 GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, bool on_amx) {
   if (m == 0 || n == 0 || k == 0) return {};
   on_amx = on_amx && dtype == DType::BF16;
-  if (dtype == DType::F32 && f32_on_own(trans_a, trans_b, m, n, k)) {
-    const OwnScratch s = own_scratch(*own_kernel(), m, n, k);
-    return {s.grid.chunks > 1 ? s.grid.chunks * m * n : 0, 0, s.elements()};
+  if (dtype == DType::F32 && sgemm_on_own_kernel(trans_a, trans_b, m, n, k)) {
+    return {0, 0, own_scratch(*own_kernel(), m, n, k).elements()};
   }
   Grid g = grid_for(m, n, k, on_amx ? kAmxGranule : kLibraryGranule);
   return {g.chunks > 1 ? g.chunks * m * n : 0, on_amx ? amx_packed_elements(m, n, k) : 0, 0};
@@ -479,10 +478,6 @@ Bf16Path set_bf16_path(Bf16Path path) {
   TS_CHECK(path != Bf16Path::Amx || amx::usable(),
            "set_bf16_path: the AMX kernel needs AMX-BF16 tiles, which this CPU lacks or Linux did not grant");
   return forced_bf16_path.exchange(path);
-}
-
-bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
-  return f32_on_own(trans_a, trans_b, m, n, k);
 }
 
 bool sgemm_own_kernel_here() {
@@ -533,7 +528,8 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   bool avx512 = active_isa() == Isa::Avx512;
   SgemmPath path = forced_path.load(std::memory_order_relaxed);
-  if (f32_on_own(trans_a, trans_b, m, n, k)) return gemm_on_own(*own_kernel(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (sgemm_on_own_kernel(trans_a, trans_b, m, n, k))
+    return gemm_on_own(*own_kernel(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   bool onednn = path == SgemmPath::Auto ? avx512 || flops < kSerialFlops : path == SgemmPath::OneDnn;
   gemm_in_library(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
                   onednn ? onednn_piece : openblas_piece);

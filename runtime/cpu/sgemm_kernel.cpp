@@ -5,7 +5,6 @@
 #include "runtime/cpu/sgemm_kernel.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "runtime/check.h"
 #include "runtime/cpu/kernels_cpu.h"
