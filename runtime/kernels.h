@@ -31,6 +31,11 @@ struct KernelTable {
   // list's CPU_KERNEL rows). Any other null entry is a forgotten one:
   // tests/runtime/test_ops.cpp fails on it.
   std::array<bool, kNumOps> lacks{};
+  // Whether attention and attention_backward take q, k, v, dout and out with
+  // unit stride along head_dim and any other strides, and write out, dq, dk
+  // and dv in the layouts they are given (the CPU's); else runtime/ops_nn.cpp
+  // hands them contiguous tensors and contiguous outputs.
+  bool strided_attention = false;
   // Whether the table has `op`'s kernel (false for ops without a kernel row).
   bool supports(OpId op) const;
 };

@@ -93,6 +93,8 @@
   KERNEL(softmax, Attention, Softmax, (const Tensor& out, const Tensor& x, bool log))                            \
   KERNEL(softmax_backward, Attention, Softmax, (const Tensor& gx, const Tensor& gy, const Tensor& y, bool log))  \
   OP(log_softmax, Attention) OP(log_softmax_backward, Attention)                                                \
+  /* q, k, v, dout, out [B, H, T, D]: contiguous, or (a table with strided_attention) unit stride along D and    \
+     any other strides, as are the outputs it is handed (runtime/kernels.h) */                                  \
   KERNEL(attention, Attention, Attention,                                                                       \
          (const ops::AttentionResult& r, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,        \
           double scale))                                                                                        \

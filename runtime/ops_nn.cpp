@@ -1,4 +1,5 @@
 // Matrix products and the fused neural-network ops.
+#include <algorithm>
 #include <cmath>
 
 #include "runtime/op_call.h"
@@ -476,6 +477,31 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
            "attention: {} query heads are not a multiple of {} key/value heads", q.size(1),
            k.size(1));
 }
+
+// An attention kernel's operand in its compute dtype: as it lies where the
+// backend reads strided operands, head_dim has unit stride and a head's
+// tokens are rows at least head_dim apart (q, k and v split from one
+// [B, T, 3C] projection are read in place), else contiguous.
+Tensor attention_input(const Tensor& x, const Kernels& k) {
+  Tensor u = upcast(x, kAttention);
+  bool readable = (u.stride(3) == 1 || u.size(3) <= 1) && u.stride(2) >= std::max<int64_t>(1, u.size(3)) &&
+                  u.stride(1) >= 0 && u.stride(0) >= 0;
+  return k.table().strided_attention && readable ? u : contiguous(u);
+}
+
+// A new [B, H, T, D] output of the attention kernels. Where they write
+// strided outputs, it lies in memory as [B, T, H, D] (the heads of a token
+// side by side, as PyTorch's CPU flash attention lays its output) when
+// `heads_inner` (merge_heads of out, and the gradients of q, k, v split from
+// one projection, are then views); else contiguous.
+Tensor attention_output(const Shape& s, DType dtype, Device device, const Kernels& k, bool heads_inner) {
+  if (!k.table().strided_attention || !heads_inner) return empty(s, dtype, device);
+  return transpose(empty({s[0], s[2], s[1], s[3]}, dtype, device), 1, 2);
+}
+
+// Whether x [B, H, T, D] keeps a token's heads closer together than a head's
+// tokens (a view of a [B, T, H * D] projection): its gradient is laid out so.
+bool heads_inner(const Tensor& x) { return x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2); }
 }  // namespace
 
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -492,10 +518,11 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
   DType sd = stats_dtype(cd);
-  AttentionResult r{empty(q.shape(), cd, q.device()), empty(lse_shape, sd, q.device())};
+  Kernels kt = dispatch(q.device());
+  AttentionResult r{attention_output(q.shape(), cd, q.device(), kt, true), empty(lse_shape, sd, q.device())};
   {
-    Tensor qc = kernel_input(q, kAttention), kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
-    dispatch(q.device()).attention(r, qc, kc, vc, causal, scale);
+    Tensor qc = attention_input(q, kt), kc = attention_input(k, kt), vc = attention_input(v, kt);
+    kt.attention(r, qc, kc, vc, causal, scale);
   }
   r.out = to(r.out, q.dtype());
   return r;
@@ -514,14 +541,16 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   }
   check_attention(q, k, v);
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
-  AttentionGrads g{empty(q.shape(), cd, q.device()), empty(k.shape(), cd, q.device()),
-                   empty(v.shape(), cd, q.device())};
+  Kernels kt = dispatch(q.device());
+  AttentionGrads g{attention_output(q.shape(), cd, q.device(), kt, heads_inner(q)),
+                   attention_output(k.shape(), cd, q.device(), kt, heads_inner(k)),
+                   attention_output(v.shape(), cd, q.device(), kt, heads_inner(v))};
   {
     // dout and out in q's dtype (a native kernel reads all five as one storage type).
-    Tensor dc = kernel_input(to(dout, q.dtype()), kAttention), qc = kernel_input(q, kAttention);
-    Tensor kc = kernel_input(k, kAttention), vc = kernel_input(v, kAttention);
-    Tensor oc = kernel_input(to(out, q.dtype()), kAttention), lc = contiguous(to(lse, stats_dtype(cd)));
-    dispatch(q.device()).attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
+    Tensor dc = attention_input(to(dout, q.dtype()), kt), qc = attention_input(q, kt);
+    Tensor kc = attention_input(k, kt), vc = attention_input(v, kt);
+    Tensor oc = attention_input(to(out, q.dtype()), kt), lc = contiguous(to(lse, stats_dtype(cd)));
+    kt.attention_backward(g, dc, qc, kc, vc, oc, lc, causal, scale);
   }
   return {to(g.dq, q.dtype()), to(g.dk, k.dtype()), to(g.dv, v.dtype())};
 }

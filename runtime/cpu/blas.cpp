@@ -381,21 +381,58 @@ struct OwnScratch {
   int64_t elements() const { return packed_a + packed_b + partials_per_thread * threads; }
 };
 
+// The micro-tiles the busiest of `threads` threads multiplies on a grid of
+// mb x nb pieces, as gemm_on_grid's parallel_for deals the pieces out (runs
+// of ceil(pieces / threads), in order).
+int64_t busiest_thread(const OwnKernel& kernel, int64_t m, int64_t n, int64_t mb, int64_t nb, int64_t threads) {
+  const int64_t tiles_n = ceil_div(n, nb), pieces = ceil_div(m, mb) * tiles_n;
+  const int64_t run = ceil_div(pieces, threads);
+  int64_t most = 0;
+  for (int64_t p0 = 0; p0 < pieces; p0 += run) {
+    int64_t load = 0;
+    for (int64_t p = p0; p < std::min(pieces, p0 + run); ++p) {
+      const int64_t rows = std::min(mb, m - p / tiles_n * mb), cols = std::min(nb, n - p % tiles_n * nb);
+      load += ceil_div(rows, kernel.mr) * ceil_div(cols, kernel.nr);
+    }
+    most = std::max(most, load);
+  }
+  return most;
+}
+
 // The own kernel's grid: tiles of C as the libraries' (at most kTile x
 // kTile), made smaller until there are kChunkedPieces of them where the
-// panels allow; never chunks of k, so each result stays one chain over k.
-Grid own_grid(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k) {
+// panels allow, then balanced over the threads; never chunks of k, so each
+// result stays one chain over k.
+Grid own_grid(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k, int64_t threads) {
   int64_t mb = balanced_part(m, kTile, kernel.mr), nb = balanced_part(n, kTile, kernel.nr);
   while (ceil_div(m, mb) * ceil_div(n, nb) < kChunkedPieces) {
     if (mb > kernel.mr && (mb >= nb || nb <= kernel.nr)) mb = round_up(ceil_div(mb, 2), kernel.mr);
     else if (nb > kernel.nr) nb = round_up(ceil_div(nb, 2), kernel.nr);
     else break;
   }
+  if (threads <= 1) return {mb, nb, 1, k};
+  // A result's bits do not depend on the grid (one chain over k each), so
+  // the grid may follow the threads: among up to twice as many row and
+  // column blocks (at most kBalanceSteps more of each), the one whose
+  // busiest thread has the fewest micro-tiles, then the fewest pieces. 11
+  // pieces on 2 threads would leave one idle for a twelfth of the product.
+  constexpr int64_t kBalanceSteps = 8;
+  const int64_t rows0 = ceil_div(m, mb), cols0 = ceil_div(n, nb);
+  int64_t best_load = busiest_thread(kernel, m, n, mb, nb, threads), best_pieces = rows0 * cols0;
+  for (int64_t rb = rows0; rb <= rows0 + std::min(rows0, kBalanceSteps); ++rb) {
+    for (int64_t cb = cols0; cb <= cols0 + std::min(cols0, kBalanceSteps); ++cb) {
+      const int64_t mb2 = round_up(ceil_div(m, rb), kernel.mr), nb2 = round_up(ceil_div(n, cb), kernel.nr);
+      const int64_t load = busiest_thread(kernel, m, n, mb2, nb2, threads);
+      const int64_t pieces = ceil_div(m, mb2) * ceil_div(n, nb2);
+      if (load < best_load || (load == best_load && pieces < best_pieces))
+        mb = mb2, nb = nb2, best_load = load, best_pieces = pieces;
+    }
+  }
   return {mb, nb, 1, k};
 }
 
 OwnScratch own_scratch(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k) {
-  OwnScratch s{own_grid(kernel, m, n, k), 0, 0, 0, 0};
+  OwnScratch s{own_grid(kernel, m, n, k, num_threads()), 0, 0, 0, 0};
   s.packed_a = ceil_div(m, kernel.mr) * kernel.mr * k;
   s.packed_b = ceil_div(n, kernel.nr) * kernel.nr * k;
   s.partials_per_thread = kernel.partials(s.grid.mb, s.grid.nb, s.grid.kc);
@@ -440,12 +477,18 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
 // benchmarks/bench_gemm (benchmarks/README.md, "f32 on the own kernel"): on
 // the AVX-512 Xeon the large weight gradients (TN: dY^T X, C of at least
 // kOwnMinSide on each side and kOwnMinResults in all) ran 1.0-1.34x
-// oneDNN's pieces on it at 1 and 2 threads; smaller ones 0.80-1.04x, the
-// other two products 0.82-0.98x: so large TN alone.
+// oneDNN's pieces on it at 1 and 2 threads, and with the grid balanced over
+// the threads those of the wide projections (C at least kOwnWideRatio times
+// as tall as wide, kOwnWideMinN wide or more: a fused QKV or an MLP's first
+// layer, 768-1536 x 256-512) over kOwnWideMinK rows or more 1.0-1.37x at 1
+// thread and 0.94-1.19x at 2 (over 512 rows 0.98-1.19x and 0.87-1.05x);
+// square and tall-B ones 0.75-1.0x at 2 threads, the other two products
+// 0.82-0.98x: so these TN products alone.
 // On AVX2 the libraries keep every product until the kernel is measured on
 // an AVX2-only CPU (on the Xeon's AVX2 copy against OpenBLAS's Haswell
 // kernel it was 0.87-1.1x, by shape). Tiny products keep the libraries.
 constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
+constexpr int64_t kOwnWideRatio = 3, kOwnWideMinN = 256, kOwnWideMinK = 1024;
 }  // namespace
 
 bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
@@ -453,8 +496,9 @@ bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   if (own_kernel() == nullptr) return false;
   if (path != SgemmPath::Auto) return path == SgemmPath::Own;
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  return active_isa() == Isa::Avx512 && trans_a && !trans_b && std::min(m, n) >= kOwnMinSide &&
-         m * n >= kOwnMinResults && flops >= kSerialFlops;
+  const bool large = std::min(m, n) >= kOwnMinSide && m * n >= kOwnMinResults;
+  const bool wide = m >= kOwnWideRatio * n && n >= kOwnWideMinN && k >= kOwnWideMinK;  // a projection's 3-4x wider output
+  return active_isa() == Isa::Avx512 && trans_a && !trans_b && (large || wide) && flops >= kSerialFlops;
 }
 
 GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, bool on_amx) {

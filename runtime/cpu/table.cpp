@@ -38,6 +38,7 @@ namespace {
     KernelTable t;                                                             \
     t.backend = "cpu";                                                         \
     t.compute_dtype = compute_dtype;                                           \
+    t.strided_attention = true;                                                \
     TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
     return t;                                                                  \
   }()

@@ -326,14 +326,22 @@ TEST_CASE("the own f32 kernel: a result's bits depend on its row and column alon
 
 TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[gemm]") {
   // Auto: the own kernel for the large weight gradients (TN, C at least 512
-  // on a side and 2^20 results) with AVX-512 (benchmarks/README.md); the
-  // libraries elsewhere.
+  // on a side and 2^20 results) and those of the wide projections (TN, C at
+  // least 3x as tall as wide, 256 wide or more, over 1024 rows) with AVX-512
+  // (benchmarks/README.md); the libraries elsewhere.
   const bool avx512_own = cpu::sgemm_own_kernel_here() && cpu::active_isa() == cpu::Isa::Avx512;
   CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024) == avx512_own);
   CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 3072, 768));
   CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 768, 3072));
   CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 1024, 256, 2048));
+  CHECK(cpu::sgemm_on_own_kernel(true, false, 1024, 256, 2048) == avx512_own);
+  CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1024) == avx512_own);
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 767, 256, 1024));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1023));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 255 * 3, 255, 1024));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 1024, 1024));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 256, 1024));
+  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 768, 256, 1024));
   CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 512, 512, 2048));
   CHECK(cpu::sgemm_on_own_kernel(true, false, 2048, 512, 1024) == avx512_own);
   if (cpu::sgemm_own_kernel_here()) {

@@ -54,6 +54,71 @@ TEST_CASE("attention never materialises the score matrix", "[kernels][attention]
   CHECK(reference >= scores_bytes);
 }
 
+TEST_CASE("attention reads q, k and v where they lie: a projection's heads give the bits of contiguous copies, "
+          "with no copy made", "[kernels][attention][memory]") {
+  // [B, L, width] -> the heads of columns [at, at + heads * d) as [B, heads, L, d]: a view, rows `width` apart.
+  auto heads_of = [](const Tensor& proj, int64_t at, int64_t heads, int64_t d) {
+    Tensor part = ops::narrow(proj, 2, at, heads * d);
+    return ops::transpose(ops::view(part, {proj.size(0), proj.size(1), heads, d}), 1, 2);
+  };
+  // Bytes allocated at the peak of f() above what was live before it.
+  auto peak_of = [](auto&& f) {
+    reset_peak_memory_stats();
+    int64_t base = memory_stats().allocated_bytes;
+    f();
+    return memory_stats().peak_allocated_bytes - base;
+  };
+  for (DType dt : {DType::F32, DType::F64, DType::BF16}) {
+    for (auto [t, s, h, hkv] : {std::tuple{1, 1, 3, 3}, {67, 67, 3, 1}, {130, 130, 4, 2}, {19, 83, 2, 1}}) {
+      for (bool causal : {true, false}) {
+        INFO(dtype_name(dt) << " T=" << t << " S=" << s << " heads=" << h << " kv heads=" << hkv
+                            << " causal=" << causal);
+        const int64_t b = 2, d = 24;
+        // q from one projection (with 5 columns to spare), k and v from another, dout a transposed gradient.
+        Tensor qp = ops::to(randn({b, t, h * d + 5}, 1), dt), kvp = ops::to(randn({b, s, 2 * hkv * d}, 2), dt);
+        Tensor q = heads_of(qp, 0, h, d), k = heads_of(kvp, 0, hkv, d), v = heads_of(kvp, hkv * d, hkv, d);
+        Tensor dout = ops::transpose(ops::to(randn({b, t, h, d}, 3), dt), 1, 2);
+        REQUIRE(!q.is_contiguous());
+        Tensor qc = ops::contiguous(q), kc = ops::contiguous(k), vc = ops::contiguous(v);
+        Tensor dc = ops::contiguous(dout);
+        ops::AttentionResult r, rc;
+        int64_t peak = peak_of([&] { r = ops::attention(q, k, v, causal, 0.2); });
+        int64_t peak_c = peak_of([&] { rc = ops::attention(qc, kc, vc, causal, 0.2); });
+        CHECK(testing::equal(r.out, rc.out));
+        CHECK(testing::equal(r.lse, rc.lse));
+        CHECK(peak == peak_c);  // no copy of q, k or v
+        // out lies as [B, T, H, D]: merging the heads back is a view.
+        CHECK(ops::transpose(r.out, 1, 2).is_contiguous());
+        ops::AttentionGrads g, gc;
+        Tensor oc = ops::contiguous(rc.out);
+        int64_t bpeak = peak_of([&] { g = ops::attention_backward(dout, q, k, v, r.out, r.lse, causal, 0.2); });
+        int64_t bpeak_c = peak_of([&] { gc = ops::attention_backward(dc, qc, kc, vc, oc, rc.lse, causal, 0.2); });
+        CHECK(testing::equal(g.dq, gc.dq));
+        CHECK(testing::equal(g.dk, gc.dk));
+        CHECK(testing::equal(g.dv, gc.dv));
+        CHECK(bpeak == bpeak_c);
+        // Each gradient lies as its input: a projection's heads' as [B, T, H, D]
+        // (the gradient of the projection is then a view), a contiguous input's contiguous.
+        for (const Tensor* x : {&g.dq, &g.dk, &g.dv})
+          CHECK((x->size(1) == 1 || ops::transpose(*x, 1, 2).is_contiguous()));
+        CHECK(gc.dq.is_contiguous());
+        CHECK(gc.dk.is_contiguous());
+      }
+    }
+  }
+  // Operands the kernels cannot read in place (head_dim strided, tokens
+  // broadcast) are copied first, and give the same bits.
+  Tensor q = randn({2, 3, 9, 8}, 4), k = randn({2, 3, 1, 8}, 5), v = randn({2, 3, 9, 8}, 6);
+  Tensor q_strided = ops::transpose(ops::contiguous(ops::transpose(q, 2, 3)), 2, 3);
+  Tensor k_broadcast = ops::expand(k, {2, 3, 9, 8});
+  REQUIRE(q_strided.stride(3) != 1);
+  REQUIRE(k_broadcast.stride(2) == 0);
+  ops::AttentionResult r = ops::attention(q_strided, k_broadcast, v, true, 0.3);
+  ops::AttentionResult rc = ops::attention(q, ops::contiguous(k_broadcast), v, true, 0.3);
+  CHECK(testing::equal(r.out, rc.out));
+  CHECK(testing::equal(r.lse, rc.lse));
+}
+
 TEST_CASE("a bf16 embedding's gradient is summed in f32: a frequent token's row keeps growing", "[kernels]") {
   // 4096 of 4099 tokens are token 5; each adds 1 (and 0.5) to its row. Summed
   // in bf16 the row would stop at 256 (256 + 1 rounds back to 256).
