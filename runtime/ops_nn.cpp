@@ -489,19 +489,19 @@ Tensor attention_input(const Tensor& x, const Kernels& k) {
   return k.table().strided_attention && readable ? u : contiguous(u);
 }
 
-// A new [B, H, T, D] output of the attention kernels. Where they write
-// strided outputs, it lies in memory as [B, T, H, D] (the heads of a token
-// side by side, as PyTorch's CPU flash attention lays its output) when
-// `heads_inner` (merge_heads of out, and the gradients of q, k, v split from
-// one projection, are then views); else contiguous.
-Tensor attention_output(const Shape& s, DType dtype, Device device, const Kernels& k, bool heads_inner) {
-  if (!k.table().strided_attention || !heads_inner) return empty(s, dtype, device);
-  return transpose(empty({s[0], s[2], s[1], s[3]}, dtype, device), 1, 2);
-}
-
 // Whether x [B, H, T, D] keeps a token's heads closer together than a head's
 // tokens (a view of a [B, T, H * D] projection): its gradient is laid out so.
-bool heads_inner(const Tensor& x) { return x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2); }
+bool token_major(const Tensor& x) { return x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2); }
+
+// A new [B, H, T, D] output of the attention kernels. Where they write
+// strided outputs and `by_token`, it lies in memory as [B, T, H, D] (the
+// heads of a token side by side, as PyTorch's CPU flash attention lays its
+// output: merge_heads of out, and the gradients of q, k, v split from one
+// projection, are then views); else contiguous.
+Tensor attention_output(const Shape& s, DType dtype, Device device, const Kernels& k, bool by_token) {
+  if (!k.table().strided_attention || !by_token) return empty(s, dtype, device);
+  return transpose(empty({s[0], s[2], s[1], s[3]}, dtype, device), 1, 2);
+}
 }  // namespace
 
 AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -519,7 +519,7 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   Shape lse_shape(q.shape().begin(), q.shape().end() - 1);
   DType sd = stats_dtype(cd);
   Kernels kt = dispatch(q.device());
-  AttentionResult r{attention_output(q.shape(), cd, q.device(), kt, true), empty(lse_shape, sd, q.device())};
+  AttentionResult r{attention_output(q.shape(), cd, q.device(), kt, /*by_token=*/true), empty(lse_shape, sd, q.device())};
   {
     Tensor qc = attention_input(q, kt), kc = attention_input(k, kt), vc = attention_input(v, kt);
     kt.attention(r, qc, kc, vc, causal, scale);
@@ -542,9 +542,9 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   check_attention(q, k, v);
   DType cd = compute_dtype(q.device(), kAttention, q.dtype());
   Kernels kt = dispatch(q.device());
-  AttentionGrads g{attention_output(q.shape(), cd, q.device(), kt, heads_inner(q)),
-                   attention_output(k.shape(), cd, q.device(), kt, heads_inner(k)),
-                   attention_output(v.shape(), cd, q.device(), kt, heads_inner(v))};
+  AttentionGrads g{attention_output(q.shape(), cd, q.device(), kt, token_major(q)),
+                   attention_output(k.shape(), cd, q.device(), kt, token_major(k)),
+                   attention_output(v.shape(), cd, q.device(), kt, token_major(v))};
   {
     // dout and out in q's dtype (a native kernel reads all five as one storage type).
     Tensor dc = attention_input(to(dout, q.dtype()), kt), qc = attention_input(q, kt);
