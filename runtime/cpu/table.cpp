@@ -39,6 +39,7 @@ namespace {
     t.backend = "cpu";                                                         \
     t.compute_dtype = compute_dtype;                                           \
     t.strided_attention = true;                                                \
+    t.reduce_widens = true;                                                    \
     TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
     return t;                                                                  \
   }()

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/allocator.h"
+#include "runtime/kernels.h"
 #include "runtime/parallel.h"
 #include "tests/helpers.h"
 
@@ -151,4 +152,48 @@ TEST_CASE("sum_squares reads bf16 and f16 as they are", "[sums][dtype]") {
     CHECK(got == ops::sum_squares(wide, Device::cpu()).item());  // the same squares in the same order
     CHECK(std::abs(got - expect) <= 1e-12 * expect);
   }
+}
+
+TEST_CASE("sums of bf16 and f16 read them where they lie, with the bits of a widened copy's", "[sums][dtype]") {
+  struct Case {
+    Shape shape;
+    std::vector<int64_t> dims;
+    bool keepdim;
+  };
+  // A bias gradient (rows summed in parts), a short and a long row, the
+  // middle dim, non-adjacent dims (the permuted copy), everything.
+  const std::vector<Case> cases = {{{1027, 300}, {0}, false}, {{5, 40011}, {1}, false}, {{3, 257, 7}, {1}, true},
+                                   {{3, 257, 7}, {0, 2}, false}, {{17, 33}, {}, false}, {{1, 1}, {0}, true}};
+  for (DType dt : {DType::BF16, DType::F16}) {
+    for (Device device : {Device::cpu(), Device::async_cpu()}) {
+      for (const Case& c : cases) {
+        INFO(dtype_name(dt) << " on " << device.str() << ", shape " << shape_str(c.shape) << ", "
+                            << c.dims.size() << " dims");
+        Tensor x = ops::to(ops::mul(randn(c.shape, 7), 3.0), dt).to(device);
+        Tensor wide = ops::to(x, DType::F32);
+        // The sum kept in f32 (mean's, sum_to's), and rounded to x's dtype.
+        Tensor got = ops::sum(x, c.dims, c.keepdim, DType::F32), expect = ops::sum(wide, c.dims, c.keepdim);
+        Tensor got16 = ops::sum(x, c.dims, c.keepdim);
+        REQUIRE(got.dtype() == DType::F32);
+        REQUIRE(got16.dtype() == dt);
+        CHECK(got.shape() == expect.shape());
+        CHECK(got.to(Device::cpu()).to_vector<float>() == expect.to(Device::cpu()).to_vector<float>());
+        CHECK(ops::to(got16, DType::F32).to(Device::cpu()).to_vector<float>() ==
+              ops::to(ops::to(expect, dt), DType::F32).to(Device::cpu()).to_vector<float>());
+        CHECK(ops::to(ops::mean(x, c.dims, c.keepdim), DType::F32).to(Device::cpu()).to_vector<float>() ==
+              ops::to(ops::to(ops::mean(wide, c.dims, c.keepdim), dt), DType::F32).to(Device::cpu()).to_vector<float>());
+      }
+    }
+    // No f32 copy of x: a bias gradient's sum takes its f32 result and the
+    // parts' sums, far less than the copy's 4 bytes an element.
+    Tensor g = ops::to(randn({2048, 512}, 9), dt);
+    reset_peak_memory_stats();
+    const int64_t base = memory_stats().allocated_bytes;
+    Tensor db = ops::sum(g, {0}, false, DType::F32);
+    CHECK(memory_stats().peak_allocated_bytes - base < g.numel());
+  }
+  // The kernel's own check: a 16-bit sum goes into f32, nowhere else.
+  Tensor x = ops::to(randn({4, 5}, 1), DType::BF16), out = empty({5}, DType::BF16);
+  CHECK_THROWS_WITH(kernels(Device::cpu()).reduce(ReduceOp::Sum, out, x, 1, 4, 5),
+                    Catch::Contains("bf16 values reduce into f32, got an output of bf16"));
 }
