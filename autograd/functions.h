@@ -94,6 +94,12 @@ Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
 // ---- linear algebra and neural-network ops -------------------------------------------------
 Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+// gelu(linear(x, weight, bias)) with the bias added in GELU's pass, forward
+// and backward (its gradient summed as GELU's backward stores): GPT-2's c_fc
+// and its activation (nn::Linear with an activation). The product is saved
+// without its bias. In bf16 and f16, and without a bias, it is
+// gelu(linear(x, weight, bias)) (measured faster there).
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bool tanh_approximation = false);
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);

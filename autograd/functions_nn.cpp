@@ -55,6 +55,34 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   return y;
 }
 
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bool tanh_approximation) {
+  // In bf16 and f16 the fused backward's rounding of x + bias to 16 bits costs
+  // more than the bias-gradient pass it saves (a sum that reads 16-bit values
+  // where they lie): c_fc and GELU ran 0.94-0.98x unfused on the AVX-512 Xeon
+  // (benchmarks/bench_kernels), so there the product takes the bias.
+  const bool fused = bias.defined() && (x.dtype() == DType::F32 || x.dtype() == DType::F64);
+  if (!fused) return gelu(linear(x, weight, bias), tanh_approximation);
+  TS_PROFILE("linear_gelu");
+  // Selective checkpointing keeps the product, as linear's; GELU is recomputed.
+  autograd::SavedOutputs* saved = autograd::saved_outputs();
+  Tensor h = saved && saved->replaying() ? saved->take("linear")[0] : ops::linear(x, weight, Tensor());
+  if (saved && !saved->replaying()) saved->stash({h});
+  Tensor y = ops::bias_gelu(h, bias, tanh_approximation);
+  if (should_record({x, weight, bias})) {
+    auto grads = [x, weight, bias, h, tanh_approximation](const TensorList& g, bool want_x, bool want_w,
+                                                          bool want_b) {
+      TensorList d = ops::bias_gelu_backward(g[0], h, bias, tanh_approximation);
+      TensorList l = want_x || want_w ? ops::linear_backward(d[0], x, weight, {want_x, want_w, false}) : TensorList(3);
+      return TensorList{l[0], l[1], want_b ? d[1] : Tensor()};
+    };
+    bool gx = x.requires_grad(), gw = weight.requires_grad(), gb = bias.requires_grad();
+    record(
+        "linear_gelu", {x, weight, bias}, {y}, [grads, gx, gw, gb](const TensorList& g) { return grads(g, gx, gw, gb); },
+        [grads](const TensorList& g, const std::vector<bool>& want) { return grads(g, want[0], want[1], want[2]); });
+  }
+  return y;
+}
+
 namespace {
 
 // The fused kernels on plain tensors (through the op's rule on DTensors, the

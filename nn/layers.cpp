@@ -24,7 +24,10 @@ Linear::Linear(int64_t in, int64_t out, bool has_bias, Device device, DType dtyp
   init_if_real(*this, device);
 }
 
-Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) {
+  if (activation == Activation::None) return linear(x, weight, bias);
+  return linear_gelu(x, weight, bias, activation == Activation::GeluTanh);
+}
 
 void Linear::reset_parameters(uint64_t seed, const std::string& prefix) {
   init_normal(weight, 0.0, init_std, seed, prefix + "weight");

@@ -8,6 +8,12 @@
 
 namespace tessera::nn {
 
+// What a Linear applies to its output. GELU (exact, or its tanh form) is
+// fused with the bias: added in GELU's pass forward, its gradient summed in
+// GELU's backward pass (linear_gelu), the module call and its parameters
+// unchanged (GPT-2's c_fc, so FSDP's and TP's per-module plans still apply).
+enum class Activation { None, Gelu, GeluTanh };
+
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true,
@@ -18,6 +24,7 @@ class Linear : public Module {
 
   int64_t in_features, out_features;
   double init_std = 0.02;  // weight ~ N(0, init_std); bias = 0
+  Activation activation = Activation::None;
   Tensor& weight;
   Tensor& bias;  // undefined without bias
 };

@@ -61,10 +61,20 @@
   CPU_KERNEL(swiglu, Pointwise, Elementwise, (const Tensor& out, const Tensor& gate, const Tensor& up))         \
   CPU_KERNEL(swiglu_backward, Pointwise, Elementwise,                                                           \
          (const Tensor& dgate, const Tensor& dup, const Tensor& grad, const Tensor& gate, const Tensor& up))    \
+  /* GPT-2's MLP activation after c_fc's bias: out = gelu(x + bias) (tanh_approx: GELU's tanh form),            \
+     the bits of add then gelu in every dtype (x + bias rounded to it first); x and out [rows, n],              \
+     bias [n], contiguous. Its backward: gx = gelu'(x + bias) * grad, and gbias its sum over the rows           \
+     in reduce's order and output dtype */                                                                      \
+  CPU_KERNEL(bias_gelu, Pointwise, Elementwise,                                                                 \
+             (const Tensor& out, const Tensor& x, const Tensor& bias, bool tanh_approx))                        \
+  CPU_KERNEL(bias_gelu_backward, Pointwise, Elementwise,                                                        \
+             (const Tensor& gx, const Tensor& gbias, const Tensor& grad, const Tensor& x, const Tensor& bias,   \
+              bool tanh_approx))                                                                                \
   OP(copy_, InPlace) OP(fill_, InPlace) OP(add_, InPlace) OP(mul_, InPlace) OP(div_, InPlace)                   \
   OP(addcmul_, InPlace) OP(addcdiv_, InPlace) OP(lerp_, InPlace) OP(sqrt_, InPlace) OP(clamp_, InPlace)         \
   /* ---- reductions ---- */                                                                                    \
-  /* x contiguous viewed as [outer, n, inner]; out [outer, inner] (Sum accumulates in f64) */                   \
+  /* x contiguous viewed as [outer, n, inner]; out [outer, inner] (Sum accumulates in f64); bf16/f16 x          \
+     reduce into an f32 out on a table with reduce_widens (runtime/kernels.h), into their dtype elsewhere */    \
   KERNEL(reduce, Kernel, Reduction,                                                                             \
          (ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n, int64_t inner))            \
   /* x contiguous [rows, n] -> values [rows], i64 indices [rows] (first maximum) */                             \

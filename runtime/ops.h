@@ -138,6 +138,12 @@ Shape linear_shape(const Shape& x, const Shape& w);
 // The gradients of y = linear(x, w, b) given dy = grad: {dx, dw, db}, each
 // computed only where `need` says (undefined otherwise).
 TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w, std::array<bool, 3> need);
+// gelu(x + bias), bias [n] added along x's last dim (GPT-2's c_fc output and
+// its activation, the tanh form where tanh_approx): one pass where the device
+// has the fused kernel, the bits of add then gelu either way. Its backward
+// gives {dx, dbias}: dbias is dx summed over x's rows, as sum gives it.
+Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approx);
+TensorList bias_gelu_backward(const Tensor& grad, const Tensor& x, const Tensor& bias, bool tanh_approx);
 // out (+)= alpha * a @ b for 2-D a, b; a and b may be transposed views.
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha = 1.0,
                bool accumulate = false);

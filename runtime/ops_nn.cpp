@@ -1,6 +1,7 @@
 // Matrix products and the fused neural-network ops.
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "runtime/op_call.h"
 #include "runtime/kernels.h"
@@ -172,6 +173,65 @@ TensorList linear_backward(const Tensor& grad, const Tensor& x, const Tensor& w,
   }
   if (need[2]) d[2] = sum(g2, {0});
   return d;
+}
+
+// ---- GELU after a bias ---------------------------------------------------------
+
+namespace {
+
+void check_bias_gelu(const Tensor& x, const Tensor& bias, const char* name) {
+  TS_CHECK(is_floating(x.dtype()), "{}: expected a floating-point input, got {}", name, dtype_name(x.dtype()));
+  TS_CHECK(bias.defined() && bias.dim() == 1 && x.dim() >= 1 && bias.size(0) == x.size(-1),
+           "{}: bias {} does not match the last dim of input {} (expected [{}])", name,
+           bias.defined() ? shape_str(bias.shape()) : "(none)", shape_str(x.shape()), x.dim() >= 1 ? x.size(-1) : 0);
+  check_pair(x, bias, name);
+}
+
+// The fused kernels run where the device has them and computes in x's dtype.
+bool fused_bias_gelu(const Tensor& x, OpId op) {
+  Kernels k = dispatch(x.device());
+  return k.supports(op) && k.compute_dtype(KernelFamily::Elementwise, x.dtype()) == x.dtype();
+}
+
+UnaryOp gelu_op(bool tanh_approx) { return tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu; }
+
+// Every dim but the last: the rows a bias gradient sums over.
+std::vector<int64_t> leading_dims(const Tensor& x) {
+  std::vector<int64_t> dims(static_cast<size_t>(x.dim() - 1));
+  std::iota(dims.begin(), dims.end(), 0);
+  return dims;
+}
+
+}  // namespace
+
+Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approx) {
+  if (intercepts({&x, &bias}))
+    return intercept_one({OpId::bias_gelu, "bias_gelu", {x, bias}, {}, [tanh_approx](const TensorList& l) {
+                            return TensorList{bias_gelu(l[0], l[1], tanh_approx)};
+                          }});
+  check_bias_gelu(x, bias, "bias_gelu");
+  if (!fused_bias_gelu(x, OpId::bias_gelu)) return unary(gelu_op(tanh_approx), add(x, bias));
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  dispatch(x.device()).bias_gelu(out, contiguous(x), contiguous(bias), tanh_approx);
+  return out;
+}
+
+TensorList bias_gelu_backward(const Tensor& grad, const Tensor& x, const Tensor& bias, bool tanh_approx) {
+  if (intercepts({&grad, &x, &bias}))
+    return intercept({OpId::bias_gelu_backward, "bias_gelu_backward", {grad, x, bias}, {},
+                      [tanh_approx](const TensorList& l) { return bias_gelu_backward(l[0], l[1], l[2], tanh_approx); }});
+  check_bias_gelu(x, bias, "bias_gelu_backward");
+  TS_CHECK(grad.shape() == x.shape() && grad.dtype() == x.dtype(),
+           "bias_gelu_backward: gradient {} is not laid out as input {}", grad.str(), x.str());
+  if (!fused_bias_gelu(x, OpId::bias_gelu_backward)) {
+    Tensor gx = unary_backward(gelu_op(tanh_approx), grad, add(x, bias), Tensor());
+    return {gx, x.dim() == 1 ? clone(gx) : sum(gx, leading_dims(x))};
+  }
+  const bool widened = x.dtype() == DType::BF16 || x.dtype() == DType::F16;
+  Tensor gx = empty(x.shape(), x.dtype(), x.device());
+  Tensor gbias = empty(bias.shape(), widened ? DType::F32 : x.dtype(), x.device());
+  dispatch(x.device()).bias_gelu_backward(gx, gbias, contiguous(grad), contiguous(x), contiguous(bias), tanh_approx);
+  return {gx, to(gbias, x.dtype())};
 }
 
 void gemm_into(Tensor& out, const Tensor& a, const Tensor& b, double alpha, bool accumulate) {

@@ -8,6 +8,7 @@
 #include "runtime/cpu/isa_copy.h"
 #include "runtime/cpu/dispatch.h"
 #include "runtime/cpu/loops.h"
+#include "runtime/cpu/sums.h"
 #include "runtime/cpu/kernels_cpu.h"
 #include "runtime/kernels.h"
 
@@ -133,9 +134,11 @@ using math::apply_unary_backward;
 
 // The switch is hoisted out of the loop by instantiating one loop per op.
 // T is the storage type: bf16/f16 are read into f32 registers, computed on
-// there, and rounded once when stored (runtime/cpu/dispatch.h).
+// there, and rounded once when stored (runtime/cpu/dispatch.h). Never
+// inlined: the fused kernels that apply an op (bias_gelu) call these same
+// loops, so that the compiler's contractions are the same and so the bits.
 template <class T, UnaryOp Op>
-void unary_loop(T* out, const T* x, int64_t n) {
+__attribute__((noinline)) void unary_loop(T* out, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_unary(Op, load(x[i])));
 }
 
@@ -168,7 +171,7 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
 }
 
 template <class T, UnaryOp Op>
-void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
+__attribute__((noinline)) void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     gx[i] = store<T>(apply_unary_backward(Op, load(gy[i]), load(x[i]), load(y[i])));
 }
@@ -471,6 +474,72 @@ void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& grad,
         at(1) = store<T>(g * load(a));
       }
     });
+  });
+}
+
+// GPT-2's MLP: c_fc's bias added in GELU's pass instead of one of its own.
+// x + bias is rounded to the storage dtype before GELU, as add rounds it, so
+// the result is add's then gelu's bit for bit in every dtype. The backward
+// takes GELU's derivative at the same rounded sum and sums the rounded
+// gradients over the rows as it stores them, in reduce's order and output
+// dtype (column_sums, f64 accumulators): the bias gradient without a pass.
+template <class T, UnaryOp Op>
+void bias_gelu_typed(T* out, const T* x, const T* bias, int64_t rows, int64_t n) {
+  parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * n;
+      T* y = out + r * n;
+      for (int64_t j = 0; j < n; ++j) y[j] = store<T>(apply_unary(Op, load(store<T>(load(xr[j]) + load(bias[j])))));
+    }
+  });
+}
+
+template <class T, UnaryOp Op, class O>
+void bias_gelu_backward_typed(T* gx, O* gbias, const T* grad, const T* x, const T* bias, int64_t rows, int64_t n) {
+  auto block = [&](double* acc, int64_t, int64_t k0, int64_t k1, int64_t j0, int64_t len) {
+    const T* b = bias + j0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const T* g = grad + k * n + j0;
+      const T* xr = x + k * n + j0;
+      T* d = gx + k * n + j0;
+      for (int64_t j = 0; j < len; ++j) {
+        const auto z = load(store<T>(load(xr[j]) + load(b[j])));
+        d[j] = store<T>(apply_unary_backward(Op, load(g[j]), z, z));
+      }
+      for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<double>(load(d[j]));
+    }
+  };
+  column_sums<double>(1, rows, n, true, 0.0, true, block, [&](int64_t, int64_t j0, int64_t len, const double* acc) {
+    for (int64_t j = 0; j < len; ++j) gbias[j0 + j] = static_cast<O>(acc[j]);
+  });
+}
+
+void bias_gelu(const Tensor& out, const Tensor& x, const Tensor& bias, bool tanh_approx) {
+  const int64_t n = bias.numel(), rows = n > 0 ? x.numel() / n : 0;
+  if (rows == 0) return;
+  dispatch_floating(x.dtype(), "bias_gelu", [&](auto tag) {
+    using T = decltype(tag);
+    if (tanh_approx) bias_gelu_typed<T, UnaryOp::GeluTanh>(out.data<T>(), x.data<T>(), bias.data<T>(), rows, n);
+    else bias_gelu_typed<T, UnaryOp::Gelu>(out.data<T>(), x.data<T>(), bias.data<T>(), rows, n);
+  });
+}
+
+void bias_gelu_backward(const Tensor& gx, const Tensor& gbias, const Tensor& grad, const Tensor& x,
+                        const Tensor& bias, bool tanh_approx) {
+  const bool widened = x.dtype() == DType::BF16 || x.dtype() == DType::F16;
+  TS_CHECK(gbias.dtype() == (widened ? DType::F32 : x.dtype()),
+           "bias_gelu_backward: {} gradients sum into a bias gradient of {}, got {}", dtype_name(x.dtype()),
+           dtype_name(widened ? DType::F32 : x.dtype()), dtype_name(gbias.dtype()));
+  const int64_t n = bias.numel(), rows = n > 0 ? x.numel() / n : 0;
+  dispatch_floating(x.dtype(), "bias_gelu_backward", [&](auto tag) {
+    using T = decltype(tag);
+    using O = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    auto run = [&](auto op) {
+      bias_gelu_backward_typed<T, decltype(op)::value>(gx.data<T>(), gbias.data<O>(), grad.data<T>(), x.data<T>(),
+                                                       bias.data<T>(), rows, n);
+    };
+    if (tanh_approx) run(std::integral_constant<UnaryOp, UnaryOp::GeluTanh>{});
+    else run(std::integral_constant<UnaryOp, UnaryOp::Gelu>{});
   });
 }
 

@@ -60,46 +60,22 @@ void reduce_typed(ReduceOp op, O* out, const T* x, int64_t outer, int64_t n, int
     });
     return;
   }
-  // Reduce the middle dim of [outer, n, inner]: accumulate rows into a column
-  // block. With few column blocks (a bias gradient: one row of 256 to 1024
-  // columns) a sum also splits the rows, into at most 16 parts fixed by the
-  // shape, whose partial sums are added in part order.
-  constexpr int64_t kBlock = 256;
-  int64_t blocks = (inner + kBlock - 1) / kBlock;
-  int64_t parts =
-      op == ReduceOp::Sum && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
-  int64_t per_part = (n + parts - 1) / parts;
-  std::vector<A> partial(parts > 1 ? static_cast<size_t>(outer * blocks * parts * kBlock) : 0);
-  parallel_for(0, outer * blocks * parts, 1, [&](int64_t w0, int64_t w1) {
-    A acc[kBlock];
-    for (int64_t w = w0; w < w1; ++w) {
-      int64_t part = w % parts, o = w / parts / blocks, j0 = (w / parts % blocks) * kBlock;
-      int64_t len = std::min(kBlock, inner - j0);
-      for (int64_t j = 0; j < len; ++j) acc[j] = init();
-      for (int64_t k = part * per_part; k < std::min(n, (part + 1) * per_part); ++k) {
-        const T* row = x + (o * n + k) * inner + j0;
-        if (op == ReduceOp::Sum) {
-          for (int64_t j = 0; j < len; ++j) acc[j] += read(row[j]);
-        } else {
-          for (int64_t j = 0; j < len; ++j) acc[j] = combine(acc[j], read(row[j]));
-        }
+  // Reduce the middle dim of [outer, n, inner]: rows accumulate into column
+  // blocks, in the order of runtime/cpu/sums.h's column_sums.
+  const bool sum = op == ReduceOp::Sum;
+  auto rows = [&](A* acc, int64_t o, int64_t k0, int64_t k1, int64_t j0, int64_t len) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const T* row = x + (o * n + k) * inner + j0;
+      if (sum) {
+        for (int64_t j = 0; j < len; ++j) acc[j] += read(row[j]);
+      } else {
+        for (int64_t j = 0; j < len; ++j) acc[j] = combine(acc[j], read(row[j]));
       }
-      if (parts > 1) {
-        std::copy(acc, acc + len, partial.begin() + w * kBlock);
-        continue;
-      }
-      for (int64_t j = 0; j < len; ++j) out[o * inner + j0 + j] = static_cast<O>(acc[j]);
     }
+  };
+  column_sums<A>(outer, n, inner, sum, init(), false, rows, [&](int64_t o, int64_t j0, int64_t len, const A* acc) {
+    for (int64_t j = 0; j < len; ++j) out[o * inner + j0 + j] = static_cast<O>(acc[j]);
   });
-  for (int64_t ob = 0; parts > 1 && ob < outer * blocks; ++ob) {
-    int64_t o = ob / blocks, j0 = ob % blocks * kBlock, len = std::min(kBlock, inner - j0);
-    for (int64_t j = 0; j < len; ++j) {
-      A total = 0;
-      for (int64_t part = 0; part < parts; ++part)
-        total += partial[static_cast<size_t>((ob * parts + part) * kBlock + j)];
-      out[o * inner + j0 + j] = static_cast<O>(total);
-    }
-  }
 }
 
 }  // namespace

@@ -85,4 +85,54 @@ A chunked_sum(int64_t n, F&& term) {
   return total;
 }
 
+// Column sums of [outer, n, inner] over the middle dim (a bias gradient's
+// sum over rows) in an order fixed by the shape: each column accumulates its
+// rows in order, and where there are few blocks of kColumnBlock columns (one
+// row of 256 to 1024 columns) a sum (`split`) cuts the rows into at most 16
+// parts fixed by n, whose partial sums are added in part order. Which columns
+// go together does not change a column's order, so every kernel that sums
+// columns this way gives the same bits, on any number of threads, whatever
+// the width of its pieces: reduce takes kColumnBlock columns at a time; a
+// kernel that also computes what it sums (bias_gelu_backward) takes wide
+// pieces (`wide`), whose rows it reads as long runs.
+//   rows(acc, o, k0, k1, j0, len)  adds rows [k0, k1) of columns
+//                                  [j0, j0 + len) of slice o into acc
+//   store(o, j0, len, acc)         takes a finished piece
+inline constexpr int64_t kColumnBlock = 256;
+
+template <class A, class Rows, class Store>
+void column_sums(int64_t outer, int64_t n, int64_t inner, bool split, A init, bool wide, Rows&& rows,
+                 Store&& store) {
+  const int64_t blocks = (inner + kColumnBlock - 1) / kColumnBlock;
+  const int64_t parts = split && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
+  const int64_t per_part = (n + parts - 1) / parts;
+  // Wide pieces: as few as keep every thread busy (two pieces each).
+  const int64_t wanted = std::max<int64_t>(1, (2 * tessera::detail::omp_threads_for(outer * blocks * parts, 1) + parts - 1) / parts);
+  const int64_t width = wide ? (inner + std::min(wanted, blocks) - 1) / std::max<int64_t>(std::min(wanted, blocks), 1)
+                             : kColumnBlock;
+  const int64_t pieces = width > 0 ? (inner + width - 1) / width : 0;
+  std::vector<A> partial(parts > 1 ? static_cast<size_t>(outer * pieces * parts * width) : 0);
+  parallel_for(0, outer * pieces * parts, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<A> acc(static_cast<size_t>(width));
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t part = w % parts, o = w / parts / pieces, j0 = (w / parts % pieces) * width;
+      const int64_t len = std::min(width, inner - j0);
+      std::fill(acc.begin(), acc.begin() + len, init);
+      rows(acc.data(), o, std::min(n, part * per_part), std::min(n, (part + 1) * per_part), j0, len);
+      if (parts > 1) std::copy(acc.begin(), acc.begin() + len, partial.begin() + w * width);
+      else store(o, j0, len, static_cast<const A*>(acc.data()));
+    }
+  });
+  std::vector<A> total(parts > 1 ? static_cast<size_t>(width) : 0);
+  for (int64_t op = 0; parts > 1 && op < outer * pieces; ++op) {
+    const int64_t o = op / pieces, j0 = op % pieces * width, len = std::min(width, inner - j0);
+    for (int64_t j = 0; j < len; ++j) {
+      total[static_cast<size_t>(j)] = 0;
+      for (int64_t part = 0; part < parts; ++part)
+        total[static_cast<size_t>(j)] += partial[static_cast<size_t>((op * parts + part) * width + j)];
+    }
+    store(o, j0, len, static_cast<const A*>(total.data()));
+  }
+}
+
 }  // namespace tessera::cpu::TS_CPU_ISA

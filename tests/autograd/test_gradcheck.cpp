@@ -1,6 +1,9 @@
 // Every differentiable op against central differences in f64, at awkward sizes.
+#include <numeric>
+
 #include "autograd/functions.h"
 #include "autograd/gradcheck.h"
+#include "nn/layers.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -321,4 +324,104 @@ TEST_CASE("swiglu: central differences, and the bits of silu then mul in every d
                                                                       Catch::Contains("differ"));
   CHECK_THROWS_WITH(swiglu(zeros({2}, DType::I64), zeros({2}, DType::I64)),
                     Catch::Contains("swiglu: expected floating-point tensors, got i64"));
+}
+
+TEST_CASE("linear_gelu: central differences; the fused bias and GELU give add then gelu's bits, and sum's bias "
+          "gradient, in every dtype and on async_cpu", "[gradcheck][linear_gelu]") {
+  for (int64_t n : kSizes)
+    for (bool tanh_form : {false, true})
+      GRADCHECK([tanh_form](const TensorList& x) { return linear_gelu(x[0], x[1], x[2], tanh_form); },
+                rnd({2, n, 4}, 90 + n), rnd({5, 4}, 91 + n), rnd({5}, 92 + n));
+  // The fused kernels against add, gelu, gelu's backward and sum, bit for bit:
+  // one row, one column, uneven column blocks, rows cut into 4 parts for the
+  // bias sum (1100 and 1200 rows), more than 16 column blocks, no rows.
+  for (DType dtype : {DType::F32, DType::F64, DType::BF16, DType::F16})
+    for (Device device : {Device::cpu(), Device::async_cpu()})
+      for (Shape shape : {Shape{5}, Shape{3, 1}, Shape{17, 3}, Shape{7, 300}, Shape{1100, 300}, Shape{2, 600, 257},
+                          Shape{520, 4200}, Shape{0, 6}})
+        for (bool tanh_form : {false, true}) {
+          INFO(dtype_name(dtype) << " " << device.str() << " " << shape_str(shape) << " tanh " << tanh_form);
+          auto make = [&](const Shape& s, uint64_t seed, double scale) {
+            return ops::to(ops::mul(randn(s, seed), scale), dtype).to(device);
+          };
+          Tensor x = make(shape, 1, 2.0), bias = make({shape.back()}, 2, 1.0), grad = make(shape, 3, 1.0);
+          const auto op = tanh_form ? ops::UnaryOp::GeluTanh : ops::UnaryOp::Gelu;
+          std::vector<int64_t> rows(shape.size() - 1);
+          std::iota(rows.begin(), rows.end(), 0);
+          Tensor z = ops::add(x, bias);
+          Tensor gx = ops::unary_backward(op, grad, z, Tensor());
+          TensorList fused = ops::bias_gelu_backward(grad, x, bias, tanh_form);
+          auto host = [](const Tensor& t) { return t.to(Device::cpu()); };
+          CHECK(testing::equal(host(ops::bias_gelu(x, bias, tanh_form)), host(ops::unary(op, z))));
+          CHECK(testing::equal(host(fused[0]), host(gx)));
+          CHECK(testing::equal(host(fused[1]), host(rows.empty() ? gx : ops::sum(gx, rows))));
+          CHECK(fused[1].dtype() == dtype);
+        }
+  CHECK_THROWS_WITH(ops::bias_gelu(randn({2, 3}, 1), randn({2}, 2), false),
+                    Catch::Contains("bias_gelu: bias [2] does not match the last dim of input [2, 3] (expected [3])"));
+  CHECK_THROWS_WITH(ops::bias_gelu(zeros({2}, DType::I64), zeros({2}, DType::I64), false),
+                    Catch::Contains("bias_gelu: expected a floating-point input, got i64"));
+  CHECK_THROWS_WITH(ops::bias_gelu(randn({2, 3}, 1), randn({3}, 2, DType::F64), false),
+                    Catch::Contains("bias_gelu: dtype mismatch (f32 and f64)"));
+  CHECK_THROWS_WITH(ops::bias_gelu_backward(randn({3, 3}, 1), randn({2, 3}, 2), randn({3}, 3), false),
+                    Catch::Contains("bias_gelu_backward: gradient") && Catch::Contains("is not laid out as input"));
+}
+
+TEST_CASE("linear_gelu against linear then gelu: the same numbers to rounding, a split backward's bits, and a "
+          "Linear with an activation", "[linear_gelu]") {
+  // The unfused bias goes into the product's accumulation, the fused one is
+  // added to the rounded product: equal to within the dtype's rounding.
+  for (DType dtype : {DType::F64, DType::F32, DType::BF16}) {
+    INFO(dtype_name(dtype));
+    const double tol = dtype == DType::F64 ? 1e-13 : dtype == DType::F32 ? 1e-5 : 1.0 / 64;
+    auto make = [&](const Shape& s, uint64_t seed) {
+      Tensor t = ops::to(randn(s, seed), dtype);
+      t.set_requires_grad(true);
+      return t;
+    };
+    Tensor x1 = make({3, 37, 29}, 4), w1 = make({131, 29}, 5), b1 = make({131}, 6);
+    Tensor x2 = make({3, 37, 29}, 4), w2 = make({131, 29}, 5), b2 = make({131}, 6);
+    Tensor grad = ops::to(randn({3, 37, 131}, 7), dtype);
+    Tensor fused = linear_gelu(x1, w1, b1), unfused = gelu(linear(x2, w2, b2));
+    autograd::backward({fused, unfused}, {grad, grad});
+    // Within tol of the largest magnitude: a 16-bit gradient summed over the
+    // rows rounds each partial sum at its own scale.
+    auto check_close = [&](const Tensor& a, const Tensor& b) {
+      double top = 0;
+      for (double v : b.to_vector<double>()) top = std::max(top, std::fabs(v));
+      INFO("max |diff| " << testing::max_abs_diff(a, b) << ", max |value| " << top);
+      CHECK(testing::max_abs_diff(a, b) <= tol * std::max(top, 1.0));
+    };
+    // bf16 takes the unfused path (measured faster): the same bits.
+    if (dtype == DType::BF16) CHECK(testing::equal(fused, unfused));
+    check_close(fused, unfused);
+    check_close(x1.grad(), x2.grad());
+    check_close(w1.grad(), w2.grad());
+    check_close(b1.grad(), b2.grad());
+  }
+  // A split backward (zero-bubble pipelines): input gradient first, weight and
+  // bias later, the bits of one backward.
+  Tensor x = randn({9, 33}, 8), w = randn({70, 33}, 9), b = randn({70}, 10), grad = randn({9, 70}, 11);
+  for (Tensor* t : {&x, &w, &b}) t->set_requires_grad(true);
+  autograd::backward(linear_gelu(x, w, b, true), grad);
+  Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
+  Tensor xs = autograd::detach(x), ws = autograd::detach(w), bs = autograd::detach(b);
+  for (Tensor* t : {&xs, &ws, &bs}) t->set_requires_grad(true);
+  auto deferred = autograd::backward_input({linear_gelu(xs, ws, bs, true)}, {grad}, {xs});
+  CHECK(testing::equal(xs.grad(), gx));
+  CHECK_FALSE(ws.grad().defined());
+  autograd::backward_weight(*deferred);
+  CHECK(testing::equal(ws.grad(), gw));
+  CHECK(testing::equal(bs.grad(), gb));
+  // nn::Linear applies its activation in its own call; without a bias it is
+  // gelu of the product.
+  for (bool with_bias : {true, false}) {
+    nn::Linear fc(33, 70, with_bias);
+    fc.activation = nn::Activation::GeluTanh;
+    Tensor y = fc(x);
+    Tensor expect = with_bias ? linear_gelu(x, fc.weight, fc.bias, true) : gelu(linear(x, fc.weight), true);
+    CHECK(testing::equal(y, expect));
+    fc.activation = nn::Activation::None;
+    CHECK(testing::equal(fc(x), linear(x, fc.weight, fc.bias)));
+  }
 }

@@ -283,3 +283,54 @@ TEST_CASE("swiglu on split features: each rank's gate and up, its gradients laid
   CHECK(equal(full_tensor(gate.grad()), wg.grad()));
   CHECK(equal(full_tensor(up.grad()), wu.grad()));
 }
+
+TEST_CASE("linear_gelu split column-wise, row-wise and by rows: the bias and GELU on each rank's piece, the "
+          "gradients of one process", "[dtensor][autograd][linear_gelu]") {
+  const int64_t w = world();
+  MeshPtr mesh = init_device_mesh("cpu", {w}, {"tp"});
+  // 7 output features and 6 input features: uneven pieces at 4 ranks, none on some.
+  Tensor x0 = randn({2, 5, 6}, 11, DType::F64), w0 = randn({7, 6}, 12, DType::F64), b0 = randn({7}, 13, DType::F64);
+  Tensor g0 = randn({2, 5, 7}, 14, DType::F64);
+  // One process's result and gradients.
+  Tensor wx = ops::clone(x0), ww = ops::clone(w0), wb = ops::clone(b0);
+  for (Tensor* t : {&wx, &ww, &wb}) t->set_requires_grad(true);
+  Tensor wy = linear_gelu(wx, ww, wb, true);
+  autograd::backward(wy, g0);
+  struct Split {
+    const char* name;
+    Placements x, w, b, y, db;
+  };
+  for (const Split& s : {Split{"column-wise", {Replicate{}}, {Shard{0}}, {Shard{0}}, {Shard{2}}, {Shard{0}}},
+                         Split{"row-wise", {Shard{2}}, {Shard{1}}, {Replicate{}}, {Replicate{}}, {Replicate{}}},
+                         Split{"by rows", {Shard{1}}, {Replicate{}}, {Replicate{}}, {Shard{1}}, {Replicate{}}}}) {
+    INFO(s.name);
+    Tensor x = distribute_tensor(x0, mesh, s.x), wt = distribute_tensor(w0, mesh, s.w);
+    Tensor b = distribute_tensor(b0, mesh, s.b);
+    for (Tensor* t : {&x, &wt, &b}) t->set_requires_grad(true);
+    Tensor y = linear_gelu(x, wt, b, true);
+    CHECK(dtensor_spec(y).placements == s.y);
+    autograd::backward(y, distribute_tensor(g0, mesh, s.y));
+    CHECK(dtensor_spec(b.grad()).placements == s.b);  // a Partial sum over rows reduced as it accumulates
+    CHECK_CLOSE(full_tensor(y), wy, 1e-14, 1e-14);
+    CHECK_CLOSE(full_tensor(x.grad()), wx.grad(), 1e-13, 1e-13);
+    CHECK_CLOSE(full_tensor(wt.grad()), ww.grad(), 1e-13, 1e-13);
+    CHECK_CLOSE(full_tensor(b.grad()), wb.grad(), 1e-13, 1e-13);
+  }
+  // The bias and its gradient through ops::bias_gelu alone: a Partial input
+  // is summed before GELU, a bias laid out otherwise is moved to the input's
+  // features.
+  Tensor h0 = randn({4, 7}, 15, DType::F64);
+  Tensor h = distribute_tensor(h0, mesh, {Shard{1}}), b = distribute_tensor(b0, mesh, {Replicate{}});
+  Tensor y = ops::bias_gelu(h, b, false);
+  CHECK(dtensor_spec(y).placements == Placements{Shard{1}});
+  CHECK(equal(full_tensor(y), ops::bias_gelu(h0, b0, false)));
+  Tensor g1 = randn({4, 7}, 16, DType::F64);
+  TensorList d = ops::bias_gelu_backward(distribute_tensor(g1, mesh, {Shard{0}}), distribute_tensor(h0, mesh, {Shard{0}}),
+                                         b, false);
+  CHECK(dtensor_spec(d[1]).placements == Placements{Partial{}});
+  TensorList whole = ops::bias_gelu_backward(g1, h0, b0, false);
+  CHECK_CLOSE(full_tensor(d[1]), whole[1], 1e-14, 1e-14);
+  CHECK(equal(full_tensor(d[0]), whole[0]));
+  CHECK_THROWS_WITH(ops::bias_gelu(h, b0, false), Catch::Contains("bias_gelu: mixes DTensors and plain tensors (the "
+                                                                  "bias is plain)"));
+}
