@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "runtime/cpu/isa_copy.h"
@@ -111,19 +112,21 @@ void column_sums(int64_t outer, int64_t n, int64_t inner, bool split, A init, bo
   const int64_t width = wide ? (inner + std::min(wanted, blocks) - 1) / std::max<int64_t>(std::min(wanted, blocks), 1)
                              : kColumnBlock;
   const int64_t pieces = width > 0 ? (inner + width - 1) / width : 0;
-  std::vector<A> partial(parts > 1 ? static_cast<size_t>(outer * pieces * parts * width) : 0);
+  // Plain arrays, not vectors: a vector's constructor compiled here would be
+  // an instruction-set copy outside this namespace (tests/isa_copies).
+  std::unique_ptr<A[]> partial(new A[parts > 1 ? static_cast<size_t>(outer * pieces * parts * width) : 0]);
   parallel_for(0, outer * pieces * parts, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<A> acc(static_cast<size_t>(width));
+    std::unique_ptr<A[]> acc(new A[static_cast<size_t>(width)]);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t part = w % parts, o = w / parts / pieces, j0 = (w / parts % pieces) * width;
       const int64_t len = std::min(width, inner - j0);
-      std::fill(acc.begin(), acc.begin() + len, init);
-      rows(acc.data(), o, std::min(n, part * per_part), std::min(n, (part + 1) * per_part), j0, len);
-      if (parts > 1) std::copy(acc.begin(), acc.begin() + len, partial.begin() + w * width);
-      else store(o, j0, len, static_cast<const A*>(acc.data()));
+      std::fill(acc.get(), acc.get() + len, init);
+      rows(acc.get(), o, std::min(n, part * per_part), std::min(n, (part + 1) * per_part), j0, len);
+      if (parts > 1) std::copy(acc.get(), acc.get() + len, partial.get() + w * width);
+      else store(o, j0, len, static_cast<const A*>(acc.get()));
     }
   });
-  std::vector<A> total(parts > 1 ? static_cast<size_t>(width) : 0);
+  std::unique_ptr<A[]> total(new A[parts > 1 ? static_cast<size_t>(width) : 0]);
   for (int64_t op = 0; parts > 1 && op < outer * pieces; ++op) {
     const int64_t o = op / pieces, j0 = op % pieces * width, len = std::min(width, inner - j0);
     for (int64_t j = 0; j < len; ++j) {
@@ -131,7 +134,7 @@ void column_sums(int64_t outer, int64_t n, int64_t inner, bool split, A init, bo
       for (int64_t part = 0; part < parts; ++part)
         total[static_cast<size_t>(j)] += partial[static_cast<size_t>((op * parts + part) * width + j)];
     }
-    store(o, j0, len, static_cast<const A*>(total.data()));
+    store(o, j0, len, static_cast<const A*>(total.get()));
   }
 }
 
