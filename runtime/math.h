@@ -38,20 +38,12 @@ TS_HD TS_INLINE float bits_to_float(int32_t i) {
 // not in its vector body, so an element's bits depended on where a thread's
 // piece of the loop began, and a fused kernel calling the same loop on other
 // lengths (bias_gelu) could not give unary's bits.
-TS_HD TS_INLINE float mul_add(float a, float b, float c) {
+template <class T>
+TS_HD TS_INLINE T mul_add(T a, T b, T c) {
 #if defined(__CUDA_ARCH__)
-  return ::fmaf(a, b, c);
+  return ::fma(a, b, c);  // CUDA's float and double overloads
 #elif defined(__FMA__)
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-TS_HD TS_INLINE double mul_add(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return ::fma(a, b, c);
-#elif defined(__FMA__)
-  return __builtin_fma(a, b, c);
+  return std::fma(a, b, c);  // the instruction (no errno: -fno-math-errno)
 #else
   return a * b + c;
 #endif

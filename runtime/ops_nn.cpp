@@ -1,7 +1,6 @@
 // Matrix products and the fused neural-network ops.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "runtime/op_call.h"
 #include "runtime/kernels.h"
@@ -195,13 +194,6 @@ bool fused_bias_gelu(const Tensor& x, OpId op) {
 
 UnaryOp gelu_op(bool tanh_approx) { return tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu; }
 
-// Every dim but the last: the rows a bias gradient sums over.
-std::vector<int64_t> leading_dims(const Tensor& x) {
-  std::vector<int64_t> dims(static_cast<size_t>(x.dim() - 1));
-  std::iota(dims.begin(), dims.end(), 0);
-  return dims;
-}
-
 }  // namespace
 
 Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approx) {
@@ -225,7 +217,7 @@ TensorList bias_gelu_backward(const Tensor& grad, const Tensor& x, const Tensor&
            "bias_gelu_backward: gradient {} is not laid out as input {}", grad.str(), x.str());
   if (!fused_bias_gelu(x, OpId::bias_gelu_backward)) {
     Tensor gx = unary_backward(gelu_op(tanh_approx), grad, add(x, bias), Tensor());
-    return {gx, x.dim() == 1 ? clone(gx) : sum(gx, leading_dims(x))};
+    return {gx, sum_to(gx, bias.shape())};
   }
   const bool widened = x.dtype() == DType::BF16 || x.dtype() == DType::F16;
   Tensor gx = empty(x.shape(), x.dtype(), x.device());

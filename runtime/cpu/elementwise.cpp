@@ -134,11 +134,9 @@ using math::apply_unary_backward;
 
 // The switch is hoisted out of the loop by instantiating one loop per op.
 // T is the storage type: bf16/f16 are read into f32 registers, computed on
-// there, and rounded once when stored (runtime/cpu/dispatch.h). Never
-// inlined: the fused kernels that apply an op (bias_gelu) call these same
-// loops, so that the compiler's contractions are the same and so the bits.
+// there, and rounded once when stored (runtime/cpu/dispatch.h).
 template <class T, UnaryOp Op>
-__attribute__((noinline)) void unary_loop(T* out, const T* x, int64_t n) {
+void unary_loop(T* out, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = store<T>(apply_unary(Op, load(x[i])));
 }
 
@@ -171,7 +169,7 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& x) {
 }
 
 template <class T, UnaryOp Op>
-__attribute__((noinline)) void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
+void unary_backward_loop(T* gx, const T* gy, const T* x, const T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     gx[i] = store<T>(apply_unary_backward(Op, load(gy[i]), load(x[i]), load(y[i])));
 }
@@ -534,12 +532,11 @@ void bias_gelu_backward(const Tensor& gx, const Tensor& gbias, const Tensor& gra
   dispatch_floating(x.dtype(), "bias_gelu_backward", [&](auto tag) {
     using T = decltype(tag);
     using O = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    auto run = [&](auto op) {
-      bias_gelu_backward_typed<T, decltype(op)::value>(gx.data<T>(), gbias.data<O>(), grad.data<T>(), x.data<T>(),
-                                                       bias.data<T>(), rows, n);
-    };
-    if (tanh_approx) run(std::integral_constant<UnaryOp, UnaryOp::GeluTanh>{});
-    else run(std::integral_constant<UnaryOp, UnaryOp::Gelu>{});
+    T* d = gx.data<T>();
+    O* db = gbias.data<O>();
+    const T *g = grad.data<T>(), *xs = x.data<T>(), *b = bias.data<T>();
+    if (tanh_approx) bias_gelu_backward_typed<T, UnaryOp::GeluTanh>(d, db, g, xs, b, rows, n);
+    else bias_gelu_backward_typed<T, UnaryOp::Gelu>(d, db, g, xs, b, rows, n);
   });
 }
 
