@@ -4,11 +4,16 @@
 // cross-entropy over a GPT-2 vocabulary, attention forward and backward;
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
 // GELU's passes (bias_gelu) against the bias in the product and GELU apart,
-// alternating, in f32 and bf16 (the ratio: above 1, the fused is faster).
+// alternating, in f32 and bf16 (the ratio: above 1, the fused is faster);
+// last AdamW's step and clipping's scale over the default model's 50
+// parameters against the same elements in one flat buffer, alternating (the
+// ratio: above 1, the flat buffer is faster).
 //   OMP_NUM_THREADS=1 build/benchmarks/bench_kernels
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "runtime/ops.h"
@@ -95,5 +100,47 @@ int main() {
     const double ua = a[a.size() / 2], fb = b[b.size() / 2];
     std::printf("c_fc + gelu fwd+bwd %-4s unfused %8.3f ms, fused %8.3f ms -> ratio %.3f\n", dtype_name(dt), ua, fb,
                 ua / fb);
+  }
+  // The default bench_step model's parameters (4 layers of width 256, 256
+  // tokens, 128 positions): 50 tensors, 3.3M elements; and one flat buffer.
+  std::vector<Shape> shapes = {{256, 256}, {128, 256}, {256}, {256}};
+  for (int layer = 0; layer < 4; ++layer)
+    for (Shape s : std::vector<Shape>{{256}, {256}, {768, 256}, {768}, {256, 256}, {256},
+                                      {256}, {256}, {1024, 256}, {1024}, {256, 1024}, {256}})
+      shapes.push_back(s);
+  int64_t total = 0;
+  for (const Shape& s : shapes) total += shape_numel(s);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    struct Set {
+      std::vector<Tensor> p, g, m, v;
+    };
+    auto make = [&](const std::vector<Shape>& list) {
+      Set set;
+      uint64_t seed = 100;
+      for (const Shape& s : list) {
+        set.p.push_back(ops::to(randn(s, seed++), dt));
+        set.g.push_back(ops::to(randn(s, seed++), dt));
+        set.m.push_back(zeros_like(set.p.back()));
+        set.v.push_back(zeros_like(set.p.back()));
+      }
+      return set;
+    };
+    Set many = make(shapes), flat = make({{total}});
+    Tensor coef = scalar_tensor(0.999, DType::F64);
+    int64_t step = 0;
+    auto scale = [&](Set& set) { ops::scale_(set.g, coef); };
+    auto adamw = [&](Set& set) { ops::adamw_(set.p, set.g, set.m, set.v, {1e-3, 0.9, 0.95, 1e-8, 0.1, ++step}); };
+    for (auto [name, op] : {std::pair<const char*, std::function<void(Set&)>>{"scale_", scale}, {"adamw_", adamw}}) {
+      std::vector<double> a, b;
+      for (int round = 0; round < 15; ++round) {
+        a.push_back(median_ms([&] { op(many); }, 5));
+        b.push_back(median_ms([&] { op(flat); }, 5));
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      const double ma = a[a.size() / 2], fb = b[b.size() / 2];
+      std::printf("%s %-4s %zu tensors %8.3f ms, flat %8.3f ms -> ratio %.3f\n", name, dtype_name(dt), shapes.size(),
+                  ma, fb, ma / fb);
+    }
   }
 }

@@ -36,10 +36,11 @@ struct KernelTable {
   // and dv in the layouts they are given (the CPU's); else runtime/ops_nn.cpp
   // hands them contiguous tensors and contiguous outputs.
   bool strided_attention = false;
-  // Whether reduce takes bf16 and f16 x as they lie and writes f32 sums (each
-  // element widened as it is read: the bits of reducing a widened copy); else
-  // runtime/ops_math.cpp hands it x in the Reduction family's compute dtype.
-  bool reduce_widens = false;
+  // Whether reduce and embedding_backward take bf16 and f16 inputs as they
+  // lie and sum them into f32 (each element widened as it is read: the bits of
+  // summing a widened copy); else runtime/ops_math.cpp and ops_nn.cpp hand
+  // them f32 copies.
+  bool sums_widen = false;
   // Whether the table has `op`'s kernel (false for ops without a kernel row).
   bool supports(OpId op) const;
 };

@@ -74,10 +74,11 @@
   OP(addcmul_, InPlace) OP(addcdiv_, InPlace) OP(lerp_, InPlace) OP(sqrt_, InPlace) OP(clamp_, InPlace)         \
   /* ---- reductions ---- */                                                                                    \
   /* x contiguous viewed as [outer, n, inner]; out [outer, inner] (Sum accumulates in f64); bf16/f16 x          \
-     reduce into an f32 out on a table with reduce_widens (runtime/kernels.h), into their dtype elsewhere */    \
+     reduce into an f32 out on a table with sums_widen (runtime/kernels.h), into their dtype elsewhere */       \
   KERNEL(reduce, Kernel, Reduction,                                                                             \
          (ReduceOp op, const Tensor& out, const Tensor& x, int64_t outer, int64_t n, int64_t inner))            \
-  /* x contiguous [rows, n] -> values [rows], i64 indices [rows] (first maximum) */                             \
+  /* x contiguous [rows, n], any dtype -> values [rows] in x's dtype, i64 indices [rows] (the first maximum;    \
+     NaN is the maximum); bf16/f16 compared as their values, no copy */                                         \
   KERNEL(argmax_rows, Kernel, Reduction, (const Tensor& values, const Tensor& indices, const Tensor& x))         \
   /* out (one f64 element) = the sum of every x's squared elements (each contiguous, any floating dtype,        \
      squared in f64): one pass over many tensors, e.g. all gradients */                                         \
@@ -123,6 +124,8 @@
   OP(rms_norm, Norm) OP(rms_norm_backward, Norm)                                                                \
   /* ---- embedding and loss ---- */                                                                            \
   KERNEL(embedding, EmbeddingLoss, Embedding, (const Tensor& out, const Tensor& weight, const Tensor& indices))  \
+  /* gw [num, d] (zeroed, f32 or f64) += grad's rows [count, d] at their indices: grad in gw's dtype, or        \
+     bf16/f16 into an f32 gw on a table with sums_widen (runtime/kernels.h) */                                  \
   KERNEL(embedding_backward, EmbeddingLoss, Embedding,                                                          \
          (const Tensor& gw, const Tensor& grad, const Tensor& indices))                                         \
   KERNEL(cross_entropy, EmbeddingLoss, CrossEntropy,                                                            \

@@ -477,7 +477,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim,
   DType result = out_dtype.value_or(is_floating(x.dtype()) ? x.dtype() : DType::I64);
   Shape shape = reduced_shape(x, dims, keepdim);
   // 16-bit x summed in f32: read where it lies where the kernel widens it.
-  const bool widens = acc == DType::F32 && x.dtype() != acc && dispatch(x.device()).table().reduce_widens;
+  const bool widens = acc == DType::F32 && x.dtype() != acc && dispatch(x.device()).table().sums_widen;
   Tensor r = reduce_impl(ReduceOp::Sum, widens ? x : to(x, acc), dims, acc);
   return to(reshape(r, shape), result);
 }
@@ -520,8 +520,8 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   dim = wrap_dim(dim, x.dim(), "max");
   Shape shape = reduced_shape(x, {dim}, keepdim);
   TS_CHECK(x.dim() == 0 || x.shape()[dim] > 0, "max: cannot reduce over dim {} of size 0", dim);
-  Tensor moved =
-      x.dim() == 0 ? reshape(x, {1}) : contiguous(upcast(transpose(x, dim, -1), kReduction));
+  // Every kernel compares bf16 and f16 as they lie (runtime/op_list.h).
+  Tensor moved = x.dim() == 0 ? reshape(x, {1}) : contiguous(transpose(x, dim, -1));
   Shape rows_shape(moved.shape().begin(), moved.shape().end() - 1);
   Tensor values = empty(rows_shape, moved.dtype(), x.device());
   Tensor indices = empty(rows_shape, DType::I64, x.device());
@@ -531,7 +531,7 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
     values = contiguous(transpose(unsqueeze(values, -1), dim, -1));
     indices = contiguous(transpose(unsqueeze(indices, -1), dim, -1));
   }
-  return {to(reshape(values, shape), x.dtype()), reshape(indices, shape)};
+  return {reshape(values, shape), reshape(indices, shape)};
 }
 
 Tensor max(const Tensor& x) {

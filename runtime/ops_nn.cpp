@@ -432,10 +432,13 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   // Summed in f32 (f64 for f64) even where a backend computes bf16 natively,
   // as PyTorch does: a frequent token's row, added to in bf16 thousands of
   // times, would stop growing (256 + 1 is 256 in bf16).
+  // bf16/f16 read where they lie where the kernel widens them.
   const DType acc = stats_dtype(compute_dtype(grad.device(), kEmbedding, grad.dtype()));
+  const bool widens = acc == DType::F32 && grad.dtype() != acc && dispatch(grad.device()).table().sums_widen;
   Tensor gw = zeros({num_weights, d}, acc, grad.device());
   {
-    Tensor rows = reshape(to(kernel_input(grad, kEmbedding), acc), {leading_numel(grad.shape()), d});
+    Tensor rows = reshape(widens ? contiguous(grad) : to(kernel_input(grad, kEmbedding), acc),
+                          {leading_numel(grad.shape()), d});
     Tensor ids = contiguous(indices);
     dispatch(grad.device()).embedding_backward(gw, rows, ids);
   }

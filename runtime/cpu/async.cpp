@@ -250,7 +250,7 @@ constexpr KernelTable make_table() {
   t.backend = "async_cpu";
   t.compute_dtype = cpu::compute_dtype;  // as the CPU
   t.strided_attention = true;            // the CPU's kernels run them
-  t.reduce_widens = true;
+  t.sums_widen = true;
 #define TS_QUEUED(name, family, compute, params) t.name = &Queued<&KernelTable::name, OpId::name>::run;
 #define TS_NONE(name, family)
   TESSERA_OPS(TS_QUEUED, TS_QUEUED, TS_NONE)

@@ -308,7 +308,7 @@ constexpr KernelTable make_table() {
   t.backend = "meta";
   t.compute_dtype = compute_dtype;  // the CPU's, or native (a GPU's)
   t.strided_attention = true;       // the CPU's layouts (a GPU's copies are not planned)
-  t.reduce_widens = true;           // and its reductions
+  t.sums_widen = true;              // and its sums
 #define TS_LOGGED(name, family, compute, params) t.name = &kl::Logged<&KernelTable::name, OpId::name>::run;
 #define TS_NONE(name, family)
   TESSERA_OPS(TS_LOGGED, TS_LOGGED, TS_NONE)

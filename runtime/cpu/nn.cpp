@@ -230,20 +230,25 @@ void embedding(const Tensor& out, const Tensor& weight, const Tensor& indices) {
   });
 }
 
+// gw in f32 or f64; grad in gw's dtype, or bf16/f16 widened as it is read
+// into an f32 gw (the bits of adding a widened copy, without the copy).
 void embedding_backward(const Tensor& gw, const Tensor& grad, const Tensor& indices) {
   int64_t d = gw.size(1), count = indices.numel();
-  dispatch_float(gw.dtype(), "embedding_backward", [&](auto tag) {
-    using T = decltype(tag);
+  dispatch_floating(grad.dtype(), "embedding_backward", [&](auto tag) {
+    using S = decltype(tag);
+    using T = Compute<S>;
+    TS_CHECK(gw.dtype() == DTypeOf<T>::value, "embedding_backward: a {} gradient sums into {}, got {}",
+             dtype_name(grad.dtype()), dtype_name(DTypeOf<T>::value), dtype_name(gw.dtype()));
     T* pw = gw.data<T>();
-    const T* pg = grad.data<T>();
+    const S* pg = grad.data<S>();
     with_indices(indices, [&](auto* idx) {
       check_rows("embedding_backward", idx, count, gw.size(0));
       // Threads own disjoint column ranges, so rows hit twice never race.
       parallel_for(0, d, 64, [&](int64_t c0, int64_t c1) {
         for (int64_t i = 0; i < count; ++i) {
           T* dst = pw + static_cast<int64_t>(idx[i]) * d;
-          const T* src = pg + i * d;
-          for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+          const S* src = pg + i * d;
+          for (int64_t c = c0; c < c1; ++c) dst[c] += load(src[c]);
         }
       });
     });

@@ -101,6 +101,8 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
   int64_t n = rows > 0 ? x.numel() / rows : 0;
   TS_CHECK(n > 0, "argmax: cannot take the maximum over an empty dim");
   int64_t* idx = indices.data<int64_t>();
+  // bf16 and f16 compared as their values (exact in f32), the maximum's own
+  // bits kept: a NaN keeps its payload, as PyTorch's.
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* px = x.data<T>();
@@ -109,9 +111,11 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* row = px + r * n;
         int64_t best = 0;
+        auto top = load(row[0]);
         for (int64_t k = 1; k < n; ++k) {
-          if (row[best] != row[best]) break;  // NaN is the maximum
-          if (row[k] > row[best] || row[k] != row[k]) best = k;
+          if (top != top) break;  // NaN is the maximum
+          const auto v = load(row[k]);
+          if (v > top || v != v) best = k, top = v;
         }
         pv[r] = row[best];
         idx[r] = best;
@@ -121,6 +125,8 @@ void argmax_rows(const Tensor& values, const Tensor& indices, const Tensor& x) {
   switch (x.dtype()) {
     case DType::F32: return run(float{});
     case DType::F64: return run(double{});
+    case DType::BF16: return run(BFloat16{});
+    case DType::F16: return run(Half{});
     case DType::I32: return run(int32_t{});
     case DType::I64: return run(int64_t{});
     default: TS_CHECK(false, "argmax: unsupported dtype {}", dtype_name(x.dtype()));

@@ -17,10 +17,11 @@ namespace cpu {
 // bf16/f16 as they are (read into f32 registers, or widened a block at a time
 // into per-thread scratch, rounded once on store: no f32 copy of the tensor;
 // statistics in f32), and so do matrix products of bf16 where oneDNN has bf16
-// kernels for this CPU (f32 accumulation, blas.cpp); the other families
-// (reductions, except sum_squares, which reads any floating dtype; embedding
-// gradients) compute bf16/f16 on f32 copies the ops layer makes (and f64 in
-// f64).
+// kernels for this CPU (f32 accumulation, blas.cpp). The other families
+// (reductions, embedding gradients) compute in f32 (f64 for f64), but their
+// kernels read bf16/f16 where they lie: sums and embedding gradients widen
+// each element as they read it (sums_widen), argmax compares the values,
+// sum_squares squares any floating dtype in f64.
 DType compute_dtype(KernelFamily family, DType dtype) {
   if (family == KernelFamily::Elementwise || family == KernelFamily::Softmax || family == KernelFamily::Norm ||
       family == KernelFamily::CrossEntropy || family == KernelFamily::Attention || family == KernelFamily::Rope)
@@ -39,7 +40,7 @@ namespace {
     t.backend = "cpu";                                                         \
     t.compute_dtype = compute_dtype;                                           \
     t.strided_attention = true;                                                \
-    t.reduce_widens = true;                                                    \
+    t.sums_widen = true;                                                       \
     TESSERA_OPS(TS_CPU_ENTRY_##isa, TS_CPU_ENTRY_##isa, TS_CPU_SKIP)                               \
     return t;                                                                  \
   }()

@@ -197,3 +197,72 @@ TEST_CASE("sums of bf16 and f16 read them where they lie, with the bits of a wid
   CHECK_THROWS_WITH(kernels(Device::cpu()).reduce(ReduceOp::Sum, out, x, 1, 4, 5),
                     Catch::Contains("bf16 values reduce into f32, got an output of bf16"));
 }
+
+namespace {
+
+// The bits of a tensor's values widened to f32 (NaN payloads included).
+std::vector<uint32_t> f32_bits(const Tensor& t) {
+  std::vector<float> v = ops::to(t, DType::F32).to(Device::cpu()).to_vector<float>();
+  std::vector<uint32_t> bits(v.size());
+  if (!v.empty()) std::memcpy(bits.data(), v.data(), v.size() * sizeof(float));
+  return bits;
+}
+
+}  // namespace
+
+TEST_CASE("max, argmax and embedding gradients of bf16 and f16 read them where they lie", "[sums][dtype]") {
+  struct Case {
+    Shape shape;
+    int64_t dim;
+  };
+  // Long and short rows, the middle dim, the first, one element per row.
+  const std::vector<Case> cases = {{{1027, 300}, 1}, {{5, 40011}, 1}, {{3, 257, 7}, 1}, {{17, 33}, 0}, {{9, 1}, 1}};
+  for (DType dt : {DType::BF16, DType::F16}) {
+    for (Device device : {Device::cpu(), Device::async_cpu()}) {
+      for (const Case& c : cases) {
+        INFO(dtype_name(dt) << " on " << device.str() << ", shape " << shape_str(c.shape) << ", dim " << c.dim);
+        // Few distinct values (ties everywhere: the first maximum wins), an
+        // infinity, and NaN in some rows (NaN is the maximum).
+        std::vector<float> host = randn(c.shape, 11).to_vector<float>();
+        for (float& h : host) h = std::nearbyint(h * 2.0f) / 2.0f;
+        for (size_t i = 0; i < host.size(); i += 97) host[i] = i % 2 == 0 ? INFINITY : NAN;
+        Tensor x = ops::to(from_vector(host, c.shape), dt).to(device);
+        Tensor wide = ops::to(x, DType::F32);
+        auto [values, indices] = ops::max(x, c.dim, c.dim == 1);
+        auto [expect_values, expect_indices] = ops::max(wide, c.dim, c.dim == 1);
+        REQUIRE(values.dtype() == dt);
+        CHECK(values.shape() == expect_values.shape());
+        CHECK(f32_bits(values) == f32_bits(expect_values));
+        CHECK(indices.to(Device::cpu()).to_vector<int64_t>() == expect_indices.to(Device::cpu()).to_vector<int64_t>());
+        CHECK(ops::argmax(x, c.dim).to(Device::cpu()).to_vector<int64_t>() ==
+              ops::argmax(wide, c.dim).to(Device::cpu()).to_vector<int64_t>());
+      }
+      // A token's gradient rows summed in f32 as they lie: the bits of the
+      // widened copy's sums, rounded once. 37 rows hit by 2500 tokens (each
+      // about 68 times: a bf16 sum would stop growing), an odd width.
+      INFO(dtype_name(dt) << " embedding gradient on " << device.str());
+      Tensor grad = ops::to(randn({2500, 131}, 12), dt).to(device);
+      Tensor ids = randint({2500}, 0, 37, 13).to(device);
+      Tensor gw = ops::embedding_backward(grad, ids, 37);
+      Tensor expect = ops::embedding_backward(ops::to(grad, DType::F32), ids, 37);
+      REQUIRE(gw.dtype() == dt);
+      CHECK(f32_bits(gw) == f32_bits(ops::to(expect, dt)));
+      // 68 gradients of about unit size: a bf16 running sum would lose most of them.
+      CHECK(ops::max(ops::unary(ops::UnaryOp::Abs, ops::to(gw, DType::F32))).to(Device::cpu()).item() > 20.0);
+    }
+    // No f32 copy: the maximum of a [2048, 512] gradient takes its values and
+    // indices; an embedding gradient its f32 table, far less than the copy's
+    // 4 bytes an element.
+    Tensor x = ops::to(randn({2048, 512}, 14), dt);
+    Tensor ids = randint({2048}, 0, 50, 15);
+    reset_peak_memory_stats();
+    const int64_t base = memory_stats().allocated_bytes;
+    Tensor top = ops::max(x, 1).first, gw = ops::embedding_backward(x, ids, 50);
+    CHECK(memory_stats().peak_allocated_bytes - base < x.numel());
+  }
+  // The kernel's own check: a 16-bit gradient sums into f32, nowhere else.
+  Tensor grad = ops::to(randn({4, 5}, 1), DType::BF16), gw = zeros({3, 5}, DType::BF16);
+  Tensor ids = from_vector(std::vector<int64_t>{0, 2, 2, 1}, {4});
+  CHECK_THROWS_WITH(kernels(Device::cpu()).embedding_backward(gw, grad, ids),
+                    Catch::Contains("a bf16 gradient sums into f32, got bf16"));
+}
