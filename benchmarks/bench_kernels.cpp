@@ -1,5 +1,5 @@
 // Single kernels of a training step, one at a time (median of repeated
-// calls, allocation included): dtype conversions, GELU in f32 and bf16, layer
+// calls, allocation included): dtype conversions, GELU in f32, bf16 and f16, layer
 // norm forward and backward, the gradient norm's sum of squares,
 // cross-entropy over a GPT-2 vocabulary, attention forward and backward;
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
@@ -56,6 +56,9 @@ int main() {
   row("gelu backward f32, 1M", median_ms([&] { ops::unary_backward(U::Gelu, g, x, y); }, 20));
   row("gelu bf16, 1M", median_ms([&] { ops::unary(U::Gelu, xb); }, 20));
   row("gelu backward bf16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gb, xb, yb); }, 20));
+  Tensor gh = ops::to(g, DType::F16), yh = ops::unary(U::Gelu, xh);
+  row("gelu f16, 1M", median_ms([&] { ops::unary(U::Gelu, xh); }, 20));
+  row("gelu backward f16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gh, xh, yh); }, 20));
   Tensor h = randn({1024, 256}, 3), dh = randn({1024, 256}, 4), w = randn({256}, 5), b = randn({256}, 6);
   ops::NormResult ln = ops::layer_norm(h, w, b, 1e-5);
   row("layer_norm [1024, 256]", median_ms([&] { ops::layer_norm(h, w, b, 1e-5); }, 100));

@@ -25,6 +25,59 @@ double nearest_even(double v, double lo, double hi, bool lo_even) {
   if (dh < dl) return hi;
   return lo_even ? lo : hi;
 }
+
+// The f16 conversions as they were written first, with branches, one case at
+// a time: the reference for the branch-free ones in runtime/dtype.h.
+uint16_t reference_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t abs = x & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {
+    // Result is subnormal (or zero): value = mantissa * 2^-24. Round the shifted mantissa.
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // below half the smallest
+    uint32_t exp = abs >> 23;
+    uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - exp;  // 14 + (113 - exp) ... brings mant into 2^-24 units
+    uint32_t half_units = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half_units & 1u))) half_units++;
+    return static_cast<uint16_t>(sign | half_units);
+  }
+  // Normal: rebias exponent (127 -> 15) and round mantissa from 23 to 10 bits.
+  uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  uint32_t h = (rounded - 0x38000000u) >> 13;
+  return static_cast<uint16_t>(sign | h);
+}
+
+float reference_from_f16(Half h) {
+  uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  uint32_t exp = (h.bits >> 10) & 0x1fu;
+  uint32_t mant = h.bits & 0x3ffu;
+  uint32_t out;
+  if (exp == 0) {
+    if (mant == 0) {
+      out = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        mant <<= 1;
+        e++;
+      } while ((mant & 0x400u) == 0);
+      out = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    out = sign | 0x7f800000u | (mant << 13);
+  } else {
+    out = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &out, 4);
+  return f;
+}
 }  // namespace
 
 TEST_CASE("bf16 conversion rounds to nearest even", "[dtype]") {
@@ -70,6 +123,30 @@ TEST_CASE("f16 conversion matches round-to-nearest-even on every half value", "[
   CHECK(float_to_f16(std::ldexp(1.0f, -25)).bits == 0);  // tie between 0 and 2^-24 -> even (0)
   CHECK(std::isnan(f16_to_float(float_to_f16(std::numeric_limits<float>::quiet_NaN()))));
   (void)to_bits;
+}
+
+TEST_CASE("the branch-free f16 conversions give the reference's bits", "[dtype]") {
+  // Every half (NaN payloads included), and every 257th f32 bit pattern plus
+  // every pattern around the classes' edges (subnormal results, the largest
+  // finite, inf, NaN) in both signs. Every f32 pattern agreed when written.
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const Half half{static_cast<uint16_t>(h)};
+    REQUIRE(to_bits(f16_to_float(half)) == to_bits(reference_from_f16(half)));
+  }
+  auto check = [](uint32_t u) {
+    const float f = from_bits(u);
+    if (float_to_f16(f).bits != reference_to_f16(f)) {
+      INFO("f32 bits " << u);
+      REQUIRE(float_to_f16(f).bits == reference_to_f16(f));
+    }
+  };
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 257) check(static_cast<uint32_t>(u));
+  for (uint32_t edge : {0x33000000u, 0x38800000u, 0x477ff000u, 0x47800000u, 0x7f800000u})
+    for (uint32_t d = 0; d < 4096; ++d)
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        check(sign | (edge + d));
+        check(sign | (edge - d));
+      }
 }
 
 TEST_CASE("dtype names and sizes", "[dtype]") {
