@@ -5,7 +5,7 @@
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
 // GELU's passes (bias_gelu) against the bias in the product and GELU apart,
 // alternating, in f32 and bf16 (the ratio: above 1, the fused is faster);
-// last AdamW's step and clipping's scale over the default model's 50
+// last AdamW's step and clipping's scale over the default model's 52
 // parameters against the same elements in one flat buffer, alternating (the
 // ratio: above 1, the flat buffer is faster).
 //   OMP_NUM_THREADS=1 build/benchmarks/bench_kernels
@@ -105,7 +105,7 @@ int main() {
                 ua / fb);
   }
   // The default bench_step model's parameters (4 layers of width 256, 256
-  // tokens, 128 positions): 50 tensors, 3.3M elements; and one flat buffer.
+  // tokens, 128 positions): 52 tensors, 3.3M elements; and one flat buffer.
   std::vector<Shape> shapes = {{256, 256}, {128, 256}, {256}, {256}};
   for (int layer = 0; layer < 4; ++layer)
     for (Shape s : std::vector<Shape>{{256}, {256}, {768, 256}, {768}, {256, 256}, {256},
