@@ -5,6 +5,9 @@
 #include <cstdlib>
 #include <iterator>
 #include <new>
+#include <string>
+
+#include <sys/mman.h>
 
 #include "runtime/check.h"
 #include "runtime/cuda_backend.h"
@@ -25,6 +28,10 @@ void update_peaks(MemoryStats& s) {
 }
 
 }  // namespace
+
+size_t CachingAllocator::block_size(size_t nbytes) const {
+  return round_up(nbytes);
+}
 
 void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& stream) {
   // Best fit among the blocks of this stream (and of synchronous streams,
@@ -53,7 +60,7 @@ void* CachingAllocator::take_cached(size_t size, const std::shared_ptr<Stream>& 
 
 void* CachingAllocator::allocate(size_t nbytes) {
   if (nbytes == 0) return nullptr;
-  const size_t size = round_up(nbytes);
+  const size_t size = block_size(nbytes);
   std::shared_ptr<Stream> stream = current_stream(device_).shared_from_this();
   std::lock_guard<std::mutex> lock(mu_);
   void* p = take_cached(size, stream);
@@ -150,18 +157,40 @@ void CachingAllocator::empty_cache() {
 
 namespace {
 
-// 64-byte aligned host memory (one cache line, one AVX-512 vector); also the
-// memory of the asynchronous CPU test device.
+// 64-byte aligned host memory (one cache line, one AVX-512 vector), large
+// blocks in whole huge pages (host_huge_pages); also the memory of the
+// asynchronous CPU test device.
 class HostAllocator final : public CachingAllocator {
  public:
   using CachingAllocator::CachingAllocator;
 
  protected:
-  void* system_allocate(size_t nbytes) override { return std::aligned_alloc(64, nbytes); }
+  size_t block_size(size_t nbytes) const override {
+    if (nbytes < kHugePage || !host_huge_pages()) return CachingAllocator::block_size(nbytes);
+    return (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+  }
+  void* system_allocate(size_t nbytes) override {
+    if (nbytes < kHugePage || !host_huge_pages()) return std::aligned_alloc(64, nbytes);
+    void* p = nullptr;
+    if (posix_memalign(&p, kHugePage, nbytes) != 0) return nullptr;
+    madvise(p, nbytes, MADV_HUGEPAGE);  // advice: where Linux declines it, 4 KiB pages as before
+    return p;
+  }
   void system_free(void* ptr) override { std::free(ptr); }
 };
 
 }  // namespace
+
+bool host_huge_pages() {
+  static const bool on = [] {
+    const char* v = std::getenv("TESSERA_HUGE_PAGES");
+    if (v == nullptr || *v == '\0') return true;
+    const std::string s(v);
+    TS_CHECK(s == "0" || s == "1", "TESSERA_HUGE_PAGES: expected 0 or 1, got '{}'", s);
+    return s == "1";
+  }();
+  return on;
+}
 
 Allocator& allocator_for(Device device) {
   // Never destroyed: tensors in static objects are freed after main returns.

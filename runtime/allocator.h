@@ -71,6 +71,9 @@ class CachingAllocator : public Allocator {
   static constexpr size_t kRound = 512;
 
  protected:
+  // The bytes of the block that serves a request of nbytes (at least
+  // nbytes): kRound multiples here; a backend may round further.
+  virtual size_t block_size(size_t nbytes) const;
   virtual void* system_allocate(size_t nbytes) = 0;  // nullptr when out of memory
   virtual void system_free(void* ptr) = 0;
 
@@ -104,6 +107,19 @@ MemoryStats memory_stats(Device device = Device::cpu());
 void reset_peak_memory_stats(Device device = Device::cpu());
 // Gives cached, unused blocks back to the system (PyTorch: torch.cuda.empty_cache).
 void empty_cache(Device device = Device::cpu());
+
+// Host blocks of kHugePage or more are whole 2 MiB pages, aligned to one,
+// and advised to Linux as transparent huge pages (madvise MADV_HUGEPAGE:
+// Linux backs them with huge pages where its setting is `madvise` or
+// `always`, and ignores the advice under `never`). A tensor's pass then walks
+// one page table entry per 2 MiB instead of per 4 KiB, which in a virtual
+// machine (two levels of page tables) cost the default model's f32 step
+// 4-11% (benchmarks/README.md). PyTorch offers the same behind
+// THP_MEM_ALLOC_ENABLE=1. On by default; TESSERA_HUGE_PAGES=0 turns it off
+// for the process (read at the first large host allocation). The rounding is
+// counted in reserved_bytes, not in allocated_bytes.
+inline constexpr size_t kHugePage = size_t{2} << 20;
+bool host_huge_pages();
 
 // Meta accounting, for planning a run without running it. While a
 // MetaAccounting is alive, meta storages created or re-allocated count as

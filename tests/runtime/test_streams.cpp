@@ -5,6 +5,8 @@
 // allocator.
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "../helpers.h"
@@ -210,6 +212,48 @@ TEST_CASE("caching allocator: reuse without the system, stats, empty_cache", "[m
   }
   CHECK_THROWS_WITH(empty({int64_t(1) << 58}, DType::F32),
                     Catch::Contains("out of memory on cpu") && Catch::Contains("reserved"));
+}
+
+TEST_CASE("large host blocks are whole huge pages, counted as reserved", "[memory][hugepages]") {
+  // TESSERA_HUGE_PAGES decides for the process (the suite runs this case
+  // with it unset and with 0): at 2 MiB or more a block is whole 2 MiB pages
+  // on a 2 MiB boundary, the rounding reserved and not allocated; below, or
+  // turned off, blocks are as before (kRound multiples on 64 bytes).
+  const bool huge = host_huge_pages();
+  const char* env = std::getenv("TESSERA_HUGE_PAGES");
+  CHECK(huge == (env == nullptr || std::string(env) != "0"));
+  empty_cache();
+  const MemoryStats s0 = memory_stats();
+  const int64_t big = (3 << 20) / 4 + 5;  // 3 MiB and 20 bytes of f32: 4 MiB of pages
+  const int64_t big_bytes = 4 * big, big_block = huge ? 4 << 20 : (big_bytes + 511) / 512 * 512;
+  {
+    Tensor a = randn({big}, 41);
+    auto at = reinterpret_cast<uintptr_t>(a.data<float>());
+    CHECK(at % 64 == 0);
+    CHECK((at % kHugePage == 0) == huge);  // malloc's large blocks start just past a header, never on 2 MiB
+    const MemoryStats s1 = memory_stats();
+    CHECK(s1.allocated_bytes == s0.allocated_bytes + big_bytes);
+    CHECK(s1.reserved_bytes == s0.reserved_bytes + big_block);
+    CHECK(s1.num_system_allocs == s0.num_system_allocs + 1);
+    Tensor b = ops::mul(a, 3.0);  // the bytes are the tensor's: an op over all of them, checked against its input
+    const float *pa = a.data<float>(), *pb = b.data<float>();
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < big; ++i) wrong += pb[i] != pa[i] * 3.0f;
+    CHECK(wrong == 0);
+  }
+  const MemoryStats s2 = memory_stats();
+  {
+    // 3.6 MiB: within the cached 4 MiB block's 1/8 when blocks are whole pages (the same block
+    // again, no system call); a new block of its own otherwise.
+    Tensor c = empty({(36 << 20) / 40}, DType::F32);
+    CHECK(memory_stats().num_system_allocs == s2.num_system_allocs + (huge ? 0 : 1));
+    // Below 2 MiB: a kRound multiple, as always.
+    const MemoryStats s3 = memory_stats();
+    Tensor d = empty({(1 << 20) / 4 + 3}, DType::F32);
+    CHECK(memory_stats().reserved_bytes == s3.reserved_bytes + ((1 << 20) + 12 + 511) / 512 * 512);
+  }
+  empty_cache();
+  CHECK(memory_stats().reserved_bytes == s0.reserved_bytes);
 }
 
 TEST_CASE("frees on an asynchronous stream reuse the allocator's events", "[memory][stream][async]") {
