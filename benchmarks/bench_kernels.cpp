@@ -1,5 +1,6 @@
 // Single kernels of a training step, one at a time (median of repeated
-// calls, allocation included): dtype conversions, GELU in f32, bf16 and f16, layer
+// calls, allocation included): dtype conversions, GELU in f32, bf16 and f16
+// (GELU-tanh's backward in f32 in cache and out of it), layer
 // norm forward and backward, the gradient norm's sum of squares,
 // cross-entropy over a GPT-2 vocabulary, attention forward and backward;
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
@@ -56,6 +57,18 @@ int main() {
   row("gelu backward f32, 1M", median_ms([&] { ops::unary_backward(U::Gelu, g, x, y); }, 20));
   row("gelu bf16, 1M", median_ms([&] { ops::unary(U::Gelu, xb); }, 20));
   row("gelu backward bf16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gb, xb, yb); }, 20));
+  // GPT-2's GELU (tanh) backward as a step meets it: its operands out of
+  // cache, 16 pairs of [1024, 1024] (128 MiB) in turn; and the same on one
+  // pair, in cache. The gap is memory, pages included (TESSERA_HUGE_PAGES=0
+  // puts the operands in 4 KiB pages: runtime/allocator.h).
+  std::vector<Tensor> xs, gs;
+  for (int i = 0; i < 16; ++i) xs.push_back(randn({1024, 1024}, 100 + i)), gs.push_back(randn({1024, 1024}, 200 + i));
+  int turn = 0;
+  row("gelu_tanh backward f32, 1M, in cache", median_ms([&] { ops::unary_backward(U::GeluTanh, g, x, Tensor()); }, 32));
+  row("gelu_tanh backward f32, 1M, out of cache", median_ms([&] {
+        ops::unary_backward(U::GeluTanh, gs[turn % 16], xs[turn % 16], Tensor());
+        ++turn;
+      }, 32));
   Tensor gh = ops::to(g, DType::F16), yh = ops::unary(U::Gelu, xh);
   row("gelu f16, 1M", median_ms([&] { ops::unary(U::Gelu, xh); }, 20));
   row("gelu backward f16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gh, xh, yh); }, 20));
