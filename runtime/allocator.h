@@ -112,9 +112,9 @@ void empty_cache(Device device = Device::cpu());
 // and advised to Linux as transparent huge pages (madvise MADV_HUGEPAGE:
 // Linux backs them with huge pages where its setting is `madvise` or
 // `always`, and ignores the advice under `never`). A tensor's pass then walks
-// one page table entry per 2 MiB instead of per 4 KiB, which in a virtual
-// machine (two levels of page tables) cost the default model's f32 step
-// 4-11% (benchmarks/README.md). PyTorch offers the same behind
+// one page table entry per 2 MiB instead of per 4 KiB: in a virtual machine
+// (two levels of page tables) the f32 steps ran 1.02-1.08x faster with it
+// (benchmarks/README.md). PyTorch offers the same behind
 // THP_MEM_ALLOC_ENABLE=1. On by default; TESSERA_HUGE_PAGES=0 turns it off
 // for the process (read at the first large host allocation). The rounding is
 // counted in reserved_bytes, not in allocated_bytes.
