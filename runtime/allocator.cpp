@@ -18,8 +18,8 @@ namespace tessera {
 
 namespace {
 
-size_t round_up(size_t nbytes) {
-  return (nbytes + CachingAllocator::kRound - 1) / CachingAllocator::kRound * CachingAllocator::kRound;
+size_t round_up(size_t nbytes, size_t unit = CachingAllocator::kRound) {
+  return (nbytes + unit - 1) / unit * unit;
 }
 
 void update_peaks(MemoryStats& s) {
@@ -165,12 +165,12 @@ class HostAllocator final : public CachingAllocator {
   using CachingAllocator::CachingAllocator;
 
  protected:
+  static bool huge(size_t nbytes) { return nbytes >= kHugePage && host_huge_pages(); }
   size_t block_size(size_t nbytes) const override {
-    if (nbytes < kHugePage || !host_huge_pages()) return CachingAllocator::block_size(nbytes);
-    return (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+    return huge(nbytes) ? round_up(nbytes, kHugePage) : CachingAllocator::block_size(nbytes);
   }
-  void* system_allocate(size_t nbytes) override {
-    if (nbytes < kHugePage || !host_huge_pages()) return std::aligned_alloc(64, nbytes);
+  void* system_allocate(size_t nbytes) override {  // nbytes: a block_size
+    if (!huge(nbytes)) return std::aligned_alloc(64, nbytes);
     void* p = nullptr;
     if (posix_memalign(&p, kHugePage, nbytes) != 0) return nullptr;
     madvise(p, nbytes, MADV_HUGEPAGE);  // advice: where Linux declines it, 4 KiB pages as before
