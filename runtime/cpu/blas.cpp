@@ -8,9 +8,11 @@
 // So: where the kernels' avx512 copy runs (runtime/cpu/isa.h, which
 // TESSERA_CPU_ISA caps), oneDNN for everything but the large weight
 // gradients, which run on Tessera's own kernel (runtime/cpu/sgemm_kernel.h:
-// operands packed once per product, 1.25-1.40x oneDNN's pieces there); otherwise
-// oneDNN for products below kSerialFlops and OpenBLAS above. oneDNN has no f64 GEMM: f64 (the reference
-// dtype) is OpenBLAS's cblas_dgemm, threaded as OpenBLAS likes.
+// operands packed once per product, 1.25-1.40x oneDNN's pieces there); where
+// the avx2 copy runs, the own kernel for large products of any kind
+// (sgemm_on_own_kernel), oneDNN for products below kSerialFlops and OpenBLAS
+// between. oneDNN has no f64 GEMM: f64 (the reference dtype) is OpenBLAS's
+// cblas_dgemm, threaded as OpenBLAS likes.
 //
 // bf16 x bf16 with f32 accumulation is oneDNN's matmul primitive, on CPUs where
 // oneDNN has bf16 kernels (AVX512-BF16; AMX tiles where the CPU has them).
@@ -373,12 +375,16 @@ const OwnKernel* own_kernel() {
   return nullptr;
 }
 
-// What the own kernel takes from the allocator for a product: both packed
-// operands, and a block of partial sums for each thread that can have a tile.
+// What the own kernel takes from the allocator for a product: B packed
+// whole, and for each thread that can have a tile a row block of A packed
+// (GotoBLAS's order: the block a thread's tiles read, packed by that thread
+// just before, where A packed whole took the size of A again) and its
+// partial sums.
 struct OwnScratch {
   Grid grid;
-  int64_t packed_a, packed_b, partials_per_thread, threads;  // the grid never cuts k (own_grid)
-  int64_t elements() const { return packed_a + packed_b + partials_per_thread * threads; }
+  int64_t packed_b, packed_a_per_thread, partials_per_thread, threads;  // the grid never cuts k (own_grid)
+  int64_t per_thread() const { return packed_a_per_thread + partials_per_thread; }
+  int64_t elements() const { return packed_b + per_thread() * threads; }
 };
 
 // The micro-tiles the busiest of `threads` threads multiplies on a grid of
@@ -433,17 +439,31 @@ Grid own_grid(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k, int64_t 
 
 OwnScratch own_scratch(const OwnKernel& kernel, int64_t m, int64_t n, int64_t k) {
   OwnScratch s{own_grid(kernel, m, n, k, num_threads()), 0, 0, 0, 0};
-  s.packed_a = ceil_div(m, kernel.mr) * kernel.mr * k;
   s.packed_b = ceil_div(n, kernel.nr) * kernel.nr * k;
+  s.packed_a_per_thread = ceil_div(std::min(s.grid.mb, m), kernel.mr) * kernel.mr * k;
   s.partials_per_thread = kernel.partials(s.grid.mb, s.grid.nb, s.grid.kc);
   const int64_t pieces = ceil_div(m, s.grid.mb) * ceil_div(n, s.grid.nb);
   s.threads = std::max<int64_t>(1, std::min<int64_t>(num_threads(), pieces));
   return s;
 }
 
-// f32 through the own kernel: both operands packed once, in parallel over
-// runs of steps of k, then the grid's pieces multiply panels.
-constexpr int64_t kPackSteps = 32;
+// The steps of k each task packing B takes: a whole block of k on one
+// thread (a panel's lines read in runs of a block: packing a 3072 x 1024
+// operand whose steps are adjacent took 1.3 ms against 4.1 ms in runs of
+// 32 steps on the AVX2 EPYC), else the largest power-of-two part of one that
+// gives each thread two runs, down to kMinPackSteps.
+constexpr int64_t kMinPackSteps = 32;
+int64_t pack_run(const OwnKernel& kernel, int64_t k, int64_t threads) {
+  int64_t run = kernel.kc;
+  if (threads <= 1) return run;
+  while (run > kMinPackSteps && ceil_div(k, run) < 2 * threads) run /= 2;
+  return run;
+}
+
+// f32 through the own kernel: B packed once, in parallel over runs of steps
+// of k; then each thread multiplies its pieces of the grid, packing the row
+// block of A a piece reads unless it holds that block already (the grid's
+// pieces go out in runs, row by row, so a block is packed about once).
 void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0 || k == 0) {  // nothing to pack: the grid scales C
@@ -452,24 +472,25 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
   }
   const OwnScratch s = own_scratch(kernel, m, n, k);
   Tensor scratch = empty({s.elements()}, DType::F32);
-  float* pa = scratch.data<float>();
-  float* pb = pa + s.packed_a;
-  float* partials = pb + s.packed_b;
-  // Runs of kPackSteps steps of k of each operand, A's then B's.
-  const int64_t runs = ceil_div(k, kPackSteps);
-  parallel_for(0, 2 * runs, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t s0 = r % runs * kPackSteps, s1 = std::min(k, s0 + kPackSteps);
-      if (r < runs) kernel.pack_a(trans_a, m, k, a, lda, s0, s1, pa);
-      else kernel.pack_b(trans_b, k, n, b, ldb, s0, s1, pb);
-    }
+  float* pb = scratch.data<float>();
+  float* per_thread = pb + s.packed_b;
+  const int64_t run = pack_run(kernel, k, num_threads()), runs = ceil_div(k, run);
+  parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kernel.pack_b(trans_b, k, n, b, ldb, r * run, std::min(k, (r + 1) * run), pb);
   });
+  std::vector<int64_t> holds(static_cast<size_t>(s.threads), -1);  // the first row of the block a slot holds
   gemm_on_grid(m, n, k, s.grid, beta, c, ldc,
                [&](int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t k0, int64_t depth, float piece_beta,
                    PieceOut out) {
-                 float* mine = partials + detail::omp_thread_num() % s.threads * s.partials_per_thread;
-                 kernel.multiply(m, n, k, pa, pb, i0, rows, j0, cols, k0, depth, alpha, piece_beta,
-                                 static_cast<float*>(out.c), out.ldc, mine);
+                 const int64_t slot = detail::omp_thread_num() % s.threads;
+                 float* pa = per_thread + slot * s.per_thread();
+                 if (holds[static_cast<size_t>(slot)] != i0) {
+                   kernel.pack_a(trans_a, rows, k, trans_a ? a + i0 : a + i0 * lda, lda, 0, k, pa);
+                   holds[static_cast<size_t>(slot)] = i0;
+                 }
+                 // The block is a product of `rows` rows of its own; C's pointer is the piece's.
+                 kernel.multiply(rows, n, k, pa, pb, 0, rows, j0, cols, k0, depth, alpha, piece_beta,
+                                 static_cast<float*>(out.c), out.ldc, pa + s.packed_a_per_thread);
                });
 }
 
@@ -484,11 +505,27 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
 // thread and 0.94-1.19x at 2 (over 512 rows 0.98-1.19x and 0.87-1.05x);
 // square and tall-B ones 0.75-1.0x at 2 threads, the other two products
 // 0.82-0.98x: so these TN products alone.
-// On AVX2 the libraries keep every product until the kernel is measured on
-// an AVX2-only CPU (on the Xeon's AVX2 copy against OpenBLAS's Haswell
-// kernel it was 0.87-1.1x, by shape). Tiny products keep the libraries.
+// On the AVX2-only EPYC (2026-12-06) the AVX2 copy ran 0.96-1.04x OpenBLAS
+// called on the whole product at 1 thread on all 16 of bench_gemm's shapes
+// in one run (C of 256 or more on each side, 2^28 multiply-adds or more; NN,
+// NT and TN alike; medians 0.99-1.00 in two more on a noisy machine), where
+// OpenBLAS's pieces ran 0.91-1.00x. At 2 threads it ran 0.86-0.95x the
+// pieces on those of 2^28 multiply-adds (1024 x 256 x 1024 and 1024 x 1024
+// x 256) in two runs of three, and about level on the larger ones; below
+// 2^28 it was 0.92-0.98x the pieces at 1 thread (1024 x 256 x
+// 256, 1024 x 256 x 512, 512 x 256 x 256; oneDNN faster still). So there the
+// products with C at least kOwnAvx2MinSide on each side and more than
+// kOwnAvx2MinProduct multiply-adds.
 constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
 constexpr int64_t kOwnWideRatio = 3, kOwnWideMinN = 256, kOwnWideMinK = 1024;
+constexpr int64_t kOwnAvx2MinSide = 256;
+constexpr double kOwnAvx2MinProduct = 268435456.0;  // 2^28 multiply-adds: products of more qualify
+// The own kernel holds B packed whole for the product's length, and a row
+// block of A (about kTile rows) per thread, where the libraries pack a
+// tile's operands at a time: Auto gives it no product whose B and one block
+// of A would pass 32 MiB (bench_gemm's largest take 12 MiB; a vocabulary's
+// weight of 50257 x 768 would be 147 MiB).
+constexpr double kOwnMaxPacked = 8388608.0;  // 2^23 floats
 }  // namespace
 
 bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
@@ -496,6 +533,8 @@ bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   if (own_kernel() == nullptr) return false;
   if (path != SgemmPath::Auto) return path == SgemmPath::Own;
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if ((static_cast<double>(n) + kTile) * static_cast<double>(k) > kOwnMaxPacked) return false;
+  if (active_isa() == Isa::Avx2) return std::min(m, n) >= kOwnAvx2MinSide && flops > 2.0 * kOwnAvx2MinProduct;
   const bool large = std::min(m, n) >= kOwnMinSide && m * n >= kOwnMinResults;
   const bool wide = m >= kOwnWideRatio * n && n >= kOwnWideMinN && k >= kOwnWideMinK;  // a projection's 3-4x wider output
   return active_isa() == Isa::Avx512 && trans_a && !trans_b && (large || wide) && flops >= kSerialFlops;

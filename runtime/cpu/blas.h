@@ -13,8 +13,8 @@ namespace tessera::cpu {
 
 // Which kernel runs f32 products (blas.cpp says why): Auto is the measured
 // choice for this CPU and the product's class (Tessera's own kernel,
-// runtime/cpu/sgemm_kernel.h, for weight gradients with AVX-512; else a
-// library); the others force one, for tests and benchmarks (Own throws where
+// runtime/cpu/sgemm_kernel.h, for weight gradients with AVX-512 and large
+// products of any kind with AVX2 alone; else a library); the others force one, for tests and benchmarks (Own throws where
 // the active copy has no kernel: baseline).
 enum class SgemmPath { Auto, OneDnn, OpenBlas, Own };
 SgemmPath set_sgemm_path(SgemmPath path);  // returns the previous one

@@ -53,7 +53,22 @@ inline __m256i lane_mask(int64_t lanes) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), index);
 }
 inline Vec vload_part(const float* p, int64_t lanes) { return _mm256_maskload_ps(p, lane_mask(lanes)); }
-inline void vstore_part(float* p, Vec v, int64_t lanes) { _mm256_maskstore_ps(p, lane_mask(lanes), v); }
+// Plain stores of 4, 2 and 1 lanes: AMD's Zen runs a masked store
+// (vmaskmovps) as a microcoded loop, and packing a transposed operand of
+// 6-row panels through it ran at 5 GB/s against 11-12 with these.
+inline void vstore_part(float* p, Vec v, int64_t lanes) {
+  __m128 half = _mm256_castps256_ps128(v);
+  if (lanes >= 4) {
+    _mm_storeu_ps(p, half);
+    if (lanes == 4) return;
+    half = _mm256_extractf128_ps(v, 1), p += 4, lanes -= 4;
+  }
+  if (lanes >= 2) {
+    _mm_storel_pi(reinterpret_cast<__m64*>(p), half);
+    half = _mm_movehl_ps(half, half), p += 2, lanes -= 2;
+  }
+  if (lanes == 1) _mm_store_ss(p, half);
+}
 #endif
 
 constexpr int64_t kNr = 2 * kLanes;  // two vectors of columns
@@ -71,9 +86,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // steps adjacent) for `lines` lines and `steps` steps: 8 x 8 blocks through
 // AVX registers (4 x 4 through SSE for fewer than 8 lines), steps past the
 // last whole block one at a time.
-inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+// r[i] = line i's 8 steps in, step i's 8 lines out.
+inline void transpose8_in_registers(__m256 r[8]) {
+  __m256 t[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -85,9 +100,31 @@ inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_ou
     r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
   }
   for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(out + i * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(out + (i + 4) * ld_out, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
   }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  transpose8_in_registers(r);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * ld_out, r[i]);
+}
+
+// Six lines (a panel of the AVX2 copy's A) of 8 steps into out[8][6]: one
+// 8 x 8 transpose with two zero lines, each step's vector stored whole over
+// the start of the next step's (which the next store writes), the last
+// step's six lanes alone.
+inline void transpose6(const float* in, int64_t ld_in, float* out) {
+  __m256 r[8];
+  for (int i = 0; i < 6; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  r[6] = r[7] = _mm256_setzero_ps();
+  transpose8_in_registers(r);
+  for (int i = 0; i < 7; ++i) _mm256_storeu_ps(out + i * 6, r[i]);
+  _mm_storeu_ps(out + 42, _mm256_castps256_ps128(r[7]));
+  _mm_storel_pi(reinterpret_cast<__m64*>(out + 46), _mm256_extractf128_ps(r[7], 1));
 }
 
 inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
@@ -101,6 +138,13 @@ inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_ou
 }
 
 void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t across, int64_t width, float* out) {
+  if (lines == 6 && width == 6) {  // a whole panel of the AVX2 copy's A: 8 steps per transpose
+    int64_t kk = 0;
+    for (; kk + 8 <= steps; kk += 8) transpose6(first + kk, across, out + kk * 6);
+    for (; kk < steps; ++kk)
+      for (int64_t i = 0; i < 6; ++i) out[kk * 6 + i] = first[i * across + kk];
+    return;
+  }
   // Groups of 8 (or 4) lines; where `lines` is not a multiple of the group,
   // the last group overlaps the one before it (those lines are written twice,
   // with the same values), so every line goes through the registers.
@@ -122,23 +166,39 @@ void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t acro
 // x[l * across + kk * along], and one of the strides is 1. Block b (steps
 // b * kKc on, kc of them) of panel p starts at packed + b * kKc * panels * width
 // + p * kc * width, so that a tile's panels of one block are one run of
-// memory; within it, step kk's `width` values are adjacent. A few steps of
-// all panels at a time read the operand in short runs along both strides,
-// where one panel at a time would read a line per step (a page per step for
-// a transposed operand: measured 3x slower).
+// memory; within it, step kk's `width` values are adjacent. Where lines are
+// adjacent (across == 1) each step is a run of memory: kRowSteps of them
+// across all panels, then the next, keep the reads in a few open runs,
+// where a block of steps per panel would read a line per step (a page per
+// step: 2-3x slower on the AVX2 EPYC). Where steps are adjacent, each
+// panel's lines are read along a whole block of steps (runs of 32 steps were
+// 3x slower on a 3072-line operand).
 template <int64_t width>
 void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t across, int64_t s0, int64_t s1,
                 float* packed) {
   const int64_t panels = ceil_div(lines, width);
+  constexpr int64_t kRowSteps = 8;
+  const int64_t run = across == 1 ? kRowSteps : kKc;
   for (int64_t s = s0; s < s1;) {
-    const int64_t kb = s / kKc * kKc, kc = std::min(kKc, k - kb), end = std::min(s1, kb + kc);
+    const int64_t kb = s / kKc * kKc, kc = std::min(kKc, k - kb), end = std::min({s1, kb + kc, s + run});
     float* block = packed + kb * panels * width;
+    const int64_t steps = end - s;
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t valid = std::min(width, lines - p * width);
       const float* first = x + p * width * across + s * along;
       float* out = block + p * kc * width + (s - kb) * width;
-      if (across == 1) {  // each step: `valid` adjacent floats, a vector (or part of one) at a time
-        for (int64_t kk = 0; kk < end - s; ++kk) {
+      if (across == 1 && width < kLanes) {  // each step: `valid` adjacent floats, one vector
+        // Whole loads where the vector's lanes past the panel are the next
+        // panel's lines, and whole stores over the start of the next step's
+        // (which the next store writes) but for the last step.
+        const bool whole = p * width + kLanes <= lines;
+        for (int64_t kk = 0; kk < steps; ++kk) {
+          const Vec v = whole ? vload(first + kk * along) : vload_part(first + kk * along, valid);
+          if (kk + 1 < steps) vstore(out + kk * width, v);
+          else vstore_part(out + kk * width, v, width);
+        }
+      } else if (across == 1) {  // each step: `valid` adjacent floats, a vector (or part of one) at a time
+        for (int64_t kk = 0; kk < steps; ++kk) {
           const float* from = first + kk * along;
           float* to = out + kk * width;
           for (int64_t h = 0; h < width; h += kLanes) {
@@ -149,8 +209,8 @@ void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t
           }
         }
       } else {  // each line: adjacent along k
-        gather_lines(end - s, valid, first, across, width, out);
-        for (int64_t kk = 0; kk < end - s; ++kk) std::fill(out + kk * width + valid, out + (kk + 1) * width, 0.0f);
+        gather_lines(steps, valid, first, across, width, out);
+        for (int64_t kk = 0; kk < steps; ++kk) std::fill(out + kk * width + valid, out + (kk + 1) * width, 0.0f);
       }
     }
     s = end;

@@ -7,8 +7,9 @@
 // and each tile packs its operands again: a weight gradient of 3072 x 768
 // over 2048 rows packs its A panels 3 times and its B panels 12 times, and
 // measured 0.72-0.79 of OpenBLAS called on the whole product
-// (benchmarks/README.md). Here both operands are packed once per product and
-// every tile reads the packed panels.
+// (benchmarks/README.md). Here B is packed once per product and A a row
+// block at a time by the thread whose tiles read it (blas.cpp's
+// gemm_on_own), and every tile reads the packed panels.
 //
 // The layouts (MR x NR results per call of the micro-kernel: 14 x 32 with
 // AVX-512, 6 x 16 with AVX2), in blocks of KC = 256 steps of k:

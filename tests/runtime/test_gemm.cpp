@@ -328,28 +328,57 @@ TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[g
   // Auto: the own kernel for the large weight gradients (TN, C at least 512
   // on a side and 2^20 results) and those of the wide projections (TN, C at
   // least 3x as tall as wide, 256 wide or more, over 1024 rows) with AVX-512
-  // (benchmarks/README.md); the libraries elsewhere.
+  // (benchmarks/README.md); the libraries elsewhere, and wherever B packed
+  // and a block of 256 rows of A would pass 32 MiB. With AVX2 (no
+  // AVX-512): the own kernel for every product with C at least 256 on each
+  // side and more than 2^28 multiply-adds.
   const bool avx512_own = cpu::sgemm_own_kernel_here() && cpu::active_isa() == cpu::Isa::Avx512;
-  CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024) == avx512_own);
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 3072, 768));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 768, 3072));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
-  CHECK(cpu::sgemm_on_own_kernel(true, false, 1024, 256, 2048) == avx512_own);
-  CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1024) == avx512_own);
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 767, 256, 1024));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1023));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 255 * 3, 255, 1024));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 1024, 1024));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 256, 1024));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 768, 256, 1024));
-  CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 512, 512, 2048));
-  CHECK(cpu::sgemm_on_own_kernel(true, false, 2048, 512, 1024) == avx512_own);
+  if (cpu::active_isa() == cpu::Isa::Avx2) {
+    CHECK(cpu::sgemm_on_own_kernel(false, true, 2048, 1024, 256));
+    CHECK(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 1025));
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 3072, 768, 1024));
+    CHECK(cpu::sgemm_on_own_kernel(true, true, 512, 512, 2048));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 1024, 256));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 4096, 255, 2048));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 50257, 768, 2048));  // a vocabulary's weight gradient: B is 6 MiB
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 2048, 50257, 768));  // its logits: B, the weight, 147 MiB
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 2048, 768, 50257));  // their input gradient: 147 MiB
+    ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::OpenBlas);
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 2048, 1024, 256));
+  } else {
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024) == avx512_own);
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 3072, 768));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 768, 3072));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 1024, 256, 2048) == avx512_own);
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1024) == avx512_own);
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 767, 256, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 256, 1023));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 255 * 3, 255, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 1024, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 256, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 768, 256, 1024));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 512, 512, 2048));
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 2048, 512, 1024) == avx512_own);
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 3072, 768, 2048) == avx512_own);
+    CHECK(cpu::sgemm_on_own_kernel(true, false, 50257, 768, 2048) == avx512_own);  // B is 6 MiB
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 4096, 16384, 1024));  // B would be 64 MiB
+  }
   if (cpu::sgemm_own_kernel_here()) {
     ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::Own);
     CHECK(cpu::sgemm_on_own_kernel(false, false, 3, 5, 7));
-    // What the own kernel takes from the allocator: both packed operands and the waiting sums.
-    cpu::GemmScratch s = cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false);
-    CHECK(s.f32_packed >= 1000 * 700 + 700 * 600);
+    // What the own kernel takes from the allocator: B packed whole, and per
+    // thread a row block of A packed (at most 256 rows) with its waiting sums.
+    const int saved = num_threads();
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      const int64_t f32 = cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false).f32_packed;
+      CHECK(f32 >= 608 * 700 + threads * 6 * 700);
+      CHECK(f32 <= 608 * 700 + threads * (258 * 700 + 258 * 608));
+    }
+    set_num_threads(saved);
   }
   ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::OneDnn);
   CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024));
