@@ -9,10 +9,7 @@
 # here may depend on the CPU it runs on.
 #   docs/fsdp_numbers.sh [BUILD]
 set -euo pipefail
-# Planned as the libraries run the f32 products (the kernels' baseline
-# copy), so that the figures are the same on every CPU: with AVX2 alone
-# Tessera's own GEMM kernel runs the large products, and its packed operands
-# raise some peaks (docs/fsdp-why.md says by how much; check_figures.sh checks it).
+# Planned on the baseline copy's libraries, the same on every CPU (docs/cpu.md).
 export TESSERA_CPU_ISA=baseline
 plan=${1:-build}/tools/tessera-plan
 row() {  # LABEL RANKS ARGS...

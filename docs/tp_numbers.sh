@@ -6,10 +6,7 @@
 # byte). The test docs-numbers reruns it and compares.
 #   docs/tp_numbers.sh [BUILD]
 set -euo pipefail
-# Planned as the libraries run the f32 products (the kernels' baseline
-# copy), so that the figures are the same on every CPU: with AVX2 alone
-# Tessera's own GEMM kernel runs the large products, and its packed operands
-# raise some peaks (docs/fsdp-why.md says by how much; check_figures.sh checks it).
+# Planned on the baseline copy's libraries, the same on every CPU (docs/cpu.md).
 export TESSERA_CPU_ISA=baseline
 build=${1:-build}
 args=(--ranks 2 --model.arch llama --model.bias false --model.tie_embeddings false

@@ -10,7 +10,7 @@ set -euo pipefail
 # Planned as the libraries run the f32 products (the kernels' baseline
 # copy), so that the figures are the same on every CPU: with AVX2 alone
 # Tessera's own GEMM kernel runs the large products, and its packed operands
-# raise some peaks (docs/fsdp-why.md says by how much; check_figures.sh checks it).
+# raise some peaks (docs/fsdp-why.md says by how much; checked below).
 export TESSERA_CPU_ISA=baseline
 build=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
