@@ -33,6 +33,33 @@ TEST_CASE("attention matches the materialised reference", "[kernels][attention]"
   CHECK_CLOSE(ops::to(b, DType::F32), ref, 1e-2, 1e-2);  // within bf16 rounding
 }
 
+TEST_CASE("attention in f32 against the f64 kernel, forward and backward, at awkward head sizes",
+          "[kernels][attention]") {
+  // Head sizes no vector width divides, a last block of queries or keys
+  // short, keys longer or shorter than queries, grouped heads, and a head
+  // wider than 256; each against the f64 kernel on the same values.
+  auto f64 = [](const Tensor& t) { return ops::to(t, DType::F64); };
+  for (auto [t, s, d, hkv] : {std::tuple{1, 1, 8, 2}, {65, 65, 24, 1}, {130, 77, 72, 2}, {63, 200, 100, 1},
+                              {129, 129, 264, 2}}) {
+    for (bool causal : {true, false}) {
+      INFO("T=" << t << " S=" << s << " head_dim=" << d << " kv heads=" << hkv << " causal=" << causal);
+      Tensor q = randn({2, 2, t, d}, 1), k = randn({2, hkv, s, d}, 2), v = randn({2, hkv, s, d}, 3);
+      Tensor dout = randn({2, 2, t, d}, 4);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+      ops::AttentionResult r = ops::attention(q, k, v, causal, scale);
+      ops::AttentionResult r64 = ops::attention(f64(q), f64(k), f64(v), causal, scale);
+      CHECK_CLOSE(f64(r.out), r64.out, 1e-4, 1e-5);
+      CHECK_CLOSE(f64(r.lse), r64.lse, 1e-5, 1e-5);
+      ops::AttentionGrads g = ops::attention_backward(dout, q, k, v, r.out, r.lse, causal, scale);
+      ops::AttentionGrads g64 =
+          ops::attention_backward(f64(dout), f64(q), f64(k), f64(v), r64.out, r64.lse, causal, scale);
+      CHECK_CLOSE(f64(g.dq), g64.dq, 1e-4, 1e-5);
+      CHECK_CLOSE(f64(g.dk), g64.dk, 1e-4, 1e-5);
+      CHECK_CLOSE(f64(g.dv), g64.dv, 1e-4, 1e-5);
+    }
+  }
+}
+
 TEST_CASE("attention never materialises the score matrix", "[kernels][attention][memory]") {
   int64_t t = 2048;
   Tensor q = randn({1, 1, t, 16}, 1), k = randn({1, 1, t, 16}, 2), v = randn({1, 1, t, 16}, 3);
