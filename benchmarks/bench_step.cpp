@@ -6,8 +6,9 @@
 // output layer's, forward and backward: every call of the kernel table's
 // gemm) at the peak this CPU measures in the same run (runtime/cpu/peak.h:
 // the f32 FMA loop, or for bf16 the unit its products run on), a time no
-// implementation of the step can beat. Attention's block products are
-// counted with attention, a non-GEMM kernel here.
+// implementation of the step can beat, and its products by shape and kernel
+// with the rate of each. Attention's block products are counted with
+// attention, a non-GEMM kernel here.
 //   bench_step [steps] [layers] [width] [f32|bf16] [gpt2|llama] [auto|onednn|amx]
 //   (bf16: parameters, activations and AdamW state all in bf16, to profile
 //   the 16-bit kernels; the last: which kernel runs the bf16 products,
@@ -108,6 +109,17 @@ int main(int argc, char** argv) {
               "peak) in the profiled step\n",
               per, floor_ms > 0 ? per / floor_ms : 0.0, gemm.total_ms > 0 ? gemm.flops / gemm.total_ms / 1e6 : 0.0,
               gemm.total_ms > 0 && peak.flops > 0 ? gemm.flops / (gemm.total_ms * 1e-3) / peak.flops : 0.0);
+  // The products by shape and kernel, most time first: which of them keep the
+  // step from its floor.
+  const std::vector<profiler::Entry> shapes = profiler::kernel_summary("gemm ");
+  std::printf("products by shape, most time first (op m x n x k, kernel: calls, ms, GFLOP/s, of the peak):\n");
+  for (size_t i = 0; i < std::min<size_t>(8, shapes.size()); ++i) {
+    const profiler::Entry& e = shapes[i];
+    const double rate = e.total_ms > 0 ? e.flops / (e.total_ms * 1e-3) : 0;
+    std::printf("  %-36s %3lld  %7.1f  %6.1f  %.2f\n", e.name.c_str() + 5, static_cast<long long>(e.calls),
+                e.total_ms, rate / 1e9, peak.flops > 0 ? rate / peak.flops : 0.0);
+  }
+  if (shapes.size() > 8) std::printf("  (%zu more shapes)\n", shapes.size() - 8);
   // The biggest work besides the products: every op but the layers whose
   // time is their products, and those layers' own remainder (bias sums, views).
   std::vector<std::pair<double, std::string>> others;

@@ -56,6 +56,17 @@ Entry kernel_time(const char* kind) {
   return e;
 }
 
+std::vector<Entry> kernel_summary(const std::string& prefix) {
+  std::vector<Entry> out;
+  for (auto& [kind, e] : detail::kernel_table()) {
+    if (kind.compare(0, prefix.size(), prefix) != 0) continue;
+    out.push_back(e);
+    out.back().name = kind;
+  }
+  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) { return a.total_ms > b.total_ms; });
+  return out;
+}
+
 std::vector<Entry> summary() {
   std::vector<Entry> out;
   for (auto& [name, e] : detail::table()) {

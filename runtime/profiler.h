@@ -32,6 +32,9 @@ std::string format_summary(double total_ms = 0);
 // splitting a step into GEMM and everything else. Calling thread; reset clears it.
 void record_kernel(const char* kind, double ms, double flops = 0);
 Entry kernel_time(const char* kind);
+// The kinds that begin with `prefix` (e.g. "gemm " for the CPU's products by
+// shape and kernel), most time first.
+std::vector<Entry> kernel_summary(const std::string& prefix);
 
 // A function every top-level scope calls before it reads its clock (nullptr:
 // none). On a device that queues work, such as a GPU, a scope's time is then

@@ -498,6 +498,20 @@ TEST_CASE("the profiler counts each product's time and FLOPs (bench_step's GEMM 
   CHECK(e.calls == 2);
   CHECK(e.flops == 2.0 * (2 * 13 * 7 * 5));
   CHECK(e.total_ms >= 0);
+  // By shape and kernel too: the twin multiplies the transposed views as they lie.
+  const std::vector<profiler::Entry> shapes = profiler::kernel_summary("gemm ");
+  REQUIRE(shapes.size() == 2);
+  double ms = 0;
+  for (const profiler::Entry& s : shapes) {
+    INFO(s.name);
+    CHECK((s.name == "gemm NN 13 x 7 x 5 library" || s.name == "gemm TT 7 x 13 x 5 library"));
+    CHECK(s.calls == 1);
+    CHECK(s.flops == 2.0 * 13 * 7 * 5);
+    ms += s.total_ms;
+  }
+  CHECK(ms == Approx(e.total_ms));
+  CHECK(shapes[0].total_ms >= shapes[1].total_ms);  // most time first
   profiler::reset();
   CHECK(profiler::kernel_time("gemm").flops == 0);
+  CHECK(profiler::kernel_summary("gemm ").empty());
 }
