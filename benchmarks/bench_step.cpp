@@ -111,12 +111,13 @@ int main(int argc, char** argv) {
               gemm.total_ms > 0 && peak.flops > 0 ? gemm.flops / (gemm.total_ms * 1e-3) / peak.flops : 0.0);
   // The products by shape and kernel, most time first: which of them keep the
   // step from its floor.
-  const std::vector<profiler::Entry> shapes = profiler::kernel_summary("gemm ");
+  const std::string by_shape = "gemm ";  // the profiler's kinds "gemm OP m x n x k KERNEL"
+  const std::vector<profiler::Entry> shapes = profiler::kernel_summary(by_shape);
   std::printf("products by shape, most time first (op m x n x k, kernel: calls, ms, GFLOP/s, of the peak):\n");
   for (size_t i = 0; i < std::min<size_t>(8, shapes.size()); ++i) {
     const profiler::Entry& e = shapes[i];
     const double rate = e.total_ms > 0 ? e.flops / (e.total_ms * 1e-3) : 0;
-    std::printf("  %-36s %3lld  %7.1f  %6.1f  %.2f\n", e.name.c_str() + 5, static_cast<long long>(e.calls),
+    std::printf("  %-36s %3lld  %7.1f  %6.1f  %.2f\n", e.name.substr(by_shape.size()).c_str(), static_cast<long long>(e.calls),
                 e.total_ms, rate / 1e9, peak.flops > 0 ? rate / peak.flops : 0.0);
   }
   if (shapes.size() > 8) std::printf("  (%zu more shapes)\n", shapes.size() - 8);

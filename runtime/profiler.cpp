@@ -56,27 +56,23 @@ Entry kernel_time(const char* kind) {
   return e;
 }
 
-std::vector<Entry> kernel_summary(const std::string& prefix) {
+namespace {
+// The entries of `table` whose names begin with `prefix`, named, most time first.
+std::vector<Entry> largest_first(const std::map<std::string, Entry>& table, const std::string& prefix) {
   std::vector<Entry> out;
-  for (auto& [kind, e] : detail::kernel_table()) {
-    if (kind.compare(0, prefix.size(), prefix) != 0) continue;
+  for (const auto& [name, e] : table) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
     out.push_back(e);
-    out.back().name = kind;
+    out.back().name = name;
   }
   std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) { return a.total_ms > b.total_ms; });
   return out;
 }
+}  // namespace
 
-std::vector<Entry> summary() {
-  std::vector<Entry> out;
-  for (auto& [name, e] : detail::table()) {
-    Entry copy = e;
-    copy.name = name;
-    out.push_back(copy);
-  }
-  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) { return a.total_ms > b.total_ms; });
-  return out;
-}
+std::vector<Entry> kernel_summary(const std::string& prefix) { return largest_first(detail::kernel_table(), prefix); }
+
+std::vector<Entry> summary() { return largest_first(detail::table(), ""); }
 
 std::string format_summary(double total_ms) {
   auto entries = summary();

@@ -274,10 +274,11 @@ void store_results(const float* sums, int64_t rows, int64_t cols, float alpha, f
 // 1.008-1.039x per product at 1 thread on the AVX2 EPYC, where the stores
 // into a C out of cache had held up the tile loop (benchmarks/README.md).
 void prefetch_tile(const float* c, int64_t rows, int64_t cols, int64_t ldc) {
+  constexpr int64_t kFloat = sizeof(float), kLine = 64;  // bytes
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = reinterpret_cast<const char*>(c + r * ldc);
-    for (int64_t o = 0; o < cols; o += 16) _mm_prefetch(row + 4 * o, _MM_HINT_T0);
-    _mm_prefetch(row + 4 * (cols - 1), _MM_HINT_T0);
+    for (int64_t o = 0; o < cols * kFloat; o += kLine) _mm_prefetch(row + o, _MM_HINT_T0);
+    _mm_prefetch(row + (cols - 1) * kFloat, _MM_HINT_T0);
   }
 }
 
