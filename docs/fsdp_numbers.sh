@@ -31,15 +31,19 @@ echo "|---|---|---|---|"
 row "FSDP, 2 ranks (prefetch on, reshard after forward)" 2
 row "FSDP, 2 ranks, \`parallelism.prefetch false\`" 2 --parallelism.prefetch false
 row "FSDP, 2 ranks, \`reshard_after_forward false\` (ZeRO-2)" 2 --parallelism.reshard_after_forward false
-# bf16 products run in bf16 only on CPUs whose oneDNN has bf16 kernels
+# bf16 products run in bf16 on CPUs whose oneDNN has bf16 kernels
 # (AVX512-BF16 or AMX; on AMX Tessera's own kernel packs the operands of the
-# wide products); elsewhere on f32 copies, which raise the peak. All three
-# rows are planned explicitly, so the table is the same on every CPU.
+# wide products) and on AVX2 ones (Tessera's f32 kernel packs them widened to
+# f32, a row block of A per thread: planned at one thread per rank); on f32
+# copies elsewhere, which raise the peak. All four rows are planned
+# explicitly, so the table is the same on every CPU.
 row "FSDP, 2 ranks, bf16 parameters, f32 reduction (bf16 products: AVX512-BF16)" 2 \
   --mixed_precision.param_dtype bfloat16 --bf16-products native
 row "FSDP, 2 ranks, bf16 parameters, f32 reduction (bf16 products: AMX)" 2 \
   --mixed_precision.param_dtype bfloat16 --bf16-products amx
-row "FSDP, 2 ranks, bf16 parameters, f32 reduction (products on f32 copies: AVX2 CPUs)" 2 \
+OMP_NUM_THREADS=1 row "FSDP, 2 ranks, bf16 parameters, f32 reduction (bf16 products: Tessera's f32 kernel, AVX2 CPUs)" 2 \
+  --mixed_precision.param_dtype bfloat16 --bf16-products own
+row "FSDP, 2 ranks, bf16 parameters, f32 reduction (products on f32 copies: CPUs without AVX2)" 2 \
   --mixed_precision.param_dtype bfloat16 --bf16-products f32
 row "FSDP, 2 ranks, activation checkpointing (\`full\`)" 2 --activation_checkpoint.mode full
 row "FSDP, 4 ranks" 4

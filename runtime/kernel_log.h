@@ -86,13 +86,15 @@ bool native_dtypes();
 
 // How bf16 matrix products run on the meta device when it plans for a CPU:
 // as this CPU runs them (bf16 where oneDNN has bf16 kernels for it,
-// AVX512-BF16 or AMX; f32 copies elsewhere: cpu::bf16_gemm_native()), or as
-// another CPU would, so that a plan made on one machine can show another's
+// AVX512-BF16 or AMX, or where the own f32 kernel widens them as it packs
+// them, AVX2; f32 copies elsewhere: cpu::bf16_kernel), or as another CPU
+// would, so that a plan made on one machine can show another's
 // (docs/cpu.md): Native as oneDNN's AVX512-BF16 kernels, Amx as a CPU with
 // AMX tiles (Tessera's AMX kernel, whose packed operands add to the peak,
-// on the products wider than a tile: cpu::amx_kernel_takes), F32Copies as a
-// CPU with neither. Not thread-safe; set before planning.
-enum class Bf16Products { ThisCpu, Native, Amx, F32Copies };
+// on the products wider than a tile: cpu::amx_kernel_takes), Own as an AVX2
+// CPU (the own kernel's packed f32 operands), F32Copies as a CPU with none
+// of them. Not thread-safe; set before planning.
+enum class Bf16Products { ThisCpu, Native, Amx, Own, F32Copies };
 void set_bf16_products(Bf16Products products);
 Bf16Products bf16_products();
 }  // namespace tessera::meta_kernels

@@ -80,7 +80,10 @@ std::string bf16_products_assumed() {
     case meta_kernels::Bf16Products::Native:
       return "bf16 (as a CPU with oneDNN's AVX512-BF16 kernels: --bf16-products native)";
     case meta_kernels::Bf16Products::Amx: return "bf16 (as a CPU with AMX tiles: --bf16-products amx)";
-    case meta_kernels::Bf16Products::F32Copies: return "f32 copies (as a CPU without them: --bf16-products f32)";
+    case meta_kernels::Bf16Products::Own:
+      return "bf16 widened as Tessera's f32 kernel packs them (as an AVX2 CPU: --bf16-products own)";
+    case meta_kernels::Bf16Products::F32Copies:
+      return "f32 copies (as a CPU without bf16 kernels or AVX2: --bf16-products f32)";
     case meta_kernels::Bf16Products::ThisCpu: break;
   }
   const char* cap = std::getenv("TESSERA_CPU_ISA");
@@ -89,8 +92,11 @@ std::string bf16_products_assumed() {
     return cpu::amx_kernel_here() ? "bf16 (this CPU's AMX tiles: Tessera's kernel and oneDNN's)"
            : cpu::bf16_gemm_amx() ? "bf16 (this CPU's oneDNN AMX kernels)"
                                   : "bf16 (this CPU's oneDNN AVX512-BF16 kernels)";
+  if (cpu::bf16_on_own_kernel())
+    return "bf16 widened as Tessera's f32 kernel packs them (this CPU has neither AVX512-BF16 nor AMX for "
+           "oneDNN's bf16 GEMM)";
   if (capped) return fmt::format("f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA={})", cap);
-  return "f32 copies (this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM)";
+  return "f32 copies (this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM, nor AVX2)";
 }
 
 }  // namespace

@@ -83,10 +83,11 @@ int main(int argc, char** argv) {
       } else if (flag == "--ranks-per-node") {
         per_node = static_cast<int>(parse_count("--ranks-per-node", value, 1));
       } else if (flag == "--bf16-products") {
-        TS_CHECK(value == "cpu" || value == "native" || value == "amx" || value == "f32",
-                 "--bf16-products: expected cpu (as this CPU runs them), native, amx or f32, got '{}'", value);
+        TS_CHECK(value == "cpu" || value == "native" || value == "amx" || value == "own" || value == "f32",
+                 "--bf16-products: expected cpu (as this CPU runs them), native, amx, own or f32, got '{}'", value);
         meta_kernels::set_bf16_products(value == "native" ? meta_kernels::Bf16Products::Native
                                         : value == "amx"  ? meta_kernels::Bf16Products::Amx
+                                        : value == "own"  ? meta_kernels::Bf16Products::Own
                                         : value == "f32"  ? meta_kernels::Bf16Products::F32Copies
                                                           : meta_kernels::Bf16Products::ThisCpu);
       } else {
@@ -105,12 +106,13 @@ int main(int argc, char** argv) {
           "  --hardware FILE    plan for described hardware (hardware/*.toml in the source tree): memory with\n"
           "                     native bf16 and NCCL's buffers, step time from a roofline (instead of --time)\n"
           "  --ranks-per-node N ranks sharing a node (default: all of them)\n"
-          "  --bf16-products cpu|native|amx|f32\n"
+          "  --bf16-products cpu|native|amx|own|f32\n"
           "                     bf16 matrix products planned as this CPU runs them (cpu, the default: bf16\n"
-          "                     where oneDNN has AVX512-BF16 or AMX kernels, else on f32 copies), or as\n"
-          "                     another CPU would: native (oneDNN's AVX512-BF16 kernels), amx (AMX tiles:\n"
-          "                     Tessera's kernel packs its operands) or f32 (the f32 copies add to a bf16\n"
-          "                     run's peak)\n");
+          "                     where oneDNN has AVX512-BF16 or AMX kernels, else on Tessera's f32 kernel,\n"
+          "                     else on f32 copies), or as another CPU would: native (oneDNN's AVX512-BF16\n"
+          "                     kernels), amx (AMX tiles: Tessera's kernel packs its operands), own (AVX2\n"
+          "                     or AVX-512 alone: the f32 kernel packs them, widened) or f32 (a CPU\n"
+          "                     without AVX2: the f32 copies add to a bf16 run's peak)\n");
       return 0;
     }
     TS_CHECK(meta_kernels::bf16_products() == meta_kernels::Bf16Products::ThisCpu || (hardware.empty() && !time),

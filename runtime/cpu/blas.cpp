@@ -20,9 +20,13 @@
 // create, so each piece's primitive is made once per shape and cached. Its
 // AMX kernel (brgemm) runs only on dense destinations, so on tiles of a wider
 // C it falls back to an older kernel; there Tessera's own AMX kernel
-// (runtime/cpu/amx.h) runs instead, 1.1-1.7x faster (bf16_on_amx). Elsewhere
-// bf16 products run on f32 copies (bf16_gemm_native() is false; the ops
-// layer converts).
+// (runtime/cpu/amx.h) runs instead, 1.1-1.7x faster (bf16_on_amx). Where
+// oneDNN has no bf16 kernels but the avx2 or avx512 copy runs, bf16 products
+// run on the own f32 kernel, which widens the operands as it packs them and
+// rounds each result as it stores it (bf16_on_own_kernel): the f32 product's
+// bits, without the f32 copies of the operands and result the ops layer made
+// before. On the baseline copy they still run on those copies (the ops
+// layer converts: cpu::compute_dtype).
 //
 // Threads never change a result. oneDNN's own threading splits the k
 // dimension when it likes, so its results change with the number of threads
@@ -353,21 +357,35 @@ void gemm_on_amx(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, fl
 // ---- f32: Tessera's own kernel (sgemm_kernel.h) ---------------------------------
 
 // The active instruction-set copy's kernel, or null where it has none (baseline).
+// The own kernel's entries for operands and results of type T (f32, or bf16 widened as packed).
+template <class T>
+struct OwnEntries {
+  void (*pack_a)(bool, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, float*);
+  void (*pack_b)(bool, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, float*);
+  void (*multiply)(int64_t, int64_t, int64_t, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, float, T*, int64_t, float*);
+};
+
 struct OwnKernel {
   int64_t mr, nr, kc;
-  void (*pack_a)(bool, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-  void (*pack_b)(bool, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-  void (*multiply)(int64_t, int64_t, int64_t, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, float, float, float*, int64_t, float*);
+  OwnEntries<float> f32;
+  OwnEntries<BFloat16> bf16;
   int64_t (*partials)(int64_t, int64_t, int64_t);
+  const OwnEntries<float>& entries(const float*) const { return f32; }
+  const OwnEntries<BFloat16>& entries(const BFloat16*) const { return bf16; }
 };
+
+#define TS_OWN_KERNEL(isa)                                                                       \
+  OwnKernel {                                                                                    \
+    isa::sgemm_mr(), isa::sgemm_nr(), isa::sgemm_kc(),                                           \
+        {isa::sgemm_pack_a, isa::sgemm_pack_b, isa::sgemm_multiply},                             \
+        {isa::sgemm_pack_a, isa::sgemm_pack_b, isa::sgemm_multiply}, isa::sgemm_partials         \
+  }
 
 const OwnKernel* own_kernel() {
 #if defined(TESSERA_CPU_ISA_VARIANTS)
-  static const OwnKernel avx2_kernel{avx2::sgemm_mr(), avx2::sgemm_nr(), avx2::sgemm_kc(), avx2::sgemm_pack_a, avx2::sgemm_pack_b,
-                                     avx2::sgemm_multiply, avx2::sgemm_partials};
-  static const OwnKernel avx512_kernel{avx512::sgemm_mr(), avx512::sgemm_nr(), avx512::sgemm_kc(), avx512::sgemm_pack_a,
-                                       avx512::sgemm_pack_b, avx512::sgemm_multiply, avx512::sgemm_partials};
+  static const OwnKernel avx2_kernel = TS_OWN_KERNEL(avx2);
+  static const OwnKernel avx512_kernel = TS_OWN_KERNEL(avx512);
   switch (active_isa()) {
     case Isa::Avx512: return &avx512_kernel;
     case Isa::Avx2: return &avx2_kernel;
@@ -462,12 +480,15 @@ int64_t pack_run(const OwnKernel& kernel, int64_t k, int64_t threads) {
   return run;
 }
 
-// f32 through the own kernel: B packed once, in parallel over runs of steps
-// of k; then each thread multiplies its pieces of the grid, packing the row
-// block of A a piece reads unless it holds that block already (the grid's
-// pieces go out in runs, row by row, so a block is packed about once).
+// f32 (or bf16, widened as packed) through the own kernel: B packed once, in
+// parallel over runs of steps of k; then each thread multiplies its pieces of
+// the grid, packing the row block of A a piece reads unless it holds that
+// block already (the grid's pieces go out in runs, row by row, so a block is
+// packed about once).
+template <class T>
 void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+                 const T* a, int64_t lda, const T* b, int64_t ldb, float beta, T* c, int64_t ldc) {
+  const OwnEntries<T>& entries = kernel.entries(a);
   if (m == 0 || n == 0 || k == 0) {  // nothing to pack: the grid scales C
     gemm_on_grid(m, n, k, Grid{m, n, 1, k}, beta, c, ldc, [](auto...) {});
     return;
@@ -478,7 +499,7 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
   float* per_thread = pb + s.packed_b;
   const int64_t run = pack_run(kernel, k, num_threads()), runs = ceil_div(k, run);
   parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) kernel.pack_b(trans_b, k, n, b, ldb, r * run, std::min(k, (r + 1) * run), pb);
+    for (int64_t r = r0; r < r1; ++r) entries.pack_b(trans_b, k, n, b, ldb, r * run, std::min(k, (r + 1) * run), pb);
   });
   std::vector<int64_t> holds(static_cast<size_t>(s.threads), -1);  // the first row of the block a slot holds
   gemm_on_grid(m, n, k, s.grid, beta, c, ldc,
@@ -487,12 +508,12 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
                  const int64_t slot = detail::omp_thread_num() % s.threads;
                  float* pa = per_thread + slot * s.per_thread();
                  if (holds[static_cast<size_t>(slot)] != i0) {
-                   kernel.pack_a(trans_a, rows, k, trans_a ? a + i0 : a + i0 * lda, lda, 0, k, pa);
+                   entries.pack_a(trans_a, rows, k, trans_a ? a + i0 : a + i0 * lda, lda, 0, k, pa);
                    holds[static_cast<size_t>(slot)] = i0;
                  }
                  // The block is a product of `rows` rows of its own; C's pointer is the piece's.
-                 kernel.multiply(rows, n, k, pa, pb, 0, rows, j0, cols, k0, depth, alpha, piece_beta,
-                                 static_cast<float*>(out.c), out.ldc, pa + s.packed_a_per_thread);
+                 entries.multiply(rows, n, k, pa, pb, 0, rows, j0, cols, k0, depth, alpha, piece_beta,
+                                  static_cast<T*>(out.c), out.ldc, pa + s.packed_a_per_thread);
                });
 }
 
@@ -542,11 +563,19 @@ bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   return active_isa() == Isa::Avx512 && trans_a && !trans_b && (large || wide) && flops >= kSerialFlops;
 }
 
-GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, bool on_amx) {
+GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Bf16Kernel bf16) {
   if (m == 0 || n == 0 || k == 0) return {};
-  on_amx = on_amx && dtype == DType::BF16;
-  if (dtype == DType::F32 && sgemm_on_own_kernel(trans_a, trans_b, m, n, k)) {
-    return {0, 0, own_scratch(*own_kernel(), m, n, k).elements()};
+  const bool on_amx = dtype == DType::BF16 && bf16 == Bf16Kernel::Amx;
+  const bool on_own = dtype == DType::F32 ? sgemm_on_own_kernel(trans_a, trans_b, m, n, k)
+                                          : dtype == DType::BF16 && bf16 == Bf16Kernel::Own;
+  if (on_own) {  // a CPU planned for may have the kernel where this one (baseline) has not: AVX2's then
+    const OwnKernel* kernel = own_kernel();
+#if defined(TESSERA_CPU_ISA_VARIANTS)
+    static const OwnKernel avx2_kernel = TS_OWN_KERNEL(avx2);
+    if (kernel == nullptr) kernel = &avx2_kernel;
+#endif
+    TS_CHECK(kernel != nullptr, "gemm_scratch: this build has no copy of the own kernel");
+    return {0, 0, own_scratch(*kernel, m, n, k).elements()};
   }
   Grid g = grid_for(m, n, k, on_amx ? kAmxGranule : kLibraryGranule);
   return {g.chunks > 1 ? g.chunks * m * n : 0, on_amx ? amx_packed_elements(m, n, k) : 0, 0};
@@ -562,11 +591,24 @@ SgemmPath set_sgemm_path(SgemmPath path) {
 Bf16Path set_bf16_path(Bf16Path path) {
   TS_CHECK(path != Bf16Path::Amx || amx::usable(),
            "set_bf16_path: the AMX kernel needs AMX-BF16 tiles, which this CPU lacks or Linux did not grant");
+  TS_CHECK(path != Bf16Path::Own || own_kernel() != nullptr,
+           "set_bf16_path: the own f32 kernel needs the kernels' AVX2 or AVX-512 copy, and {} runs here",
+           isa_name(active_isa()));
   return forced_bf16_path.exchange(path);
 }
 
 bool sgemm_own_kernel_here() {
   return own_kernel() != nullptr;
+}
+
+bool bf16_on_own_kernel() {
+  if (own_kernel() == nullptr) return false;
+  return !bf16_gemm_native() || forced_bf16_path.load(std::memory_order_relaxed) == Bf16Path::Own;
+}
+
+Bf16Kernel bf16_kernel(int64_t m, int64_t n, int64_t k) {
+  if (bf16_on_own_kernel()) return Bf16Kernel::Own;
+  return bf16_on_amx(m, n, k) ? Bf16Kernel::Amx : Bf16Kernel::Library;
 }
 
 bool bf16_gemm_native() {
@@ -600,6 +642,7 @@ bool amx_kernel_here() {
 }
 
 bool bf16_on_amx(int64_t m, int64_t n, int64_t k) {
+  if (bf16_on_own_kernel()) return false;
   Bf16Path path = forced_bf16_path.load(std::memory_order_relaxed);
   if (path != Bf16Path::Auto) return path == Bf16Path::Amx;
   return amx_kernel_here() && amx_kernel_takes(m, n, k);
@@ -623,8 +666,11 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
               int64_t lda, const BFloat16* b, int64_t ldb, float beta, BFloat16* c, int64_t ldc) {
   check_leading_dims("bf16gemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
-  TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX); "
-           "bf16 products run on f32 copies here (cpu::bf16_gemm_native() is false)");
+  if (bf16_on_own_kernel())
+    return gemm_on_own(*own_kernel(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX) and "
+           "runs the {} copy, which has no own f32 kernel to widen them into; bf16 products run on f32 copies here "
+           "(cpu::compute_dtype)", isa_name(active_isa()));
   if (bf16_on_amx(m, n, k))
     gemm_on_amx(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   else
@@ -652,7 +698,8 @@ void gemm(DType dtype, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
   std::string shape;
   if (timed)
     shape = fmt::format("gemm {}{} {} x {} x {} {}", trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k,
-                        dtype != DType::F32                             ? dtype_name(dtype)
+                        dtype == DType::BF16 && bf16_on_own_kernel()    ? "bf16 own"
+                        : dtype != DType::F32                            ? dtype_name(dtype)
                         : sgemm_on_own_kernel(trans_a, trans_b, m, n, k) ? "own"
                                                                          : "library");
   auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};

@@ -171,24 +171,26 @@ struct Logged<Entry, Op> {
 
 bool native_dtypes = false;  // meta_kernels::set_native_dtypes
 
-// Whether a bf16 product of this shape runs Tessera's AMX kernel on the CPU planned for.
-bool on_amx_kernel(int64_t m, int64_t n, int64_t k) {
+// Which kernel a bf16 product of this shape runs on the CPU planned for.
+cpu::Bf16Kernel bf16_kernel(int64_t m, int64_t n, int64_t k) {
   switch (meta_kernels::bf16_products()) {
-    case meta_kernels::Bf16Products::ThisCpu: return cpu::bf16_on_amx(m, n, k);
-    case meta_kernels::Bf16Products::Amx: return cpu::amx_kernel_takes(m, n, k);
+    case meta_kernels::Bf16Products::ThisCpu: return cpu::bf16_kernel(m, n, k);
+    case meta_kernels::Bf16Products::Amx:
+      return cpu::amx_kernel_takes(m, n, k) ? cpu::Bf16Kernel::Amx : cpu::Bf16Kernel::Library;
+    case meta_kernels::Bf16Products::Own: return cpu::Bf16Kernel::Own;
     case meta_kernels::Bf16Products::Native:
     case meta_kernels::Bf16Products::F32Copies: break;
   }
-  return false;
+  return cpu::Bf16Kernel::Library;
 }
 
 void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const void*, int64_t lda,
           const void*, int64_t ldb, double beta, void*, int64_t ldc) {
-  // The CPU's split-k partial products and AMX's packed operands come from
+  // The CPU's split-k partial products and the packed operands come from
   // the allocator: a planned step holds them for the product's length, as a run does.
   if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16)) {
     cpu::GemmScratch scratch =
-        cpu::gemm_scratch(dtype, ta, tb, m, n, k, dtype == DType::BF16 && on_amx_kernel(m, n, k));
+        cpu::gemm_scratch(dtype, ta, tb, m, n, k, bf16_kernel(m, n, k));
     Tensor packed, parts;
     if (scratch.bf16_packed > 0) packed = empty({scratch.bf16_packed}, DType::BF16, Device::meta());
     if (scratch.f32_packed > 0) packed = empty({scratch.f32_packed}, DType::F32, Device::meta());

@@ -71,6 +71,86 @@ inline void vstore_part(float* p, Vec v, int64_t lanes) {
 }
 #endif
 
+// The operands the packing reads and the results the tiles store: f32 as
+// they are, bf16 widened on load (exact: its bits are the f32's top half) and
+// rounded to nearest even on store, as float_to_bf16 rounds (NaN stays a
+// quiet NaN), so a bf16 product's results are the f32 product's of the
+// widened operands, rounded once.
+inline float widen(float x) { return x; }
+inline float widen(BFloat16 x) { return bf16_to_float(x); }
+
+#if defined(__AVX512F__)
+// The zero-masked forms of the conversions throughout: GCC 12 warns that the
+// plain ones' undefined upper parts may be used uninitialized.
+constexpr __mmask16 kAll = 0xffff;
+inline Vec widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, h), 16));
+}
+inline Vec vload(const BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload_part(const BFloat16* p, int64_t lanes) {
+  return widen(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << lanes) - 1u), p));
+}
+// Each lane's f32 bits rounded to bf16's, in the low 16 bits of the lane.
+inline __m512i round_to_bf16(Vec v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i high = _mm512_maskz_srli_epi32(kAll, u, 16);
+  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_maskz_srli_epi32(kAll, _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+inline void vstore(BFloat16* p, Vec v) { _mm512_mask_cvtepi32_storeu_epi16(p, kAll, round_to_bf16(v)); }
+inline void vstore_part(BFloat16* p, Vec v, int64_t lanes) {
+  _mm512_mask_cvtepi32_storeu_epi16(p, static_cast<__mmask16>((1u << lanes) - 1u), round_to_bf16(v));
+}
+#else
+inline Vec vload(const BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// Through a zeroed vector's worth: a load of 8 could cross into a page past the end.
+inline Vec vload_part(const BFloat16* p, int64_t lanes) {
+  alignas(16) BFloat16 part[kLanes] = {};
+  std::copy(p, p + lanes, part);
+  return vload(part);
+}
+inline __m256i round_to_bf16(Vec v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+// The eight lanes' 16-bit results, in order (packus works within 128-bit halves).
+inline __m128i narrow(__m256i lanes) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lanes, lanes), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+inline void vstore(BFloat16* p, Vec v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow(round_to_bf16(v))); }
+inline void vstore_part(BFloat16* p, Vec v, int64_t lanes) {
+  alignas(16) BFloat16 part[kLanes];
+  vstore(part, v);
+  std::copy(part, part + lanes, p);
+}
+#endif
+
+// Eight (four) of an operand's values as f32, for the packing's transposes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 load4(const BFloat16* p) {
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
 constexpr int64_t kNr = 2 * kLanes;  // two vectors of columns
 // k per block: a B micro-panel (kKc x kNr) stays in L1 while the tile's A
 // panels stream through it from L2.
@@ -106,9 +186,10 @@ inline void transpose8_in_registers(__m256 r[8]) {
   for (int i = 0; i < 8; ++i) r[i] = t[i];
 }
 
-inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
+template <class S>
+void transpose8(const S* in, int64_t ld_in, float* out, int64_t ld_out) {
   __m256 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 8; ++i) r[i] = load8(in + i * ld_in);
   transpose8_in_registers(r);
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * ld_out, r[i]);
 }
@@ -117,9 +198,10 @@ inline void transpose8(const float* in, int64_t ld_in, float* out, int64_t ld_ou
 // 8 x 8 transpose with two zero lines, each step's vector stored whole over
 // the start of the next step's (which the next store writes), the last
 // step's six lanes alone.
-inline void transpose6(const float* in, int64_t ld_in, float* out) {
+template <class S>
+void transpose6(const S* in, int64_t ld_in, float* out) {
   __m256 r[8];
-  for (int i = 0; i < 6; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 6; ++i) r[i] = load8(in + i * ld_in);
   r[6] = r[7] = _mm256_setzero_ps();
   transpose8_in_registers(r);
   for (int i = 0; i < 7; ++i) _mm256_storeu_ps(out + i * 6, r[i]);
@@ -127,9 +209,9 @@ inline void transpose6(const float* in, int64_t ld_in, float* out) {
   _mm_storel_pi(reinterpret_cast<__m64*>(out + 46), _mm256_extractf128_ps(r[7], 1));
 }
 
-inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
-  __m128 r0 = _mm_loadu_ps(in), r1 = _mm_loadu_ps(in + ld_in), r2 = _mm_loadu_ps(in + 2 * ld_in),
-         r3 = _mm_loadu_ps(in + 3 * ld_in);
+template <class S>
+void transpose4(const S* in, int64_t ld_in, float* out, int64_t ld_out) {
+  __m128 r0 = load4(in), r1 = load4(in + ld_in), r2 = load4(in + 2 * ld_in), r3 = load4(in + 3 * ld_in);
   _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
   _mm_storeu_ps(out, r0);
   _mm_storeu_ps(out + ld_out, r1);
@@ -137,12 +219,13 @@ inline void transpose4(const float* in, int64_t ld_in, float* out, int64_t ld_ou
   _mm_storeu_ps(out + 3 * ld_out, r3);
 }
 
-void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t across, int64_t width, float* out) {
+template <class S>
+void gather_lines(int64_t steps, int64_t lines, const S* first, int64_t across, int64_t width, float* out) {
   if (lines == 6 && width == 6) {  // a whole panel of the AVX2 copy's A: 8 steps per transpose
     int64_t kk = 0;
     for (; kk + 8 <= steps; kk += 8) transpose6(first + kk, across, out + kk * 6);
     for (; kk < steps; ++kk)
-      for (int64_t i = 0; i < 6; ++i) out[kk * 6 + i] = first[i * across + kk];
+      for (int64_t i = 0; i < 6; ++i) out[kk * 6 + i] = widen(first[i * across + kk]);
     return;
   }
   // Groups of 8 (or 4) lines; where `lines` is not a multiple of the group,
@@ -157,7 +240,7 @@ void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t acro
     if (group == 4)
       for (; kk + 4 <= steps; kk += 4) transpose4(first + l * across + kk, across, out + kk * width + l, width);
     for (; kk < steps; ++kk)
-      for (int64_t i = 0; i < group; ++i) out[kk * width + l + i] = first[(l + i) * across + kk];
+      for (int64_t i = 0; i < group; ++i) out[kk * width + l + i] = widen(first[(l + i) * across + kk]);
   }
 }
 
@@ -173,8 +256,8 @@ void gather_lines(int64_t steps, int64_t lines, const float* first, int64_t acro
 // step: 2-3x slower on the AVX2 EPYC). Where steps are adjacent, each
 // panel's lines are read along a whole block of steps (runs of 32 steps were
 // 3x slower on a 3072-line operand).
-template <int64_t width>
-void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t across, int64_t s0, int64_t s1,
+template <int64_t width, class S>
+void pack_steps(int64_t k, int64_t lines, const S* x, int64_t along, int64_t across, int64_t s0, int64_t s1,
                 float* packed) {
   const int64_t panels = ceil_div(lines, width);
   constexpr int64_t kRowSteps = 8;
@@ -185,7 +268,7 @@ void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t
     const int64_t steps = end - s;
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t valid = std::min(width, lines - p * width);
-      const float* first = x + p * width * across + s * along;
+      const S* first = x + p * width * across + s * along;
       float* out = block + p * kc * width + (s - kb) * width;
       if (across == 1 && width < kLanes) {  // each step: `valid` adjacent floats, one vector
         // Whole loads where the vector's lanes past the panel are the next
@@ -199,7 +282,7 @@ void pack_steps(int64_t k, int64_t lines, const float* x, int64_t along, int64_t
         }
       } else if (across == 1) {  // each step: `valid` adjacent floats, a vector (or part of one) at a time
         for (int64_t kk = 0; kk < steps; ++kk) {
-          const float* from = first + kk * along;
+          const S* from = first + kk * along;
           float* to = out + kk * width;
           for (int64_t h = 0; h < width; h += kLanes) {
             const int64_t have = std::clamp<int64_t>(valid - h, 0, kLanes), room = std::min(kLanes, width - h);
@@ -247,10 +330,11 @@ __attribute__((noinline)) void micro_kernel(int64_t depth, const float* pa, cons
 }
 
 // alpha * sums (+ beta * C) into C's rows x cols (at most kMr x kNr) at c.
-void store_results(const float* sums, int64_t rows, int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+template <class T>
+void store_results(const float* sums, int64_t rows, int64_t cols, float alpha, float beta, T* c, int64_t ldc) {
   const Vec va = vset(alpha), vb = vset(beta);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = c + r * ldc;
+    T* row = c + r * ldc;
     for (int64_t h = 0; h < 2; ++h) {
       const int64_t lanes = std::min(kLanes, cols - h * kLanes);
       if (lanes <= 0) break;
@@ -273,41 +357,21 @@ void store_results(const float* sums, int64_t rows, int64_t cols, float alpha, f
 // the block's steps of k, they arrive while the micro-kernel runs. Measured
 // 1.008-1.039x per product at 1 thread on the AVX2 EPYC, where the stores
 // into a C out of cache had held up the tile loop (benchmarks/README.md).
-void prefetch_tile(const float* c, int64_t rows, int64_t cols, int64_t ldc) {
-  constexpr int64_t kFloat = sizeof(float), kLine = 64;  // bytes
+template <class T>
+void prefetch_tile(const T* c, int64_t rows, int64_t cols, int64_t ldc) {
+  constexpr int64_t kResult = sizeof(T), kLine = 64;  // bytes
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = reinterpret_cast<const char*>(c + r * ldc);
-    for (int64_t o = 0; o < cols * kFloat; o += kLine) _mm_prefetch(row + o, _MM_HINT_T0);
-    _mm_prefetch(row + (cols - 1) * kFloat, _MM_HINT_T0);
+    for (int64_t o = 0; o < cols * kResult; o += kLine) _mm_prefetch(row + o, _MM_HINT_T0);
+    _mm_prefetch(row + (cols - 1) * kResult, _MM_HINT_T0);
   }
 }
 
-}  // namespace
-
-int64_t sgemm_mr() { return kMr; }
-int64_t sgemm_nr() { return kNr; }
-
-void sgemm_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, int64_t s0, int64_t s1,
-                  float* packed) {
-  // op(A)'s rows: adjacent in memory when A is stored transposed.
-  pack_steps<kMr>(k, m, a, trans ? lda : 1, trans ? 1 : lda, s0, s1, packed);
-}
-
-void sgemm_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, int64_t s0, int64_t s1,
-                  float* packed) {
-  // op(B)'s columns: adjacent in memory unless B is stored transposed.
-  pack_steps<kNr>(k, n, b, trans ? 1 : ldb, trans ? ldb : 1, s0, s1, packed);
-}
-
-int64_t sgemm_kc() { return kKc; }
-
-int64_t sgemm_partials(int64_t rows, int64_t cols, int64_t depth) {
-  return depth > kKc ? ceil_div(rows, kMr) * kMr * ceil_div(cols, kNr) * kNr : 0;
-}
-
-void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b, int64_t i0,
-                    int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, float beta,
-                    float* c, int64_t ldc, float* partials) {
+// sgemm_multiply into a C of T (f32, or bf16 rounded as each tile is stored).
+template <class T>
+void multiply_tiles(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b, int64_t i0,
+                    int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, float beta, T* c,
+                    int64_t ldc, float* partials) {
   TS_CHECK(i0 % kMr == 0 && j0 % kNr == 0 && k0 % kKc == 0,
            "sgemm_multiply: a tile starts on a panel and a block of k (row {}, column {}, step {})", i0, j0, k0);
   const int64_t panels_a = ceil_div(rows, kMr), panels_b = ceil_div(cols, kNr);
@@ -331,13 +395,58 @@ void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, cons
         float* waiting = first && last ? nullptr : partials + (q * panels_a + p) * kMr * kNr;
         alignas(64) float sums[kMr * kNr];
         const int64_t tile_rows = std::min(kMr, rows - p * kMr), tile_cols = std::min(kNr, cols - q * kNr);
-        float* tile = c + p * kMr * ldc + q * kNr;
+        T* tile = c + p * kMr * ldc + q * kNr;
         if (last) prefetch_tile(tile, tile_rows, tile_cols, ldc);
         micro_kernel(kc, pa, pb, first ? nullptr : waiting, last ? sums : waiting);
         if (last) store_results(sums, tile_rows, tile_cols, alpha, beta, tile, ldc);
       }
     }
   }
+}
+
+}  // namespace
+
+int64_t sgemm_mr() { return kMr; }
+int64_t sgemm_nr() { return kNr; }
+
+void sgemm_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, int64_t s0, int64_t s1,
+                  float* packed) {
+  // op(A)'s rows: adjacent in memory when A is stored transposed.
+  pack_steps<kMr>(k, m, a, trans ? lda : 1, trans ? 1 : lda, s0, s1, packed);
+}
+
+void sgemm_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, int64_t s0, int64_t s1,
+                  float* packed) {
+  // op(B)'s columns: adjacent in memory unless B is stored transposed.
+  pack_steps<kNr>(k, n, b, trans ? 1 : ldb, trans ? ldb : 1, s0, s1, packed);
+}
+
+void sgemm_pack_a(bool trans, int64_t m, int64_t k, const BFloat16* a, int64_t lda, int64_t s0, int64_t s1,
+                  float* packed) {
+  pack_steps<kMr>(k, m, a, trans ? lda : 1, trans ? 1 : lda, s0, s1, packed);
+}
+
+void sgemm_pack_b(bool trans, int64_t k, int64_t n, const BFloat16* b, int64_t ldb, int64_t s0, int64_t s1,
+                  float* packed) {
+  pack_steps<kNr>(k, n, b, trans ? 1 : ldb, trans ? ldb : 1, s0, s1, packed);
+}
+
+int64_t sgemm_kc() { return kKc; }
+
+int64_t sgemm_partials(int64_t rows, int64_t cols, int64_t depth) {
+  return depth > kKc ? ceil_div(rows, kMr) * kMr * ceil_div(cols, kNr) * kNr : 0;
+}
+
+void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b, int64_t i0,
+                    int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, float beta,
+                    float* c, int64_t ldc, float* partials) {
+  multiply_tiles(m, n, k, packed_a, packed_b, i0, rows, j0, cols, k0, depth, alpha, beta, c, ldc, partials);
+}
+
+void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b, int64_t i0,
+                    int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, float beta,
+                    BFloat16* c, int64_t ldc, float* partials) {
+  multiply_tiles(m, n, k, packed_a, packed_b, i0, rows, j0, cols, k0, depth, alpha, beta, c, ldc, partials);
 }
 
 }  // namespace tessera::cpu::TS_CPU_ISA

@@ -23,9 +23,16 @@
 // multiply-add): the same operations in both copies, in any tile, at any
 // thread count, so a result depends on its row of A, its column of B and
 // alpha and beta alone (not on m, n, the grid, the threads or the copy).
+//
+// bf16 operands (where oneDNN has no bf16 kernels for the CPU: blas.cpp's
+// bf16gemm) are widened to f32 as they are packed, and a bf16 C is rounded
+// as each tile is stored: the f32 product of the widened operands, rounded
+// once, with no f32 copy of an operand or of C.
 #pragma once
 
 #include <cstdint>
+
+#include "runtime/dtype.h"
 
 namespace tessera::cpu {
 
@@ -39,6 +46,11 @@ namespace tessera::cpu {
                     float* packed);                                                                       \
   void sgemm_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, int64_t s0, int64_t s1,  \
                     float* packed);                                                                       \
+  /* The same from bf16 operands, widened as they are packed. */                                          \
+  void sgemm_pack_a(bool trans, int64_t m, int64_t k, const BFloat16* a, int64_t lda, int64_t s0,          \
+                    int64_t s1, float* packed);                                                           \
+  void sgemm_pack_b(bool trans, int64_t k, int64_t n, const BFloat16* b, int64_t ldb, int64_t s0,          \
+                    int64_t s1, float* packed);                                                           \
   /* C[rows, cols] = alpha * (sum over k0 .. k0 + depth) + beta * C for the tile whose first result is */  \
   /* row i0, column j0 of an m x n x k product (i0 a multiple of MR, j0 of NR, k0 of KC; c points at */     \
   /* the tile's first result). `partials`: sgemm_partials floats where the sums wait between blocks */    \
@@ -46,6 +58,10 @@ namespace tessera::cpu {
   void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b,        \
                       int64_t i0, int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, \
                       float beta, float* c, int64_t ldc, float* partials);                                \
+  /* The same into a bf16 C: each result rounded once as it is stored (beta's C widened). */              \
+  void sgemm_multiply(int64_t m, int64_t n, int64_t k, const float* packed_a, const float* packed_b,        \
+                      int64_t i0, int64_t rows, int64_t j0, int64_t cols, int64_t k0, int64_t depth, float alpha, \
+                      float beta, BFloat16* c, int64_t ldc, float* partials);                             \
   int64_t sgemm_partials(int64_t rows, int64_t cols, int64_t depth);
 
 #if defined(TESSERA_CPU_ISA_VARIANTS)

@@ -17,7 +17,9 @@ namespace cpu {
 // bf16/f16 as they are (read into f32 registers, or widened a block at a time
 // into per-thread scratch, rounded once on store: no f32 copy of the tensor;
 // statistics in f32), and so do matrix products of bf16 where oneDNN has bf16
-// kernels for this CPU (f32 accumulation, blas.cpp). The other families
+// kernels for this CPU (f32 accumulation, blas.cpp) or the active copy has
+// the own f32 kernel (AVX2, AVX-512), which widens them as it packs them
+// (bf16gemm). The other families
 // (reductions, embedding gradients) compute in f32 (f64 for f64), but their
 // kernels read bf16/f16 where they lie: sums and embedding gradients widen
 // each element as they read it (sums_widen), argmax compares the values,
@@ -26,7 +28,8 @@ DType compute_dtype(KernelFamily family, DType dtype) {
   if (family == KernelFamily::Elementwise || family == KernelFamily::Softmax || family == KernelFamily::Norm ||
       family == KernelFamily::CrossEntropy || family == KernelFamily::Attention || family == KernelFamily::Rope)
     return dtype;
-  if (family == KernelFamily::Matmul && dtype == DType::BF16 && bf16_gemm_native()) return dtype;
+  if (family == KernelFamily::Matmul && dtype == DType::BF16 && (bf16_gemm_native() || bf16_on_own_kernel()))
+    return dtype;
   return tessera::compute_dtype(dtype);
 }
 

@@ -46,7 +46,7 @@ expect docs/labs.md "$ag0 all-gathers instead of $ag, $(handed 2 "${d[@]}" --par
 expect docs/labs.md "a higher peak ($(peak 2 "${d[@]}" --parallelism.reshard_after_forward false) against $(peak 2 "${d[@]}") MiB)"
 expect docs/labs.md "a peak of $(peak 4 "${d[@]}" --parallelism.data_parallel_replicate_degree 2) MiB against $(peak 4 "${d[@]}") MiB for FSDP over all 4"
 bf=(--mixed_precision.param_dtype bfloat16)
-expect docs/labs.md "falls from $(peak 2 "${d[@]}") to $(peak 2 "${d[@]}" "${bf[@]}" --bf16-products native) MiB with bf16 products ($(peak 2 "${d[@]}" "${bf[@]}" --bf16-products amx) MiB on AMX, whose kernel packs its operands; $(peak 2 "${d[@]}" "${bf[@]}" --bf16-products f32) MiB on f32 copies"
+expect docs/labs.md "falls from $(peak 2 "${d[@]}") to $(peak 2 "${d[@]}" "${bf[@]}" --bf16-products native) MiB with bf16 products ($(peak 2 "${d[@]}" "${bf[@]}" --bf16-products amx) MiB on AMX, whose kernel packs its operands; $(OMP_NUM_THREADS=1 peak 2 "${d[@]}" "${bf[@]}" --bf16-products own) MiB on AVX2 at one thread per rank, where Tessera's f32 kernel packs them widened; $(peak 2 "${d[@]}" "${bf[@]}" --bf16-products f32) MiB on f32 copies"
 expect docs/labs.md "from $(handed 2 "${d[@]}") to $(handed 2 "${d[@]}" "${bf[@]}" --bf16-products native) MiB"
 ac=(--activation_checkpoint.mode full)
 expect docs/labs.md "($(peak 1 --preset tiny "${ac[@]}") against $(peak 1 --preset tiny) MiB; for the default model at 2 ranks the plan says $(peak 2 "${d[@]}" "${ac[@]}") against $(peak 2 "${d[@]}") MiB)"

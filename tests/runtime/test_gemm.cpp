@@ -12,6 +12,7 @@
 
 #include "runtime/profiler.h"
 #include "helpers.h"
+#include "runtime/allocator.h"
 #include "runtime/cpu/amx.h"
 #include "runtime/cpu/blas.h"
 #include "runtime/cpu/peak.h"
@@ -170,14 +171,18 @@ void for_each_path(F&& body) {
 }
 
 // body() on each bf16 kernel: the automatic choice, oneDNN's forced, and
-// Tessera's AMX kernel forced where it can run.
+// Tessera's AMX kernel and the own f32 kernel forced where they can run.
 template <class F>
 void for_each_bf16_path(F&& body) {
   for (auto [path, name] : {std::pair{cpu::Bf16Path::Auto, "auto"}, std::pair{cpu::Bf16Path::OneDnn, "oneDNN"},
-                            std::pair{cpu::Bf16Path::Amx, "AMX kernel"}}) {
+                            std::pair{cpu::Bf16Path::Amx, "AMX kernel"}, std::pair{cpu::Bf16Path::Own, "own kernel"}}) {
     if (path == cpu::Bf16Path::Amx && !cpu::amx::usable()) {
       CHECK_THROWS_WITH(cpu::set_bf16_path(path), Catch::Contains("the AMX kernel needs AMX-BF16 tiles"));
       WARN("no AMX tiles on this CPU: Tessera's AMX kernel was not run");
+      continue;
+    }
+    if (path == cpu::Bf16Path::Own && !cpu::sgemm_own_kernel_here()) {
+      CHECK_THROWS_WITH(cpu::set_bf16_path(path), Catch::Contains("the own f32 kernel needs"));
       continue;
     }
     INFO("bf16 path " << name);
@@ -374,7 +379,7 @@ TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[g
     const int saved = num_threads();
     for (int threads : {1, 2, 3}) {
       set_num_threads(threads);
-      const int64_t f32 = cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false).f32_packed;
+      const int64_t f32 = cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, cpu::Bf16Kernel::Library).f32_packed;
       CHECK(f32 >= 608 * 700 + threads * 6 * 700);
       CHECK(f32 <= 608 * 700 + threads * (258 * 700 + 258 * 608));
     }
@@ -382,17 +387,17 @@ TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[g
   }
   ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> forced(cpu::SgemmPath::OneDnn);
   CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 768, 3072, 1024));
-  CHECK(cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, false).f32_packed == 0);
+  CHECK(cpu::gemm_scratch(DType::F32, true, false, 1000, 600, 700, cpu::Bf16Kernel::Library).f32_packed == 0);
 }
 
 TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the same bits at any thread count",
           "[gemm][bf16]") {
   std::vector<BFloat16> a(64), b(64), c(64);
-  if (!cpu::bf16_gemm_native()) {
+  if (!cpu::bf16_gemm_native() && !cpu::bf16_on_own_kernel()) {  // the baseline copy on a CPU without them
     CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::F32);
     CHECK_THROWS_WITH(cpu::bf16gemm(false, false, 4, 4, 4, 1.f, a.data(), 4, b.data(), 4, 0.f, c.data(), 4),
                       Catch::Contains("no bf16 matrix kernels"));
-    WARN("oneDNN has no bf16 kernels for this CPU: the bf16 GEMM was not run");
+    WARN("neither oneDNN's bf16 kernels nor the own f32 kernel run here: the bf16 GEMM was not run");
     return;
   }
   CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::BF16);
@@ -420,6 +425,106 @@ TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the sa
                                                   gen);
     check_from_parallel_loop<BFloat16>(gen, 24);
   });
+}
+
+// Where oneDNN has no bf16 kernels (AVX2; forced elsewhere), bf16 products
+// run on the own f32 kernel, which widens the operands as it packs them and
+// rounds each result as it stores it (runtime/cpu/sgemm_kernel.h): bit for
+// bit the own kernel's f32 product of the widened operands (beta's C
+// widened too), rounded once as float_to_bf16 rounds. Small integers make
+// results that tie halfway between two bf16 values; NaN, infinities and
+// results past bf16's largest go through the vector rounding's special cases.
+TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands, rounded once",
+          "[gemm][bf16][determinism]") {
+  if (!cpu::sgemm_own_kernel_here()) {
+    CHECK_FALSE(cpu::bf16_on_own_kernel());
+    WARN("the kernels' baseline copy runs here: the own kernel's bf16 products were not run");
+    return;
+  }
+  ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(cpu::Bf16Path::Own);
+  CHECK(cpu::bf16_on_own_kernel());
+  CHECK(cpu::bf16_kernel(1024, 1024, 256) == cpu::Bf16Kernel::Own);
+  CHECK(ops::compute_dtype(Device::cpu(), KernelFamily::Matmul, DType::BF16) == DType::BF16);
+  std::mt19937 gen(20261207);
+  auto widen = [](const std::vector<BFloat16>& x) {
+    std::vector<float> w(x.size());
+    for (size_t i = 0; i < x.size(); ++i) w[i] = bf16_to_float(x[i]);
+    return w;
+  };
+  auto check = [&](const Case& cs, const Operands<BFloat16>& o) {
+    INFO("ta " << cs.ta << " tb " << cs.tb << " m " << cs.m << " n " << cs.n << " k " << cs.k << " alpha "
+               << cs.alpha << " beta " << cs.beta);
+    std::vector<BFloat16> c = o.c;
+    cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(), o.ldb,
+                  static_cast<float>(cs.beta), c.data(), o.ldc);
+    std::vector<float> a32 = widen(o.a), b32 = widen(o.b), c32 = widen(o.c);
+    {
+      ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> own(cpu::SgemmPath::Own);
+      cpu::sgemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), a32.data(), o.lda, b32.data(), o.ldb,
+                 static_cast<float>(cs.beta), c32.data(), o.ldc);
+    }
+    int differ = 0;
+    for (int64_t i = 0; i < cs.m; ++i)
+      for (int64_t j = 0; j < o.ldc; ++j) {  // the padding past n untouched
+        const size_t at = static_cast<size_t>(i * o.ldc + j);
+        const uint16_t want = j < cs.n ? float_to_bf16(c32[at]).bits : o.c[at].bits;
+        differ += c[at].bits != want;
+      }
+    CHECK(differ == 0);
+  };
+  for (const Case& cs : random_cases(gen, 40)) check(cs, make_operands<BFloat16>(cs, gen));
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (Case cs : {Case{ta, tb, 97, 545, 291, 1, 0, 3, 1.0, 0.0}, Case{ta, tb, 301, 66, 700, 0, 2, 0, -0.5, 1.0},
+                      Case{ta, tb, 13, 7, 1, 3, 0, 1, 1.0, 0.3}, Case{ta, tb, 6, 16, 256, 0, 0, 0, 2.0, 0.0}}) {
+        check(cs, make_operands<BFloat16>(cs, gen));
+        // Small integers: sums exact in f32 and often halfway between two bf16 values.
+        Operands<BFloat16> o = make_operands<BFloat16>(cs, gen);
+        std::uniform_int_distribution<int> small(-9, 9);
+        for (auto& x : o.a) x = float_to_bf16(static_cast<float>(small(gen)));
+        for (auto& x : o.b) x = float_to_bf16(static_cast<float>(small(gen)));
+        check(cs, o);
+      }
+  // NaN, infinities and overflow past bf16's largest value in some rows.
+  Case special{false, true, 40, 37, 300, 0, 0, 0, 1.0, 0.0};
+  Operands<BFloat16> o = make_operands<BFloat16>(special, gen);
+  o.a[3 * o.lda + 5] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  o.a[7 * o.lda + 2] = float_to_bf16(std::numeric_limits<float>::infinity());
+  o.a[9 * o.lda + 4] = float_to_bf16(-std::numeric_limits<float>::infinity());
+  for (int64_t kk = 0; kk < special.k; ++kk) o.a[11 * o.lda + kk] = float_to_bf16(3.0e38f);
+  check(special, o);
+  // The same bits at any thread count, and called from a parallel loop.
+  check_same_bits_at_any_thread_count<BFloat16>({{true, false, 513, 300, 700, 0, 0, 0, 1.0, 0.0},
+                                                 {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5}},
+                                                gen);
+  check_from_parallel_loop<BFloat16>(gen, 12);
+}
+
+TEST_CASE("bf16 linear on the own kernel reads its operands where they lie: no f32 copy of them",
+          "[gemm][bf16]") {
+  if (!cpu::sgemm_own_kernel_here()) {
+    WARN("the kernels' baseline copy runs here: the own kernel's bf16 products were not run");
+    return;
+  }
+  ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(cpu::Bf16Path::Own);
+  // 600 x 1000 @ 1000 x 700: f32 copies of x and w alone would take 5.2 MB.
+  Tensor x = ops::to(randn({600, 1000}, 11), DType::BF16), w = ops::to(randn({700, 1000}, 12), DType::BF16);
+  Tensor bias = ops::to(randn({700}, 13), DType::BF16);
+  Tensor y = ops::linear(x, w, bias);  // warm the allocator's cache
+  reset_peak_memory_stats();
+  const int64_t before = memory_stats().allocated_bytes;
+  y = Tensor();
+  y = ops::linear(x, w, bias);
+  const int64_t rise = memory_stats().peak_allocated_bytes - before;
+  const cpu::GemmScratch scratch =
+      cpu::gemm_scratch(DType::BF16, false, true, 600, 700, 1000, cpu::Bf16Kernel::Own);
+  // The bf16 result and the kernel's packed f32 operands (B whole, a block of A per thread) alone.
+  CHECK(rise <= 600 * 700 * 2 + scratch.f32_packed * 4);
+  CHECK(rise < 600 * 700 * 2 + (600 + 700) * 1000 * 4);
+  // And the numbers: the f32 product of the same values, rounded once.
+  auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
+  ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> own(cpu::SgemmPath::Own);
+  CHECK(testing::equal(y, ops::to(ops::linear(f(x), f(w), f(bias)), DType::BF16)));
 }
 
 TEST_CASE("bf16 products choose their kernel by the shape and the CPU alone", "[gemm][bf16]") {

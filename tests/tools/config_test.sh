@@ -104,20 +104,24 @@ $out"
 expect_error "hardware file 'nothing.toml' does not exist" "$bin/tessera-plan" --hardware nothing.toml
 # A bf16 plan names the dtype its products were planned in: this CPU's by
 # default; another CPU's with --bf16-products, whose f32 copies raise the
-# peak; TESSERA_CPU_ISA=baseline plans as a CPU without bf16 GEMM kernels.
+# peak; TESSERA_CPU_ISA=baseline plans as a CPU without bf16 GEMM kernels or
+# the own f32 kernel (which, with AVX2 alone, widens bf16 as it packs it).
 bf16=("${base[@]}" --mixed_precision.param_dtype bfloat16)
 peak_of() { awk '/predicted peak/ { print $3 }' <<< "$1"; }
 native=$("$bin/tessera-plan" "${bf16[@]}" --bf16-products native)
 amx=$("$bin/tessera-plan" "${bf16[@]}" --bf16-products amx)
+own=$("$bin/tessera-plan" "${bf16[@]}" --bf16-products own)
 copies=$("$bin/tessera-plan" "${bf16[@]}" --bf16-products f32)
 capped=$(TESSERA_CPU_ISA=baseline "$bin/tessera-plan" "${bf16[@]}")
 grep -q "^bf16 matrix products: in bf16 (as a CPU with oneDNN's AVX512-BF16 kernels" <<< "$native" || fail "native: $native"
 grep -q "^bf16 matrix products: in bf16 (as a CPU with AMX tiles" <<< "$amx" || fail "amx: $amx"
-grep -q "^bf16 matrix products: in f32 copies (as a CPU without them" <<< "$copies" || fail "f32: $copies"
+grep -q "^bf16 matrix products: in bf16 widened as Tessera's f32 kernel packs them (as an AVX2 CPU" <<< "$own" ||
+  fail "own: $own"
+grep -q "^bf16 matrix products: in f32 copies (as a CPU without bf16 kernels or AVX2" <<< "$copies" || fail "f32: $copies"
 grep -q "^bf16 matrix products: in f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=baseline)" \
   <<< "$capped" || fail "capped: $capped"
 "$bin/tessera-plan" "${bf16[@]}" |
-  grep -qE "^bf16 matrix products: in (bf16 \(this CPU's (AMX tiles|oneDNN (AMX|AVX512-BF16))|f32 copies \((this CPU has neither|oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=))" ||
+  grep -qE "^bf16 matrix products: in (bf16 \(this CPU's (AMX tiles|oneDNN (AMX|AVX512-BF16))|bf16 widened as Tessera's f32 kernel packs them \(this CPU has neither|f32 copies \((this CPU has neither|oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=))" ||
   fail "the default bf16 plan does not name this CPU's products"
 awk -v a="$(peak_of "$native")" -v b="$(peak_of "$copies")" 'BEGIN { exit !(b > a) }' ||
   fail "f32 copies should raise the bf16 peak: $(peak_of "$native") vs $(peak_of "$copies") MiB"
@@ -128,7 +132,7 @@ awk -v a="$(peak_of "$native")" -v m="$(peak_of "$amx")" -v b="$(peak_of "$copie
   fail "AMX's packed operands: expected native <= amx < f32 copies, got $(peak_of "$native") $(peak_of "$amx") $(peak_of "$copies") MiB"
 [[ $(peak_of "$capped") == $(peak_of "$copies") ]] || fail "capped $(peak_of "$capped") != f32 copies $(peak_of "$copies")"
 "$bin/tessera-plan" "${base[@]}" | grep -q "^bf16 matrix products" && fail "an f32 plan names bf16 products"
-expect_error "--bf16-products: expected cpu (as this CPU runs them), native, amx or f32, got 'avx'" \
+expect_error "--bf16-products: expected cpu (as this CPU runs them), native, amx, own or f32, got 'avx'" \
   "$bin/tessera-plan" "${bf16[@]}" --bf16-products avx
 expect_error "--bf16-products plans another CPU's memory; it does not go with --hardware" "$bin/tessera-plan" \
   "${bf16[@]}" --bf16-products f32 --hardware "$src/hardware/h100-sxm-node.toml"
