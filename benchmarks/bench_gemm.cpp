@@ -103,7 +103,8 @@ int main(int argc, char** argv) {
     std::printf("bf16 peaks: %.1f GFLOP/s AVX512-BF16 dot products (%.1f per thread), %.1f AMX tiles (%.1f per thread)\n",
                 dp_peak, dp_peak / num_threads(), amx_peak, amx_peak / num_threads());
   else
-    std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on f32 copies): not measured\n");
+    std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on the own f32 kernel, widened "
+                "as packed, with AVX2; on f32 copies elsewhere): no bf16 peak to measure\n");
   const bool amx_kernel = bf16 && cpu::bf16_gemm_amx() && cpu::has_peak_unit(cpu::PeakUnit::Amx);
   const bool own_kernel = cpu::sgemm_own_kernel_here();  // the f32 kernel of runtime/cpu/sgemm_kernel.h
   std::printf("f32 kernels timed: Tessera's choice (auto, by: which), each forced (oneDNN, OpenBLAS and, %s, "

@@ -7,7 +7,8 @@
 # THREADS: the thread counts to compare (default "1 2"); MODELS: layers x
 # width (default "4x256 8x512"); TORCH: a python with torch (default the
 # PyTorch 2.x of benchmarks/torch2.sh, installed on demand; /usr/bin/python3
-# for Debian's 1.13).
+# for Debian's 1.13); DTYPE: f32 (default) or bf16 (parameters, activations
+# and AdamW's state in bf16 on both sides).
 set -eu
 build=${1:-build}
 rounds=${2:-3}
@@ -24,15 +25,15 @@ for model in ${MODELS:-4x256 8x512}; do
   for threads in ${THREADS:-1 2}; do
     ours=(); theirs=()
     for r in $(seq "$rounds"); do
-      line=$(OMP_NUM_THREADS=$threads "$build/benchmarks/bench_step" 10 "$layers" "$width" | tail -1)
+      line=$(OMP_NUM_THREADS=$threads "$build/benchmarks/bench_step" 10 "$layers" "$width" "${DTYPE:-f32}" | tail -1)
       ours+=("$(echo "$line" | step_ms)")
       echo "tessera: $line"
-      line=$("$torch_py" "$here/torch_step.py" 10 "$threads" "$layers" "$width")
+      line=$("$torch_py" "$here/torch_step.py" 10 "$threads" "$layers" "$width" "${DTYPE:-f32}")
       theirs+=("$(echo "$line" | step_ms)")
       echo "pytorch: $line"
     done
     summary+=("$(awk -v m="$model" -v t="$threads" -v a="$(median "${ours[@]}")" -v b="$(median "${theirs[@]}")" \
-      'BEGIN { printf "%-6s %d thread(s): tessera %7.1f ms, pytorch %7.1f ms -> tessera is %.2fx as fast", m, t, a, b, b / a }')")
+      'BEGIN { printf "%-6s '"${DTYPE:-f32}"' %d thread(s): tessera %7.1f ms, pytorch %7.1f ms -> tessera is %.2fx as fast", m, t, a, b, b / a }')")
   done
 done
 echo "median step, $("$torch_py" -c 'import torch; print("torch", torch.__version__)'):"

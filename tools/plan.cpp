@@ -92,11 +92,10 @@ std::string bf16_products_assumed() {
     return cpu::amx_kernel_here() ? "bf16 (this CPU's AMX tiles: Tessera's kernel and oneDNN's)"
            : cpu::bf16_gemm_amx() ? "bf16 (this CPU's oneDNN AMX kernels)"
                                   : "bf16 (this CPU's oneDNN AVX512-BF16 kernels)";
-  if (cpu::bf16_on_own_kernel())
-    return "bf16 widened as Tessera's f32 kernel packs them (this CPU has neither AVX512-BF16 nor AMX for "
-           "oneDNN's bf16 GEMM)";
-  if (capped) return fmt::format("f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA={})", cap);
-  return "f32 copies (this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM, nor AVX2)";
+  const std::string why = capped ? fmt::format("oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA={}", cap)
+                                  : "this CPU has neither AVX512-BF16 nor AMX for oneDNN's bf16 GEMM";
+  if (cpu::bf16_on_own_kernel()) return fmt::format("bf16 widened as Tessera's f32 kernel packs them ({})", why);
+  return fmt::format("f32 copies ({}{})", why, capped ? "" : ", and its kernels run their AVX-512 or baseline copy");
 }
 
 }  // namespace

@@ -110,9 +110,10 @@ int main(int argc, char** argv) {
           "                     bf16 matrix products planned as this CPU runs them (cpu, the default: bf16\n"
           "                     where oneDNN has AVX512-BF16 or AMX kernels, else on Tessera's f32 kernel,\n"
           "                     else on f32 copies), or as another CPU would: native (oneDNN's AVX512-BF16\n"
-          "                     kernels), amx (AMX tiles: Tessera's kernel packs its operands), own (AVX2\n"
-          "                     or AVX-512 alone: the f32 kernel packs them, widened) or f32 (a CPU\n"
-          "                     without AVX2: the f32 copies add to a bf16 run's peak)\n");
+          "                     kernels), amx (AMX tiles: Tessera's kernel packs its operands), own (an\n"
+          "                     AVX2 CPU: Tessera's f32 kernel packs them widened, in the geometry of this\n"
+          "                     CPU's copy of it where it has one) or f32 (the f32 copies add to a bf16\n"
+          "                     run's peak)\n");
       return 0;
     }
     TS_CHECK(meta_kernels::bf16_products() == meta_kernels::Bf16Products::ThisCpu || (hardware.empty() && !time),

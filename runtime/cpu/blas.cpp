@@ -21,12 +21,13 @@
 // AMX kernel (brgemm) runs only on dense destinations, so on tiles of a wider
 // C it falls back to an older kernel; there Tessera's own AMX kernel
 // (runtime/cpu/amx.h) runs instead, 1.1-1.7x faster (bf16_on_amx). Where
-// oneDNN has no bf16 kernels but the avx2 or avx512 copy runs, bf16 products
-// run on the own f32 kernel, which widens the operands as it packs them and
-// rounds each result as it stores it (bf16_on_own_kernel): the f32 product's
-// bits, without the f32 copies of the operands and result the ops layer made
-// before. On the baseline copy they still run on those copies (the ops
-// layer converts: cpu::compute_dtype).
+// oneDNN has no bf16 kernels and the avx2 copy runs, bf16 products run on
+// the own f32 kernel, which widens the operands as it packs them and rounds
+// each result as it stores it (bf16_on_own_kernel): the f32 product's bits,
+// without the f32 copies of the operands and result the ops layer made
+// before. Elsewhere (the baseline copy; AVX-512 without AVX512-BF16, not
+// measured) they still run on those copies (the ops layer converts:
+// cpu::compute_dtype).
 //
 // Threads never change a result. oneDNN's own threading splits the k
 // dimension when it likes, so its results change with the number of threads
@@ -356,7 +357,6 @@ void gemm_on_amx(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, fl
 
 // ---- f32: Tessera's own kernel (sgemm_kernel.h) ---------------------------------
 
-// The active instruction-set copy's kernel, or null where it has none (baseline).
 // The own kernel's entries for operands and results of type T (f32, or bf16 widened as packed).
 template <class T>
 struct OwnEntries {
@@ -382,6 +382,7 @@ struct OwnKernel {
         {isa::sgemm_pack_a, isa::sgemm_pack_b, isa::sgemm_multiply}, isa::sgemm_partials         \
   }
 
+// The active instruction-set copy's kernel, or null where it has none (baseline).
 const OwnKernel* own_kernel() {
 #if defined(TESSERA_CPU_ISA_VARIANTS)
   static const OwnKernel avx2_kernel = TS_OWN_KERNEL(avx2);
@@ -601,9 +602,14 @@ bool sgemm_own_kernel_here() {
   return own_kernel() != nullptr;
 }
 
+// Auto: the AVX2 copy only, where it was measured (1.11-1.21x the bf16 step
+// on f32 copies, benchmarks/README.md). An AVX-512 CPU without AVX512-BF16
+// keeps the f32 copies: there oneDNN's f32 kernels beat the own one on most
+// shapes, and the trade against the copies was not measured.
 bool bf16_on_own_kernel() {
   if (own_kernel() == nullptr) return false;
-  return !bf16_gemm_native() || forced_bf16_path.load(std::memory_order_relaxed) == Bf16Path::Own;
+  if (forced_bf16_path.load(std::memory_order_relaxed) == Bf16Path::Own) return true;
+  return !bf16_gemm_native() && active_isa() == Isa::Avx2;
 }
 
 Bf16Kernel bf16_kernel(int64_t m, int64_t n, int64_t k) {
@@ -668,8 +674,8 @@ void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
   check_leading_dims("bf16gemm", trans_a, trans_b, m, n, k, lda, ldb, ldc);
   if (bf16_on_own_kernel())
     return gemm_on_own(*own_kernel(), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX) and "
-           "runs the {} copy, which has no own f32 kernel to widen them into; bf16 products run on f32 copies here "
+  TS_CHECK(bf16_gemm_native(), "bf16gemm: this CPU has no bf16 matrix kernels in oneDNN (AVX512-BF16 or AMX), and "
+           "its {} copy does not run bf16 products on the own f32 kernel; they run on f32 copies here "
            "(cpu::compute_dtype)", isa_name(active_isa()));
   if (bf16_on_amx(m, n, k))
     gemm_on_amx(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -27,18 +27,19 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // bf16 operands and result, products accumulated in f32 and rounded once.
 // Where bf16_gemm_native(): oneDNN has bf16 kernels for this CPU
-// (AVX512-BF16 or AMX, and TESSERA_CPU_ISA allows AVX-512). Elsewhere, where
-// the active copy has the own f32 kernel (AVX2, or AVX-512 without BF16:
-// bf16_on_own_kernel()), on it, the operands widened as they are packed and
+// (AVX512-BF16 or AMX, and TESSERA_CPU_ISA allows AVX-512). Where the AVX2
+// copy runs instead (bf16_on_own_kernel(); or forced: Bf16Path::Own), on the
+// own f32 kernel, the operands widened as they are packed and
 // each result rounded as it is stored: bit for bit the f32 product of the
 // widened operands on the own kernel, rounded once, with no f32 copy of an
-// operand or of C. It throws on the baseline copy (products there run on f32
-// copies: cpu::compute_dtype).
+// operand or of C. It throws elsewhere (the baseline copy, and AVX-512
+// without AVX512-BF16: products there run on f32 copies, cpu::compute_dtype).
 void bf16gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a,
               int64_t lda, const BFloat16* b, int64_t ldb, float beta, BFloat16* c, int64_t ldc);
 bool bf16_gemm_native();
 // Whether bf16 products run on the own f32 kernel now: where oneDNN has no
-// bf16 kernels and the active copy is AVX2 or AVX-512, or Bf16Path::Own forced.
+// bf16 kernels and the active copy is AVX2, or Bf16Path::Own forced (AVX2 or
+// AVX-512 copy).
 bool bf16_on_own_kernel();
 // Which kernel runs a bf16 product: oneDNN's pieces, Tessera's AMX kernel,
 // or the own f32 kernel on widened operands; bf16_kernel is this CPU's

@@ -190,7 +190,8 @@ void gemm(DType dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double
   // the allocator: a planned step holds them for the product's length, as a run does.
   if (!native_dtypes && (dtype == DType::F32 || dtype == DType::BF16)) {
     cpu::GemmScratch scratch =
-        cpu::gemm_scratch(dtype, ta, tb, m, n, k, bf16_kernel(m, n, k));
+        cpu::gemm_scratch(dtype, ta, tb, m, n, k,
+                          dtype == DType::BF16 ? bf16_kernel(m, n, k) : cpu::Bf16Kernel::Library);
     Tensor packed, parts;
     if (scratch.bf16_packed > 0) packed = empty({scratch.bf16_packed}, DType::BF16, Device::meta());
     if (scratch.f32_packed > 0) packed = empty({scratch.f32_packed}, DType::F32, Device::meta());

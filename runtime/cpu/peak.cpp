@@ -227,7 +227,7 @@ Peak measure_peak(PeakUnit unit, int threads) {
 }
 
 Peak measure_dtype_peak(DType dtype, int threads) {
-  if (dtype == DType::BF16 && bf16_gemm_native()) {  // else bf16 products run in f32
+  if (dtype == DType::BF16 && bf16_gemm_native() && !bf16_on_own_kernel()) {  // else bf16 products run in f32
     if (bf16_gemm_amx() && has_peak_unit(PeakUnit::Amx)) return measure_peak(PeakUnit::Amx, threads);
     if (has_peak_unit(PeakUnit::Bf16Dot)) return measure_peak(PeakUnit::Bf16Dot, threads);
   }

@@ -17,9 +17,9 @@ namespace cpu {
 // bf16/f16 as they are (read into f32 registers, or widened a block at a time
 // into per-thread scratch, rounded once on store: no f32 copy of the tensor;
 // statistics in f32), and so do matrix products of bf16 where oneDNN has bf16
-// kernels for this CPU (f32 accumulation, blas.cpp) or the active copy has
-// the own f32 kernel (AVX2, AVX-512), which widens them as it packs them
-// (bf16gemm). The other families
+// kernels for this CPU (f32 accumulation, blas.cpp) or bf16gemm runs them on
+// the own f32 kernel, which widens them as it packs them (the AVX2 copy:
+// bf16_on_own_kernel). The other families
 // (reductions, embedding gradients) compute in f32 (f64 for f64), but their
 // kernels read bf16/f16 where they lie: sums and embedding gradients widen
 // each element as they read it (sums_widen), argmax compares the values,

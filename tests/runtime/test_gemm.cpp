@@ -436,6 +436,8 @@ TEST_CASE("CPU bf16 gemm: f32 accumulation rounded once, every transpose, the sa
 // results past bf16's largest go through the vector rounding's special cases.
 TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands, rounded once",
           "[gemm][bf16][determinism]") {
+  // Auto: the AVX2 copy alone, where oneDNN has no bf16 kernels.
+  CHECK(cpu::bf16_on_own_kernel() == (!cpu::bf16_gemm_native() && cpu::active_isa() == cpu::Isa::Avx2));
   if (!cpu::sgemm_own_kernel_here()) {
     CHECK_FALSE(cpu::bf16_on_own_kernel());
     WARN("the kernels' baseline copy runs here: the own kernel's bf16 products were not run");
@@ -471,6 +473,14 @@ TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands
         differ += c[at].bits != want;
       }
     CHECK(differ == 0);
+    if (cpu::isa_supported(cpu::Isa::Avx2) && cpu::isa_supported(cpu::Isa::Avx512)) {  // the other copy's bits
+      const cpu::Isa saved = cpu::set_isa(cpu::active_isa() == cpu::Isa::Avx512 ? cpu::Isa::Avx2 : cpu::Isa::Avx512);
+      std::vector<BFloat16> other = o.c;
+      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
+                    o.ldb, static_cast<float>(cs.beta), other.data(), o.ldc);
+      cpu::set_isa(saved);
+      CHECK(std::memcmp(other.data(), c.data(), c.size() * sizeof(BFloat16)) == 0);
+    }
   };
   for (const Case& cs : random_cases(gen, 40)) check(cs, make_operands<BFloat16>(cs, gen));
   for (bool ta : {false, true})
@@ -493,6 +503,31 @@ TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands
   o.a[9 * o.lda + 4] = float_to_bf16(-std::numeric_limits<float>::infinity());
   for (int64_t kk = 0; kk < special.k; ++kk) o.a[11 * o.lda + kk] = float_to_bf16(3.0e38f);
   check(special, o);
+  // Chosen sums (k = 2, B's columns (1, 0), (1, 1) and (1.5, 0)): f32 results
+  // that round up to infinity (1.9921875 + 0.005859375 times 2^127: f32
+  // 0x7f7fc000, past bf16's largest finite value and the halfway point),
+  // ties to even in both directions ((1 + 2^-7) * 1.5 and (1 + 3 * 2^-7) *
+  // 1.5) and a sum just below a halfway point (1 + 2^-8 - 2^-15).
+  {
+    const Case chosen{false, false, 4, 3, 2, 0, 0, 0, 1.0, 0.0};
+    Operands<BFloat16> q = make_operands<BFloat16>(chosen, gen);
+    const float a_rows[4][2] = {{0x1.fep127f, 0x1.8p119f},  // bf16's largest (0x7f7f) and 0.005859375 * 2^127
+                                {0x1.02p0f, 0.0f},
+                                {0x1.06p0f, 0.0f},
+                                {1.0f, 0x1.fcp-9f}};  // 2^-8 - 2^-15
+    const float b_rows[2][3] = {{1.0f, 1.0f, 1.5f}, {0.0f, 1.0f, 0.0f}};
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t kk = 0; kk < 2; ++kk) q.a[i * q.lda + kk] = float_to_bf16(a_rows[i][kk]);
+    for (int64_t kk = 0; kk < 2; ++kk)
+      for (int64_t j = 0; j < 3; ++j) q.b[kk * q.ldb + j] = float_to_bf16(b_rows[kk][j]);
+    check(chosen, q);
+    std::vector<BFloat16> c(q.c.size());
+    cpu::bf16gemm(false, false, 4, 3, 2, 1.f, q.a.data(), q.lda, q.b.data(), q.ldb, 0.f, c.data(), q.ldc);
+    CHECK(c[0 * q.ldc + 1].bits == 0x7f80);  // +inf
+    CHECK(c[1 * q.ldc + 2].bits == float_to_bf16(0x1.84p0f).bits);  // 0x1.83p0, a tie: up to even
+    CHECK(c[2 * q.ldc + 2].bits == float_to_bf16(0x1.88p0f).bits);  // 0x1.89p0, a tie: down to even
+    CHECK(c[3 * q.ldc + 1].bits == float_to_bf16(1.0f).bits);  // below halfway: down
+  }
   // The same bits at any thread count, and called from a parallel loop.
   check_same_bits_at_any_thread_count<BFloat16>({{true, false, 513, 300, 700, 0, 0, 0, 1.0, 0.0},
                                                  {false, true, 1000, 260, 130, 0, 0, 0, -1.0, 0.5}},
@@ -507,6 +542,9 @@ TEST_CASE("bf16 linear on the own kernel reads its operands where they lie: no f
     return;
   }
   ForcedPath<cpu::Bf16Path, cpu::set_bf16_path> forced(cpu::Bf16Path::Own);
+  // The kernel's scratch grows with the threads (a row block of A each): two here.
+  const int saved_threads = num_threads();
+  set_num_threads(2);
   // 600 x 1000 @ 1000 x 700: f32 copies of x and w alone would take 5.2 MB.
   Tensor x = ops::to(randn({600, 1000}, 11), DType::BF16), w = ops::to(randn({700, 1000}, 12), DType::BF16);
   Tensor bias = ops::to(randn({700}, 13), DType::BF16);
@@ -516,11 +554,14 @@ TEST_CASE("bf16 linear on the own kernel reads its operands where they lie: no f
   y = Tensor();
   y = ops::linear(x, w, bias);
   const int64_t rise = memory_stats().peak_allocated_bytes - before;
+  // The new result takes the place of the old one: the rise is the kernel's
+  // packed f32 operands (B whole, a block of A per thread) alone, less than
+  // f32 copies of the operands would take.
   const cpu::GemmScratch scratch =
       cpu::gemm_scratch(DType::BF16, false, true, 600, 700, 1000, cpu::Bf16Kernel::Own);
-  // The bf16 result and the kernel's packed f32 operands (B whole, a block of A per thread) alone.
-  CHECK(rise <= 600 * 700 * 2 + scratch.f32_packed * 4);
-  CHECK(rise < 600 * 700 * 2 + (600 + 700) * 1000 * 4);
+  set_num_threads(saved_threads);
+  CHECK(rise == scratch.f32_packed * 4);
+  CHECK(rise < (600 + 700) * 1000 * 4);
   // And the numbers: the f32 product of the same values, rounded once.
   auto f = [](const Tensor& t) { return ops::to(t, DType::F32); };
   ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> own(cpu::SgemmPath::Own);

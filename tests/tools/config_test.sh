@@ -121,7 +121,7 @@ grep -q "^bf16 matrix products: in f32 copies (as a CPU without bf16 kernels or 
 grep -q "^bf16 matrix products: in f32 copies (oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=baseline)" \
   <<< "$capped" || fail "capped: $capped"
 "$bin/tessera-plan" "${bf16[@]}" |
-  grep -qE "^bf16 matrix products: in (bf16 \(this CPU's (AMX tiles|oneDNN (AMX|AVX512-BF16))|bf16 widened as Tessera's f32 kernel packs them \(this CPU has neither|f32 copies \((this CPU has neither|oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=))" ||
+  grep -qE "^bf16 matrix products: in (bf16 \(this CPU's (AMX tiles|oneDNN (AMX|AVX512-BF16))|bf16 widened as Tessera's f32 kernel packs them \((this CPU has neither|oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=)|f32 copies \((this CPU has neither|oneDNN has no bf16 GEMM kernels under TESSERA_CPU_ISA=))" ||
   fail "the default bf16 plan does not name this CPU's products"
 awk -v a="$(peak_of "$native")" -v b="$(peak_of "$copies")" 'BEGIN { exit !(b > a) }' ||
   fail "f32 copies should raise the bf16 peak: $(peak_of "$native") vs $(peak_of "$copies") MiB"
