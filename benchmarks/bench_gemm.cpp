@@ -17,7 +17,10 @@
 // pipes, and AMX's tile multiply (tdpbf16ps) where the CPU has AMX. Where
 // Tessera's own AMX kernel can run (runtime/cpu/amx.h), the same products on
 // it and on oneDNN's bf16 kernels, each forced, are timed beside the
-// automatic choice ("by": which of the two it made).
+// automatic choice ("by": which of the two it made). Where bf16 products run
+// on Tessera's f32 kernel instead (AVX2: operands widened as they are packed,
+// cpu::bf16_on_own_kernel), the bf16 column times them there ("by": f32own),
+// and the summary compares them with the f32 products through Tessera.
 #include <cblas.h>
 
 #include <algorithm>
@@ -105,6 +108,7 @@ int main(int argc, char** argv) {
   else
     std::printf("bf16: oneDNN has no bf16 kernels for this CPU (bf16 products run on the own f32 kernel, widened "
                 "as packed, with AVX2; on f32 copies elsewhere): no bf16 peak to measure\n");
+  const bool bf16_own = !bf16 && cpu::bf16_on_own_kernel(), bf16_timed = bf16 || bf16_own;
   const bool amx_kernel = bf16 && cpu::bf16_gemm_amx() && cpu::has_peak_unit(cpu::PeakUnit::Amx);
   const bool own_kernel = cpu::sgemm_own_kernel_here();  // the f32 kernel of runtime/cpu/sgemm_kernel.h
   std::printf("f32 kernels timed: Tessera's choice (auto, by: which), each forced (oneDNN, OpenBLAS and, %s, "
@@ -114,7 +118,7 @@ int main(int argc, char** argv) {
               "product", "op", "m", "n", "k", "tessera GF/s", "of peak", "by", "oneDNN", "OpenBLAS", "own",
               "of peak", "OB direct", "of peak", "bf16", "of dp", "of AMX", "by", "own AMX", "of AMX", "bf16 oneDNN",
               "of AMX");
-  double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9, worst_choice = 1e9;
+  double worst = 1e9, ratio_sum = 0, worst_bf16 = 1e9, worst_choice = 1e9, own_bf16_sum = 0;
   for (const Shape3& s : shapes) {
     Tensor a = operand(s.m, s.k, s.ta, 1), b = operand(s.k, s.n, s.tb, 2);
     Tensor a16 = operand(s.m, s.k, s.ta, 1), b16 = operand(s.k, s.n, s.tb, 2);
@@ -148,7 +152,7 @@ int main(int argc, char** argv) {
                     s.tb ? CblasTrans : CblasNoTrans, s.m, s.n, s.k, 1.0f, ap, lda, bp, ldb, 0.0f,
                     c.data<float>(), s.n);
       direct.push_back(flops * reps / seconds_since(t0) / 1e9);
-      if (bf16) {
+      if (bf16_timed) {
         t0 = std::chrono::steady_clock::now();
         for (int r = 0; r < 2 * reps; ++r) Tensor out = ops::matmul(a16, b16);
         low.push_back(flops * 2 * reps / seconds_since(t0) / 1e9);
@@ -164,9 +168,10 @@ int main(int argc, char** argv) {
       }
     }
     double mo = median(ours), mn = median(onednn), mb = median(openblas), mw = own_kernel ? median(own) : 0,
-           md = median(direct), ml = bf16 ? median(low) : 0,
+           md = median(direct), ml = bf16_timed ? median(low) : 0,
            mla = amx_kernel ? median(low_own) : 0, mlo = amx_kernel ? median(low_onednn) : 0;
-    const char* by = !bf16 ? "-" : cpu::bf16_on_amx(s.m, s.n, s.k) ? "own" : "oneDNN";
+    const char* by = bf16_own ? "f32own" : !bf16 ? "-" : cpu::bf16_on_amx(s.m, s.n, s.k) ? "own" : "oneDNN";
+    own_bf16_sum += bf16_own ? ml / mo : 0;
     const char* f32_by = cpu::sgemm_on_own_kernel(s.ta, s.tb, s.m, s.n, s.k) ? "own" : "library";
     worst = std::min(worst, mo / f32_peak);
     if (bf16) worst_bf16 = std::min(worst_bf16, ml / dp_peak);
@@ -186,4 +191,7 @@ int main(int argc, char** argv) {
   std::printf("Tessera's choice against the fastest f32 candidate (each forced, or OpenBLAS direct), lowest: %.2f\n",
               worst_choice);
   if (bf16) std::printf("lowest fraction of the AVX512-BF16 peak, bf16 through Tessera: %.2f\n", worst_bf16);
+  if (bf16_own)
+    std::printf("bf16 on the own f32 kernel against f32 through Tessera, mean: %.3f\n",
+                own_bf16_sum / static_cast<double>(shapes.size()));
 }
