@@ -54,8 +54,9 @@ bool bf16_gemm_amx();
 // grid's tiles of C (where it is not, oneDNN's own AMX kernel runs and
 // measured faster), else oneDNN's; the others force one, for tests and
 // benchmarks (Amx throws where the tiles cannot run, Own where the own f32
-// kernel cannot: baseline). Where oneDNN has none, the own f32 kernel runs
-// whatever the path. The choice depends on the shape and the CPU alone.
+// kernel cannot: baseline). Where oneDNN has none, the AVX2 copy runs the own
+// f32 kernel whatever the path (bf16_on_own_kernel). The choice depends on
+// the shape and the CPU alone.
 enum class Bf16Path { Auto, OneDnn, Amx, Own };
 Bf16Path set_bf16_path(Bf16Path path);  // returns the previous one
 // Whether bf16gemm runs a product of this shape on the AMX kernel now.
