@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "runtime/distributed.h"
@@ -220,14 +221,28 @@ double unigram_baseline(const std::vector<uint16_t>& train, const std::vector<ui
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> text_dataset(const std::vector<std::string>& files,
                                                                      const std::string& dir, const std::string& name,
                                                                      const BpeTokenizer* tokenizer) {
-  const std::string train_path = (std::filesystem::path(dir) / (name + "_train.bin")).string();
-  const std::string val_path = (std::filesystem::path(dir) / (name + "_val.bin")).string();
+  namespace fs = std::filesystem;
+  const std::string train_path = (fs::path(dir) / (name + "_train.bin")).string();
+  const std::string val_path = (fs::path(dir) / (name + "_val.bin")).string();
+  const fs::path source_path = fs::path(dir) / (name + ".source");
   std::string error;
-  if (dist::rank() == 0 && (!std::filesystem::exists(train_path) || !std::filesystem::exists(val_path))) {
+  if (dist::rank() == 0) {
     try {
-      std::printf("preparing %s: %zu text file(s) -> %s, %s\n", name.c_str(), files.size(), train_path.c_str(),
-                  val_path.c_str());
-      prepare_text_dataset(files, dir, name, 0.1, tokenizer);
+      // What the shards were prepared from: each text file's path and fingerprint, a line each.
+      std::string source;
+      for (const auto& f : files) source += fmt::format("{} {}\n", file_fingerprint(f), f);
+      const bool cached = fs::exists(train_path) && fs::exists(val_path);
+      std::string recorded;
+      if (cached && fs::is_regular_file(source_path)) {
+        std::ifstream in(source_path, std::ios::binary);
+        recorded.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      }
+      if (!cached || recorded != source) {
+        std::printf("preparing %s: %zu text file(s) -> %s, %s%s\n", name.c_str(), files.size(), train_path.c_str(),
+                    val_path.c_str(), cached ? " (those held tokens of other text: prepared again)" : "");
+        prepare_text_dataset(files, dir, name, 0.1, tokenizer);
+        std::ofstream(source_path, std::ios::binary | std::ios::trunc) << source;
+      }
     } catch (const std::exception& e) {
       error = e.what();
     }

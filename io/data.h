@@ -45,8 +45,10 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
 
 // The training and validation tokens of text files, as every rank of the job
 // needs them: <dir>/<name>_train.bin and _val.bin, prepared by rank 0 where
-// they are not there yet (the others wait; an error there is raised on
-// every rank), then read by each. What tessera-train's text datasets use.
+// they are not there yet, or were prepared from other text (the files'
+// fingerprints, recorded in <dir>/<name>.source, differ: another file of the
+// same name, or the file edited), then read by each (the others wait; an
+// error there is raised on every rank). What tessera-train's text datasets use.
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> text_dataset(const std::vector<std::string>& files,
                                                                      const std::string& dir, const std::string& name,
                                                                      const BpeTokenizer* tokenizer = nullptr);

@@ -111,12 +111,19 @@ int64_t first_free(const fs::path& folder, const std::string& prefix) {
 // would shadow or prune the other): refused before anything is written to the
 // folder, which then stays as it was.
 void refuse_other_runs_checkpoints(const tools::TrainConfig& c) {
-  if (!c.checkpoint.enable || c.checkpoint.resume) return;
   const std::string folder = out_path(c, c.checkpoint.folder), existing = fsdp::latest_checkpoint(folder);
-  TS_CHECK(existing.empty(),
+  TS_CHECK(!c.checkpoint.enable || c.checkpoint.resume || existing.empty(),
            "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to continue it, "
            "or choose another --checkpoint.folder or --job.dump_folder",
            folder, fs::path(existing).filename().string());
+  // Nor replace the tokenizer.json beside them that its checkpoints are read
+  // with (tessera-generate), with another.
+  const fs::path tokenizer = fs::path(c.job.dump_folder) / "tokenizer.json";
+  if (c.checkpoint.resume || c.training.tokenizer.empty() || !fs::exists(tokenizer)) return;
+  TS_CHECK(existing.empty() || io::file_fingerprint(tokenizer.string()) == io::file_fingerprint(c.training.tokenizer),
+           "{} holds a checkpoint of another run ({}), which was trained with the tokenizer in {}; this run's "
+           "training.tokenizer {} is another: choose another --job.dump_folder",
+           folder, fs::path(existing).filename().string(), tokenizer.string(), c.training.tokenizer);
 }
 
 // A new run (not a resume) into a folder that holds an earlier run's records
@@ -132,7 +139,9 @@ void keep_earlier_records(const tools::TrainConfig& c, bool every_rank) {
   fs::create_directories(to);
   for (const auto& f : record_files())
     if (fs::exists(folder / f)) fs::rename(folder / f, to / f);
-  std::printf("the earlier run's records in %s (status, metrics, config, plot, traces) moved to %s\n",
+  // Copied, not moved: the folder's checkpoints are read with it until another replaces it.
+  if (fs::is_regular_file(folder / "tokenizer.json")) fs::copy_file(folder / "tokenizer.json", to / "tokenizer.json");
+  std::printf("the earlier run's records in %s (status, metrics, config, plot, traces, tokenizer) moved to %s\n",
               folder.c_str(), to.c_str());
 }
 
@@ -379,8 +388,8 @@ void Trainer::prepare_data() {
   auto [train_tokens, val_tokens] = load_data(cfg_, tokenizer_ ? &*tokenizer_ : nullptr);
   for (auto [split, toks] : {std::pair{"training", &train_tokens}, {"validation", &val_tokens}}) {
     TS_CHECK(static_cast<int64_t>(toks->size()) > T_.seq_len + 1,
-             "training.seq_len ({}) needs windows of {} tokens, but the {} data ({}) has only {}",
-             T_.seq_len, T_.seq_len + 1, split, T_.dataset, toks->size());
+             "training.seq_len ({}) needs more than {} tokens (windows of {}), but the {} data ({}) has only {}",
+             T_.seq_len, T_.seq_len + 1, T_.seq_len + 1, split, T_.dataset, toks->size());
     for (uint16_t t : *toks)
       TS_CHECK(t < cfg_.model.vocab_size,
                "token {} in the {} data ({}) is outside model.vocab_size {}", t, split, T_.dataset,

@@ -526,4 +526,46 @@ expect_error "llm.c's Llama-3 format" "${mpi[@]}" -np 2 "$bin/tessera-train" "${
   --training.dataset shards --training.train_shard train.bin --training.val_shard llama3.bin --job.dump_folder llmc-np2
 echo "llm.c shards: read by tessera-data and tessera-train; bad ones rejected naming the file"
 
+# Text files of the same name, or a file edited: the cached shards
+# (data/<stem>_train.bin) are prepared again, never read as the other text's.
+mkdir -p same1 same2
+"$python" -c "
+import random; random.seed(1)
+open('same1/notes.txt','w').write(''.join(random.choice('abc \n') for _ in range(20000)))
+open('same2/notes.txt','w').write(''.join(random.choice('xyz0123456789 \n') for _ in range(40000)))"
+text=(--preset tiny --metrics.progress off --sample.max_new_tokens 0 --training.steps 1 --training.dataset text)
+tokens_of() { sed -nE 's/^data: ([0-9]+) train tokens.*/\1/p' "$1"; }
+"$bin/tessera-train" "${text[@]}" --training.text same1/notes.txt --job.dump_folder same-a > same-a.log
+"$bin/tessera-train" "${text[@]}" --training.text same2/notes.txt --job.dump_folder same-b > same-b.log
+grep -q "those held tokens of other text: prepared again" same-b.log || fail "other text reused the cache: $(cat same-b.log)"
+[[ $(tokens_of same-a.log) == 18000 && $(tokens_of same-b.log) == 36000 ]] ||
+  fail "train tokens $(tokens_of same-a.log) and $(tokens_of same-b.log), expected 18000 and 36000"
+echo "more" >> same2/notes.txt
+"$bin/tessera-train" "${text[@]}" --training.text same2/notes.txt --job.dump_folder same-c > same-c.log
+grep -q "prepared again" same-c.log || fail "an edited text reused the cache"
+"$bin/tessera-train" "${text[@]}" --training.text same2/notes.txt --job.dump_folder same-d > same-d.log
+grep -q "preparing" same-d.log && fail "the same text was prepared again"
+
+# A new run in a folder whose checkpoints were trained with another tokenizer
+# may not replace the tokenizer.json they are read with; the earlier run's
+# records keep a copy of it.
+"$python" - "$src/tests/fixtures/bpe/tokenizer.json" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1])); v = t['model']['vocab']
+letters = [c for c in 'abcdefghijklmnopqrstuvwxyz' if c in v]; ids = [v[c] for c in letters]
+for c, i in zip(letters, ids[1:] + ids[:1]): v[c] = i
+json.dump(t, open('rotated.json', 'w'))
+PY
+bpe_run=(--preset tiny --metrics.progress off --sample.max_new_tokens 0 --model.vocab_size 1024 --job.dump_folder tk)
+"$bin/tessera-train" "${bpe_run[@]}" --training.steps 2 --training.tokenizer "$src/tests/fixtures/bpe/tokenizer.json" \
+  --checkpoint.enable true --checkpoint.interval 2 > tk.log
+expect_error "tk/checkpoint holds a checkpoint of another run (step-00000002), which was trained with the tokenizer in tk/tokenizer.json" \
+  "$bin/tessera-train" "${bpe_run[@]}" --training.steps 1 --training.tokenizer rotated.json
+[[ ! -d tk/earlier ]] || fail "a refused run moved the records"
+cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "a refused run replaced tokenizer.json"
+"$bin/tessera-train" "${bpe_run[@]}" --training.steps 1 > tk2.log
+cmp -s tk/earlier/1/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "no copy of the tokenizer in earlier/1"
+cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "the checkpoints' tokenizer.json left the folder"
+echo "text caches and tokenizers: another text prepares its own tokens; a checkpoint's tokenizer is never replaced"
+
 echo "config_test: all passed"
