@@ -382,12 +382,12 @@ struct OwnKernel {
         {isa::sgemm_pack_a, isa::sgemm_pack_b, isa::sgemm_multiply}, isa::sgemm_partials         \
   }
 
-// The active instruction-set copy's kernel, or null where it has none (baseline).
-const OwnKernel* own_kernel() {
+// An instruction-set copy's kernel, or null where it has none (baseline).
+const OwnKernel* own_kernel(Isa isa) {
 #if defined(TESSERA_CPU_ISA_VARIANTS)
   static const OwnKernel avx2_kernel = TS_OWN_KERNEL(avx2);
   static const OwnKernel avx512_kernel = TS_OWN_KERNEL(avx512);
-  switch (active_isa()) {
+  switch (isa) {
     case Isa::Avx512: return &avx512_kernel;
     case Isa::Avx2: return &avx2_kernel;
     case Isa::Baseline: break;
@@ -395,6 +395,9 @@ const OwnKernel* own_kernel() {
 #endif
   return nullptr;
 }
+
+// The active copy's.
+const OwnKernel* own_kernel() { return own_kernel(active_isa()); }
 
 // What the own kernel takes from the allocator for a product: B packed
 // whole, and for each thread that can have a tile a row block of A packed
@@ -570,11 +573,7 @@ GemmScratch gemm_scratch(DType dtype, bool trans_a, bool trans_b, int64_t m, int
   const bool on_own = dtype == DType::F32 ? sgemm_on_own_kernel(trans_a, trans_b, m, n, k)
                                           : dtype == DType::BF16 && bf16 == Bf16Kernel::Own;
   if (on_own) {  // a CPU planned for may have the kernel where this one (baseline) has not: AVX2's then
-    const OwnKernel* kernel = own_kernel();
-#if defined(TESSERA_CPU_ISA_VARIANTS)
-    static const OwnKernel avx2_kernel = TS_OWN_KERNEL(avx2);
-    if (kernel == nullptr) kernel = &avx2_kernel;
-#endif
+    const OwnKernel* kernel = own_kernel() != nullptr ? own_kernel() : own_kernel(Isa::Avx2);
     TS_CHECK(kernel != nullptr, "gemm_scratch: this build has no copy of the own kernel");
     return {0, 0, own_scratch(*kernel, m, n, k).elements()};
   }

@@ -193,6 +193,20 @@ void for_each_bf16_path(F&& body) {
 
 // The same bits at 1, 2 and 3 threads (oneDNN's own threading changes them
 // with the thread count), and the right product.
+// Checks `result` against the same product on the kernels' other
+// instruction-set copy (AVX2 <-> AVX-512), bit for bit; false where the CPU
+// lacks one of them.
+template <class T>
+bool check_other_copy(const Case& cs, const Operands<T>& o, const std::vector<T>& result) {
+  if (!cpu::isa_supported(cpu::Isa::Avx2) || !cpu::isa_supported(cpu::Isa::Avx512)) return false;
+  const cpu::Isa saved = cpu::set_isa(cpu::active_isa() == cpu::Isa::Avx512 ? cpu::Isa::Avx2 : cpu::Isa::Avx512);
+  std::vector<T> other = o.c;
+  gemm(cs, o, other);
+  cpu::set_isa(saved);
+  CHECK(std::memcmp(other.data(), result.data(), result.size() * sizeof(T)) == 0);
+  return true;
+}
+
 template <class T>
 void check_same_bits_at_any_thread_count(const std::vector<Case>& cases, std::mt19937& gen) {
   int saved = num_threads();
@@ -317,15 +331,7 @@ TEST_CASE("the own f32 kernel: a result's bits depend on its row and column alon
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < cols; ++j) differ += block[i * cols + j] != whole[(r0 + i) * o.ldc + c0 + j];
     CHECK(differ == 0);
-    if (cpu::isa_supported(cpu::Isa::Avx2) && cpu::isa_supported(cpu::Isa::Avx512)) {
-      const cpu::Isa saved = cpu::set_isa(cpu::active_isa() == cpu::Isa::Avx512 ? cpu::Isa::Avx2 : cpu::Isa::Avx512);
-      std::vector<float> other = o.c;
-      gemm(cs, o, other);
-      cpu::set_isa(saved);
-      CHECK(std::memcmp(other.data(), whole.data(), whole.size() * sizeof(float)) == 0);
-    } else {
-      WARN("one of AVX2 and AVX-512 is missing here: the copies were not compared");
-    }
+    if (!check_other_copy(cs, o, whole)) WARN("one of AVX2 and AVX-512 is missing here: the copies were not compared");
   }
 }
 
@@ -457,8 +463,7 @@ TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands
     INFO("ta " << cs.ta << " tb " << cs.tb << " m " << cs.m << " n " << cs.n << " k " << cs.k << " alpha "
                << cs.alpha << " beta " << cs.beta);
     std::vector<BFloat16> c = o.c;
-    cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(), o.ldb,
-                  static_cast<float>(cs.beta), c.data(), o.ldc);
+    gemm(cs, o, c);
     std::vector<float> a32 = widen(o.a), b32 = widen(o.b), c32 = widen(o.c);
     {
       ForcedPath<cpu::SgemmPath, cpu::set_sgemm_path> own(cpu::SgemmPath::Own);
@@ -473,14 +478,7 @@ TEST_CASE("bf16 on the own kernel: the f32 kernel's bits on the widened operands
         differ += c[at].bits != want;
       }
     CHECK(differ == 0);
-    if (cpu::isa_supported(cpu::Isa::Avx2) && cpu::isa_supported(cpu::Isa::Avx512)) {  // the other copy's bits
-      const cpu::Isa saved = cpu::set_isa(cpu::active_isa() == cpu::Isa::Avx512 ? cpu::Isa::Avx2 : cpu::Isa::Avx512);
-      std::vector<BFloat16> other = o.c;
-      cpu::bf16gemm(cs.ta, cs.tb, cs.m, cs.n, cs.k, static_cast<float>(cs.alpha), o.a.data(), o.lda, o.b.data(),
-                    o.ldb, static_cast<float>(cs.beta), other.data(), o.ldc);
-      cpu::set_isa(saved);
-      CHECK(std::memcmp(other.data(), c.data(), c.size() * sizeof(BFloat16)) == 0);
-    }
+    check_other_copy(cs, o, c);
   };
   for (const Case& cs : random_cases(gen, 40)) check(cs, make_operands<BFloat16>(cs, gen));
   for (bool ta : {false, true})
