@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "runtime/json_scan.h"
@@ -224,6 +226,53 @@ void check_disjoint(const TensorInfo& info, const std::string& file) {
   }
 }
 
+// A tensor's placements as save_checkpoint writes them: "plain", or one
+// placement per mesh dimension, "(R, S(0))", a shard dimension inside the
+// tensor's rank ("S(0)x4": a blocked shard of 4 blocks). Partial tensors are
+// never saved. Informational (a reader follows the chunks), but a checkpoint
+// that cannot say how it was laid out is not one save_checkpoint wrote.
+void check_placements(const std::string& text, const TensorInfo& info, const std::string& file) {
+  if (text == "plain") return;
+  const std::string expected = "'plain' or '(' placements ')' such as '(R, S(0))'";
+  auto refuse = [&](const std::string& why) {
+    TS_CHECK(false, "{}: tensor '{}' has placements '{}': {} (expected {})", file, info.name,
+             text.substr(0, 80), why, expected);
+  };
+  if (text.size() < 3 || text.size() > 256 || text.front() != '(' || text.back() != ')')
+    refuse("not a parenthesised list");
+  // A non-negative integer at `at` of at most 9 digits; advances `at`.
+  auto number = [&](size_t& at) {
+    size_t start = at;
+    while (at < text.size() && at - start < 10 && std::isdigit(static_cast<unsigned char>(text[at]))) ++at;
+    if (at == start || at - start > 9) refuse("a shard dimension or block count is not a small integer");
+    return std::stoll(text.substr(start, at - start));
+  };
+  size_t at = 1, count = 0;
+  while (true) {
+    if (++count > 16) refuse("more than 16 mesh dimensions");
+    if (text[at] == 'R') {
+      ++at;
+    } else if (text.compare(at, 2, "S(") == 0) {
+      at += 2;
+      const int64_t dim = number(at);
+      if (text[at] != ')') refuse("a shard placement is not closed");
+      ++at;
+      if (dim >= static_cast<int64_t>(info.shape.size()))
+        refuse(fmt::format("dimension {} of a tensor of rank {}", dim, info.shape.size()));
+      if (text[at] == 'x' && number(++at) < 1) refuse("a blocked shard of no blocks");
+    } else if (text[at] == 'P') {
+      refuse("a Partial tensor (save_checkpoint reduces it first)");
+    } else {
+      refuse(fmt::format("unknown placement at character {}", at));
+    }
+    if (at >= text.size()) refuse("the list is not closed");
+    if (at == text.size() - 1) return;
+    if (text.compare(at, 2, ", ") != 0) refuse(fmt::format("expected ', ' at character {}", at));
+    at += 2;
+    if (at >= text.size() - 1) refuse("an empty placement");
+  }
+}
+
 // One entry of "tensors": name, dtype, shape, placements and chunks that
 // cover every element exactly once.
 TensorInfo parse_tensor(const json& t, const std::string& file) {
@@ -240,8 +289,12 @@ TensorInfo parse_tensor(const json& t, const std::string& file) {
   }
   TS_CHECK(t.contains("shape"), "{}: tensor '{}' has no shape", file, info.name);
   info.shape = read_shape(t["shape"], file, "shape of '" + info.name + "'");
-  if (t.contains("placements") && t["placements"].is_string())
+  if (t.contains("placements")) {
+    TS_CHECK(t["placements"].is_string(), "{}: tensor '{}' has placements of JSON type {} (expected a string)",
+             file, info.name, t["placements"].type_name());
     info.placements = t["placements"].get<std::string>();
+    check_placements(info.placements, info, file);
+  }
   TS_CHECK(t.contains("chunks") && t["chunks"].is_array(), "{}: tensor '{}' has no chunks", file,
            info.name);
   uint64_t covered = 0;
@@ -262,6 +315,7 @@ TensorInfo parse_tensor(const json& t, const std::string& file) {
 
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& file) {
   check_json_nesting(text, file);  // before anything copies or prints a value (its "extra" above all)
+  check_json_unique_keys(text, file);
   json md;
   try {
     md = json::parse(text);
@@ -285,7 +339,16 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
            "{}: world_size missing or invalid", file);
   out.world_size = md["world_size"].get<int>();
   TS_CHECK(md.contains("tensors") && md["tensors"].is_array(), "{}: tensors missing", file);
-  for (const auto& t : md["tensors"]) out.tensors.push_back(parse_tensor(t, file));
+  std::set<std::string> names;
+  for (const auto& t : md["tensors"]) {
+    out.tensors.push_back(parse_tensor(t, file));
+    TS_CHECK(names.insert(out.tensors.back().name).second,
+             "{}: tensor '{}' is described twice (entries {} and {} of tensors)", file, out.tensors.back().name,
+             std::find_if(out.tensors.begin(), out.tensors.end(),
+                          [&](const TensorInfo& i) { return i.name == out.tensors.back().name; }) -
+                 out.tensors.begin(),
+             out.tensors.size() - 1);
+  }
   if (md.contains("extra")) {
     TS_CHECK(md["extra"].is_object(), "{}: extra must be an object, got {}", file,
              md["extra"].type_name());
@@ -303,6 +366,10 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& fi
                file, out.rank_state.size(), r.dump());
       out.rank_state.push_back(r.dump());
     }
+    // save_checkpoint records one stream per rank that saved.
+    TS_CHECK(out.rank_state.size() == static_cast<size_t>(out.world_size),
+             "{}: rank_state holds {} ranks' random streams but the checkpoint was saved by world_size {}", file,
+             out.rank_state.size(), out.world_size);
   }
   return out;
 }
@@ -346,8 +413,12 @@ std::atomic<uint64_t> g_bytes_read{0};
 // chunk's size claims is allocated.
 void check_chunk_in_file(const fs::path& p, const TensorInfo& tensor, const ChunkInfo& chunk) {
   std::error_code ec;
+  TS_CHECK(fs::exists(p, ec), "{}: missing data file (tensor '{}')", p.string(), tensor.name);
+  // A pipe or a device in its place would block the reader or never end.
+  TS_CHECK(fs::is_regular_file(p, ec), "{}: the data file of tensor '{}' is not a regular file", p.string(),
+           tensor.name);
   uint64_t size = fs::file_size(p, ec);
-  TS_CHECK(!ec, "{}: missing data file (tensor '{}')", p.string(), tensor.name);
+  TS_CHECK(!ec, "{}: cannot read the data file of tensor '{}' ({})", p.string(), tensor.name, ec.message());
   TS_CHECK(chunk.bytes <= size && chunk.offset <= size - chunk.bytes,
            "{}: truncated: tensor '{}' needs bytes [{}, {}) but the file has {}", p.string(),
            tensor.name, chunk.offset, chunk.offset + chunk.bytes, size);
@@ -358,6 +429,7 @@ uint64_t checkpoint_bytes_read() { return g_bytes_read.load(); }
 
 Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkInfo& chunk) {
   fs::path p = fs::path(dir) / chunk.file;
+  check_chunk_in_file(p, tensor, chunk);  // before opening: a pipe blocks the open
   std::ifstream in(p, std::ios::binary);
   TS_CHECK(in.good(), "{}: missing data file (tensor '{}')", p.string(), tensor.name);
   char header[kDataHeaderBytes];
@@ -369,7 +441,6 @@ Tensor read_chunk(const std::string& dir, const TensorInfo& tensor, const ChunkI
   std::memcpy(&version, header + 8, 4);
   TS_CHECK(version == kFormatVersion, "{}: data file version {} (this build reads {})", p.string(),
            version, kFormatVersion);
-  check_chunk_in_file(p, tensor, chunk);
   Tensor t = empty(chunk.shape, tensor.dtype);
   if (chunk.bytes) {
     in.seekg(static_cast<std::streamoff>(chunk.offset));

@@ -21,6 +21,7 @@ std::vector<int64_t> generate(LanguageModel& model, const std::vector<int64_t>& 
   Device device = is_dtensor(first) ? local_tensor(first).device() : first.device();
   int64_t vocab = model.config.vocab_size;
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
+    if (opt.stop && opt.stop()) break;
     int64_t t = std::min<int64_t>(static_cast<int64_t>(ctx.size()), model.config.block_size);
     std::vector<int64_t> window(ctx.end() - t, ctx.end());
     Tensor logits = model(from_vector(window, {1, t}, device));

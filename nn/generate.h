@@ -1,6 +1,7 @@
 // Autoregressive sampling from a language model.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "nn/models.h"
@@ -12,6 +13,8 @@ struct SamplingOptions {
   double temperature = 1.0;  // 0: greedy (argmax)
   int64_t top_k = 0;         // 0: the whole vocabulary
   uint64_t seed = 0;         // the same seed gives the same tokens
+  // Asked before each token: true ends the sampling there (a stop signal).
+  std::function<bool()> stop = {};
 };
 
 // Appends sampled tokens to `prompt` (at least one token) and returns only the

@@ -67,6 +67,7 @@ std::vector<SafetensorsEntry> SafetensorsFile::parse_header(
     const std::string& text, uint64_t data_size, const std::string& file,
     std::map<std::string, std::string>* metadata) {
   check_json_nesting(text, file + ": the safetensors header");
+  check_json_unique_keys(text, file + ": the safetensors header");  // a tensor named twice
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);

@@ -1,7 +1,9 @@
 #include "runtime/json_scan.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
+#include <set>
 #include <vector>
 
 #include "runtime/check.h"
@@ -67,6 +69,82 @@ void check_json_nesting(std::string_view text, const std::string& what, int limi
   const JsonNesting n = json_nesting(text);
   TS_CHECK(n.depth <= limit, "{}: JSON nested {} levels deep (at {}); at most {} levels are read", what, n.depth,
            n.path, limit);
+}
+
+namespace {
+
+// A SAX reader that builds nothing: the keys of each open object, and where
+// it is, until a key comes twice.
+struct DuplicateKeys : nlohmann::json_sax<nlohmann::json> {
+  struct Open {
+    bool object = false;
+    std::set<std::string> keys;
+    std::string key;  // an object's current member
+    int64_t index = -1;  // an array's current element
+  };
+  std::vector<Open> open;
+  std::string found;
+
+  // Each value of an array is its next element.
+  void value() {
+    if (!open.empty() && !open.back().object) ++open.back().index;
+  }
+  // Where the innermost object (the one holding `last`) lies.
+  std::string path(const std::string& last) const {
+    std::string p;
+    for (size_t i = 0; i + 1 < open.size(); ++i)
+      p += open[i].object ? (p.empty() ? "" : ".") + open[i].key : fmt::format("[{}]", open[i].index);
+    return p.empty() ? fmt::format("'{}' at the top level", last) : fmt::format("'{}' in {}", last, p);
+  }
+  bool null() override { return value(), true; }
+  bool boolean(bool) override { return value(), true; }
+  bool number_integer(number_integer_t) override { return value(), true; }
+  bool number_unsigned(number_unsigned_t) override { return value(), true; }
+  bool number_float(number_float_t, const string_t&) override { return value(), true; }
+  bool string(string_t&) override { return value(), true; }
+  bool binary(binary_t&) override { return value(), true; }
+  bool start_object(std::size_t) override {
+    value();
+    open.push_back({true, {}, "", -1});
+    return true;
+  }
+  bool key(string_t& k) override {
+    if (!open.back().keys.insert(k).second) {
+      found = path(k);
+      return false;  // stops the parse
+    }
+    open.back().key = k;
+    return true;
+  }
+  bool end_object() override {
+    open.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    value();
+    open.push_back({false, {}, "", -1});
+    return true;
+  }
+  bool end_array() override {
+    open.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;
+  }
+};
+
+}  // namespace
+
+std::string json_duplicate_key(std::string_view text) {
+  DuplicateKeys sax;
+  nlohmann::json::sax_parse(text, &sax, nlohmann::json::input_format_t::json, /*strict=*/true);
+  return sax.found;
+}
+
+void check_json_unique_keys(std::string_view text, const std::string& what) {
+  const std::string dup = json_duplicate_key(text);
+  TS_CHECK(dup.empty(), "{}: the key {} appears twice (a reader would keep one of the two values)", what, dup);
 }
 
 }  // namespace tessera

@@ -28,4 +28,13 @@ inline constexpr int kMaxJsonDepth = 64;
 // are read" when `text` is deeper than `limit`.
 void check_json_nesting(std::string_view text, const std::string& what, int limit = kMaxJsonDepth);
 
+// The first key that one object of `text` names twice, as a path (`tensors[2].name`,
+// `model.vocab.a`), or "" when every object's keys are distinct (or the text
+// is not JSON: the parser says so next). A parser keeps one of the two values
+// without a word, so a reader of Tessera's files refuses the text.
+std::string json_duplicate_key(std::string_view text);
+
+// Throws "<what>: the key <path> appears twice" for such a text.
+void check_json_unique_keys(std::string_view text, const std::string& what);
+
 }  // namespace tessera

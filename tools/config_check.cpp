@@ -33,6 +33,12 @@ void not_empty(const char* key, const std::string& v) {
 
 CheckedInt key(const char* name, int64_t value) { return named(name, value); }
 
+// Bounds on work a number asks for, far above any use: a million batches
+// evaluate 16 billion tokens at the default sizes, and a sample is read by a
+// person. (A stop signal ends either early, too.)
+constexpr int64_t kMaxEvalBatches = 1'000'000;
+constexpr int64_t kMaxNewTokens = 1'000'000;
+
 }  // namespace
 
 void validate(const TrainConfig& c) {
@@ -86,6 +92,9 @@ void validate(const TrainConfig& c) {
   not_empty("training.data_dir", t.data_dir);
   at_least("training.eval_interval", t.eval_interval, 1, " (steps between validation runs)");
   at_least("training.eval_batches", t.eval_batches, 1);
+  TS_CHECK(t.eval_batches <= kMaxEvalBatches,
+           "training.eval_batches must be at most {} (batches per validation run), got {}", kMaxEvalBatches,
+           t.eval_batches);
   // What the run computes from these (token and sample counts, data positions) must fit in 64 bits.
   (void)(key("training.batch_size", t.batch_size) * key("training.seq_len", t.seq_len));
   (void)(key("training.steps", t.steps) * key("training.batch_size", t.batch_size));
@@ -224,6 +233,9 @@ void validate(const TrainConfig& c) {
            "profiling.trace_folder must not be empty when profiling.trace_steps is set");
 
   at_least("sample.max_new_tokens", c.sample.max_new_tokens, 0, " (0 = no sample)");
+  TS_CHECK(c.sample.max_new_tokens <= kMaxNewTokens,
+           "sample.max_new_tokens must be at most {} (tokens a sample prints), got {}", kMaxNewTokens,
+           c.sample.max_new_tokens);
   TS_CHECK(c.sample.temperature >= 0, "sample.temperature must be >= 0 (0 = greedy), got {}",
            c.sample.temperature);
   at_least("sample.top_k", c.sample.top_k, 0, " (0 = all tokens)");

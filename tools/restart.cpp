@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cctype>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -14,6 +15,9 @@ namespace tessera::tools {
 using json = nlohmann::json;
 
 int hostfile_slots(const std::string& path) {
+  std::error_code ec;
+  TS_CHECK(!std::filesystem::exists(path, ec) || std::filesystem::is_regular_file(path, ec),
+           "hostfile {}: not a regular file (a pipe or a device has no end to read to)", path);
   std::ifstream in(path);
   TS_CHECK(in.good(), "hostfile {}: cannot be read", path);
   int64_t total = 0;

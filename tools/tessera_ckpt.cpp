@@ -251,6 +251,7 @@ int to_safetensors(const std::vector<std::string>& args) {
                                           {"tessera_step", std::to_string(md.step)}};
   json extra = json::parse(md.extra_json);
   if (extra.contains("model")) meta["tessera_model"] = extra["model"].dump();
+  if (extra.contains("tokenizer")) meta["tessera_tokenizer"] = extra["tokenizer"].dump();  // tessera-generate's check
   nn::write_safetensors(
       out, entries,
       [&](size_t i) { return ops::to(fsdp::read_full_tensor(dir, *chosen[i]), entries[i].dtype); },
@@ -281,6 +282,29 @@ int from_safetensors(const std::vector<std::string>& args) {
   nn::SafetensorsFile f(args[0]);
   auto stored = f.metadata().find("tessera_model");
   json extra = {{"step", step}, {"source", args[0]}};
+  // What to-safetensors recorded: the step the weights were saved at (the
+  // checkpoint is --step's; a count that says otherwise is named) and the
+  // tokenizer they were trained with (kept for tessera-generate).
+  if (auto it = f.metadata().find("tessera_step"); it != f.metadata().end()) {
+    const std::string& saved = it->second;
+    const bool count = !saved.empty() && saved.size() <= 18 && saved.find_first_not_of("0123456789") == std::string::npos;
+    if (!count)
+      std::fprintf(stderr, "tessera-ckpt: warning: %s: tessera_step '%s' is not a step count; ignored\n",
+                   args[0].c_str(), saved.substr(0, 40).c_str());
+    else if (std::stoll(saved) != step)
+      std::fprintf(stderr,
+                   "tessera-ckpt: note: %s was saved at step %s; the checkpoint is step %lld (--step %s continues "
+                   "the count)\n",
+                   args[0].c_str(), saved.c_str(), static_cast<long long>(step), saved.c_str());
+  }
+  if (auto it = f.metadata().find("tessera_tokenizer"); it != f.metadata().end()) {
+    json record = json::parse(it->second, nullptr, false);
+    TS_CHECK(record.is_object() && record.contains("fingerprint") && record["fingerprint"].is_string() &&
+                 record.contains("vocab_size") && record["vocab_size"].is_number_unsigned(),
+             "{}: tessera_tokenizer must be {{\"fingerprint\": string, \"vocab_size\": integer >= 0}}, got '{}'", args[0],
+             it->second.substr(0, 80));
+    extra["tokenizer"] = record;
+  }
   // At step 0 tessera-train can start from it (--checkpoint.resume true: fresh optimizer, data from
   // the start).
   if (step == 0) extra["data"] = {{"next_micro_batch", 0}};

@@ -25,6 +25,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -301,11 +302,15 @@ std::pair<Tensor, Tensor> Trainer::train_step(int64_t step) {
     ++window_routed_steps_;
     last_routing_ = std::move(r.routing);
   }
-  // On a group of its own: on the world group it would queue behind the loss
-  // all-reduce, which starts only when the device has computed the loss.
-  if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
-  stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
+  stop_requested_ = agree_to_stop();
   return {r.loss, r.grad_norm};
+}
+
+// On a group of its own: on the world group it would queue behind the loss
+// all-reduce, which starts only when the device has computed the loss.
+bool Trainer::agree_to_stop() {
+  if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
+  return all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
 }
 
 // A pipelined step (pp/pipeline.h): this data-parallel rank's rows through
@@ -319,8 +324,7 @@ std::pair<Tensor, Tensor> Trainer::pipeline_step(int64_t step) {
   Tensor norm = pipe_->clip_grad_norm_(T_.max_norm);
   opt_->step();
   opt_->zero_grad();
-  if (world_ > 1 && !control_group_) control_group_ = dist::world()->split(0, rank_, "control");
-  stop_requested_ = all_reduce(stop_signal() != 0 ? 1.0 : 0.0, dist::ReduceOp::Max, control_group_) > 0;
+  stop_requested_ = agree_to_stop();
   return {loss, norm};
 }
 
@@ -344,6 +348,11 @@ double Trainer::evaluate() {
   model_->eval();
   double total = 0;
   for (int64_t i = 0; i < T_.eval_batches; ++i) {
+    if (agree_to_stop()) {  // a long evaluation ends at a stop signal, not after it
+      stop_requested_ = true;
+      model_->train();
+      return NAN;
+    }
     auto [x, y] = val_->eval_batch(i, micro_global_);  // the same windows at any world size
     Tensor lx = ops::contiguous(ops::narrow(x, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
     Tensor ly = ops::contiguous(ops::narrow(y, 0, dp_rank_ * micro_local_, micro_local_)).to(device_);
@@ -380,6 +389,8 @@ void Trainer::prepare_data() {
              "model.vocab_size ({}) is smaller than the vocabulary of training.tokenizer {} ({} "
              "tokens): set --model.vocab_size {} (or more, e.g. a multiple of 64)",
              cfg_.model.vocab_size, T_.tokenizer, tokenizer_->vocab_size(), tokenizer_->vocab_size());
+    tokenizer_record_ = {{"fingerprint", io::file_fingerprint(T_.tokenizer)},
+                         {"vocab_size", tokenizer_->vocab_size()}};
     // A copy in the run folder, where tessera-generate looks for it.
     fs::path copy = fs::path(cfg_.job.dump_folder) / "tokenizer.json";
     if (rank_ == 0 && (!fs::exists(copy) || !fs::equivalent(copy, T_.tokenizer)))
@@ -401,6 +412,15 @@ void Trainer::prepare_data() {
   val_ = std::make_unique<io::Loader>(std::move(val_tokens), T_.seq_len,
                                         static_cast<uint64_t>(cfg_.job.seed));
   curve_.baseline = baseline_;
+  // Evaluation reads the validation split's windows in order and wraps
+  // around past the last: more batches than windows read windows again.
+  const int64_t windows = (val_->num_tokens() - 1) / T_.seq_len;
+  if (T_.eval_batches * micro_global_ > windows)
+    say(fmt::format("note: training.eval_batches {} x {} sequences read {} windows, but the validation split has "
+                    "{} of training.seq_len {}: evaluation reads some more than once ({} batch{} read{} each once)",
+                    T_.eval_batches, micro_global_, T_.eval_batches * micro_global_, windows, T_.seq_len,
+                    std::max<int64_t>(1, windows / micro_global_), windows / micro_global_ > 1 ? "es" : "",
+                    windows / micro_global_ > 1 ? "" : "s"));
 }
 
 namespace {
@@ -428,10 +448,14 @@ void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start)
   if (!log_step) window_syncs_ += host_sync_count() - syncs_before;
   if (tracing) write_trace(step);
   window_tokens_ += T_.batch_size * T_.seq_len;
-  if ((step + 1) % T_.eval_interval == 0 || last) {
-    outside_window([&] { last_val_ = evaluate(); });
-    curve_.val.emplace_back(step + 1, last_val_);
-    if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
+  if (((step + 1) % T_.eval_interval == 0 || last) && !stop_requested_) {
+    double val = NAN;
+    outside_window([&] { val = evaluate(); });
+    if (!stop_requested_) {  // else the evaluation was cut short: nothing to record
+      last_val_ = val;
+      curve_.val.emplace_back(step + 1, last_val_);
+      if (rank_ == 0) jsonl_->write(json{{"step", step + 1}, {"val_loss", last_val_}}.dump());
+    }
   }
   if (log_step) {
     log_line(step + 1, loss, schedule_.lr_at(step), gnorm.item());  // read at log steps only
@@ -441,7 +465,7 @@ void Trainer::run_step(int64_t step, int64_t start, Clock::time_point run_start)
     progress_->update(step + 1, loss, done * static_cast<double>(T_.batch_size * T_.seq_len) / elapsed,
                       elapsed / done * static_cast<double>(T_.steps - step - 1));
   }
-  if (cfg_.sample.interval > 0 && (step + 1) % cfg_.sample.interval == 0 && !last)
+  if (cfg_.sample.interval > 0 && (step + 1) % cfg_.sample.interval == 0 && !last && !stop_requested_)
     outside_window([&] { sample(fmt::format("step {}", step + 1)); });
   bool checkpoint_due = (step + 1) % cfg_.checkpoint.interval == 0 || last;
   if (cfg_.checkpoint.enable && (checkpoint_due || stop_requested_)) outside_window([&] { save(step + 1); });
@@ -526,6 +550,15 @@ int Trainer::evaluate_only() {
   load_initial_weights(weights);
   const auto t0 = Clock::now();
   const double loss = evaluate();
+  if (stop_requested_) {  // cut short by SIGINT/SIGTERM: no loss to report
+    const int sig = stop_signal() != 0 ? stop_signal() : SIGTERM;
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    progress_->finish();
+    say(fmt::format("status: evaluation interrupted by {} (exit {})", name, 128 + sig));
+    if (rank_ == 0)
+      write_status(cfg_, {{"status", "interrupted"}, {"signal", name}, {"exit_code", 128 + sig}, {"eval_only", true}});
+    return 128 + sig;
+  }
   const int64_t tokens = T_.eval_batches * micro_global_ * T_.seq_len;
   const double gain = 100.0 * (baseline_ - loss) / baseline_;
   say(fmt::format("evaluation of {}: validation loss {:.4f} over {} tokens ({} batches of {} x {}) in {} | unigram "
@@ -560,9 +593,9 @@ void Trainer::finish(double total_s, int64_t start) {
     std::string path = out_path(cfg_, cfg_.checkpoint.export_safetensors);
     if (rank_ == 0 && fs::path(path).has_parent_path())
       fs::create_directories(fs::path(path).parent_path());
-    fsdp::save_safetensors(*model_, path,
-                           {{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}},
-                           tools::dtype_of(cfg_.checkpoint.export_dtype));
+    std::map<std::string, std::string> meta{{"format", "pt"}, {"tessera_model", tools::model_to_json(cfg_)}};
+    if (!tokenizer_record_.is_null()) meta["tessera_tokenizer"] = tokenizer_record_.dump();
+    fsdp::save_safetensors(*model_, path, meta, tools::dtype_of(cfg_.checkpoint.export_dtype));
     say(fmt::format("exported the model to {} ({})", path, cfg_.checkpoint.export_dtype));
   }
   if (rank_ == 0) {
@@ -600,16 +633,20 @@ void Trainer::sample(const std::string& when) {
   // Context parallelism: every rank generates the whole sequence (attention
   // over it alone, no K/V exchanged); the slices come back after.
   nn::WholeSequences whole({model_.get()});
+  // A stop signal ends a long sample at the next token (every rank asks, together).
+  bool stopped = false;
+  auto stop = [&] { return stopped = stopped || agree_to_stop(); };
   nn::generate(*model_, prompt,
                {cfg_.sample.max_new_tokens, cfg_.sample.temperature, cfg_.sample.top_k,
-                static_cast<uint64_t>(cfg_.job.seed)},
+                static_cast<uint64_t>(cfg_.job.seed), stop},
                [&](int64_t t) {
                  if (rank_ != 0) return;
                  const std::string text = io::token_text(tokenizer, t);
                  std::fwrite(text.data(), 1, text.size(), stdout);
                  std::fflush(stdout);
                });
-  if (rank_ == 0) std::printf("\n---\n");
+  if (stopped) stop_requested_ = true;
+  if (rank_ == 0) std::printf("\n---%s\n", stopped ? " (stopped by a signal)" : "");
 }
 
 namespace {

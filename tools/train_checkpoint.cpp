@@ -124,13 +124,15 @@ json Trainer::extra_state(int64_t step) {
   json losses = json::array(), vals = json::array();
   for (const auto& [s, l] : curve_.train) losses.push_back({s, l});
   for (const auto& [s, l] : curve_.val) vals.push_back({s, l});
-  return {{"step", step},
-          {"data", {{"next_micro_batch", step * T_.grad_accum}, {"seed", cfg_.job.seed}}},
-          {"lr_scheduler", {{"next_step", step}, {"lr", schedule_.lr_at(step)}}},
-          {"model", json::parse(tools::model_to_json(cfg_))},
-          {"config", tools::to_toml(cfg_)},
-          {"losses", losses},
-          {"val_losses", vals}};
+  json extra = {{"step", step},
+                {"data", {{"next_micro_batch", step * T_.grad_accum}, {"seed", cfg_.job.seed}}},
+                {"lr_scheduler", {{"next_step", step}, {"lr", schedule_.lr_at(step)}}},
+                {"model", json::parse(tools::model_to_json(cfg_))},
+                {"config", tools::to_toml(cfg_)},
+                {"losses", losses},
+                {"val_losses", vals}};
+  if (!tokenizer_record_.is_null()) extra["tokenizer"] = tokenizer_record_;
+  return extra;
 }
 
 // The stall a save costs the training loop, either way: from the call to the
@@ -269,6 +271,7 @@ int64_t Trainer::resume(const std::string& dir) {
         "--checkpoint.resume");
     throw;
   }
+  check_weights_finite(dir);
   for (const auto& p : extra.value("losses", json::array())) curve_.train.emplace_back(p[0], p[1]);
   for (const auto& p : extra.value("val_losses", json::array()))
     curve_.val.emplace_back(p[0], p[1]);
@@ -311,8 +314,30 @@ void Trainer::load_initial_weights(const std::string& path) {
                           : fmt::format(" (the weights were saved from another model: {})",
                                         fmt::join(diff, ", ")));
   }
+  check_weights_finite(source);
   say(opt_ ? fmt::format("initial weights from {}: step 0, a fresh optimizer and learning-rate schedule", source)
            : fmt::format("weights from {}", source));
+}
+
+void Trainer::check_weights_finite(const std::string& source) {
+  autograd::NoGradGuard no_grad;
+  std::vector<std::string> bad;
+  for (const auto& [name, p] : model_->named_parameters()) {
+    const Tensor local = is_dtensor(p) ? local_tensor(p) : p;
+    if (local.numel() > 0 && std::isnan(ops::sum(ops::mul(local, 0.0)).item()))  // x * 0 is NaN for NaN and inf
+      bad.push_back(name);
+  }
+  // Every rank refuses if any found one (a replicated tensor is found on each of its ranks).
+  const bool any = all_reduce(static_cast<double>(bad.size()), dist::ReduceOp::Max) > 0;
+  TS_CHECK(!any,
+           "{}: {}: a run from them diverges at its first step (a checkpoint saved after the loss diverged? resume "
+           "from an earlier one with --checkpoint.load_step)",
+           source,
+           bad.empty() ? "weight tensors on other ranks hold NaN or infinite values"
+                       : fmt::format("{} weight tensor{} NaN or infinite values, {}{}", bad.size(),
+                                     bad.size() == 1 ? " holds" : "s hold",
+                                     fmt::join(bad.begin(), bad.begin() + std::min<size_t>(bad.size(), 3), ", "),
+                                     bad.size() > 3 ? ", ..." : ""));
 }
 
 // The checkpoint a resume continues from: the latest, or checkpoint.load_step's,

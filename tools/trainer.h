@@ -60,6 +60,10 @@ class Trainer {
   int64_t resume(const std::string& dir);
   void check_resume_config(const std::string& dir, const json& extra, int64_t step);
   void load_initial_weights(const std::string& path);
+  // Refuses weights with NaN or infinite values (every rank learns the total,
+  // so none goes on to a collective alone): a run from them diverges at its
+  // first step, and a sample is noise.
+  void check_weights_finite(const std::string& source);
   void save(int64_t step);
   void open_outputs();
   void prepare_data();
@@ -75,7 +79,13 @@ class Trainer {
   // Reads the losses of the steps since the last read (one host sync) into
   // the curve; throws if any is not finite. Returns the newest.
   double read_losses();
+  // The mean validation loss over training.eval_batches, or NaN when a stop
+  // signal came first (stop_requested_ is then set): every rank checks before
+  // each batch, together.
   double evaluate();
+  // Whether any rank was asked to stop (SIGINT/SIGTERM): a host all-reduce on
+  // the control group, which every rank makes at the same point.
+  bool agree_to_stop();
   void log_line(int64_t step, double loss, double lr, double gnorm);
   void finish(double total_s, int64_t start);  // start: the first step this run trained
   void sample(const std::string& when);
@@ -107,6 +117,9 @@ class Trainer {
   optim::LRSchedule schedule_;
   std::unique_ptr<io::Loader> train_, val_;
   std::optional<io::BpeTokenizer> tokenizer_;  // training.tokenizer, if set
+  // What the checkpoints and the exported file record of it (tessera-generate
+  // refuses to read their ids as byte tokens): {"fingerprint", "vocab_size"}.
+  json tokenizer_record_;
   double baseline_ = 0;
   int64_t micro_global_ = 0, micro_local_ = 0;
   std::unique_ptr<tools::Progress> progress_;

@@ -25,6 +25,7 @@
 #include "nn/safetensors.h"
 #include "runtime/allocator.h"
 #include "runtime/json_scan.h"
+#include "runtime/random.h"
 #include "tests/helpers.h"
 #include "tools/config.h"
 #include "tools/hardware.h"
@@ -399,4 +400,104 @@ latency_us = 5
     INFO(want);
     refused([&] { tools::parse_hardware(text, "h.toml"); }, {"hardware file 'h.toml'", want});
   }
+}
+
+TEST_CASE("class 9: a key or a tensor named twice is refused, naming it and where", "[hostile][json]") {
+  // json_duplicate_key decodes the keys (an escape spells the same key) and
+  // compares them object by object, at any depth.
+  CHECK(json_duplicate_key(R"({"a": 1, "b": {"a": 2}, "c": [{"a": 3}, {"a": 4}]})").empty());
+  CHECK(json_duplicate_key(R"({"a": 1, "b": 2, "a": 3})") == "'a' at the top level");
+  CHECK(json_duplicate_key(R"({"a": 1, "\u0061": 3})") == "'a' at the top level");
+  CHECK(json_duplicate_key(R"({"m": {"x": {"k": 1, "k": 2}}})") == "'k' in m.x");
+  CHECK(json_duplicate_key(R"({"t": [{"n": 1}, [0, {"n": 1, "n": 2}]]})") == "'n' in t[1][1]");
+  CHECK(json_duplicate_key(R"([1, 2, {"x": [], "x": {}}])") == "'x' in [2]");
+  CHECK(json_duplicate_key("not json").empty());  // the parser refuses it next
+
+  // A safetensors header naming a tensor twice: two spans for one name.
+  const std::string header = R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+    "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})";
+  refused([&] { nn::SafetensorsFile::parse_header(header, 8, "x.safetensors", nullptr); },
+          {"x.safetensors: the safetensors header: the key 'w' at the top level appears twice"});
+
+  // Checkpoint metadata: a key twice, or one tensor described twice.
+  const auto tensor = [](const std::string& name, const std::string& placements = "\"plain\"") {
+    return fmt::format(R"({{"name": "{}", "dtype": "f32", "shape": [2, 3], "placements": {},
+      "chunks": [{{"file": "rank-00000.bin", "offset": 16, "bytes": 24, "crc32c": 0, "offsets": [0, 0],
+                   "shape": [2, 3]}}]}})",
+                       name, placements);
+  };
+  const auto metadata = [](const std::string& tensors, const std::string& more = "") {
+    return fmt::format(R"({{"magic": "tessera-checkpoint", "version": 1, "step": 3, "world_size": 2,
+      "tensors": [{}]{}}})",
+                       tensors, more);
+  };
+  CHECK(fsdp::parse_metadata(metadata(tensor("w")), "m.json").tensors.size() == 1);
+  refused([&] { fsdp::parse_metadata(metadata(tensor("w"), R"(, "step": 9)"), "m.json"); },
+          {"m.json: the key 'step' at the top level appears twice"});
+  refused([&] { fsdp::parse_metadata(metadata(tensor("w") + ", " + tensor("v") + ", " + tensor("w")), "m.json"); },
+          {"m.json: tensor 'w' is described twice (entries 0 and 2 of tensors)"});
+
+  // rank_state holds one random stream per rank that saved.
+  const std::string stream = R"({"seed": 1, "offset": 0})";
+  CHECK(fsdp::parse_metadata(metadata(tensor("w"), fmt::format(R"(, "rank_state": [{0}, {0}])", stream)), "m.json")
+            .rank_state.size() == 2);
+  for (const std::string& streams : {fmt::format("[{}]", stream), fmt::format("[{0}, {0}, {0}]", stream)})
+    refused([&] { fsdp::parse_metadata(metadata(tensor("w"), R"(, "rank_state": )" + streams), "m.json"); },
+            {"m.json: rank_state holds", "ranks' random streams but the checkpoint was saved by world_size 2"});
+}
+
+TEST_CASE("class 10: placements are ones save_checkpoint writes; a data file that is no file is refused",
+          "[hostile][checkpoint]") {
+  const auto with = [](const std::string& placements) {
+    return fmt::format(R"({{"magic": "tessera-checkpoint", "version": 1, "step": 0, "world_size": 1,
+      "tensors": [{{"name": "w", "dtype": "f32", "shape": [2, 3], "placements": {},
+      "chunks": [{{"file": "rank-00000.bin", "offset": 16, "bytes": 24, "crc32c": 0, "offsets": [0, 0],
+                   "shape": [2, 3]}}]}}]}})",
+                       placements);
+  };
+  for (const char* good : {"plain", "(R)", "(S(0))", "(S(1))", "(R, S(0))", "(S(1), R, S(0)x4)", "(S(0)x1)"}) {
+    INFO(good);
+    CHECK(fsdp::parse_metadata(with(fmt::format("\"{}\"", good)), "m.json").tensors[0].placements == good);
+  }
+  for (auto [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"\"(S(2))\"", "dimension 2 of a tensor of rank 2"},
+           {"\"(R, P(sum))\"", "a Partial tensor"},
+           {"\"(Q)\"", "unknown placement at character 1"},
+           {"\"S(0)\"", "not a parenthesised list"},
+           {"\"()\"", "not a parenthesised list"},
+           {"\"(R,S(0))\"", "expected ', ' at character 2"},
+           {"\"(R, )\"", "an empty placement"},
+           {"\"(S(0)\"", "the list is not closed"},
+           {"\"(S(-1))\"", "not a small integer"},
+           {"\"(S(12345678901))\"", "not a small integer"},
+           {"\"(S(0)x0)\"", "a blocked shard of no blocks"},
+           {"\"(S(0)x)\"", "not a small integer"},
+           {"\"(S(0\"", "not a parenthesised list"},
+           {"\"(S(0]\"", "not a parenthesised list"},
+           {"\"(S(0x)\"", "a shard placement is not closed"},
+           {"\"plain \"", "not a parenthesised list"},
+           {"\"\"", "not a parenthesised list"},
+           {"\"(R, R, R, R, R, R, R, R, R, R, R, R, R, R, R, R, R)\"", "more than 16 mesh dimensions"},
+           {"[\"R\"]", "placements of JSON type array (expected a string)"},
+           {"0", "placements of JSON type number"}}) {
+    INFO(bad);
+    refused([&] { fsdp::parse_metadata(with(bad), "m.json"); }, {"m.json: tensor 'w'", why});
+  }
+
+  // A pipe in place of a data file blocks whoever opens it to read: refused
+  // before the open (this test would hang otherwise).
+  TempDir dir;
+  const std::string folder = (dir.path / "ck").string();
+  Tensor w = randn({5, 3}, 7);
+  const std::string saved = fsdp::save_checkpoint(folder, 4, nn::StateDict{{"w", w}}, "{}");
+  const fsdp::CheckpointMetadata md = fsdp::read_metadata(saved);
+  CHECK(testing::equal(fsdp::read_full_tensor(saved, md.tensors[0]), w));
+  const fs::path data = fs::path(saved) / md.tensors[0].chunks[0].file;
+  fs::remove(data);
+  REQUIRE(::mkfifo(data.c_str(), 0644) == 0);
+  refused([&] { fsdp::read_full_tensor(saved, md.tensors[0]); },
+          {data.string(), "the data file of tensor 'w' is not a regular file"});
+  refused([&] { fsdp::read_chunk(saved, md.tensors[0], md.tensors[0].chunks[0]); }, {"is not a regular file"});
+  fs::remove(data);
+  refused([&] { fsdp::read_full_tensor(saved, md.tensors[0]); }, {data.string(), "missing data file (tensor 'w')"});
 }

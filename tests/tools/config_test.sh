@@ -56,7 +56,11 @@ bad "model.vocab_size x model.n_embd = 4611686018427387904 x 64 overflows" \
 bad "model.n_embd = 4294967296 x" --model.n_embd 4294967296 --model.n_head 1
 bad "training.steps x training.batch_size = 9223372036854775807 x 8 overflows" \
   --training.steps 9223372036854775807
-bad "training.eval_batches x training.batch_size" --training.eval_batches 4611686018427387904
+bad "training.eval_batches must be at most 1000000 (batches per validation run), got 4611686018427387904" \
+  --training.eval_batches 4611686018427387904
+bad "training.eval_batches must be at most 1000000" --training.eval_batches 1000001
+bad "sample.max_new_tokens must be at most 1000000 (tokens a sample prints), got 1000001" \
+  --sample.max_new_tokens 1000001
 bad "model.n_layer x" --model.n_layer 4611686018427387904
 bad "the planned peak does not fit: each rank needs" --model.n_embd 65536
 bad "the model and batch cannot fit in memory: each rank needs at least" --model.n_embd 65536 \
@@ -567,5 +571,124 @@ cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "a ref
 cmp -s tk/earlier/1/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "no copy of the tokenizer in earlier/1"
 cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "the checkpoints' tokenizer.json left the folder"
 echo "text caches and tokenizers: another text prepares its own tokens; a checkpoint's tokenizer is never replaced"
+
+echo "== the fourth probe: a tokenizer's ids never read as bytes, non-finite weights, a stop signal in evaluation"
+# A run with a tokenizer records its fingerprint in each checkpoint and in the
+# exported file: without a tokenizer.json beside them tessera-generate refuses
+# (the ids are not bytes); another tokenizer file is named in a warning.
+"$bin/tessera-generate" --checkpoint tk/checkpoint --sample.max_new_tokens 3 --sample.prompt "the" > tk-gen.out 2> tk-gen.err ||
+  fail "tessera-generate on a BPE run's checkpoint: $(cat tk-gen.err)"
+grep -q "tokenizer .*tk/tokenizer.json" tk-gen.err || fail "the run folder's tokenizer was not used: $(cat tk-gen.err)"
+mkdir -p alone && cp -r tk/checkpoint alone/
+"$bin/tessera-ckpt" to-safetensors tk/checkpoint alone/tk.safetensors > /dev/null
+for weights in alone/checkpoint alone/tk.safetensors; do
+  expect_error "was trained with a tokenizer (" "$bin/tessera-generate" --checkpoint $weights --sample.max_new_tokens 3
+done
+"$bin/tessera-ckpt" from-safetensors alone/tk.safetensors alone/from-st > /dev/null 2>&1
+expect_error "was trained with a tokenizer (" "$bin/tessera-generate" --checkpoint alone/from-st --sample.max_new_tokens 3
+"$bin/tessera-generate" --checkpoint alone/checkpoint --tokenizer rotated.json --sample.max_new_tokens 3 \
+  > /dev/null 2> rotated.err || fail "tessera-generate --tokenizer rotated.json: $(cat rotated.err)"
+grep -q "rotated.json is not the tokenizer file the model was trained with" rotated.err ||
+  fail "another tokenizer was not named: $(cat rotated.err)"
+"$bin/tessera-generate" --checkpoint alone/checkpoint --tokenizer tk/tokenizer.json --sample.max_new_tokens 3 \
+  > /dev/null 2> same.err
+! grep -q "warning" same.err || fail "the run's own tokenizer drew a warning: $(cat same.err)"
+
+# NaN or infinite weights are refused by every tool that uses them, at 2
+# ranks too (every rank learns the count: none waits alone in a collective).
+"$bin/tessera-ckpt" to-safetensors folders/ck-aside finite.safetensors > /dev/null
+"$python" - finite.safetensors nan.safetensors inf.safetensors <<'PY'
+import json, struct, sys
+data = open(sys.argv[1], 'rb').read()
+n = struct.unpack('<Q', data[:8])[0]
+header = json.loads(data[8:8 + n])
+name = sorted(k for k in header if k != '__metadata__' and header[k]['dtype'] == 'F32')[0]
+at = 8 + n + header[name]['data_offsets'][0] + 4 * 5  # the sixth element
+for path, value in ((sys.argv[2], float('nan')), (sys.argv[3], float('-inf'))):
+    open(path, 'wb').write(data[:at] + struct.pack('<f', value) + data[at + 4:])
+print(name)
+PY
+for f in nan inf; do
+  expect_error "weight tensor holds NaN or infinite values" "$bin/tessera-generate" --checkpoint $f.safetensors
+  expect_error "$f.safetensors: 1 weight tensor holds NaN or infinite values" timeout 120 "$bin/tessera-train" \
+    "${base[@]}" --training.steps 1 --checkpoint.initial_load_path $f.safetensors --job.dump_folder run-$f
+done
+expect_error "1 weight tensor holds NaN or infinite values" timeout 120 "${mpi[@]}" -np 2 "$bin/tessera-train" \
+  "${base[@]}" --training.steps 1 --checkpoint.initial_load_path nan.safetensors --job.dump_folder run-nan2
+"$bin/tessera-ckpt" from-safetensors nan.safetensors nan-ckpt > /dev/null 2>&1
+expect_error "weight tensor holds NaN or infinite values" "$bin/tessera-generate" --checkpoint nan-ckpt
+expect_error "weight tensor holds NaN or infinite values" "$bin/tessera-train" "${base[@]}" --eval-only \
+  --checkpoint.initial_load_path nan-ckpt --job.dump_folder eval-nan
+
+# The step to-safetensors records: a note when another is chosen, a warning for one that is no count.
+"$bin/tessera-ckpt" from-safetensors finite.safetensors st-ckpt > st.log 2>&1
+grep -q "was saved at step 2; the checkpoint is step 0 (--step 2 continues the count)" st.log ||
+  fail "from-safetensors did not name the saved step: $(cat st.log)"
+"$python" - finite.safetensors badstep.safetensors <<'PY'
+import json, struct, sys
+data = open(sys.argv[1], 'rb').read()
+n = struct.unpack('<Q', data[:8])[0]
+header = json.loads(data[8:8 + n])
+header['__metadata__']['tessera_step'] = '2.5e3'
+text = json.dumps(header).encode()
+text += b' ' * ((8 - len(text) % 8) % 8)
+open(sys.argv[2], 'wb').write(struct.pack('<Q', len(text)) + text + data[8 + n:])
+PY
+"$bin/tessera-ckpt" from-safetensors badstep.safetensors badstep-ckpt > badstep.log 2>&1 ||
+  fail "from-safetensors refused a file for its tessera_step: $(cat badstep.log)"
+grep -q "tessera_step '2.5e3' is not a step count; ignored" badstep.log || fail "tessera_step: $(cat badstep.log)"
+
+# A pipe in place of a checkpoint's data file: refused, not waited on.
+cp -r folders/ck-aside fifo-ck
+data=$(ls fifo-ck/step-*/rank-00000.bin | head -1)
+rm "$data" && mkfifo "$data"
+expect_error "is not a regular file" timeout 30 "$bin/tessera-generate" --checkpoint fifo-ck
+expect_error "is not a regular file" timeout 30 "$bin/tessera-ckpt" to-safetensors fifo-ck fifo.safetensors
+
+# A stop signal during evaluation ends it at the next batch: --eval-only exits
+# 130 with the status interrupted; a training run saves its checkpoint and
+# records no validation loss for the cut evaluation. More batches than the
+# validation split has windows are named.
+wait_for() {  # wait_for PATTERN FILE: up to 60 s
+  for _ in $(seq 600); do grep -q -- "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
+  fail "no '$1' in $2: $(cat "$2")"
+}
+"$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.initial_load_path folders/ck-aside --training.eval_batches 1000000 \
+  --job.dump_folder evalstop > evalstop.log 2>&1 &
+pid=$!
+wait_for "^weights from" evalstop.log
+sleep 1
+start=$SECONDS
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[[ $rc == 130 ]] || fail "eval-only + SIGINT: exit $rc: $(tail -3 evalstop.log)"
+(( SECONDS - start < 20 )) || fail "eval-only took $((SECONDS - start)) s to stop"
+grep -q "status: evaluation interrupted by SIGINT (exit 130)" evalstop.log || fail "eval-only: $(tail -3 evalstop.log)"
+grep -q '"status": "interrupted"' evalstop/status.json || fail "eval-only: status $(cat evalstop/status.json)"
+grep -q "note: training.eval_batches 1000000 x [0-9]* sequences read [0-9]* windows, but the validation split has" \
+  evalstop.log || fail "the wrap-around was not named: $(cat evalstop.log)"
+"$bin/tessera-train" "${base[@]}" --training.steps 5 --training.eval_interval 1 --training.eval_batches 1000000 \
+  --checkpoint.enable true --job.dump_folder evaltrain > evaltrain.log 2>&1 &
+pid=$!
+wait_for "^model" evaltrain.log
+sleep 2
+kill -TERM $pid
+rc=0; wait $pid || rc=$?
+[[ $rc == 143 ]] || fail "training + SIGTERM in evaluation: exit $rc: $(tail -3 evaltrain.log)"
+grep -q "interrupted (SIGINT/SIGTERM) after step 1: checkpoint saved" evaltrain.log || fail "$(tail -3 evaltrain.log)"
+[[ -f evaltrain/checkpoint/step-00000001/metadata.json ]] || fail "no checkpoint at step 1: $(ls -R evaltrain)"
+! grep -q val_loss evaltrain/metrics.jsonl || fail "a cut evaluation was recorded: $(grep val_loss evaltrain/metrics.jsonl)"
+# And a long sample at the end of a run: stopped at the next token; the run completed.
+"$bin/tessera-train" "${base[@]}" --training.steps 1 --sample.max_new_tokens 1000000 --sample.prompt "a" \
+  --job.dump_folder samplestop > samplestop.log 2>&1 &
+pid=$!
+wait_for "^--- sample" samplestop.log
+sleep 1
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[[ $rc == 0 ]] || fail "SIGINT in the final sample: exit $rc: $(tail -3 samplestop.log)"
+grep -q "^--- (stopped by a signal)" samplestop.log || fail "the sample did not stop: $(tail -c 300 samplestop.log)"
+grep -q '"status": "completed"' samplestop/status.json || fail "sample stop: status $(cat samplestop/status.json)"
+echo "tokenizer records, non-finite weights, tessera_step, a pipe as data file, stop signals in evaluation and samples"
 
 echo "config_test: all passed"
