@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 
 #include "autograd/tape.h"
 #include "runtime/ops.h"
@@ -104,6 +105,14 @@ Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+// A pre-norm block's residual step: {x + residual, layer_norm (rms_norm) of
+// it}, the sum and its norm made in one pass over each row where the device
+// has the fused kernel (llm.c's fused residual forward); the bits of the two
+// ops either way, forward and backward.
+std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                         const Tensor& bias, double eps = 1e-5);
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                       double eps = 1e-6);
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 // Mean cross-entropy of logits [N, C] against i64 targets [N]; ignored targets
 // do not count (a batch with every target ignored gives 0, not NaN).

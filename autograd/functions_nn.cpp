@@ -180,6 +180,44 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return r.y;
 }
 
+namespace {
+
+// The sum is saved detached (a node's closure holding its own output would
+// keep both alive) and is what the norm's backward reads, as it would read
+// the unfused norm's input. The sum's gradient is the one that reaches it
+// from later ops plus the norm's: the tape adds the two the same way.
+std::pair<Tensor, Tensor> add_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                   const Tensor& bias, double eps, bool rms) {
+  ops::AddNormResult r =
+      rms ? ops::add_rms_norm(x, residual, weight, eps) : ops::add_layer_norm(x, residual, weight, bias, eps);
+  if (should_record({x, residual, weight, bias})) {
+    bool want_w = weight.defined() && weight.requires_grad();
+    bool want_wb = want_w || (bias.defined() && bias.requires_grad());
+    Tensor sum = autograd::detach(r.sum), mean = r.norm.mean, rstd = r.norm.rstd;
+    record(rms ? "add_rms_norm" : "add_layer_norm", {x, residual, weight, bias}, {r.sum, r.norm.y},
+           [sum, weight, mean, rstd, rms, want_w, want_wb](const TensorList& g) {
+             ops::NormGrads d = rms ? ops::rms_norm_backward(g[1], sum, weight, rstd, want_w)
+                                    : ops::layer_norm_backward(g[1], sum, weight, mean, rstd, want_wb);
+             ops::add_(d.dx, g[0]);
+             return TensorList{d.dx, d.dx, d.dweight, d.dbias};
+           });
+  }
+  return {r.sum, r.norm.y};
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                         const Tensor& bias, double eps) {
+  TS_PROFILE("add_layer_norm");
+  return add_norm(x, residual, weight, bias, eps, false);
+}
+
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+  TS_PROFILE("add_rms_norm");
+  return add_norm(x, residual, weight, Tensor(), eps, true);
+}
+
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   TS_PROFILE("embedding");
   Tensor y = ops::embedding(weight, indices);

@@ -6,7 +6,8 @@
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
 // GELU's passes (bias_gelu) against the bias in the product and GELU apart,
 // alternating, in f32 and bf16 (the ratio: above 1, the fused is faster);
-// last AdamW's step and clipping's scale over the default model's 52
+// the residual add and layer norm apart and fused (add_layer_norm), the same
+// way; last AdamW's step and clipping's scale over the default model's 52
 // parameters against the same elements in one flat buffer, alternating (the
 // ratio: above 1, the flat buffer is faster).
 //   OMP_NUM_THREADS=1 build/benchmarks/bench_kernels
@@ -39,6 +40,20 @@ double median_ms(F&& f, int reps) {
 }
 
 void row(const char* name, double ms) { std::printf("%-40s %9.3f ms\n", name, ms); }
+
+// Two ways of the same work, alternating 15 rounds (each the median of
+// `reps` calls): the medians of their rounds.
+template <class F, class G>
+std::pair<double, double> alternate_ms(F&& first, G&& second, int reps) {
+  std::vector<double> a, b;
+  for (int round = 0; round < 15; ++round) {
+    a.push_back(median_ms(first, reps));
+    b.push_back(median_ms(second, reps));
+  }
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  return {a[a.size() / 2], b[b.size() / 2]};
+}
 
 }  // namespace
 
@@ -106,17 +121,29 @@ int main() {
       ops::bias_gelu(h, bfc, false);
       ops::linear_backward(ops::bias_gelu_backward(gy, h, bfc, false)[0], xs, wfc, {true, true, false});
     };
-    std::vector<double> a, b;
-    for (int round = 0; round < 15; ++round) {
-      a.push_back(median_ms(unfused, 5));
-      b.push_back(median_ms(fused, 5));
-    }
-    std::sort(a.begin(), a.end());
-    std::sort(b.begin(), b.end());
-    const double ua = a[a.size() / 2], fb = b[b.size() / 2];
+    const auto [ua, fb] = alternate_ms(unfused, fused, 5);
     std::printf("c_fc + gelu fwd+bwd %-4s unfused %8.3f ms, fused %8.3f ms -> ratio %.3f\n", dtype_name(dt), ua, fb,
                 ua / fb);
   }
+  // A pre-norm block's residual add and the norm after it, forward (their
+  // backward is the same either way): add, then layer_norm (rms_norm),
+  // against add_layer_norm (add_rms_norm), alternating, at the default model's rows and width, the
+  // 8 x 512 model's and GPT-2's.
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t width : {256, 512, 768}) {
+      Tensor xr = ops::to(randn({1024, width}, 17), dt), rr = ops::to(randn({1024, width}, 18), dt);
+      Tensor wr = ops::to(randn({width}, 19), dt), br = ops::to(randn({width}, 20), dt);
+      for (bool rms : {false, true}) {
+        auto unfused = [&] {
+          Tensor h = ops::add(xr, rr);
+          rms ? ops::rms_norm(h, wr, 1e-5) : ops::layer_norm(h, wr, br, 1e-5);
+        };
+        auto fused = [&] { rms ? ops::add_rms_norm(xr, rr, wr, 1e-5) : ops::add_layer_norm(xr, rr, wr, br, 1e-5); };
+        const auto [ua, fb] = alternate_ms(unfused, fused, 21);
+        std::printf("add + %-10s [1024, %lld] %-4s unfused %7.3f ms, fused %7.3f ms -> ratio %.3f\n",
+                    rms ? "rms_norm" : "layer_norm", static_cast<long long>(width), dtype_name(dt), ua, fb, ua / fb);
+      }
+    }
   // The default bench_step model's parameters (4 layers of width 256, 256
   // tokens, 128 positions): 52 tensors, 3.3M elements; and one flat buffer.
   std::vector<Shape> shapes = {{256, 256}, {128, 256}, {256}, {256}};
@@ -147,14 +174,7 @@ int main() {
     auto scale = [&](Set& set) { ops::scale_(set.g, coef); };
     auto adamw = [&](Set& set) { ops::adamw_(set.p, set.g, set.m, set.v, {1e-3, 0.9, 0.95, 1e-8, 0.1, ++step}); };
     for (auto [name, op] : {std::pair<const char*, std::function<void(Set&)>>{"scale_", scale}, {"adamw_", adamw}}) {
-      std::vector<double> a, b;
-      for (int round = 0; round < 15; ++round) {
-        a.push_back(median_ms([&] { op(many); }, 5));
-        b.push_back(median_ms([&] { op(flat); }, 5));
-      }
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      const double ma = a[a.size() / 2], fb = b[b.size() / 2];
+      const auto [ma, fb] = alternate_ms([&] { op(many); }, [&] { op(flat); }, 5);
       std::printf("%s %-4s %zu tensors %8.3f ms, flat %8.3f ms -> ratio %.3f\n", name, dtype_name(dt), shapes.size(),
                   ma, fb, ma / fb);
     }

@@ -54,6 +54,12 @@ LayerNorm::LayerNorm(int64_t dim, double eps_, bool has_bias, Device device, DTy
 
 Tensor LayerNorm::forward(const Tensor& x) { return layer_norm(x, weight, bias, eps); }
 
+std::pair<Tensor, Tensor> LayerNorm::forward_add(const Tensor& x, const Tensor& residual) {
+  if (!has_forward_hooks()) return add_layer_norm(x, residual, weight, bias, eps);
+  Tensor sum = x + residual;
+  return {sum, (*this)(sum)};
+}
+
 void LayerNorm::reset_parameters(uint64_t, const std::string&) {
   ops::fill_(weight, 1.0);
   if (bias.defined()) ops::zero_(bias);
@@ -65,6 +71,12 @@ RMSNorm::RMSNorm(int64_t dim, double eps_, Device device, DType dtype)
 }
 
 Tensor RMSNorm::forward(const Tensor& x) { return rms_norm(x, weight, eps); }
+
+std::pair<Tensor, Tensor> RMSNorm::forward_add(const Tensor& x, const Tensor& residual) {
+  if (!has_forward_hooks()) return add_rms_norm(x, residual, weight, eps);
+  Tensor sum = x + residual;
+  return {sum, (*this)(sum)};
+}
 
 void RMSNorm::reset_parameters(uint64_t, const std::string&) { ops::fill_(weight, 1.0); }
 

@@ -47,6 +47,10 @@ class LayerNorm : public Module {
   LayerNorm(int64_t dim, double eps = 1e-5, bool bias = true, Device device = Device::cpu(),
             DType dtype = DType::F32);
   Tensor forward(const Tensor& x) override;
+  // A pre-norm block's residual step: {x + residual, this norm of it}, made
+  // in one pass (add_layer_norm). A module with hooks is called on the sum
+  // instead, so that its hooks see their one input as always.
+  std::pair<Tensor, Tensor> forward_add(const Tensor& x, const Tensor& residual);
   void reset_parameters(uint64_t seed, const std::string& prefix) override;
   std::string type_name() const override { return "LayerNorm"; }
 
@@ -59,6 +63,8 @@ class RMSNorm : public Module {
  public:
   RMSNorm(int64_t dim, double eps = 1e-6, Device device = Device::cpu(), DType dtype = DType::F32);
   Tensor forward(const Tensor& x) override;
+  // {x + residual, this norm of it}, as LayerNorm's.
+  std::pair<Tensor, Tensor> forward_add(const Tensor& x, const Tensor& residual);
   void reset_parameters(uint64_t seed, const std::string& prefix) override;
   std::string type_name() const override { return "RMSNorm"; }
 

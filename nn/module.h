@@ -133,6 +133,9 @@ class Module {
   HookId register_forward_pre_hook(ForwardPreHook hook, bool prepend = false);
   HookId register_forward_hook(ForwardHook hook, bool prepend = false);
   void remove_hook(HookId id);
+  // Whether calling this module runs hooks (a forward that bypasses
+  // operator() for a fused path must not skip them).
+  bool has_forward_hooks() const { return !pre_hooks_.empty() || !post_hooks_.empty(); }
 
   // State attached by a higher layer (FSDP keeps its state here).
   std::shared_ptr<ModuleExtension> extension;

@@ -276,8 +276,8 @@ GPTBlock::GPTBlock(const TransformerConfig& cfg, Device device)
 }
 
 Tensor GPTBlock::body(const Tensor& x) {
-  Tensor h = x + (*attn)((*ln_1)(x));
-  return h + (*mlp)((*ln_2)(h));
+  auto [h, normed] = ln_2->forward_add(x, (*attn)((*ln_1)(x)));
+  return h + (*mlp)(normed);
 }
 
 Tensor GPTBlock::forward(const Tensor& x) {
@@ -295,8 +295,7 @@ LlamaBlock::LlamaBlock(const TransformerConfig& cfg, Device device, int64_t laye
 }
 
 Tensor LlamaBlock::body(const Tensor& x) {
-  Tensor h = x + (*self_attn)((*input_layernorm)(x));
-  Tensor normed = (*post_attention_layernorm)(h);
+  auto [h, normed] = post_attention_layernorm->forward_add(x, (*self_attn)((*input_layernorm)(x)));
   return h + (moe ? (*moe)(normed) : (*mlp)(normed));
 }
 

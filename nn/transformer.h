@@ -184,7 +184,8 @@ class LlamaAttention : public Module {
   RotaryTables rotary_;
 };
 
-// x + attn(ln_1(x)), then + mlp(ln_2(x)).
+// h = x + attn(ln_1(x)), then h + mlp(ln_2(h)); h and ln_2(h) made in one
+// pass (LayerNorm::forward_add).
 class GPTBlock : public Module {
  public:
   GPTBlock(const TransformerConfig& cfg, Device device);

@@ -122,6 +122,12 @@
          (const ops::NormGrads& g, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,      \
           const Tensor& rstd, bool rms))                                                                        \
   OP(rms_norm, Norm) OP(rms_norm_backward, Norm)                                                                \
+  /* a pre-norm block's residual step: sum = x + residual (rounded to x's dtype, as add rounds it), then r =    \
+     the norm of sum, as layer_norm gives it, each row normalised while it is in cache; x, residual and sum     \
+     of one shape and dtype. DTensors never reach it: on them it is add, then the norm (runtime/ops_nn.cpp) */  \
+  CPU_KERNEL(add_layer_norm, Kernel, Norm,                                                                      \
+             (const ops::NormResult& r, const Tensor& sum, const Tensor& x, const Tensor& residual,             \
+              const Tensor& w, const Tensor& b, double eps, bool rms))                                          \
   /* ---- embedding and loss ---- */                                                                            \
   KERNEL(embedding, EmbeddingLoss, Embedding, (const Tensor& out, const Tensor& weight, const Tensor& indices))  \
   /* gw [num, d] (zeroed, f32 or f64) += grad's rows [count, d] at their indices: grad in gw's dtype, or        \

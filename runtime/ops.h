@@ -169,6 +169,17 @@ NormGrads layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& w
 NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps);
 NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                             const Tensor& rstd, bool need_weight_grad);
+// A pre-norm block's residual step: sum = x + residual, then its layer norm
+// (RMS norm): the bits of add, then the norm, computed in one pass over each
+// row where the device has the fused kernel (the add_layer_norm row of
+// runtime/op_list.h). The backward is the norm's, at sum.
+struct AddNormResult {
+  Tensor sum;
+  NormResult norm;
+};
+AddNormResult add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                             double eps);
+AddNormResult add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps);
 
 // weight [V, D], indices i32/i64 of any shape -> [..., D]. Out-of-range indices throw.
 Tensor embedding(const Tensor& weight, const Tensor& indices);

@@ -400,6 +400,42 @@ NormGrads rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
   return norm_backward(dy, x, weight, Tensor(), rstd, need_weight_grad, false, true);
 }
 
+namespace {
+AddNormResult add_norm_forward(const Tensor& x, const Tensor& residual, const Tensor& w, const Tensor& b,
+                               double eps, bool rms) {
+  const char* op = rms ? "add_rms_norm" : "add_layer_norm";
+  auto unfused = [&] {
+    Tensor sum = add(x, residual);
+    return AddNormResult{sum, norm_forward(sum, w, b, eps, rms)};
+  };
+  if (intercepts({&x, &residual, &w, &b})) return unfused();  // a DTensor: the two ops' rules
+  check_norm_args(x, w, b, op);
+  check_pair(x, residual, op);
+  TS_CHECK(residual.shape() == x.shape(), "{}: residual {} is not shaped as input {}", op,
+           shape_str(residual.shape()), shape_str(x.shape()));
+  // A device without the fused kernel, or computing x's dtype in another, runs the two ops.
+  Kernels k = dispatch(x.device());
+  if (!k.supports(OpId::add_layer_norm) || k.compute_dtype(kNorm, x.dtype()) != x.dtype()) return unfused();
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  const DType sd = stats_dtype(x.dtype());
+  AddNormResult r{empty(x.shape(), x.dtype(), x.device()),
+                  {empty(x.shape(), x.dtype(), x.device()), rms ? Tensor() : empty(rows, sd, x.device()),
+                   empty(rows, sd, x.device())}};
+  k.add_layer_norm(r.norm, r.sum, contiguous(x), contiguous(residual), w.defined() ? contiguous(w) : Tensor(),
+                   b.defined() ? contiguous(b) : Tensor(), eps, rms);
+  return r;
+}
+}  // namespace
+
+AddNormResult add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                             double eps) {
+  return add_norm_forward(x, residual, weight, bias, eps, false);
+}
+
+AddNormResult add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+  return add_norm_forward(x, residual, weight, Tensor(), eps, true);
+}
+
 // ---- embedding, cross-entropy -------------------------------------------------
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {

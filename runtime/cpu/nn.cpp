@@ -1,10 +1,11 @@
 // Fused neural-network kernels over rows of the last dim: softmax, layer/RMS
-// norm, embedding, cross-entropy, rotary embedding. Softmax, the norms and
-// cross-entropy take bf16/f16 as they are: each element is read into
-// an f32 register and each result rounded once on store, so they equal the f32
-// kernel on a widened copy rounded afterwards, bit for bit, without the copy
-// (the norms' statistics and the per-row losses stay f32). RoPE computes on
-// f32 copies (its cos/sin tables would be rounded to bf16 otherwise).
+// norm (with a residual add before it or not), embedding, cross-entropy,
+// rotary embedding. Softmax, the norms and cross-entropy take bf16/f16 as
+// they are: each element is read into an f32 register and each result
+// rounded once on store, so they equal the f32 kernel on a widened copy
+// rounded afterwards, bit for bit, without the copy (the norms' statistics
+// and the per-row losses stay f32). RoPE computes on f32 copies (its cos/sin
+// tables would be rounded to bf16 otherwise).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -89,13 +90,19 @@ void softmax_backward(const Tensor& gx, const Tensor& gy, const Tensor& y, bool 
   });
 }
 
-void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, const Tensor& b,
-                double eps, bool rms) {
+namespace {
+// The norm of each row of x; with a residual, of each row of x + residual,
+// which is first written to `sum` (rounded as add rounds it) and normalised
+// from there while it is in cache: the bits of add, then the norm.
+void norm_rows(const ops::NormResult& res, const Tensor& sum, const Tensor& x, const Tensor& residual,
+               const Tensor& w, const Tensor& b, double eps, bool rms, const char* name) {
   int64_t rows = rows_of(x), n = x.size(-1);
-  dispatch_floating(x.dtype(), rms ? "rms_norm" : "layer_norm", [&](auto tag) {
+  dispatch_floating(x.dtype(), name, [&](auto tag) {
     using S = decltype(tag);
     using T = Compute<S>;
     const S* px = x.data<S>();
+    const S* pres = residual.defined() ? residual.data<S>() : nullptr;
+    S* psum = residual.defined() ? sum.data<S>() : nullptr;
     const S* pw = w.defined() ? w.data<S>() : nullptr;
     const S* pb = b.defined() ? b.data<S>() : nullptr;
     S* py = res.y.data<S>();
@@ -105,15 +112,44 @@ void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, co
       for (int64_t r = r0; r < r1; ++r) {
         const S* xr = px + r * n;
         S* yr = py + r * n;
-        double mean = 0;
-        if (!rms)
+        auto square = [](double d) { return d * d; };
+        // The mean (RMS's mean square) of the row; with a residual, of the
+        // sum. In f32 and f64 the sum is written as it is made and summed in
+        // the same pass (in lane_sum's order either way, so the same bits);
+        // bf16 and f16 sums are written first, in a loop of their own (their
+        // rounding inside lane_sum's loop ran 2x slower than the two ops,
+        // bench_kernels), and summed from cache.
+        double mean = 0, var = 0;
+        bool have_mean = rms, have_var = false;  // RMS: the mean is taken as 0
+        if (pres) {
+          const S* rr = pres + r * n;
+          S* sr = psum + r * n;
+          if constexpr (std::is_same_v<S, T>) {
+            auto sum_at = [xr, rr, sr](int64_t j) {
+              const S v = xr[j] + rr[j];
+              sr[j] = v;
+              return static_cast<double>(v);
+            };
+            if (rms) {
+              var = lane_sum<double>(n, [&](int64_t j) { return square(sum_at(j)); }) / static_cast<double>(n);
+              have_var = true;
+            } else {
+              mean = lane_sum<double>(n, sum_at) / static_cast<double>(n);
+              have_mean = true;
+            }
+          } else {
+            for (int64_t j = 0; j < n; ++j) sr[j] = store<S>(load(xr[j]) + load(rr[j]));
+          }
+          xr = sr;
+        }
+        if (!have_mean)
           mean = lane_sum<double>(n, [xr](int64_t j) { return static_cast<double>(load(xr[j])); }) /
                  static_cast<double>(n);
-        double var = lane_sum<double>(n, [xr, mean](int64_t j) {
-                       double d = static_cast<double>(load(xr[j])) - mean;
-                       return d * d;
-                     }) /
-                     static_cast<double>(n);
+        if (!have_var)
+          var = lane_sum<double>(n, [xr, mean, square](int64_t j) {
+                  return square(static_cast<double>(load(xr[j])) - mean);
+                }) /
+                static_cast<double>(n);
         T rstd = static_cast<T>(1.0 / std::sqrt(var + eps));
         T m = static_cast<T>(mean);
         if (pmean) pmean[r] = m;
@@ -127,6 +163,17 @@ void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, co
       }
     });
   });
+}
+}  // namespace
+
+void layer_norm(const ops::NormResult& res, const Tensor& x, const Tensor& w, const Tensor& b,
+                double eps, bool rms) {
+  norm_rows(res, Tensor(), x, Tensor(), w, b, eps, rms, rms ? "rms_norm" : "layer_norm");
+}
+
+void add_layer_norm(const ops::NormResult& res, const Tensor& sum, const Tensor& x, const Tensor& residual,
+                    const Tensor& w, const Tensor& b, double eps, bool rms) {
+  norm_rows(res, sum, x, residual, w, b, eps, rms, rms ? "add_rms_norm" : "add_layer_norm");
 }
 
 void layer_norm_backward(const ops::NormGrads& g, const Tensor& dy, const Tensor& x,

@@ -327,6 +327,75 @@ TEST_CASE("swiglu: central differences, and the bits of silu then mul in every d
                     Catch::Contains("swiglu: expected floating-point tensors, got i64"));
 }
 
+TEST_CASE("add_layer_norm, add_rms_norm: central differences; the bits of add then the norm, forward and "
+          "backward, in every dtype and on async_cpu", "[gradcheck][add_norm]") {
+  // Both outputs feed the loss, as in a block (the sum goes on down the
+  // residual stream): the sum's gradient is the later ops' plus the norm's.
+  auto both = [](const std::pair<Tensor, Tensor>& r) { return sum(r.first * r.first) + sum(r.second); };
+  for (int64_t n : kSizes) {
+    INFO("n=" << n);
+    Tensor x = rnd({3, n}, 60 + n), res = rnd({3, n}, 61 + n), w = rnd({n}, 62 + n), b = rnd({n}, 63 + n);
+    GRADCHECK([&](const TensorList& t) { return both(add_layer_norm(t[0], t[1], t[2], t[3])); }, x, res, w, b);
+    GRADCHECK([&](const TensorList& t) { return both(add_layer_norm(t[0], t[1], Tensor(), Tensor())); }, x, res);
+    GRADCHECK([&](const TensorList& t) { return both(add_rms_norm(t[0], t[1], t[2])); }, x, res, w);
+  }
+  // The fused kernel against add, then the norm, bit for bit: one element,
+  // one column, rows that cross the threads' pieces, uneven rows, no rows,
+  // with and without weight and bias, a transposed (strided) input.
+  for (DType dtype : {DType::F32, DType::F64, DType::BF16, DType::F16})
+    for (Device device : {Device::cpu(), Device::async_cpu()})
+      for (Shape shape : {Shape{1}, Shape{3, 1}, Shape{17, 3}, Shape{2, 600, 257}, Shape{520, 300}, Shape{0, 6}})
+        for (int form : {0, 1, 2, 3}) {  // layer norm with weight and bias, without either, without bias; RMS
+          const bool rms = form == 3, strided = shape.size() == 2 && shape[0] == 17;
+          INFO(dtype_name(dtype) << " " << device.str() << " " << shape_str(shape) << " form " << form);
+          const int64_t c = shape.back();
+          auto make = [&](const Shape& s, uint64_t seed, double scale, bool grad) {
+            Tensor t = ops::to(ops::add(ops::mul(randn(s, seed), scale), 0.25), dtype).to(device);
+            t.set_requires_grad(grad);
+            return t;
+          };
+          auto leaves = [&] {
+            Tensor x = make(shape, 1, 3.0, true), r = make(shape, 2, 1.5, true);
+            if (strided) x = autograd::detach(ops::transpose(ops::contiguous(ops::transpose(x, 0, 1)), 0, 1));
+            x.set_requires_grad(true);
+            Tensor w = form == 1 ? Tensor() : make({c}, 3, 1.0, true);
+            Tensor b = form == 0 ? make({c}, 4, 0.5, true) : Tensor();
+            return TensorList{x, r, w, b};
+          };
+          TensorList f = leaves(), u = leaves();
+          if (strided) CHECK_FALSE(f[0].is_contiguous());
+          Tensor gs = ops::to(randn(shape, 5), dtype).to(device), gy = ops::to(randn(shape, 6), dtype).to(device);
+          auto [fsum, fy] = rms ? add_rms_norm(f[0], f[1], f[2], 1e-5) : add_layer_norm(f[0], f[1], f[2], f[3], 1e-5);
+          Tensor usum = u[0] + u[1];
+          Tensor uy = rms ? rms_norm(usum, u[2], 1e-5) : layer_norm(usum, u[2], u[3], 1e-5);
+          autograd::backward({fsum, fy, usum, uy}, {gs, gy, gs, gy});
+          auto host = [](const Tensor& t) { return t.to(Device::cpu()); };
+          CHECK(testing::equal(host(fsum), host(usum)));
+          CHECK(testing::equal(host(fy), host(uy)));
+          for (int i = 0; i < 4; ++i) {
+            INFO("gradient of input " << i);
+            REQUIRE(f[i].defined() == u[i].defined());
+            if (f[i].defined()) CHECK(testing::equal(host(f[i].grad()), host(u[i].grad())));
+          }
+        }
+  // The ops layer's results: the statistics as the norm's, in f32 for bf16.
+  Tensor x = ops::to(randn({9, 33}, 7), DType::BF16), r = ops::to(randn({9, 33}, 8), DType::BF16);
+  ops::AddNormResult a = ops::add_layer_norm(x, r, Tensor(), Tensor(), 1e-5);
+  ops::NormResult n = ops::layer_norm(ops::add(x, r), Tensor(), Tensor(), 1e-5);
+  CHECK(a.norm.mean.dtype() == DType::F32);
+  CHECK(testing::equal(a.norm.mean, n.mean));
+  CHECK(testing::equal(a.norm.rstd, n.rstd));
+  CHECK_FALSE(ops::add_rms_norm(x, r, Tensor(), 1e-5).norm.mean.defined());
+  CHECK_THROWS_WITH(add_layer_norm(randn({2, 3}, 1), randn({3, 3}, 2), Tensor(), Tensor()),
+                    Catch::Contains("add_layer_norm: residual [3, 3] is not shaped as input [2, 3]"));
+  CHECK_THROWS_WITH(add_rms_norm(randn({2, 3}, 1), randn({2, 3}, 2, DType::F64), Tensor()),
+                    Catch::Contains("add_rms_norm: dtype mismatch (f32 and f64)"));
+  CHECK_THROWS_WITH(add_layer_norm(randn({2, 3}, 1), randn({2, 3}, 2), randn({2}, 3), Tensor()),
+                    Catch::Contains("add_layer_norm: weight/bias shape [2] does not match normalised size 3"));
+  CHECK_THROWS_WITH(add_layer_norm(zeros({2}, DType::I64), zeros({2}, DType::I64), Tensor(), Tensor()),
+                    Catch::Contains("add_layer_norm: input must be floating-point, got i64"));
+}
+
 TEST_CASE("linear_gelu: central differences; the fused bias and GELU give add then gelu's bits, and sum's bias "
           "gradient, in every dtype and on async_cpu", "[gradcheck][linear_gelu]") {
   for (int64_t n : kSizes)

@@ -284,6 +284,41 @@ TEST_CASE("swiglu on split features: each rank's gate and up, its gradients laid
   CHECK(equal(full_tensor(up.grad()), wu.grad()));
 }
 
+TEST_CASE("add_layer_norm and add_rms_norm on split tokens: add, then the norm's rule; the gradients of one "
+          "process", "[dtensor][autograd][add_norm]") {
+  const int64_t w = world();
+  MeshPtr mesh = init_device_mesh("cpu", {w}, {"sp"});
+  // [2, 7, 5]: 7 tokens split as sequence parallelism splits them (uneven at 2-4 ranks, none on some).
+  Tensor x0 = randn({2, 7, 5}, 8, DType::F64), r0 = randn({2, 7, 5}, 9, DType::F64);
+  Tensor w0 = randn({5}, 10, DType::F64), b0 = randn({5}, 11, DType::F64);
+  Tensor gs0 = randn({2, 7, 5}, 12, DType::F64), gy0 = randn({2, 7, 5}, 13, DType::F64);
+  for (bool rms : {false, true}) {
+    INFO((rms ? "add_rms_norm" : "add_layer_norm"));
+    auto leaf = [](Tensor t) {
+      t.set_requires_grad(true);
+      return t;
+    };
+    Tensor x = leaf(distribute_tensor(x0, mesh, {Shard{1}})), r = leaf(distribute_tensor(r0, mesh, {Shard{1}}));
+    Tensor wt = leaf(distribute_tensor(w0, mesh, {Replicate{}})), bt = leaf(distribute_tensor(b0, mesh, {Replicate{}}));
+    auto [s, y] = rms ? add_rms_norm(x, r, wt) : add_layer_norm(x, r, wt, bt);
+    REQUIRE(dtensor_spec(s).placements == Placements{Shard{1}});
+    REQUIRE(dtensor_spec(y).placements == Placements{Shard{1}});
+    autograd::backward({s, y}, {distribute_tensor(gs0, mesh, {Shard{1}}), distribute_tensor(gy0, mesh, {Shard{1}})});
+    // The same on whole tensors, on every rank.
+    Tensor wx = leaf(ops::clone(x0)), wr = leaf(ops::clone(r0)), ww = leaf(ops::clone(w0)), wb = leaf(ops::clone(b0));
+    auto [ws, wy] = rms ? add_rms_norm(wx, wr, ww) : add_layer_norm(wx, wr, ww, wb);
+    autograd::backward({ws, wy}, {gs0, gy0});
+    // Each row is normalised alone: its results are the same bits on any rank.
+    CHECK(equal(full_tensor(s), ws));
+    CHECK(equal(full_tensor(y), wy));
+    CHECK(dtensor_spec(x.grad()).placements == Placements{Shard{1}});
+    CHECK(equal(full_tensor(x.grad()), wx.grad()));
+    CHECK(equal(full_tensor(r.grad()), wr.grad()));
+    CHECK(allclose(full_tensor(wt.grad()), ww.grad(), 1e-13, 1e-13));  // summed over the ranks' tokens
+    if (!rms) CHECK(allclose(full_tensor(bt.grad()), wb.grad(), 1e-13, 1e-13));
+  }
+}
+
 TEST_CASE("linear_gelu split column-wise, row-wise and by rows: the bias and GELU on each rank's piece, the "
           "gradients of one process", "[dtensor][autograd][linear_gelu]") {
   const int64_t w = world();

@@ -5,6 +5,7 @@
 
 #include "nn/models.h"
 #include "nn/optim.h"
+#include "runtime/profiler.h"
 #include "tests/helpers.h"
 
 using namespace tessera;
@@ -289,6 +290,57 @@ TEST_CASE("f32 model agrees with its f64 twin; activation checkpointing changes 
   autograd::NoGradGuard ng;
   CHECK(nn::cross_entropy(a(idx), tgt).item() ==
         Approx(nn::cross_entropy(c(idx), tgt).item()).epsilon(1e-5));
+}
+
+TEST_CASE("the blocks' fused residual step gives the unfused ops' bits (GPT-2 and Llama, f32 and bf16)",
+          "[nn][add_norm]") {
+  // A hook on the second norm makes forward_add call the module on the sum:
+  // add, then the norm, as the blocks did before the fusion.
+  for (bool llama : {false, true})
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      INFO((llama ? "Llama " : "GPT-2 ") << dtype_name(dtype));
+      nn::TransformerConfig cfg = tiny_cfg();
+      cfg.n_embd = 24;
+      cfg.n_head = 4;
+      cfg.n_layer = 3;
+      if (llama) {
+        cfg.n_kv_head = 2;
+        cfg.ffn_hidden = 20;
+      }
+      auto make = [&]() -> std::unique_ptr<nn::LanguageModel> {
+        if (llama) return std::make_unique<nn::Llama>(cfg);
+        return std::make_unique<nn::GPT>(cfg);
+      };
+      auto fused = make(), unfused = make();
+      fused->init_weights(21);
+      unfused->load_state_dict(fused->state_dict());
+      fused->to(dtype);
+      unfused->to(dtype);
+      int hooked = 0;
+      for (auto& blk : unfused->blocks) {
+        nn::Module& norm = *blk->child(llama ? "post_attention_layernorm" : "ln_2");
+        norm.register_forward_hook([&](nn::Module&, const TensorList&, TensorList&) { ++hooked; });
+      }
+      Tensor idx = randint({2, 11}, 0, cfg.vocab_size, 22), tgt = randint({2, 11}, 0, cfg.vocab_size, 23);
+      profiler::reset();
+      profiler::enable(true);
+      Tensor lf = nn::cross_entropy((*fused)(idx), tgt);
+      autograd::backward(lf);
+      bool fused_ran = false;
+      for (const auto& e : profiler::summary()) fused_ran = fused_ran || e.name == (llama ? "add_rms_norm" : "add_layer_norm");
+      profiler::enable(false);
+      Tensor lu = nn::cross_entropy((*unfused)(idx), tgt);
+      autograd::backward(lu);
+      CHECK(fused_ran);
+      CHECK(hooked == cfg.n_layer);
+      CHECK(testing::equal(lf, lu));
+      auto gf = grads_of(*fused), gu = grads_of(*unfused);
+      REQUIRE(gf.size() == gu.size());
+      for (size_t i = 0; i < gf.size(); ++i) {
+        INFO(gf[i].first);
+        CHECK(testing::equal(gf[i].second, gu[i].second));
+      }
+    }
 }
 
 TEST_CASE("a tiny GPT learns a repeating sequence", "[nn][gpt][train]") {
