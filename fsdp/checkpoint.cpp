@@ -373,7 +373,8 @@ SavePlan new_plan(const std::string& folder, int64_t step, const std::string& ex
   plan.final_dir = plan.folder / step_dir_name(step);
   plan.tmp_dir = plan.folder / (step_dir_name(step) + ".tmp");
   plan.step = step, plan.extra_json = extra_json, plan.keep = keep;
-  TS_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got {}", step);
+  TS_CHECK(step >= 0 && step <= kMaxCheckpointStep, "save_checkpoint: step must be in [0, {}], got {}",
+           kMaxCheckpointStep, step);
   TS_CHECK(json::accept(extra_json) && json::parse(extra_json).is_object(),
            "save_checkpoint: extra state must be a JSON object, got '{}'", extra_json);
   Generator& gen = default_generator();

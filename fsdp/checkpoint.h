@@ -66,6 +66,9 @@ struct CheckpointMetadata {
 // Saves the model's state dict and (if given) the optimizer's as
 // "optim.<name>.exp_avg" etc. Collective: every rank calls it. Returns the
 // checkpoint directory.
+// The largest step a checkpoint folder can be named after and read back
+// (step-N with at most 18 digits).
+inline constexpr int64_t kMaxCheckpointStep = 999'999'999'999'999'999;
 std::string save_checkpoint(const std::string& folder, int64_t step, nn::Module& model,
                             optim::AdamW* optimizer, const std::string& extra_json = "{}",
                             int keep = 0);

@@ -399,7 +399,9 @@ CheckpointMetadata read_metadata(const std::string& dir) {
     uint64_t named = 0;
     bool fits = folder.size() - 5 <= 18;
     if (fits) named = std::stoull(folder.substr(5));
-    TS_CHECK(fits && named == static_cast<uint64_t>(md.step),
+    TS_CHECK(fits, "{}: the folder name '{}' holds a step of more than 18 digits, which no checkpoint has",
+             p.string(), folder);
+    TS_CHECK(named == static_cast<uint64_t>(md.step),
              "{}: step {} does not match the checkpoint's folder name '{}'", p.string(), md.step,
              folder);
   }

@@ -156,6 +156,11 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
 }
 
 std::string file_fingerprint(const std::string& path) {
+  // Checked before it is opened: a pipe would block the open, a device never end.
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  TS_CHECK(!fs::exists(status) || fs::is_regular_file(status),
+           "'{}' is not a regular file (a device or a pipe has no end to read to)", path);
   std::ifstream in(path, std::ios::binary);
   TS_CHECK(in.good(), "cannot read '{}'", path);
   uint64_t h = 0xcbf29ce484222325ull;

@@ -587,13 +587,14 @@ std::string to_toml(TrainConfig& cfg) {
     std::string v = k.get();
     if (k.type == "string") {
       std::string esc;
+      // TOML's basic string: the quote, the backslash and every control
+      // character escaped (a raw one makes the file unreadable).
       for (char ch : v) {
+        const auto u = static_cast<unsigned char>(ch);
         if (ch == '"' || ch == '\\') esc += '\\';
-        if (ch == '\n') {
-          esc += "\\n";
-          continue;
-        }
-        esc += ch;
+        if (ch == '\n') esc += "\\n";
+        else if (u < 0x20 || u == 0x7f) esc += fmt::format("\\u{:04X}", u);
+        else esc += ch;
       }
       v = "\"" + esc + "\"";
     }

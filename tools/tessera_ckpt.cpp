@@ -88,6 +88,31 @@ std::string checkpoint_dir(const std::string& path) {
   return latest;
 }
 
+// An import writes a checkpoint folder of its own: one that already holds
+// checkpoints (a run's, whose step-N it would replace or whose `latest` it
+// would point back) is refused before anything is read.
+void refuse_existing_checkpoints(const std::string& out) {
+  const std::string latest = fsdp::latest_checkpoint(out);
+  TS_CHECK(latest.empty(),
+           "{} already holds checkpoints (the newest is {}): an import would replace or shadow them; name a new "
+           "or empty OUT_FOLDER",
+           out, fs::path(latest).filename().string());
+}
+
+// An export may not write into the checkpoint it reads (its data files,
+// metadata or `latest`).
+void refuse_output_inside(const std::string& checkpoint, const std::string& out) {
+  std::error_code ec;
+  const fs::path dir = fs::weakly_canonical(checkpoint_dir(checkpoint), ec);
+  fs::path target = fs::weakly_canonical(out, ec);
+  if (ec) target = fs::absolute(out).lexically_normal();
+  const fs::path rel = target.lexically_relative(dir);
+  TS_CHECK(rel.empty() || *rel.begin() == "..", "'{}' lies inside the checkpoint {} it is made from: name a "
+           "path outside it", out, dir.string());
+  TS_CHECK(target != dir.parent_path() / "latest", "'{}' is the checkpoint folder's `latest`: name another path",
+           out);
+}
+
 std::string human_bytes(double b) {
   if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
   if (b >= 1e6) return fmt::format("{:.2f} MB", b / 1e6);
@@ -221,6 +246,7 @@ int read_plan(const std::vector<std::string>& args) {
 int to_safetensors(const std::vector<std::string>& args) {
   TS_CHECK(args.size() >= 2, "to-safetensors needs CHECKPOINT and OUT.safetensors");
   std::string dir = checkpoint_dir(args[0]), out = args[1];
+  refuse_output_inside(args[0], out);
   std::optional<DType> dtype;
   bool with_optimizer = false;
   for (size_t i = 2; i < args.size(); ++i) {
@@ -263,6 +289,7 @@ int to_safetensors(const std::vector<std::string>& args) {
 
 int from_safetensors(const std::vector<std::string>& args) {
   TS_CHECK(args.size() >= 2, "from-safetensors needs IN.safetensors and OUT_FOLDER");
+  refuse_existing_checkpoints(args[1]);
   int64_t step = 0;
   std::vector<std::string> model_args{"tessera-ckpt from-safetensors"};
   for (size_t i = 2; i < args.size(); ++i) {
@@ -274,7 +301,8 @@ int from_safetensors(const std::vector<std::string>& args) {
       } catch (const std::exception&) {
         step = -1;
       }
-      TS_CHECK(step >= 0, "--step expects a step number (>= 0), got '{}'", args[i]);
+      TS_CHECK(step >= 0 && step <= fsdp::kMaxCheckpointStep, "--step expects a step number in [0, {}], got '{}'",
+               fsdp::kMaxCheckpointStep, args[i]);
     } else {
       model_args.push_back(args[i]);  // --preset, --model.* (checked by the config parser)
     }
@@ -381,6 +409,7 @@ int save_as_checkpoint(tools::TrainConfig& cfg, const nn::StateDict& file, const
 
 int from_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-hf needs HF_FOLDER and OUT_FOLDER, got {} argument(s)", args.size());
+  refuse_existing_checkpoints(args[1]);
   // Everything is read and checked before anything is written: the model's
   // settings (as any model's, nn/transformer.h), its weights against them, and
   // its tokenizer, which goes with it where tessera-generate looks if this
@@ -409,6 +438,7 @@ int from_hf(const std::vector<std::string>& args) {
 
 int from_llmc(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "from-llmc needs MODEL.bin and OUT_FOLDER, got {} argument(s)", args.size());
+  refuse_existing_checkpoints(args[1]);
   tools::TrainConfig cfg;
   nn::TransformerConfig model;
   nn::StateDict file = io::read_llmc_model(model, args[0]);
@@ -433,6 +463,7 @@ std::pair<tools::TrainConfig, nn::StateDict> checkpoint_model(const std::string&
 
 int to_hf(const std::vector<std::string>& args) {
   TS_CHECK(args.size() == 2, "to-hf needs CHECKPOINT and OUT_HF_FOLDER, got {} argument(s)", args.size());
+  refuse_output_inside(args[0], args[1]);
   auto [cfg, weights] = checkpoint_model(args[0], "to-hf");
   // The tokenizer beside the checkpoint goes with it only once it reads as
   // one (a tokenizer.json that is a link to some other file is not copied).
@@ -465,6 +496,7 @@ int to_llmc(const std::vector<std::string>& args) {
     TS_CHECK(args[3] == "float32" || args[3] == "bfloat16", "--dtype expects float32 or bfloat16, got '{}'", args[3]);
     dtype = args[3] == "bfloat16" ? DType::BF16 : DType::F32;
   }
+  refuse_output_inside(args[0], args[1]);
   auto [cfg, weights] = checkpoint_model(args[0], "to-llmc");
   io::write_llmc_model(args[1], tools::transformer_config(cfg), weights, dtype);
   std::printf("%s -> %s: llm.c GPT-2 model file, version %d (%s)\n", args[0].c_str(), args[1].c_str(),

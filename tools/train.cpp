@@ -117,6 +117,22 @@ void refuse_other_runs_checkpoints(const tools::TrainConfig& c) {
            "{} already holds a checkpoint of another run ({}): pass --checkpoint.resume true to continue it, "
            "or choose another --checkpoint.folder or --job.dump_folder",
            folder, fs::path(existing).filename().string());
+  // A resume continues on the tokens the run was trained on: the tokenizer
+  // its checkpoint records (before the copy beside it is replaced).
+  if (c.checkpoint.resume && !existing.empty()) {
+    const json extra = json::parse(fsdp::read_metadata(existing).extra_json, nullptr, false);
+    const json recorded = extra.is_object() ? extra.value("tokenizer", json()) : json();
+    if (recorded.is_object() && recorded.contains("fingerprint") && recorded["fingerprint"].is_string()) {
+      const std::string mine = c.training.tokenizer.empty() ? "" : io::file_fingerprint(c.training.tokenizer);
+      TS_CHECK(mine == recorded["fingerprint"].get<std::string>(),
+               "{} was trained with a tokenizer ({} tokens, fingerprint {}), but this run's training.tokenizer {}: "
+               "resume with the same tokenizer (the copy in {} is it)",
+               existing, recorded.value("vocab_size", json()).dump(), recorded["fingerprint"].get<std::string>(),
+               mine.empty() ? "is empty (byte tokens)" : fmt::format("{} is another (fingerprint {})",
+                                                                      c.training.tokenizer, mine),
+               (fs::path(c.job.dump_folder) / "tokenizer.json").string());
+    }
+  }
   // Nor replace the tokenizer.json beside them that its checkpoints are read
   // with (tessera-generate), with another.
   const fs::path tokenizer = fs::path(c.job.dump_folder) / "tokenizer.json";
@@ -129,12 +145,11 @@ void refuse_other_runs_checkpoints(const tools::TrainConfig& c) {
 
 // A new run (not a resume) into a folder that holds an earlier run's records
 // moves them into <folder>/earlier/<k>/ first, so that nothing of it is lost.
-// Rank 0 decides and moves; with `every_rank` every rank calls it (a
-// collective), else rank 0 alone does.
-void keep_earlier_records(const tools::TrainConfig& c, bool every_rank) {
+// Rank 0 decides and moves; every rank calls it (a collective).
+void keep_earlier_records(const tools::TrainConfig& c) {
   const fs::path folder = c.job.dump_folder;
-  int64_t k = c.checkpoint.resume || !fs::exists(folder / "status.json") ? 0 : first_free(folder / "earlier", "");
-  if (every_rank) k = rank0s(k);
+  const int64_t k =
+      rank0s(c.checkpoint.resume || !fs::exists(folder / "status.json") ? 0 : first_free(folder / "earlier", ""));
   if (k == 0 || dist::rank() != 0) return;
   const fs::path to = folder / "earlier" / std::to_string(k);
   fs::create_directories(to);
@@ -146,7 +161,65 @@ void keep_earlier_records(const tools::TrainConfig& c, bool every_rank) {
               folder.c_str(), to.c_str());
 }
 
-// Reduces a host scalar over all ranks (of `group`, default the world).
+// The files a run writes may not be one another, the records every run
+// keeps beside them (config.toml, status.json, tokenizer.json) or lie in its
+// checkpoint folder; one that exists must be a regular file (opening a pipe
+// would block the run before its first step). Refused before anything is
+// written.
+void check_output_paths(const tools::TrainConfig& c) {
+  const fs::path folder = c.job.dump_folder;
+  auto resolved = [](const fs::path& p) {
+    std::error_code ec;
+    fs::path r = fs::weakly_canonical(p, ec);
+    return ec ? fs::absolute(p).lexically_normal() : r;
+  };
+  std::vector<std::pair<std::string, fs::path>> files = {{"the run's config.toml", folder / "config.toml"},
+                                                         {"the run's status.json", folder / "status.json"},
+                                                         {"the run's tokenizer.json", folder / "tokenizer.json"}};
+  const size_t records = files.size();
+  for (auto [key, path] : {std::pair{"metrics.jsonl", c.metrics.jsonl}, std::pair{"metrics.plot", c.metrics.plot},
+                           std::pair{"checkpoint.export_safetensors", c.checkpoint.export_safetensors}})
+    if (!path.empty()) files.emplace_back(key, out_path(c, path));
+  const fs::path checkpoints = resolved(out_path(c, c.checkpoint.folder));
+  auto inside = [](const fs::path& p, const fs::path& dir) {
+    const fs::path rel = p.lexically_relative(dir);
+    return !rel.empty() && *rel.begin() != "..";
+  };
+  // (A checkpoint folder that holds the run's own folder holds its records too, by choice.)
+  const bool apart = !inside(resolved(folder), checkpoints);
+  for (size_t i = 0; i < files.size(); ++i) {
+    const fs::path pi = resolved(files[i].second);
+    for (size_t j = 0; j < i; ++j)
+      TS_CHECK(pi != resolved(files[j].second), "{} '{}' is {} ('{}'): the run would overwrite one with the other; "
+               "name another file", files[i].first, files[i].second.string(), files[j].first,
+               files[j].second.string());
+    if (i < records) continue;
+    TS_CHECK(!apart || !inside(pi, checkpoints), "{} '{}' lies in the checkpoint folder {}: name a file outside it",
+             files[i].first, files[i].second.string(), checkpoints.string());
+    std::error_code ec;
+    const fs::file_status st = fs::status(files[i].second, ec);
+    TS_CHECK(!fs::exists(st) || fs::is_regular_file(st),
+             "{} '{}' exists and is not a regular file (a directory, a pipe or a device): name a file", files[i].first,
+             files[i].second.string());
+  }
+}
+
+// The status of a launch whose configuration was refused: the folder's
+// status before it kept under "previous" (an earlier refusal's own
+// "previous", so that refusals in a row keep the run's status, not each other).
+json refused_status(const tools::TrainConfig& c, const std::string& error) {
+  json status = {{"status", "failed"}, {"exit_code", 2}, {"error", error}};
+  const fs::path path = fs::path(c.job.dump_folder) / "status.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec) || fs::file_size(path, ec) > (1 << 20)) return status;
+  std::ifstream in(path);
+  json before = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!before.is_object()) return status;
+  const bool refusal = before.value("exit_code", json()) == json(2) && before.value("status", "") == "failed";
+  if (!refusal) status["previous"] = before;
+  else if (before.contains("previous")) status["previous"] = before["previous"];
+  return status;
+}
 
 // Train and validation tokens: rank 0 prepares the shards once (cached in
 // data_dir), then every rank reads them.
@@ -666,7 +739,7 @@ using namespace tessera::tools;
 
 int main(int argc, char** argv) {
   tools::TrainConfig cfg;
-  bool parsed = false, eval_only_launch = false, folder_taken = false;
+  bool args_read = false, parsed = false, eval_only_launch = false, folder_taken = false;
   watch_stop_signals();  // before any other thread starts
   try {
     dist::init(argc, argv);
@@ -691,6 +764,7 @@ int main(int argc, char** argv) {
                     "                   checkpoint.resume, the run's checkpoint); no training\n");
       return 0;
     }
+    args_read = true;
     tools::validate(cfg);
     if (print_config) {  // the settings alone (any launch may run them)
       if (dist::rank() == 0) std::fputs(tools::to_toml(cfg).c_str(), stdout);
@@ -730,11 +804,13 @@ int main(int argc, char** argv) {
       const fs::path folder = cfg.job.dump_folder;
       const int64_t k = rank0s(fs::exists(folder / "status.json") ? first_free(folder, "eval-") : 0);
       if (k > 0) cfg.job.dump_folder = (folder / fmt::format("eval-{}", k)).string();
+      check_output_paths(cfg);
     } else {
+      check_output_paths(cfg);
       folder_taken = true;
       refuse_other_runs_checkpoints(cfg);
       folder_taken = false;
-      keep_earlier_records(cfg, /*every_rank=*/true);
+      keep_earlier_records(cfg);
     }
     parsed = true;
     g_training = true;
@@ -752,17 +828,13 @@ int main(int argc, char** argv) {
     if (!parsed) {
       if (dist::rank() == 0) {
         std::fprintf(stderr, "tessera-train: error: %s\n", e.what());
-        // No folder is created for a configuration that was refused; in an
-        // existing one, the earlier run's records are kept (earlier/<k>/) and
-        // the status says this launch failed.
-        if (fs::is_directory(cfg.job.dump_folder) && !eval_only_launch && !folder_taken) {
-          try {
-            keep_earlier_records(cfg, /*every_rank=*/false);  // rank 0 alone here
-          } catch (const std::exception&) {
-            // best effort: the refusal is what the user needs to see
-          }
-          write_status(cfg, {{"status", "failed"}, {"exit_code", 2}, {"error", e.what()}});
-        }
+        // A launch refused before it ran anything moves and rewrites nothing:
+        // no folder is created, and in an existing one (named by arguments
+        // that were all read) the status says this launch failed and keeps
+        // the one it replaces under "previous" (a run's "completed", say).
+        std::error_code ec;
+        if (args_read && !eval_only_launch && !folder_taken && fs::is_directory(cfg.job.dump_folder, ec))
+          write_status(cfg, refused_status(cfg, e.what()));
       }
       return 2;
     }

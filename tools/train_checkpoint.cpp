@@ -195,7 +195,14 @@ void Trainer::wait_checkpoint() {
 // allowed with a warning. A changed training.steps (extending a finished run)
 // keeps the warmup + cosine schedule defined over the new total.
 void Trainer::check_resume_config(const std::string& dir, const json& extra, int64_t step) {
-  auto saved = tools::toml_values(extra.value("config", std::string()));
+  const std::string saved_text = extra.value("config", std::string());
+  auto saved = tools::toml_values(saved_text);
+  // A saved configuration that does not read would skip every check below.
+  TS_CHECK(saved_text.empty() || !saved.empty(),
+           "{}: the configuration saved with the checkpoint does not read as TOML (written before control "
+           "characters in strings were escaped?), so this run's settings cannot be checked against it; start "
+           "from its weights with --checkpoint.initial_load_path {} instead (a fresh optimizer and data order)",
+           dir, dir);
   if (saved.empty() && extra.contains("data") && extra["data"].contains("seed"))
     saved["job.seed"] = std::to_string(extra["data"]["seed"].get<int64_t>());
   auto allowed = [&](const std::string& key) {

@@ -442,6 +442,13 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
         Contains("step 1 does not match the checkpoint's folder name 'step-00000007'"));
     REQUIRE_THROWS_WITH(load(d + "/", *fresh), Contains("folder name 'step-00000007'"));
   }
+  SECTION("a folder name of more steps than any checkpoint has, and a save of as many") {
+    auto d = edit_metadata("step-10000000000000000001", [](nlohmann::json&) {});
+    REQUIRE_THROWS_WITH(load(d, *fresh), Contains("the folder name 'step-10000000000000000001' holds a step of "
+                                                  "more than 18 digits"));
+    REQUIRE_THROWS_WITH(fsdp::save_checkpoint(d + "-out", fsdp::kMaxCheckpointStep + 1, *fresh, nullptr),
+                        Contains("save_checkpoint: step must be in [0, 999999999999999999], got 1000000000000000000"));
+  }
   SECTION("a random stream that is not one") {
     auto d = edit_metadata("rank-state", [](nlohmann::json& md) {
       md["rank_state"][0]["offset"] = "soon";

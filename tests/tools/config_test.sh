@@ -149,7 +149,7 @@ bad "config file 'big.toml' is 2000000 bytes" --config big.toml
 # The other tools name the argument they could not use.
 expect_error "list needs one PATH (a checkpoint directory, a folder of checkpoints or a .safetensors file), got 0" \
   "$bin/tessera-ckpt" list
-expect_error "--step expects a step number (>= 0), got '-4'" \
+expect_error "--step expects a step number in [0, 999999999999999999], got '-4'" \
   "$bin/tessera-ckpt" from-safetensors in.safetensors out --step -4
 expect_error "text file '$work' is a directory" "$bin/tessera-data" prepare --out "$work/d" "$work"
 expect_error "text file '/dev/zero' is not a regular file" "$bin/tessera-data" prepare --out "$work/d" /dev/zero
@@ -397,14 +397,27 @@ records=(status.json metrics.jsonl config.toml loss.png)
 [[ -f $run/eval-1/metrics.jsonl && -f $run/eval-2/status.json ]] || fail "the evaluations' records are not in eval-1, eval-2"
 grep -q '"eval_only"' $run/eval-2/metrics.jsonl || fail "eval-2 holds no evaluation: $(cat $run/eval-2/metrics.jsonl)"
 # A new run in the folder (not a resume; its checkpoints moved aside by hand)
-# keeps the earlier run's records in earlier/1/; a refused launch in earlier/2/.
+# keeps the earlier run's records in earlier/1/; a refused launch moves
+# nothing: its status says it failed and keeps the run's under "previous".
 mv $run/checkpoint ck-aside
 "$bin/tessera-train" "${base[@]}" --training.steps 1 > third.log
 grep -q "records in $run .* moved to $run/earlier/1" third.log || fail "the third run did not say where the records went"
 (cd $run/earlier/1 && md5sum -c --quiet "$OLDPWD/records.md5") || fail "earlier/1 does not hold the first run's records"
-bad "training.steps must be >= 1" --job.dump_folder $run --training.steps 0
-[[ -f $run/earlier/2/metrics.jsonl ]] || fail "a refused launch dropped the third run's records: $(ls -R $run)"
-grep -q '"status": "failed"' $run/status.json || fail "the refused launch's status: $(cat $run/status.json)"
+cp $run/metrics.jsonl third-metrics.jsonl
+for steps in 0 -1; do  # twice: the second keeps the run's status, not the first refusal
+  bad "training.steps must be >= 1" --job.dump_folder $run --training.steps $steps
+done
+[[ ! -e $run/earlier/2 ]] || fail "a refused launch moved the third run's records: $(ls -R $run)"
+cmp -s $run/metrics.jsonl third-metrics.jsonl || fail "a refused launch changed the third run's metrics"
+"$python" - $run/status.json <<'PY' || fail "the refused launch's status: $(cat $run/status.json)"
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["status"] == "failed" and s["exit_code"] == 2 and "got -1" in s["error"], s
+assert s["previous"]["status"] == "completed" and "previous" not in s["previous"], s
+PY
+# Arguments that did not read name no folder: nothing is written anywhere.
+"$bin/tessera-train" "${base[@]}" --job.dump_folder $run --optimizer.lr nan > /dev/null 2>&1 && fail "lr nan ran"
+grep -q "got -1" $run/status.json || fail "a launch whose arguments did not read wrote a status"
 # Flags win over presets and config files, wherever they stand.
 for args in "--training.batch_size 7 --preset tiny" "--preset tiny --training.batch_size 7" \
             "--training.batch_size 7 --config $work/example.toml --preset tiny"; do
@@ -690,5 +703,66 @@ rc=0; wait $pid || rc=$?
 grep -q "^--- (stopped by a signal)" samplestop.log || fail "the sample did not stop: $(tail -c 300 samplestop.log)"
 grep -q '"status": "completed"' samplestop/status.json || fail "sample stop: status $(cat samplestop/status.json)"
 echo "tokenizer records, non-finite weights, tessera_step, a pipe as data file, stop signals in evaluation and samples"
+
+echo "== the fifth probe: output files that collide or block, imports over a run's checkpoints, a resume's tokenizer"
+# A symbolic-link loop as the run folder: refused (it aborted in the handler).
+ln -s loop-b loop-a && ln -s loop-a loop-b
+for flag in "" --eval-only; do
+  rc=0; timeout 60 "$bin/tessera-train" "${base[@]}" --job.dump_folder loop-a $flag > loop.log 2>&1 || rc=$?
+  [[ $rc == 2 ]] || fail "a link loop as job.dump_folder ($flag): exit $rc: $(cat loop.log)"
+  grep -q "Too many levels of symbolic links" loop.log || fail "$(cat loop.log)"
+done
+# Pipes and devices where a run reads a text or a tokenizer, or writes its metrics: refused, never waited on.
+mkfifo pipe
+for text in pipe /dev/zero; do
+  expect_error "'$text' is not a regular file" timeout 60 "$bin/tessera-train" "${base[@]}" --job.dump_folder text-run \
+    --training.dataset text --training.text $text
+done
+bad "metrics.jsonl '$work/pipe' exists and is not a regular file" --metrics.jsonl "$work/pipe"
+rc=0; timeout 60 "$bin/tessera-train" "${bpe_run[@]}" --training.steps 3 --training.tokenizer pipe > pipe.log 2>&1 || rc=$?
+[[ $rc == 2 ]] && grep -q "'pipe' is not a regular file" pipe.log || fail "a pipe as tokenizer: exit $rc: $(cat pipe.log)"
+# Output files that name each other, a record, or lie in the checkpoint folder.
+bad "metrics.jsonl '$work/bad/config.toml' is the run's config.toml" --metrics.jsonl config.toml
+bad "metrics.jsonl '$work/bad/status.json' is the run's status.json" --metrics.jsonl status.json
+bad "metrics.plot '$work/bad/metrics.jsonl' is metrics.jsonl" --metrics.plot metrics.jsonl
+bad "checkpoint.export_safetensors '$work/bad/metrics.jsonl' is metrics.jsonl" \
+  --checkpoint.export_safetensors metrics.jsonl
+bad "lies in the checkpoint folder" --checkpoint.export_safetensors checkpoint/model.safetensors
+# An import into a folder that holds checkpoints (it replaced step-N, or
+# pointed `latest` back); an export into the checkpoint it reads; a step no
+# folder name can hold.
+cp -r tk/checkpoint imported
+"$bin/tessera-ckpt" to-safetensors tk/checkpoint tk2.safetensors > /dev/null
+md5sum imported/*/* imported/latest > imported.md5
+expect_error "imported already holds checkpoints (the newest is step-00000002)" \
+  "$bin/tessera-ckpt" from-safetensors tk2.safetensors imported --step 2
+expect_error "already holds checkpoints" "$bin/tessera-ckpt" from-safetensors tk2.safetensors imported --step 1
+expect_error "already holds checkpoints" "$bin/tessera-ckpt" from-hf "$src/tests/fixtures/hf-gpt2" imported
+for out in imported/step-00000002/rank-00000.bin imported/step-00000002/x.safetensors; do
+  expect_error "lies inside the checkpoint" "$bin/tessera-ckpt" to-safetensors imported $out
+done
+expect_error "is the checkpoint folder's \`latest\`" "$bin/tessera-ckpt" to-safetensors imported imported/latest
+expect_error "lies inside the checkpoint" "$bin/tessera-ckpt" to-hf imported imported/step-00000002/hf
+md5sum -c --quiet imported.md5 || fail "a refused import or export changed the checkpoint"
+expect_error "--step expects a step number in [0, 999999999999999999], got '9223372036854775807'" \
+  "$bin/tessera-ckpt" from-safetensors tk2.safetensors big-step --step 9223372036854775807
+[[ ! -e big-step ]] || fail "a refused import wrote big-step"
+# A resume continues on the run's tokenizer: without one (byte ids) or with
+# another it is refused before the copy beside the checkpoints is replaced.
+expect_error "tk/checkpoint/step-00000002 was trained with a tokenizer (1024 tokens, fingerprint" \
+  "$bin/tessera-train" "${bpe_run[@]}" --training.steps 3 --checkpoint.enable true --checkpoint.resume true
+expect_error "this run's training.tokenizer rotated.json is another" "$bin/tessera-train" "${bpe_run[@]}" \
+  --training.steps 3 --checkpoint.enable true --checkpoint.resume true --training.tokenizer rotated.json
+cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "a refused resume replaced tokenizer.json"
+# A control character in a string setting is escaped in config.toml, which
+# reads back; a resume then checks its settings (the checks were skipped).
+"$bin/tessera-train" "${base[@]}" --training.steps 2 --checkpoint.enable true --checkpoint.interval 2 \
+  --job.dump_folder ctrl --sample.prompt $'Q:\r\x01' > /dev/null
+"$bin/tessera-train" --config ctrl/config.toml --print-config | grep -qF 'prompt = "Q:\u000D\u0001"' ||
+  fail "config.toml: $(grep prompt ctrl/config.toml | od -c | head -3)"
+expect_error "training.batch_size 8 -> 4" "$bin/tessera-train" "${base[@]}" --training.steps 3 \
+  --checkpoint.enable true --job.dump_folder ctrl --checkpoint.resume true --sample.prompt $'Q:\r\x01' \
+  --training.batch_size 4
+echo "link loops, pipes, colliding outputs, imports over checkpoints, exports into them, a resume's tokenizer"
 
 echo "config_test: all passed"
