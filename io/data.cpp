@@ -147,8 +147,10 @@ std::pair<std::string, std::string> prepare_text_dataset(const std::vector<std::
   std::string train = (fs::path(dir) / (name + "_train.bin")).string();
   std::string val = (fs::path(dir) / (name + "_val.bin")).string();
   size_t n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
-  TS_CHECK(n_val > 0 && n_val < tokens.size(), "corpus of {} tokens is too small to split",
-           tokens.size());
+  TS_CHECK(n_val > 0 && n_val < tokens.size(),
+           "a validation fraction of {} of a corpus of {} tokens is {} tokens: the split needs at least one token "
+           "on each side (a larger fraction, or more text)",
+           val_fraction, tokens.size(), n_val);
   write_shard(val, std::vector<uint16_t>(tokens.end() - static_cast<long>(n_val), tokens.end()));
   write_shard(train,
               std::vector<uint16_t>(tokens.begin(), tokens.end() - static_cast<long>(n_val)));

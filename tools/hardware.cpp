@@ -108,7 +108,10 @@ Hardware parse_hardware(const std::string& text, const std::string& path) {
 Hardware load_hardware(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  TS_CHECK(fs::exists(path, ec), "hardware file '{}' does not exist", path);
+  const bool exists = fs::exists(path, ec);
+  TS_CHECK(!ec || ec == std::errc::no_such_file_or_directory, "hardware file '{}' cannot be read: {}", path,
+           ec.message());
+  TS_CHECK(exists, "hardware file '{}' does not exist", path);
   TS_CHECK(fs::is_regular_file(path, ec), "hardware file '{}' is not a regular file", path);
   const uintmax_t size = fs::file_size(path, ec);
   TS_CHECK(!ec && size <= (uintmax_t{1} << 20), "hardware file '{}' is {} bytes; a description is read up to 1 MiB",

@@ -16,6 +16,7 @@ using json = nlohmann::json;
 
 int hostfile_slots(const std::string& path) {
   std::error_code ec;
+  TS_CHECK(!std::filesystem::is_directory(path, ec), "hostfile {}: a directory, not a hostfile", path);
   TS_CHECK(!std::filesystem::exists(path, ec) || std::filesystem::is_regular_file(path, ec),
            "hostfile {}: not a regular file (a pipe or a device has no end to read to)", path);
   std::ifstream in(path);

@@ -49,7 +49,6 @@ struct TokenizerRecord {
 };
 
 std::optional<TokenizerRecord> tokenizer_record(const json& j, const std::string& source) {
-  if (j.is_null()) return std::nullopt;
   TS_CHECK(j.is_object() && j.contains("fingerprint") && j["fingerprint"].is_string() && j.contains("vocab_size") &&
                j["vocab_size"].is_number_unsigned(),
            "{}: the record of the tokenizer the weights were trained with must be {{\"fingerprint\": string, "

@@ -763,6 +763,21 @@ cmp -s tk/tokenizer.json "$src/tests/fixtures/bpe/tokenizer.json" || fail "a ref
 expect_error "training.batch_size 8 -> 4" "$bin/tessera-train" "${base[@]}" --training.steps 3 \
   --checkpoint.enable true --job.dump_folder ctrl --checkpoint.resume true --sample.prompt $'Q:\r\x01' \
   --training.batch_size 4
+# The smaller findings: what the messages name.
+expect_error "hardware file 'loop-a' cannot be read: Too many levels of symbolic links" \
+  "$bin/tessera-plan" "${base[@]}" --hardware loop-a
+expect_error "a validation fraction of 1e-300 of a corpus of" \
+  "$bin/tessera-data" prepare --out "$work/tiny-split" --val-fraction 1e-300 "$src/README.md"
+"$python" - tk2.safetensors null-tok.safetensors <<'PY'
+import json, struct, sys
+raw = open(sys.argv[1], 'rb').read(); n = struct.unpack('<Q', raw[:8])[0]
+header = json.loads(raw[8:8 + n]); header['__metadata__']['tessera_tokenizer'] = 'null'
+h = json.dumps(header).encode(); h += b' ' * (-len(h) % 8)
+open(sys.argv[2], 'wb').write(struct.pack('<Q', len(h)) + h + raw[8 + n:])
+PY
+expect_error "tessera_tokenizer: the record of the tokenizer the weights were trained with must be" \
+  "$bin/tessera-generate" --checkpoint null-tok.safetensors --sample.max_new_tokens 2
+expect_error "tessera_tokenizer must be" "$bin/tessera-ckpt" from-safetensors null-tok.safetensors null-tok-ckpt
 echo "link loops, pipes, colliding outputs, imports over checkpoints, exports into them, a resume's tokenizer"
 
 echo "config_test: all passed"

@@ -106,6 +106,11 @@ if "$bin/tessera-run" --hostfile badhosts --launcher "$launcher" -- "${args[@]}"
   fail "a bad hostfile was accepted"
 fi
 grep -q "hostfile badhosts line 2: slots must be a count" bad.log || fail "$(cat bad.log)"
+mkdir -p hostdir
+if "$bin/tessera-run" --hostfile hostdir --launcher "$launcher" -- "${args[@]}" --job.dump_folder bad > dir.log 2>&1; then
+  fail "a directory as hostfile was accepted"
+fi
+grep -q "hostfile hostdir: a directory, not a hostfile" dir.log || fail "$(cat dir.log)"
 if "$bin/tessera-run" --np 0 -- --preset tiny > np0.log 2>&1; then fail "--np 0 was accepted"; fi
 grep -q "\-\-np: expected a count >= 1, got '0'" np0.log || fail "$(cat np0.log)"
 echo "refusals name what is wrong"
