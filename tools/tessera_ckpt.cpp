@@ -50,6 +50,7 @@
 #include "nn/models.h"
 #include "nn/safetensors.h"
 #include "tools/config.h"
+#include "tools/run_folder.h"
 
 using namespace tessera;
 namespace fs = std::filesystem;
@@ -106,9 +107,8 @@ void refuse_output_inside(const std::string& checkpoint, const std::string& out)
   const fs::path dir = fs::weakly_canonical(checkpoint_dir(checkpoint), ec);
   fs::path target = fs::weakly_canonical(out, ec);
   if (ec) target = fs::absolute(out).lexically_normal();
-  const fs::path rel = target.lexically_relative(dir);
-  TS_CHECK(rel.empty() || *rel.begin() == "..", "'{}' lies inside the checkpoint {} it is made from: name a "
-           "path outside it", out, dir.string());
+  TS_CHECK(!tools::path_inside(target, dir), "'{}' lies inside the checkpoint {} it is made from: name a path "
+           "outside it", out, dir.string());
   TS_CHECK(target != dir.parent_path() / "latest", "'{}' is the checkpoint folder's `latest`: name another path",
            out);
 }

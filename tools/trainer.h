@@ -24,6 +24,7 @@
 #include "pp/pipeline.h"
 #include "tools/config.h"
 #include "tools/report.h"
+#include "tools/run_folder.h"
 
 namespace tessera::tools {
 
@@ -34,8 +35,6 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// A path inside job.dump_folder unless absolute.
-std::string out_path(const tools::TrainConfig& c, const std::string& p);
 // `v` reduced over `group`'s ranks (the world's by default), on the host.
 double all_reduce(double v, dist::ReduceOp op, dist::ProcessGroupPtr group = nullptr);
 

@@ -666,39 +666,37 @@ wait_for() {  # wait_for PATTERN FILE: up to 60 s
   for _ in $(seq 600); do grep -q -- "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
   fail "no '$1' in $2: $(cat "$2")"
 }
-"$bin/tessera-train" "${base[@]}" --eval-only --checkpoint.initial_load_path folders/ck-aside --training.eval_batches 1000000 \
-  --job.dump_folder evalstop > evalstop.log 2>&1 &
-pid=$!
-wait_for "^weights from" evalstop.log
-sleep 1
-start=$SECONDS
-kill -INT $pid
-rc=0; wait $pid || rc=$?
+# signal_run PATTERN PAUSE SIGNAL LOG ARGS...: tessera-train ARGS in the
+# background, sent SIGNAL PAUSE seconds after PATTERN appears in LOG; sets
+# rc to its exit code and took to the seconds it took to stop.
+signal_run() {
+  local pattern=$1 pause=$2 sig=$3 log=$4; shift 4
+  "$bin/tessera-train" "$@" > "$log" 2>&1 &
+  local pid=$!
+  wait_for "$pattern" "$log"
+  sleep "$pause"
+  local start=$SECONDS
+  kill -"$sig" $pid
+  rc=0; wait $pid || rc=$?
+  took=$((SECONDS - start))
+}
+signal_run "^weights from" 1 INT evalstop.log "${base[@]}" --eval-only --checkpoint.initial_load_path folders/ck-aside \
+  --training.eval_batches 1000000 --job.dump_folder evalstop
 [[ $rc == 130 ]] || fail "eval-only + SIGINT: exit $rc: $(tail -3 evalstop.log)"
-(( SECONDS - start < 20 )) || fail "eval-only took $((SECONDS - start)) s to stop"
+(( took < 20 )) || fail "eval-only took $took s to stop"
 grep -q "status: evaluation interrupted by SIGINT (exit 130)" evalstop.log || fail "eval-only: $(tail -3 evalstop.log)"
 grep -q '"status": "interrupted"' evalstop/status.json || fail "eval-only: status $(cat evalstop/status.json)"
 grep -q "note: training.eval_batches 1000000 x [0-9]* sequences read [0-9]* windows, but the validation split has" \
   evalstop.log || fail "the wrap-around was not named: $(cat evalstop.log)"
-"$bin/tessera-train" "${base[@]}" --training.steps 5 --training.eval_interval 1 --training.eval_batches 1000000 \
-  --checkpoint.enable true --job.dump_folder evaltrain > evaltrain.log 2>&1 &
-pid=$!
-wait_for "^model" evaltrain.log
-sleep 2
-kill -TERM $pid
-rc=0; wait $pid || rc=$?
+signal_run "^model" 2 TERM evaltrain.log "${base[@]}" --training.steps 5 --training.eval_interval 1 \
+  --training.eval_batches 1000000 --checkpoint.enable true --job.dump_folder evaltrain
 [[ $rc == 143 ]] || fail "training + SIGTERM in evaluation: exit $rc: $(tail -3 evaltrain.log)"
 grep -q "interrupted (SIGINT/SIGTERM) after step 1: checkpoint saved" evaltrain.log || fail "$(tail -3 evaltrain.log)"
 [[ -f evaltrain/checkpoint/step-00000001/metadata.json ]] || fail "no checkpoint at step 1: $(ls -R evaltrain)"
 ! grep -q val_loss evaltrain/metrics.jsonl || fail "a cut evaluation was recorded: $(grep val_loss evaltrain/metrics.jsonl)"
 # And a long sample at the end of a run: stopped at the next token; the run completed.
-"$bin/tessera-train" "${base[@]}" --training.steps 1 --sample.max_new_tokens 1000000 --sample.prompt "a" \
-  --job.dump_folder samplestop > samplestop.log 2>&1 &
-pid=$!
-wait_for "^--- sample" samplestop.log
-sleep 1
-kill -INT $pid
-rc=0; wait $pid || rc=$?
+signal_run "^--- sample" 1 INT samplestop.log "${base[@]}" --training.steps 1 --sample.max_new_tokens 1000000 \
+  --sample.prompt "a" --job.dump_folder samplestop
 [[ $rc == 0 ]] || fail "SIGINT in the final sample: exit $rc: $(tail -3 samplestop.log)"
 grep -q "^--- (stopped by a signal)" samplestop.log || fail "the sample did not stop: $(tail -c 300 samplestop.log)"
 grep -q '"status": "completed"' samplestop/status.json || fail "sample stop: status $(cat samplestop/status.json)"
