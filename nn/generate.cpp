@@ -10,7 +10,8 @@ namespace tessera::nn {
 std::vector<int64_t> generate(LanguageModel& model, const std::vector<int64_t>& prompt,
                               const SamplingOptions& opt, const std::function<void(int64_t)>& on_token) {
   TS_CHECK(!prompt.empty(), "generate: the prompt needs at least one token");
-  TS_CHECK(opt.temperature >= 0, "generate: temperature must be >= 0, got {}", opt.temperature);
+  TS_CHECK(opt.temperature >= 0 && std::isfinite(opt.temperature),
+           "generate: temperature must be a finite number >= 0, got {}", opt.temperature);
   TS_CHECK(opt.top_k >= 0, "generate: top_k must be >= 0, got {}", opt.top_k);
   autograd::NoGradGuard no_grad;
   bool was_training = model.is_training();

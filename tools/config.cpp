@@ -20,6 +20,28 @@ namespace tessera::tools {
 
 namespace {
 
+// Where `s` stops being well-formed UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF), or npos. config.toml is TOML, which
+// holds only UTF-8: a setting that is not would make the run's record unreadable.
+size_t invalid_utf8_at(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    size_t len = b < 0x80 ? 1 : (b >> 5) == 0x6 ? 2 : (b >> 4) == 0xE ? 3 : (b >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return i;
+    uint32_t cp = len == 1 ? b : b & (0x7F >> len);
+    for (size_t j = 1; j < len; ++j) {
+      const auto c = static_cast<unsigned char>(s[i + j]);
+      if ((c & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (c & 0x3F);
+    }
+    static constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kLeast[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::string::npos;
+}
+
 ConfigKey int_key(const std::string& name, int64_t& v, const std::string& help) {
   return {name,
           "int",
@@ -89,6 +111,11 @@ ConfigKey string_key(const std::string& name, std::string& v, const std::string&
               TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s,
                        fmt::join(choices, ", "));
             }
+            const size_t bad = invalid_utf8_at(s);
+            TS_CHECK(bad == std::string::npos,
+                     "config key '{}' must be UTF-8 text (config.toml holds only UTF-8), but byte {} "
+                     "(0x{:02X}) starts no valid UTF-8 character",
+                     name, bad, bad == std::string::npos ? 0u : static_cast<unsigned char>(s[bad]));
             v = s;
           },
           [&v] { return v; }};

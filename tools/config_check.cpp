@@ -38,6 +38,9 @@ CheckedInt key(const char* name, int64_t value) { return named(name, value); }
 // person. (A stop signal ends either early, too.)
 constexpr int64_t kMaxEvalBatches = 1'000'000;
 constexpr int64_t kMaxNewTokens = 1'000'000;
+// Logits a trained model gives differ by tens; divided by more than 100 they
+// sample every token almost uniformly, which no one asks for on purpose.
+constexpr double kMaxTemperature = 100;
 
 }  // namespace
 
@@ -236,8 +239,10 @@ void validate(const TrainConfig& c) {
   TS_CHECK(c.sample.max_new_tokens <= kMaxNewTokens,
            "sample.max_new_tokens must be at most {} (tokens a sample prints), got {}", kMaxNewTokens,
            c.sample.max_new_tokens);
-  TS_CHECK(c.sample.temperature >= 0, "sample.temperature must be >= 0 (0 = greedy), got {}",
-           c.sample.temperature);
+  TS_CHECK(c.sample.temperature >= 0 && c.sample.temperature <= kMaxTemperature,
+           "sample.temperature must be in [0, {}] (0 = greedy; above {} every token is about as "
+           "likely), got {}",
+           kMaxTemperature, kMaxTemperature, c.sample.temperature);
   at_least("sample.top_k", c.sample.top_k, 0, " (0 = all tokens)");
   at_least("sample.interval", c.sample.interval, 0, " (0 = at the end only)");
   TS_CHECK(c.sample.max_new_tokens == 0 || !c.sample.prompt.empty(),

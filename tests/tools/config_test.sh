@@ -211,7 +211,7 @@ bad "training.train_shard is 'a.bin' but training.dataset is 'fortunes'" --train
 bad "training.data_dir must not be empty" --training.data_dir ""
 # Sampling: rejected before training, not after it.
 bad "sample.top_k must be >= 0" --sample.top_k -1
-bad "sample.temperature must be >= 0 (0 = greedy), got -0.5" --sample.temperature -0.5
+bad "sample.temperature must be in [0, 100] (0 = greedy; above 100 every token is about as likely), got -0.5" --sample.temperature -0.5
 bad "sample.max_new_tokens must be >= 0" --sample.max_new_tokens -1
 bad "sample.prompt must not be empty when sample.max_new_tokens is 5" \
   --sample.prompt "" --sample.max_new_tokens 5
@@ -776,6 +776,20 @@ PY
 expect_error "tessera_tokenizer: the record of the tokenizer the weights were trained with must be" \
   "$bin/tessera-generate" --checkpoint null-tok.safetensors --sample.max_new_tokens 2
 expect_error "tessera_tokenizer must be" "$bin/tessera-ckpt" from-safetensors null-tok.safetensors null-tok-ckpt
-echo "link loops, pipes, colliding outputs, imports over checkpoints, exports into them, a resume's tokenizer"
+# A temperature no one samples with on purpose, and string settings that are
+# not UTF-8 (config.toml, which is TOML, cannot hold them): refused by name.
+bad "sample.temperature must be in [0, 100]" --sample.temperature 1e308
+bad "sample.temperature must be in [0, 100]" --sample.temperature 100.5
+expect_error "sample.temperature must be in [0, 100]" \
+  "$bin/tessera-generate" --checkpoint tk2.safetensors --sample.max_new_tokens 2 --sample.temperature 1e308
+for text in $'Q:\xff' $'\xc0\xaf' $'\xed\xa0\x80' $'ab\xe2\x82' $'\xf4\x90\x80\x80' $'\x80'; do
+  bad "config key 'sample.prompt' must be UTF-8 text" --sample.max_new_tokens 2 --sample.prompt "$text"
+done
+bad "config key 'job.name' must be UTF-8 text (config.toml holds only UTF-8), but byte 3 (0xFE)" \
+  --job.name $'run\xfe'
+"$bin/tessera-train" "${base[@]}" --training.steps 1 --job.dump_folder utf8 --job.name $'r\xc3\xa9\xe2\x82\xac\xf0\x9d\x84\x9e' > /dev/null
+"$bin/tessera-train" --config utf8/config.toml --print-config | grep -qF $'name = "r\xc3\xa9\xe2\x82\xac\xf0\x9d\x84\x9e"' ||
+  fail "a UTF-8 job.name did not round-trip: $(grep name utf8/config.toml)"
+echo "link loops, pipes, colliding outputs, imports over checkpoints, exports into them, a resume's tokenizer, temperatures, UTF-8"
 
 echo "config_test: all passed"
