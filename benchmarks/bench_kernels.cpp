@@ -1,6 +1,7 @@
 // Single kernels of a training step, one at a time (median of repeated
 // calls, allocation included): dtype conversions, GELU in f32, bf16 and f16
-// (GELU-tanh's backward in f32 in cache and out of it), layer
+// (GELU-tanh's backward in f32 in cache and out of it; on AVX2 machines its
+// earlier tanh form against the sigmoid form, alternating), layer
 // norm forward and backward, the gradient norm's sum of squares,
 // cross-entropy over a GPT-2 vocabulary, attention forward and backward;
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
@@ -15,9 +16,11 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "runtime/math.h"
 #include "runtime/ops.h"
 #include "runtime/parallel.h"
 #include "runtime/random.h"
@@ -55,6 +58,33 @@ std::pair<double, double> alternate_ms(F&& first, G&& second, int reps) {
   return {a[a.size() / 2], b[b.size() / 2]};
 }
 
+#if defined(__x86_64__)
+// GELU's tanh form as it was before 2026-12-07, 0.5 x (1 + tanh(u)) with the
+// f32 tanh, against the form the kernels use now, x / (1 + e^{-2u})
+// (runtime/math.h): each a plain loop compiled for AVX2 with FMA, as the avx2
+// kernel copy is, so the two differ by the formula alone.
+[[gnu::target("avx2,fma")]] void gelu_tanh_before(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = 0.79788456080286535588f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
+    y[i] = 0.5f * x[i] * (1.0f + math::fast_tanh(u));
+  }
+}
+[[gnu::target("avx2,fma")]] void gelu_tanh_now(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = math::apply_unary(ops::UnaryOp::GeluTanh, x[i]);
+}
+[[gnu::target("avx2,fma")]] void gelu_tanh_backward_before(float* d, const float* g, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float k = 0.79788456080286535588f, x2 = x[i] * x[i];
+    const float t = math::fast_tanh(k * (x[i] + 0.044715f * x2 * x[i]));
+    const float dinner = k * (1.0f + 3.0f * 0.044715f * x2);
+    d[i] = g[i] * (0.5f * (1.0f + t) + 0.5f * x[i] * (1.0f - t * t) * dinner);
+  }
+}
+[[gnu::target("avx2,fma")]] void gelu_tanh_backward_now(float* d, const float* g, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = math::apply_unary_backward(ops::UnaryOp::GeluTanh, g[i], x[i], x[i]);
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -84,6 +114,22 @@ int main() {
         ops::unary_backward(U::GeluTanh, gs[turn % 16], xs[turn % 16], Tensor());
         ++turn;
       }, 32));
+  row("gelu_tanh f32, 1M", median_ms([&] { ops::unary(U::GeluTanh, x); }, 20));
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    Tensor out = empty_like(x);
+    float* o = out.data<float>();
+    const float *xp = x.data<float>(), *gp = g.data<float>();
+    const int64_t n = x.numel();
+    auto [before, now] = alternate_ms([&] { gelu_tanh_before(o, xp, n); }, [&] { gelu_tanh_now(o, xp, n); }, 10);
+    std::printf("gelu_tanh f32 1M, AVX2 loops: 0.5 x (1 + tanh u) %8.3f ms, x / (1 + e^-2u) %8.3f ms -> ratio %.3f\n",
+                before, now, before / now);
+    std::tie(before, now) = alternate_ms([&] { gelu_tanh_backward_before(o, gp, xp, n); },
+                                         [&] { gelu_tanh_backward_now(o, gp, xp, n); }, 10);
+    std::printf("gelu_tanh backward f32 1M, AVX2 loops: tanh form %8.3f ms, sigmoid form %8.3f ms -> ratio %.3f\n",
+                before, now, before / now);
+  }
+#endif
   Tensor gh = ops::to(g, DType::F16), yh = ops::unary(U::Gelu, xh);
   row("gelu f16, 1M", median_ms([&] { ops::unary(U::Gelu, xh); }, 20));
   row("gelu backward f16, 1M", median_ms([&] { ops::unary_backward(U::Gelu, gh, xh, yh); }, 20));

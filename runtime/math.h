@@ -159,8 +159,11 @@ TS_HD TS_INLINE T apply_unary(ops::UnaryOp op, T x) {
     case UnaryOp::Relu: return x < T(0) ? T(0) : x;  // std::max(x, 0): NaN stays NaN
     case UnaryOp::Gelu: return x * normal_cdf(x);
     case UnaryOp::GeluTanh: {
-      T inner = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
-      return T(0.5) * x * (T(1) + fast_tanh(inner));
+      // 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^{-2u}): one exp and
+      // one division, and no 1 + tanh(u) to cancel where u is negative (that
+      // form kept no correct digit below x = -5 in f32).
+      const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
+      return x / (T(1) + fast_exp(T(-2) * u));
     }
     case UnaryOp::Silu: return x * fast_sigmoid(x);
     case UnaryOp::Sin: return m_sin(x);
@@ -188,11 +191,17 @@ TS_HD TS_INLINE T apply_unary_backward(ops::UnaryOp op, T g, T x, T y) {
     case UnaryOp::Relu: return x > T(0) ? g : T(0);
     case UnaryOp::Gelu: return g * mul_add(x, normal_pdf(x), normal_cdf(x));
     case UnaryOp::GeluTanh: {
+      // d/dx x s(2u) = s + 2 x u' s (1 - s), s = 1 / (1 + e), e = e^{-2u}. For
+      // u >= 0, 1 - s is taken as e s (no cancellation as s nears 1); for u < 0
+      // as 1 - s (e may be infinite there, and s is 0).
       const T k = T(0.79788456080286535588);
-      T x2 = x * x;
-      T t = fast_tanh(k * (x + T(0.044715) * x2 * x));
-      T dinner = k * (T(1) + T(3) * T(0.044715) * x2);
-      return g * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner);
+      const T x2 = x * x;
+      const T u = k * (x + T(0.044715) * x2 * x);
+      const T e = fast_exp(T(-2) * u);
+      const T s = T(1) / (T(1) + e);
+      const T rest = u < T(0) ? T(1) - s : e * s;
+      const T du = k * (T(1) + T(3) * T(0.044715) * x2);
+      return g * (s + T(2) * x * du * s * rest);
     }
     case UnaryOp::Silu: {
       T s = fast_sigmoid(x);
