@@ -2,7 +2,8 @@
 // calls, allocation included): dtype conversions, GELU in f32, bf16 and f16
 // (GELU-tanh's backward in f32 in cache and out of it; on AVX2 machines its
 // earlier tanh form against the sigmoid form, alternating), layer
-// norm forward and backward, the gradient norm's sum of squares,
+// norm forward and backward, the gradient norm's sum of squares, bias
+// gradients' sums over rows in cache and out of it,
 // cross-entropy over a GPT-2 vocabulary, attention forward and backward;
 // then GPT-2's c_fc and GELU, forward and backward, with the bias fused into
 // GELU's passes (bias_gelu) against the bias in the product and GELU apart,
@@ -141,6 +142,18 @@ int main() {
   std::vector<Tensor> grads;
   for (int i = 0; i < 20; ++i) grads.push_back(randn({160000}, 10 + i));
   row("sum_squares, 20 x 160000", median_ms([&] { ops::sum_squares(grads, Device::cpu()); }, 20));
+  // Bias gradients: sums over the rows of [1024, N], as a step meets them (16
+  // operands in turn, out of cache) and on one operand (in cache).
+  for (int64_t n : {256, 768, 3072}) {
+    std::vector<Tensor> dys;
+    for (int i = 0; i < 16; ++i) dys.push_back(randn({1024, n}, 300 + i));
+    char name[64];
+    std::snprintf(name, sizeof name, "sum over rows [1024, %lld], in cache", static_cast<long long>(n));
+    row(name, median_ms([&] { ops::sum(dys[0], {0}); }, 32));
+    std::snprintf(name, sizeof name, "sum over rows [1024, %lld], out of cache", static_cast<long long>(n));
+    int next = 0;
+    row(name, median_ms([&] { ops::sum(dys[next++ % 16], {0}); }, 32));
+  }
   Tensor logits = randn({1024, 50257}, 7), target = randint({1024}, 0, 50257, 8);
   row("cross_entropy [1024, 50257]", median_ms([&] { ops::cross_entropy(logits, target); }, 5));
   Tensor q = randn({8, 4, 128, 64}, 9), k = randn({8, 4, 128, 64}, 10), v = randn({8, 4, 128, 64}, 11);

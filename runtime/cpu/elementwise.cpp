@@ -519,7 +519,7 @@ void bias_gelu_backward_typed(T* gx, O* gbias, const T* grad, const T* x, const 
       for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<double>(load(d[j]));
     }
   };
-  column_sums<double>(1, rows, n, true, 0.0, true, block, [&](int64_t, int64_t j0, int64_t len, const double* acc) {
+  column_sums<double>(1, rows, n, true, 0.0, block, [&](int64_t, int64_t j0, int64_t len, const double* acc) {
     for (int64_t j = 0; j < len; ++j) gbias[j0 + j] = static_cast<O>(acc[j]);
   });
 }

@@ -73,7 +73,7 @@ void reduce_typed(ReduceOp op, O* out, const T* x, int64_t outer, int64_t n, int
       }
     }
   };
-  column_sums<A>(outer, n, inner, sum, init(), false, rows, [&](int64_t o, int64_t j0, int64_t len, const A* acc) {
+  column_sums<A>(outer, n, inner, sum, init(), rows, [&](int64_t o, int64_t j0, int64_t len, const A* acc) {
     for (int64_t j = 0; j < len; ++j) out[o * inner + j0 + j] = static_cast<O>(acc[j]);
   });
 }

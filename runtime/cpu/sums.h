@@ -93,24 +93,26 @@ A chunked_sum(int64_t n, F&& term) {
 // parts fixed by n, whose partial sums are added in part order. Which columns
 // go together does not change a column's order, so every kernel that sums
 // columns this way gives the same bits, on any number of threads, whatever
-// the width of its pieces: reduce takes kColumnBlock columns at a time; a
-// kernel that also computes what it sums (bias_gelu_backward) takes wide
-// pieces (`wide`), whose rows it reads as long runs.
+// the width of its pieces. The pieces are as wide as keep every thread busy,
+// up to kWideColumns, so each reads its rows as long runs (out of cache,
+// pieces of kColumnBlock columns ran up to 2x slower: benchmarks/README.md,
+// 2026-12-07); bias_gelu_backward sums what it computes in the same pass.
 //   rows(acc, o, k0, k1, j0, len)  adds rows [k0, k1) of columns
 //                                  [j0, j0 + len) of slice o into acc
 //   store(o, j0, len, acc)         takes a finished piece
 inline constexpr int64_t kColumnBlock = 256;
+// The widest piece: its f64 accumulators (8 KiB) and a row of it stay in L1.
+inline constexpr int64_t kWideColumns = 1024;
 
 template <class A, class Rows, class Store>
-void column_sums(int64_t outer, int64_t n, int64_t inner, bool split, A init, bool wide, Rows&& rows,
-                 Store&& store) {
+void column_sums(int64_t outer, int64_t n, int64_t inner, bool split, A init, Rows&& rows, Store&& store) {
   const int64_t blocks = (inner + kColumnBlock - 1) / kColumnBlock;
   const int64_t parts = split && outer * blocks < 16 ? std::clamp<int64_t>(n / 256, 1, 16) : 1;
   const int64_t per_part = (n + parts - 1) / parts;
-  // Wide pieces: as few as keep every thread busy (two pieces each).
+  // As few pieces as keep every thread busy (two pieces each).
   const int64_t wanted = std::max<int64_t>(1, (2 * tessera::detail::omp_threads_for(outer * blocks * parts, 1) + parts - 1) / parts);
-  const int64_t width = wide ? (inner + std::min(wanted, blocks) - 1) / std::max<int64_t>(std::min(wanted, blocks), 1)
-                             : kColumnBlock;
+  const int64_t ways = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(blocks, 1));
+  const int64_t width = std::min(kWideColumns, (inner + ways - 1) / ways);
   const int64_t pieces = width > 0 ? (inner + width - 1) / width : 0;
   // Plain arrays, not vectors: a vector's constructor compiled here would be
   // an instruction-set copy outside this namespace (tests/isa_copies).

@@ -44,6 +44,10 @@ Results split_results() {
   add("mean", ops::mean(x));
   add("sum f64", ops::sum(ops::to(x, DType::F64), {1}));
   add("sum over rows", ops::sum(randn({3001, 300}, 13), {0}));  // a bias gradient
+  // Six column blocks cut into pieces as wide as the threads ask (1300
+  // columns on 1 thread, 650 on 3), and a middle dim between two others.
+  add("sum over rows, wide", ops::sum(randn({1100, 1300}, 14), {0}));
+  add("sum over the middle dim", ops::sum(randn({3, 700, 513}, 15), {1}));
   add("sum_squares", ops::sum_squares({x, g, randn({13, 17}, 5)}, Device::cpu()));
   Tensor h = randn({300, 37}, 6), dh = randn({300, 37}, 7), w = randn({37}, 8), b = randn({37}, 9);
   ops::NormResult ln = ops::layer_norm(h, w, b, 1e-5);
