@@ -370,7 +370,7 @@ std::vector<ConfigKey> config_keys(TrainConfig& c) {
                  "trace folder (inside job.dump_folder)"),
       int_key("sample.max_new_tokens", c.sample.max_new_tokens,
               "tokens generated after training (0 = none)"),
-      float_key("sample.temperature", c.sample.temperature, "sampling temperature (0 = greedy)"),
+      float_key("sample.temperature", c.sample.temperature, "sampling temperature, 0 to 100 (0 = greedy)"),
       int_key("sample.top_k", c.sample.top_k, "sample from the k most likely tokens (0 = all)"),
       string_key("sample.prompt", c.sample.prompt, "prompt for the sample"),
       int_key("sample.interval", c.sample.interval, "also sample every this many steps while training (0 = at the end only)"),
