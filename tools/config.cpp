@@ -115,7 +115,7 @@ ConfigKey string_key(const std::string& name, std::string& v, const std::string&
             TS_CHECK(bad == std::string::npos,
                      "config key '{}' must be UTF-8 text (config.toml holds only UTF-8), but byte {} "
                      "(0x{:02X}) starts no valid UTF-8 character",
-                     name, bad, bad == std::string::npos ? 0u : static_cast<unsigned char>(s[bad]));
+                     name, bad, static_cast<unsigned char>(s[bad]));  // read only on failure
             v = s;
           },
           [&v] { return v; }};
