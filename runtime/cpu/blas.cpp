@@ -540,13 +540,20 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
 // pieces on those of 2^28 multiply-adds (1024 x 256 x 1024 and 1024 x 1024
 // x 256) in two runs of three, and about level on the larger ones; below
 // 2^28 it was 0.92-0.98x the pieces at 1 thread (1024 x 256 x
-// 256, 1024 x 256 x 512, 512 x 256 x 256; oneDNN faster still). So there the
-// products with C at least kOwnAvx2MinSide on each side and more than
-// kOwnAvx2MinProduct multiply-adds.
+// 256, 1024 x 256 x 512, 512 x 256 x 256; oneDNN faster still). Measured
+// again in the step (2026-12-07: the default model's products, 2^27.6 and
+// 2^28 multiply-adds, on the own kernel against OpenBLAS's pieces, three
+// runs of 10 alternating rounds of bench_step per thread count), the step
+// ran 1.016, 1.033 and 1.044x as fast at 1 thread (faster in 20 of 30
+// rounds), and 1.041, 1.031 and 0.936x at 2 threads (16 of 30): a gain at
+// one thread (as each rank of a multi-rank run on these 2 cores runs), none
+// to call at two. It packs B once and A once per row block where the pieces
+// pack both for every tile. So there the products with C at least
+// kOwnAvx2MinSide on each side and kOwnAvx2MinProduct multiply-adds or more.
 constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
 constexpr int64_t kOwnWideRatio = 3, kOwnWideMinN = 256, kOwnWideMinK = 1024;
 constexpr int64_t kOwnAvx2MinSide = 256;
-constexpr double kOwnAvx2MinProduct = 268435456.0;  // 2^28 multiply-adds: products of more qualify
+constexpr double kOwnAvx2MinProduct = 134217728.0;  // 2^27 multiply-adds: products of as many or more qualify
 // The own kernel holds B packed whole for the product's length, and a row
 // block of A (about kTile rows) per thread, where the libraries pack a
 // tile's operands at a time: Auto gives it no product whose B and one block
@@ -561,7 +568,7 @@ bool sgemm_on_own_kernel(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   if (path != SgemmPath::Auto) return path == SgemmPath::Own;
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   if ((static_cast<double>(n) + kTile) * static_cast<double>(k) > kOwnMaxPacked) return false;
-  if (active_isa() == Isa::Avx2) return std::min(m, n) >= kOwnAvx2MinSide && flops > 2.0 * kOwnAvx2MinProduct;
+  if (active_isa() == Isa::Avx2) return std::min(m, n) >= kOwnAvx2MinSide && flops >= 2.0 * kOwnAvx2MinProduct;
   const bool large = std::min(m, n) >= kOwnMinSide && m * n >= kOwnMinResults;
   const bool wide = m >= kOwnWideRatio * n && n >= kOwnWideMinN && k >= kOwnWideMinK;  // a projection's 3-4x wider output
   return active_isa() == Isa::Avx512 && trans_a && !trans_b && (large || wide) && flops >= kSerialFlops;

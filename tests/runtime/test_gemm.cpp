@@ -342,15 +342,18 @@ TEST_CASE("f32 products choose their kernel by the shape and the CPU alone", "[g
   // (benchmarks/README.md); the libraries elsewhere, and wherever B packed
   // and a block of 256 rows of A would pass 32 MiB. With AVX2 (no
   // AVX-512): the own kernel for every product with C at least 256 on each
-  // side and more than 2^28 multiply-adds.
+  // side and 2^27 multiply-adds or more.
   const bool avx512_own = cpu::sgemm_own_kernel_here() && cpu::active_isa() == cpu::Isa::Avx512;
   if (cpu::active_isa() == cpu::Isa::Avx2) {
     CHECK(cpu::sgemm_on_own_kernel(false, true, 2048, 1024, 256));
     CHECK(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 1025));
     CHECK(cpu::sgemm_on_own_kernel(true, false, 3072, 768, 1024));
     CHECK(cpu::sgemm_on_own_kernel(true, true, 512, 512, 2048));
-    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 1024, 1024, 256));
-    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 1024));
+    CHECK(cpu::sgemm_on_own_kernel(false, true, 1024, 1024, 256));    // 2^28: the default model's MLP
+    CHECK(cpu::sgemm_on_own_kernel(false, true, 1024, 768, 256));     // its fused QKV, 2^27.6
+    CHECK(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 512));    // 2^27 exactly
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(false, false, 1024, 256, 511));
+    CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 256, 256, 1024));  // its attention projection's weight gradient
     CHECK_FALSE(cpu::sgemm_on_own_kernel(false, true, 4096, 255, 2048));
     CHECK_FALSE(cpu::sgemm_on_own_kernel(true, false, 64, 64, 64));
     CHECK(cpu::sgemm_on_own_kernel(true, false, 50257, 768, 2048));  // a vocabulary's weight gradient: B is 6 MiB
