@@ -547,9 +547,10 @@ void gemm_on_own(const OwnKernel& kernel, bool trans_a, bool trans_b, int64_t m,
 // step ran 1.016, 1.033 and 1.044x as fast at 1 thread (faster in 20 of 30
 // rounds), and 1.041, 1.031, 0.936, 0.994 and 1.018x at 2 threads (26 of
 // 50): a gain at one thread (as each rank of a multi-rank run on these 2
-// cores runs), none to call at two. It packs B once and A once per row block where the pieces
-// pack both for every tile. So there the products with C at least
-// kOwnAvx2MinSide on each side and kOwnAvx2MinProduct multiply-adds or more.
+// cores runs), none to call at two. It packs B once and A once per row
+// block where the pieces pack both for every tile. So there the products
+// with C at least kOwnAvx2MinSide on each side and kOwnAvx2MinProduct
+// multiply-adds or more.
 constexpr int64_t kOwnMinSide = 512, kOwnMinResults = int64_t{1} << 20;
 constexpr int64_t kOwnWideRatio = 3, kOwnWideMinN = 256, kOwnWideMinK = 1024;
 constexpr int64_t kOwnAvx2MinSide = 256;
