@@ -730,7 +730,7 @@ void load_on_this_rank(const CheckpointMetadata& md, const std::string& dir, nn:
     if (name.rfind("optim.", 0) != 0 && md.find(name) == nullptr) missing.push_back(name);
   TS_CHECK(missing.empty() && unexpected.empty(),
            "{}: the checkpoint does not match the model{}: missing keys [{}]; unexpected keys [{}]",
-           md_file, opt ? " and optimizer" : "", nn::key_list(missing), nn::key_list(unexpected));
+           md_file, opt ? " and optimizer" : "", nn::quoted_keys(missing), nn::quoted_keys(unexpected));
   for (auto& [name, t] : dest) {
     const TensorInfo* info = md.find(name);
     if (info == nullptr) continue;  // optimizer moments of a parameter that had not stepped

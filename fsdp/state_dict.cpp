@@ -59,7 +59,7 @@ void load_full_state_dict(nn::Module& model, const nn::StateDict& state, bool fr
           fmt::format("load_full_state_dict: size mismatch for {}", fmt::join(mismatched, "; "));
     else if (strict && (!missing.empty() || !unexpected.empty()))
       error = fmt::format("load_full_state_dict: missing keys [{}]; unexpected keys [{}]",
-                          nn::key_list(missing), nn::key_list(unexpected));
+                          nn::quoted_keys(missing), nn::quoted_keys(unexpected));
   }
   if (from_rank0) error = dist::all_gather_strings(dist::world(), error)[0];
   TS_CHECK(error.empty(), "{}", error);
@@ -215,7 +215,7 @@ void load_safetensors(nn::Module& model, const std::string& path, bool strict) {
       }
       TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
                "{}: the file does not match the model: missing keys [{}]; unexpected keys [{}]", path,
-               nn::key_list(missing), nn::key_list(unexpected));
+               nn::quoted_keys(missing), nn::quoted_keys(unexpected));
       for (auto& [name, dst] : own) {
         const nn::SafetensorsEntry* e = file->find(name);
         if (e == nullptr) continue;

@@ -14,6 +14,13 @@ std::string key_list(const std::vector<std::string>& keys, size_t max) {
                      keys.size() - max);
 }
 
+std::string quoted_keys(const std::vector<std::string>& keys, size_t max) {
+  std::vector<std::string> quoted;
+  quoted.reserve(keys.size());
+  for (const auto& k : keys) quoted.push_back("'" + k + "'");
+  return key_list(quoted, max);
+}
+
 const Tensor* find_in(const StateDict& sd, const std::string& name) {
   for (const auto& [k, v] : sd)
     if (k == name) return &v;
@@ -271,8 +278,8 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     if (lookup(mine, name) == nullptr) unexpected.push_back(name);
   TS_CHECK(mismatched.empty(), "load_state_dict: size mismatch for {}", key_list(mismatched));
   TS_CHECK(!strict || (missing.empty() && unexpected.empty()),
-           "load_state_dict: missing keys [{}]; unexpected keys [{}]", key_list(missing),
-           key_list(unexpected));
+           "load_state_dict: missing keys [{}]; unexpected keys [{}]", quoted_keys(missing),
+           quoted_keys(unexpected));
   for (auto& [name, dst] : own) {
     const Tensor* src = lookup(given, name);
     if (src == nullptr || src->is_same(dst)) continue;

@@ -24,6 +24,9 @@ using StateDict = std::vector<std::pair<std::string, Tensor>>;
 const Tensor* find_in(const StateDict& sd, const std::string& name);
 // "a, b, c" for error messages, the first `max` names then "... (N more)".
 std::string key_list(const std::vector<std::string>& keys, size_t max = 8);
+// The same with each key in quotes ('a', 'b'), as missing and unexpected keys are listed: an empty
+// name reads as '' rather than vanishing.
+std::string quoted_keys(const std::vector<std::string>& keys, size_t max = 8);
 
 class Module;
 using ModulePtr = std::shared_ptr<Module>;

@@ -146,8 +146,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path, uint64_t max_header_by
            path);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];  // little-endian
-  TS_CHECK(header_len <= max_header_bytes, "{}: header of {} bytes exceeds the limit of {}", path,
-           header_len, max_header_bytes);
+  TS_CHECK(header_len <= max_header_bytes,
+           "{}: header of {} bytes exceeds the limit of {} (not a safetensors file? Its first 8 bytes give the "
+           "header's length; a checkpoint is given as its directory, not its metadata.json)",
+           path, header_len, max_header_bytes);
   TS_CHECK(header_len <= size - 8,
            "{}: header of {} bytes runs past the end of the {}-byte file (truncated?)", path,
            header_len, size);

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 
 #include "runtime/check.h"
 #include "runtime/json_scan.h"
@@ -70,11 +71,17 @@ ConfigKey float_key(const std::string& name, double& v, const std::string& help)
           [&v, name](const std::string& s) {
             size_t used = 0;
             double x = 0;
+            bool range = false;  // a number beyond a double's normal range (std::stod's underflow or overflow)
             try {
               x = std::stod(s, &used);
+            } catch (const std::out_of_range&) {
+              range = true;
             } catch (const std::exception&) {
               used = 0;
             }
+            TS_CHECK(!range,
+                     "config key '{}' expects a number of magnitude 0 or between 2.2e-308 and 1.8e308 (a double's "
+                     "normal range), got '{}'", name, s);
             TS_CHECK(used == s.size() && !s.empty(), "config key '{}' expects a number, got '{}'",
                      name, s);
             TS_CHECK(std::isfinite(x), "config key '{}' expects a finite number, got '{}'", name,
@@ -111,6 +118,10 @@ ConfigKey string_key(const std::string& name, std::string& v, const std::string&
               TS_CHECK(false, "config key '{}' has no choice '{}' (valid: {})", name, s,
                        fmt::join(choices, ", "));
             }
+            // A NUL would end the string where the C library reads it (a path cut short).
+            const size_t nul = s.find('\0');
+            TS_CHECK(nul == std::string::npos,
+                     "config key '{}' must not hold a NUL character (U+0000), found at byte {}", name, nul);
             const size_t bad = invalid_utf8_at(s);
             TS_CHECK(bad == std::string::npos,
                      "config key '{}' must be UTF-8 text (config.toml holds only UTF-8), but byte {} "
@@ -388,6 +399,15 @@ std::string toml_text(const toml::node& value) {
   return "";
 }
 }  // namespace
+
+bool toml_reads(const std::string& text) {
+  try {
+    (void)toml::parse(text);
+    return true;
+  } catch (const toml::parse_error&) {
+    return false;
+  }
+}
 
 std::map<std::string, std::string> toml_values(const std::string& text) {
   std::map<std::string, std::string> out;

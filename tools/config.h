@@ -237,6 +237,9 @@ void load_toml(TrainConfig& cfg, const std::string& path);
 // into checkpoints), values as the command line would give them; empty if the
 // text does not parse.
 std::map<std::string, std::string> toml_values(const std::string& text);
+// Whether `text` parses as TOML (toml_values is empty both where it does not
+// and where it holds no settings).
+bool toml_reads(const std::string& text);
 // Parses argv: `--config file.toml`, `--preset name`, `--section.key value` or
 // `--section.key=value`. Presets and config files apply first, in the order
 // given; then every --section.key, wherever it stands (a flag always wins).

@@ -5,6 +5,7 @@
 // product checked for overflow (tools/config.h).
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 #include "cp/context_parallel.h"
@@ -92,6 +93,13 @@ void validate(const TrainConfig& c) {
              "{} is '{}' but training.dataset is '{}': add --training.dataset shards to train on "
              "token shards",
              key, *value, t.dataset);
+  // Validation on the training tokens would report a loss that measures nothing held out.
+  std::error_code ec;
+  TS_CHECK(t.dataset != "shards" || t.train_shard.empty() ||
+               (t.train_shard != t.val_shard && !std::filesystem::equivalent(t.train_shard, t.val_shard, ec)),
+           "training.train_shard '{}' and training.val_shard '{}' are the same file: validation would run on "
+           "training data; give the validation shard tessera-data wrote beside it (NAME_val.bin)",
+           t.train_shard, t.val_shard);
   not_empty("training.data_dir", t.data_dir);
   at_least("training.eval_interval", t.eval_interval, 1, " (steps between validation runs)");
   at_least("training.eval_batches", t.eval_batches, 1);

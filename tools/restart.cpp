@@ -28,6 +28,16 @@ int hostfile_slots(const std::string& path) {
     std::istringstream words(line);
     std::string host, word;
     if (!(words >> host)) continue;  // blank or comment
+    // A host name as DNS allows (RFC 1123: at most 253 characters; letters,
+    // digits, '-' and '.'), an IPv4 or IPv6 address, or user@host. Open MPI's
+    // mpirun overran a buffer on a 300-character name (stack smashing) and
+    // crashed on longer ones.
+    constexpr const char* kHostCharacters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._:@[]";
+    const bool name_ok = host.size() <= 253 && host.find_first_not_of(kHostCharacters) == std::string::npos;
+    TS_CHECK(name_ok,
+             "hostfile {} line {}: '{}' is not a host name (at most 253 characters: letters, digits, '-', '.', an "
+             "IPv4 or IPv6 address, or user@host)", path, number,
+             host.size() > 80 ? host.substr(0, 80) + fmt::format("... ({} characters)", host.size()) : host);
     int64_t slots = 1;
     while (words >> word) {
       if (word.rfind("slots=", 0) != 0) continue;  // max_slots=, and other options mpirun reads

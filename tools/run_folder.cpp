@@ -4,9 +4,17 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <fstream>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -78,7 +86,14 @@ void refuse_other_runs_checkpoints(const TrainConfig& c) {
   if (c.checkpoint.resume && !existing.empty()) {
     const json extra = json::parse(fsdp::read_metadata(existing).extra_json, nullptr, false);
     const json recorded = extra.is_object() ? extra.value("tokenizer", json()) : json();
-    if (recorded.is_object() && recorded.contains("fingerprint") && recorded["fingerprint"].is_string()) {
+    // A record that is there but does not read would skip the check: refused, as tessera-generate refuses it.
+    TS_CHECK(recorded.is_null() ||
+                 (recorded.is_object() && recorded.contains("fingerprint") && recorded["fingerprint"].is_string() &&
+                  recorded.contains("vocab_size") && recorded["vocab_size"].is_number_unsigned()),
+             "{}: the checkpoint's tokenizer record {} is malformed (expected an object with vocab_size, a count, "
+             "and fingerprint, a string), so this run's tokenizer cannot be checked against it",
+             existing, recorded.dump().substr(0, 200));
+    if (recorded.is_object()) {
       const std::string theirs = recorded["fingerprint"].get<std::string>();
       const std::string mine = c.training.tokenizer.empty() ? "" : io::file_fingerprint(c.training.tokenizer);
       TS_CHECK(mine == theirs,
@@ -100,6 +115,33 @@ void refuse_other_runs_checkpoints(const TrainConfig& c) {
            folder, fs::path(existing).filename().string(), tokenizer.string(), c.training.tokenizer);
 }
 
+void lock_run_folder(const TrainConfig& c) {
+  int64_t holder = 0;  // the pid of a launch that holds the folder (rank 0's view), or -1 where it is unknown
+  if (dist::rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(c.job.dump_folder, ec);
+    const std::string path = (fs::path(c.job.dump_folder) / ".tessera-train.lock").string();
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    TS_CHECK(fd >= 0, "cannot open {} to claim the run's folder: {}", path, std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char text[32] = {};
+      const ssize_t n = ::pread(fd, text, sizeof(text) - 1, 0);
+      holder = n > 0 ? std::strtoll(text, nullptr, 10) : -1;
+      if (holder == 0) holder = -1;
+      ::close(fd);
+    } else {  // held until this process ends (the descriptor stays open)
+      const std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+        // the pid is for the message only
+      }
+    }
+  }
+  holder = rank0s(holder);
+  TS_CHECK(holder == 0, "{} is in use by another tessera-train launch{}: two runs in one folder overwrite each "
+           "other's checkpoints and records; wait for it to end, or choose another --job.dump_folder",
+           c.job.dump_folder, holder > 0 ? fmt::format(" (pid {})", holder) : "");
+}
+
 void keep_earlier_records(const TrainConfig& c) {
   const fs::path folder = c.job.dump_folder;
   const int64_t k =
@@ -114,6 +156,48 @@ void keep_earlier_records(const TrainConfig& c) {
   std::printf("the earlier run's records in %s (status, metrics, config, plot, traces, tokenizer) moved to %s\n",
               folder.c_str(), to.c_str());
 }
+
+namespace {
+
+// An output file (`key`, at `path`, resolved `pi`) may not be what the run
+// reads (its text, tokenizer or token shards, by name or as the same file
+// through a link), a file of the data cache, a file inside a checkpoint (a
+// folder holding a metadata.json: this run's, another's, any step's), or
+// another run's records (a folder holding a status.json that is not this
+// run's): writing it would destroy data a run needs, silently.
+void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::path& path, const fs::path& pi) {
+  std::error_code ec;
+  const bool exists = fs::exists(path, ec);
+  for (auto [name, input] : {std::pair{"training.text", c.training.text},
+                             std::pair{"training.tokenizer", c.training.tokenizer},
+                             std::pair{"training.train_shard", c.training.train_shard},
+                             std::pair{"training.val_shard", c.training.val_shard}}) {
+    if (input.empty()) continue;
+    const fs::path in = fs::weakly_canonical(input, ec);
+    const bool same = (!ec && in == pi) || (exists && fs::exists(input, ec) && fs::equivalent(input, path, ec));
+    TS_CHECK(!same, "{} '{}' is {} '{}', which the run reads: name another file", key, path.string(), name, input);
+  }
+  if (!c.training.data_dir.empty()) {
+    const fs::path cache = fs::weakly_canonical(c.training.data_dir, ec);
+    const fs::path folder = fs::weakly_canonical(c.job.dump_folder, ec);
+    TS_CHECK(!path_inside(pi, cache) || path_inside(folder, cache),
+             "{} '{}' lies in training.data_dir {} (the token shards runs read): name a file outside it", key,
+             path.string(), c.training.data_dir);
+  }
+  for (fs::path dir = pi.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    TS_CHECK(!fs::is_regular_file(dir / "metadata.json", ec),
+             "{} '{}' lies in the checkpoint {} (it holds a metadata.json): name a file outside every checkpoint",
+             key, path.string(), dir.string());
+    if (dir == dir.root_path()) break;
+  }
+  const fs::path parent = pi.parent_path();
+  TS_CHECK(!fs::is_regular_file(parent / "status.json", ec) ||
+               fs::weakly_canonical(c.job.dump_folder, ec) == parent,
+           "{} '{}' lies in {}, another run's folder (it holds that run's status.json): name a file in this "
+           "run's folder {} or outside any run's", key, path.string(), parent.string(), c.job.dump_folder);
+}
+
+}  // namespace
 
 void check_output_paths(const TrainConfig& c) {
   const fs::path folder = c.job.dump_folder;
@@ -146,21 +230,69 @@ void check_output_paths(const TrainConfig& c) {
     TS_CHECK(!fs::exists(st) || fs::is_regular_file(st),
              "{} '{}' exists and is not a regular file (a directory, a pipe or a device): name a file", files[i].first,
              files[i].second.string());
+    check_not_an_input(c, files[i].first, files[i].second, pi);
   }
 }
 
-json refused_status(const TrainConfig& c, const std::string& error) {
-  json status = {{"status", "failed"}, {"exit_code", 2}, {"error", error}};
+namespace {
+
+// The run's status.json as it reads now (null where it is absent, too large or not an object).
+json status_now(const TrainConfig& c) {
   const fs::path path = fs::path(c.job.dump_folder) / "status.json";
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec) || fs::file_size(path, ec) > (1 << 20)) return status;
+  if (!fs::is_regular_file(path, ec) || fs::file_size(path, ec) > (1 << 20)) return json();
   std::ifstream in(path);
   json before = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return before.is_object() ? before : json();
+}
+
+// A failed launch's status over `before`: the status it replaces kept under
+// "previous" (a refusal's own "previous" where `before` was a refusal: a
+// launch refused with exit 2, or one that failed before it trained and kept
+// the run's status so).
+json failed_over(json status, const json& before) {
   if (!before.is_object()) return status;
-  const bool refusal = before.value("exit_code", json()) == json(2) && before.value("status", "") == "failed";
+  const bool refusal = before.value("status", "") == "failed" &&
+                       (before.value("exit_code", json()) == json(2) || before.contains("previous"));
   if (!refusal) status["previous"] = before;
   else if (before.contains("previous")) status["previous"] = before["previous"];
   return status;
+}
+
+}  // namespace
+
+json refused_status(const TrainConfig& c, const std::string& error) {
+  return failed_over({{"status", "failed"}, {"exit_code", 2}, {"error", error}}, status_now(c));
+}
+
+RecordsBefore::RecordsBefore(const TrainConfig& c) : c_(c) {
+  if (dist::rank() != 0) return;
+  status_ = status_now(c);
+  std::error_code ec;
+  const fs::path config = fs::path(c.job.dump_folder) / "config.toml";
+  if (fs::is_regular_file(config, ec) && fs::file_size(config, ec) <= (1 << 20)) {
+    std::ifstream in(config, std::ios::binary);
+    config_text_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    had_config_ = true;
+  }
+  if (!c.metrics.jsonl.empty()) {
+    metrics_ = out_path(c, c.metrics.jsonl);
+    had_metrics_ = fs::is_regular_file(metrics_, ec);
+    if (had_metrics_) metrics_bytes_ = fs::file_size(metrics_, ec);
+  }
+}
+
+void RecordsBefore::restore(const std::string& error) const {
+  if (dist::rank() != 0) return;
+  std::error_code ec;
+  const fs::path config = fs::path(c_.job.dump_folder) / "config.toml";
+  if (had_config_) std::ofstream(config, std::ios::binary | std::ios::trunc) << config_text_;
+  else fs::remove(config, ec);
+  if (!metrics_.empty()) {
+    if (had_metrics_) fs::resize_file(metrics_, metrics_bytes_, ec);
+    else fs::remove(metrics_, ec);
+  }
+  write_status(c_, failed_over({{"status", "failed"}, {"exit_code", 1}, {"error", error}}, status_));
 }
 
 }  // namespace tessera::tools

@@ -43,6 +43,26 @@ int64_t first_free(const std::filesystem::path& folder, const std::string& prefi
 // would shadow or prune the other), nor replace the tokenizer.json they are
 // read with; a resume continues on the tokenizer its checkpoint records.
 // Refused before anything is written to the folder, which then stays as it was.
+// A resumed launch's picture of the run's records (status, config.toml, the
+// metrics' length) before it writes any, on rank 0. Should the launch fail
+// before it has trained a step (a checkpoint that does not load, settings it
+// refuses, a model that does not match), restore() puts them back: the
+// status says this launch failed and keeps the one it replaced under
+// "previous", and config.toml and the metrics are the finished run's again.
+class RecordsBefore {
+ public:
+  explicit RecordsBefore(const TrainConfig& c);
+  void restore(const std::string& error) const;
+
+ private:
+  TrainConfig c_;
+  std::string metrics_;               // the metrics file's path ("" without one)
+  bool had_config_ = false, had_metrics_ = false;
+  std::string config_text_;
+  uintmax_t metrics_bytes_ = 0;
+  nlohmann::json status_;             // null where there was none (or it did not read)
+};
+
 void refuse_other_runs_checkpoints(const TrainConfig& c);
 // The files a run writes may not be one another, the records every run
 // keeps beside them (config.toml, status.json, tokenizer.json) or lie in its
@@ -53,6 +73,11 @@ void check_output_paths(const TrainConfig& c);
 // A new run (not a resume) into a folder that holds an earlier run's records
 // moves them into <folder>/earlier/<k>/ first, so that nothing of it is lost.
 // Rank 0 decides and moves; every rank calls it (a collective).
+// Claims the run's folder for this launch (an flock on its
+// .tessera-train.lock, held until the process ends; rank 0's, agreed by every
+// rank), creating the folder: a second launch into it is refused while the
+// first runs, instead of both writing one folder's checkpoints and records.
+void lock_run_folder(const TrainConfig& c);
 void keep_earlier_records(const TrainConfig& c);
 
 }  // namespace tessera::tools

@@ -83,7 +83,18 @@ int prepare(const std::vector<std::string>& args) {
     }
   }
   TS_CHECK(!files.empty(), "prepare needs at least one text file");
+  // A file given twice would put its text in both splits: validation on training data.
+  for (size_t i = 0; i < files.size(); ++i)
+    for (size_t j = 0; j < i; ++j) {
+      std::error_code ec;
+      TS_CHECK(files[i] != files[j] && !fs::equivalent(files[i], files[j], ec),
+               "'{}' and '{}' are the same file: each text is read once (given twice, its text would be in "
+               "both the training and the validation split)", files[j], files[i]);
+    }
   if (name.empty()) name = fs::path(files[0]).stem().string();
+  TS_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+           "--name '{}' must be a plain file name (no '/', not '.' or '..'): the shards are written as "
+           "{}/NAME_train.bin and NAME_val.bin", name, out);
   std::optional<io::BpeTokenizer> tokenizer;
   if (!tokenizer_path.empty()) tokenizer = io::BpeTokenizer::load(tokenizer_path);
   auto [train, val] =

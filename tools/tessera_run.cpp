@@ -207,7 +207,10 @@ int run(int argc, char** argv) {
            max_restarts);
   const bool no_launcher = words(o.launcher).empty() || words(o.launcher)[0] == "none";
   TS_CHECK(!no_launcher || (o.np <= 1 && o.hostfile.empty()),
-           "--launcher none runs one process: --np {} and --hostfile need a launcher (mpirun, srun)", o.np);
+           "--launcher none runs one process: {} needs a launcher (mpirun, srun)",
+           o.hostfile.empty() ? fmt::format("--np {}", o.np)
+                              : o.np > 1 ? fmt::format("--np {} with --hostfile {}", o.np, o.hostfile)
+                                         : fmt::format("--hostfile {}", o.hostfile));
   TS_CHECK(o.hostfile.empty() || words(o.launcher)[0].find("srun") == std::string::npos,
            "--hostfile is mpirun's: under srun the allocation says where the ranks run");
   if (o.program.empty()) {

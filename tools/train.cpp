@@ -104,6 +104,8 @@ std::function<void(int64_t)> fault_hook() {
 // The steps this process has completed, for the status a failing rank writes
 // (-1 before training starts).
 std::atomic<int64_t> g_steps_done{-1};
+// Whether the launch has restored its checkpoint (or started afresh) and trains on.
+std::atomic<bool> g_resumed{false};
 
 // SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption notice) ask for a
 // clean stop once training runs: the ranks agree at the end of the step, save
@@ -416,6 +418,7 @@ int Trainer::run() {
   report_setup();
   trace_steps_ = tools::trace_steps(cfg_);
   int64_t start = restore_or_start();
+  g_resumed = true;  // the run continues: its records are this launch's from here on
   g_steps_done = start;
   if (cfg_.checkpoint.enable && cfg_.checkpoint.async_mode == "async") prepare_async_checkpoints();
   if (cfg_.job.max_restarts > 0 && std::getenv("TESSERA_RESTART_COUNT") == nullptr)
@@ -579,6 +582,7 @@ using namespace tessera::tools;
 int main(int argc, char** argv) {
   tools::TrainConfig cfg;
   bool args_read = false, parsed = false, eval_only_launch = false, folder_taken = false;
+  std::optional<tools::RecordsBefore> records_before;
   watch_stop_signals();  // before any other thread starts
   try {
     dist::init(argc, argv);
@@ -648,9 +652,12 @@ int main(int argc, char** argv) {
       check_output_paths(cfg);
       folder_taken = true;
       refuse_other_runs_checkpoints(cfg);
+      lock_run_folder(cfg);
       folder_taken = false;
       keep_earlier_records(cfg);
     }
+    // A resume that fails before it trains leaves the run's records as they were.
+    if (!eval_only && cfg.checkpoint.resume) records_before.emplace(cfg);
     parsed = true;
     g_training = true;
     Trainer trainer(cfg);
@@ -681,7 +688,8 @@ int main(int argc, char** argv) {
     // Any rank that fails says so in the status file (rank 0 may be the one aborted).
     json failed = {{"status", "failed"}, {"exit_code", 1}, {"rank", dist::rank()}, {"error", e.what()}};
     if (g_steps_done >= 0) failed["step"] = g_steps_done.load();
-    write_status(cfg, failed);
+    if (records_before && !g_resumed) records_before->restore(e.what());
+    else write_status(cfg, failed);
     if (dist::world_size() > 1) dist::abort("tessera-train: " + msg, 1);  // ends every rank
     std::fprintf(stderr, "tessera-train: %s\n", msg.c_str());
     return 1;

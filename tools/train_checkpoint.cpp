@@ -197,12 +197,23 @@ void Trainer::wait_checkpoint() {
 void Trainer::check_resume_config(const std::string& dir, const json& extra, int64_t step) {
   const std::string saved_text = extra.value("config", std::string());
   auto saved = tools::toml_values(saved_text);
-  // A saved configuration that does not read would skip every check below.
+  // A saved configuration that is missing or does not read would skip every
+  // check below. Only tessera-ckpt's checkpoints (extra.source: imported
+  // weights, no run behind them) hold none.
+  const bool imported = extra.contains("source");
+  TS_CHECK(imported || !saved_text.empty(),
+           "{}: the checkpoint holds no saved configuration (its metadata's extra.config is {}), so this run's "
+           "settings cannot be checked against the saved run's; start from its weights with "
+           "--checkpoint.initial_load_path {} instead (a fresh optimizer and data order)",
+           dir, extra.contains("config") ? "empty" : "absent", dir);
   TS_CHECK(saved_text.empty() || !saved.empty(),
-           "{}: the configuration saved with the checkpoint does not read as TOML (written before control "
-           "characters in strings were escaped?), so this run's settings cannot be checked against it; start "
-           "from its weights with --checkpoint.initial_load_path {} instead (a fresh optimizer and data order)",
-           dir, dir);
+           "{}: the configuration saved with the checkpoint {}, so this run's settings cannot be checked against "
+           "it; start from its weights with --checkpoint.initial_load_path {} instead (a fresh optimizer and data "
+           "order)",
+           dir, tools::toml_reads(saved_text) ? "holds no settings"
+                                              : "does not read as TOML (written before control characters in "
+                                                "strings were escaped?)",
+           dir);
   if (saved.empty() && extra.contains("data") && extra["data"].contains("seed"))
     saved["job.seed"] = std::to_string(extra["data"]["seed"].get<int64_t>());
   auto allowed = [&](const std::string& key) {

@@ -193,7 +193,7 @@ TEST_CASE("load_full_state_dict keeps only each rank's shard; errors on every ra
     nn::StateDict missing(full.begin() + 1, full.end());
     if (from_rank0 && dist::rank() != 0) missing.clear();
     REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, missing, from_rank0),
-                        Contains("missing keys [transformer.wte.weight]"));
+                        Contains("missing keys ['transformer.wte.weight']"));
     nn::StateDict wrong = given;
     if (!wrong.empty()) wrong[2].second = zeros({3, 3});
     REQUIRE_THROWS_WITH(fsdp::load_full_state_dict(*model, wrong, from_rank0),
@@ -485,12 +485,12 @@ TEST_CASE("corrupt or mismatched checkpoints fail on every rank naming file and 
   }
   SECTION("a model with more layers: missing keys") {
     auto bigger = sharded_gpt(small_gpt(3), 0);
-    REQUIRE_THROWS_WITH(load(good, *bigger), Contains("missing keys [transformer.h.2.ln_1.weight"));
+    REQUIRE_THROWS_WITH(load(good, *bigger), Contains("missing keys ['transformer.h.2.ln_1.weight"));
   }
   SECTION("a model with fewer layers: unexpected keys") {
     auto smaller = sharded_gpt(small_gpt(1), 0);
     REQUIRE_THROWS_WITH(load(good, *smaller),
-                        Contains("unexpected keys [transformer.h.1.ln_1.weight"));
+                        Contains("unexpected keys ['transformer.h.1.ln_1.weight"));
   }
   SECTION("a wider model: shape mismatch") {
     auto wider = sharded_gpt(small_gpt(2, 16), 0);
@@ -589,8 +589,8 @@ TEST_CASE("safetensors export and import of a sharded model", "[checkpoint][safe
   // A file for another model: named keys on every rank.
   REQUIRE_THROWS_WITH(
       fsdp::load_safetensors(*fresh, lp),
-      Contains("missing keys [transformer.wpe.weight, transformer.h.0.ln_1.weight,") &&
-          Contains("(19 more)") && Contains("unexpected keys [model.embed_tokens.weight"));
+      Contains("missing keys ['transformer.wpe.weight', 'transformer.h.0.ln_1.weight',") &&
+          Contains("(19 more)") && Contains("unexpected keys ['model.embed_tokens.weight"));
 }
 
 namespace {

@@ -201,5 +201,5 @@ TEST_CASE("a pipelined model refuses a checkpoint that holds tensors no stage ha
   const std::string saved_dir = fsdp::save_checkpoint(dir.path, 1, *six, nullptr);
   PipelinedRun run;
   CHECK_THROWS_WITH(fsdp::load_checkpoint(saved_dir, run.model, nullptr),
-                    Catch::Contains("unexpected keys [model.layers.5."));
+                    Catch::Contains("unexpected keys ['model.layers.5."));
 }

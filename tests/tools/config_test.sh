@@ -792,4 +792,110 @@ bad "config key 'job.name' must be UTF-8 text (config.toml holds only UTF-8), bu
   fail "a UTF-8 job.name did not round-trip: $(grep name utf8/config.toml)"
 echo "link loops, pipes, colliding outputs, imports over checkpoints, exports into them, a resume's tokenizer, temperatures, UTF-8"
 
+echo "== the sixth probe: a refused resume, outputs over inputs, two launches, saved settings, shards, hosts"
+# A resume that fails before it trains (a load_step it lacks, a batch it
+# refuses, a model that does not load) leaves the finished run's records:
+# config.toml and the metrics as they were, the status "failed" with the
+# completed one under "previous".
+"$bin/tessera-train" "${base[@]}" --training.steps 4 --checkpoint.enable true --checkpoint.interval 2 \
+  --job.dump_folder done > /dev/null
+cp done/config.toml done.config.toml && cp done/metrics.jsonl done.metrics.jsonl
+for change in "--checkpoint.load_step 2 --optimizer.lr 0.01" "--training.batch_size 4" "--model.n_layer 3"; do
+  rc=0
+  "$bin/tessera-train" "${base[@]}" --training.steps 4 --checkpoint.enable true --job.dump_folder done \
+    --checkpoint.resume true $change > refused.log 2>&1 || rc=$?
+  [[ $rc != 0 ]] || fail "a resume with $change ran: $(tail -3 refused.log)"
+  cmp -s done/config.toml done.config.toml || fail "a refused resume ($change) rewrote config.toml"
+  cmp -s done/metrics.jsonl done.metrics.jsonl || fail "a refused resume ($change) added to metrics.jsonl"
+  "$python" - done/status.json "$change" <<'PY' || fail "status after a refused resume ($change): $(cat done/status.json)"
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["status"] == "failed" and s["previous"]["status"] == "completed", s
+PY
+done
+# Outputs may not be what a run reads, the data cache, a checkpoint's files
+# or another run's records.
+printf 'the cat sat on the mat\n%.0s' {1..200} > book.txt
+cp book.txt book.before
+expect_error "metrics.jsonl '$work/book.txt' is training.text 'book.txt', which the run reads" \
+  "$bin/tessera-train" "${base[@]}" --training.steps 1 --job.dump_folder over --training.dataset text \
+  --training.text book.txt --metrics.jsonl "$work/book.txt"
+cmp -s book.txt book.before || fail "a refused run wrote over its training text"
+ln -sf book.txt book-link.txt
+expect_error "is training.text 'book-link.txt'" "$bin/tessera-train" "${base[@]}" --training.steps 1 \
+  --job.dump_folder over --training.dataset text --training.text book-link.txt --metrics.jsonl "$work/book.txt"
+expect_error "lies in training.data_dir $work/data" "$bin/tessera-train" "${base[@]}" --training.steps 1 \
+  --job.dump_folder over --metrics.jsonl "$work/data/fortunes_val.bin"
+expect_error "lies in the checkpoint $work/done/checkpoint/step-00000002 (it holds a metadata.json)" \
+  "$bin/tessera-train" "${base[@]}" --training.steps 1 --job.dump_folder over \
+  --metrics.jsonl "$work/done/checkpoint/step-00000002/metadata.json"
+expect_error "lies in the checkpoint" "$bin/tessera-train" "${base[@]}" --training.steps 1 --job.dump_folder over \
+  --checkpoint.export_safetensors "$work/done/checkpoint/step-00000004/rank-00000.bin"
+expect_error "lies in $work/done, another run's folder" "$bin/tessera-train" "${base[@]}" --training.steps 1 \
+  --job.dump_folder over --metrics.jsonl "$work/done/metrics.jsonl"
+cmp -s done/metrics.jsonl done.metrics.jsonl || fail "a refused run wrote another run's metrics"
+# Two launches into one folder: the second is refused while the first runs,
+# and writes nothing there.
+"$bin/tessera-train" "${base[@]}" --training.steps 400 --job.dump_folder busy > busy.log 2>&1 &
+first=$!
+for _ in $(seq 1 300); do grep -q '"running"' busy/status.json 2> /dev/null && break; sleep 0.1; done
+rc=0; "$bin/tessera-train" "${base[@]}" --training.steps 2 --job.dump_folder busy --job.seed 9 > second.log 2>&1 || rc=$?
+kill -INT $first 2> /dev/null; wait $first || true
+[[ $rc == 2 ]] && grep -q "busy is in use by another tessera-train launch (pid $first)" second.log ||
+  fail "a second launch into a busy folder: exit $rc: $(cat second.log)"
+grep -q 'seed = 9' busy/config.toml && fail "the refused second launch wrote its config.toml"
+[[ ! -e busy/earlier ]] || fail "the refused second launch moved the first run's records"
+# A checkpoint whose saved settings are missing, empty or hold none cannot be checked: refused.
+for edit in absent empty comment; do
+  rm -rf "cfg-$edit" && cp -r done "cfg-$edit"
+  "$python" - "cfg-$edit/checkpoint/step-00000004/metadata.json" $edit <<'PY'
+import json, sys
+p, edit = sys.argv[1], sys.argv[2]; m = json.load(open(p))
+if edit == "absent": del m["extra"]["config"]
+else: m["extra"]["config"] = "" if edit == "empty" else "# saved settings\n"
+json.dump(m, open(p, "w"))
+PY
+  want="holds no saved configuration (its metadata's extra.config is $edit)"
+  [[ $edit == comment ]] && want="the configuration saved with the checkpoint holds no settings"
+  expect_error "$want" "$bin/tessera-train" "${base[@]}" --training.steps 6 --checkpoint.enable true \
+    --job.dump_folder "cfg-$edit" --checkpoint.resume true --training.batch_size 2
+done
+# Validation on training data: one shard as both, or one text twice in a split.
+"$bin/tessera-data" prepare --out shards --name once book.txt > /dev/null
+ln -sf once_train.bin shards/also_train.bin
+for val in shards/once_train.bin shards/also_train.bin; do
+  bad "training.train_shard 'shards/once_train.bin' and training.val_shard '$val' are the same file" \
+    --training.dataset shards --training.train_shard shards/once_train.bin --training.val_shard $val
+done
+expect_error "'book.txt' and 'book-link.txt' are the same file" \
+  "$bin/tessera-data" prepare --out shards --name twice book.txt book-link.txt
+for name in a/b .. .; do
+  expect_error "must be a plain file name" "$bin/tessera-data" prepare --out shards --name "$name" book.txt
+done
+# A host name no host has (Open MPI's mpirun overran a buffer on one of 300 characters).
+printf '%s slots=1\n' "$(printf 'a%.0s' {1..300})" > long-hosts
+expect_error "long-hosts line 1: 'aaaa" "$bin/tessera-run" --hostfile long-hosts --launcher "${mpi[*]}" -- \
+  "${base[@]}" --training.steps 1
+printf 'node;rm slots=1\n' > odd-hosts
+expect_error "is not a host name" "$bin/tessera-run" --hostfile odd-hosts --launcher "${mpi[*]}" -- "${base[@]}"
+printf 'localhost slots=1\n' > one-host
+expect_error "--launcher none runs one process: --hostfile one-host needs a launcher" \
+  "$bin/tessera-run" --hostfile one-host --launcher none -- "${base[@]}"
+# NUL characters, subnormal numbers, and what the messages name.
+printf '[job]\nname = "a\\u0000b"\n' > nul.toml
+bad "config key 'job.name' must not hold a NUL character (U+0000), found at byte 1" --config nul.toml
+bad "expects a number of magnitude 0 or between 2.2e-308 and 1.8e308" --training.max_norm 1e-320
+expect_error "bytes exceeds the limit of 104857600 (not a safetensors file? Its first 8 bytes give" \
+  "$bin/tessera-generate" --checkpoint done/checkpoint/step-00000004/metadata.json --sample.max_new_tokens 1
+rm -rf tok-rec && cp -r done tok-rec
+"$python" - tok-rec/checkpoint/step-00000004/metadata.json <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1])); m["extra"]["tokenizer"] = {"size": -1, "fingerprint": "zz"}
+json.dump(m, open(sys.argv[1], "w"))
+PY
+expect_error "the checkpoint's tokenizer record {\"fingerprint\":\"zz\",\"size\":-1} is malformed" \
+  "$bin/tessera-train" "${base[@]}" --training.steps 6 --checkpoint.enable true --job.dump_folder tok-rec \
+  --checkpoint.resume true
+echo "refused resumes keep records, outputs over inputs, busy folders, saved settings, shards, hosts, NUL, messages"
+
 echo "config_test: all passed"
