@@ -159,13 +159,22 @@ void keep_earlier_records(const TrainConfig& c) {
 
 namespace {
 
-// An output file (`key`, at `path`, resolved `pi`) may not be what the run
-// reads (its text, tokenizer or token shards, by name or as the same file
-// through a link), a file of the data cache, a file inside a checkpoint (a
-// folder holding a metadata.json: this run's, another's, any step's), or
-// another run's records (a folder holding a status.json that is not this
-// run's): writing it would destroy data a run needs, silently.
-void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::path& path, const fs::path& pi) {
+// A path with its links and dots resolved as far as it exists.
+fs::path resolved(const fs::path& p) {
+  std::error_code ec;
+  fs::path r = fs::weakly_canonical(p, ec);
+  return ec ? fs::absolute(p).lexically_normal() : r;
+}
+
+// An output file (`key`, at `path`, resolved `pi`; `folder`: the run's,
+// resolved) may not be what the run reads (its text, tokenizer or token
+// shards, by name or as the same file through a link), a file of the data
+// cache, a file inside a checkpoint (a folder holding a metadata.json: this
+// run's, another's, any step's), or another run's records (a folder holding
+// a status.json that is not this run's): writing it would destroy data a run
+// needs, silently.
+void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::path& path, const fs::path& pi,
+                        const fs::path& folder) {
   std::error_code ec;
   const bool exists = fs::exists(path, ec);
   for (auto [name, input] : {std::pair{"training.text", c.training.text},
@@ -173,13 +182,11 @@ void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::
                              std::pair{"training.train_shard", c.training.train_shard},
                              std::pair{"training.val_shard", c.training.val_shard}}) {
     if (input.empty()) continue;
-    const fs::path in = fs::weakly_canonical(input, ec);
-    const bool same = (!ec && in == pi) || (exists && fs::exists(input, ec) && fs::equivalent(input, path, ec));
+    const bool same = resolved(input) == pi || (exists && fs::exists(input, ec) && fs::equivalent(input, path, ec));
     TS_CHECK(!same, "{} '{}' is {} '{}', which the run reads: name another file", key, path.string(), name, input);
   }
   if (!c.training.data_dir.empty()) {
-    const fs::path cache = fs::weakly_canonical(c.training.data_dir, ec);
-    const fs::path folder = fs::weakly_canonical(c.job.dump_folder, ec);
+    const fs::path cache = resolved(c.training.data_dir);
     TS_CHECK(!path_inside(pi, cache) || path_inside(folder, cache),
              "{} '{}' lies in training.data_dir {} (the token shards runs read): name a file outside it", key,
              path.string(), c.training.data_dir);
@@ -191,8 +198,7 @@ void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::
     if (dir == dir.root_path()) break;
   }
   const fs::path parent = pi.parent_path();
-  TS_CHECK(!fs::is_regular_file(parent / "status.json", ec) ||
-               fs::weakly_canonical(c.job.dump_folder, ec) == parent,
+  TS_CHECK(!fs::is_regular_file(parent / "status.json", ec) || folder == parent,
            "{} '{}' lies in {}, another run's folder (it holds that run's status.json): name a file in this "
            "run's folder {} or outside any run's", key, path.string(), parent.string(), c.job.dump_folder);
 }
@@ -201,11 +207,6 @@ void check_not_an_input(const TrainConfig& c, const std::string& key, const fs::
 
 void check_output_paths(const TrainConfig& c) {
   const fs::path folder = c.job.dump_folder;
-  auto resolved = [](const fs::path& p) {
-    std::error_code ec;
-    fs::path r = fs::weakly_canonical(p, ec);
-    return ec ? fs::absolute(p).lexically_normal() : r;
-  };
   std::vector<std::pair<std::string, fs::path>> files = {{"the run's config.toml", folder / "config.toml"},
                                                          {"the run's status.json", folder / "status.json"},
                                                          {"the run's tokenizer.json", folder / "tokenizer.json"}};
@@ -215,7 +216,8 @@ void check_output_paths(const TrainConfig& c) {
     if (!path.empty()) files.emplace_back(key, out_path(c, path));
   const fs::path checkpoints = resolved(out_path(c, c.checkpoint.folder));
   // (A checkpoint folder that holds the run's own folder holds its records too, by choice.)
-  const bool apart = !path_inside(resolved(folder), checkpoints);
+  const fs::path run_folder = resolved(folder);
+  const bool apart = !path_inside(run_folder, checkpoints);
   for (size_t i = 0; i < files.size(); ++i) {
     const fs::path pi = resolved(files[i].second);
     for (size_t j = 0; j < i; ++j)
@@ -230,7 +232,7 @@ void check_output_paths(const TrainConfig& c) {
     TS_CHECK(!fs::exists(st) || fs::is_regular_file(st),
              "{} '{}' exists and is not a regular file (a directory, a pipe or a device): name a file", files[i].first,
              files[i].second.string());
-    check_not_an_input(c, files[i].first, files[i].second, pi);
+    check_not_an_input(c, files[i].first, files[i].second, pi, run_folder);
   }
 }
 
